@@ -1,0 +1,76 @@
+"""Canonical block hashing: the one key every engine's blocks are indexed under.
+
+A block's canonical hash is xxh3-64 over its token ids (packed little-endian uint32), seeded with its
+parent's canonical hash, so it covers every token before it. Extra keys (LoRA adapter, cache salt,
+multimodal ids) are folded into the seed of the block that carries them; the root seed namespaces a
+chain by LoRA adapter. Engine hashes (sha256, cbor, xxhash with random seeds ...) are never joined
+directly: relays re-hash from tokens, routers hash prompts the same way.
+
+The index block size may be smaller than an engine's block size as long as it divides it: an engine
+block then maps to several consecutive canonical blocks, so engines with different block sizes share
+one index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import xxhash
+
+_xxh = xxhash.xxh3_64_intdigest
+ROOT_SEED = 0x6B76_6964_7831  # "kvidx1": the seed of a chain's first block without namespace
+
+
+def namespace_seed(lora_name: str | None) -> int:
+    """The seed a chain starts from: distinct per LoRA adapter (the base model uses ROOT_SEED)."""
+    if not lora_name:
+        return ROOT_SEED
+    return _xxh(b"lora\x00" + lora_name.encode(), seed=ROOT_SEED)
+
+
+def extra_seed(parent: int, extra: object) -> int:
+    """Mix a block's extra keys (cache salt, multimodal ids) into the seed its tokens hash with."""
+    if extra is None:
+        return parent
+    return _xxh(msgspec.msgpack.encode(extra), seed=parent)
+
+
+def pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as packed little-endian uint32: the bytes every canonical hash is computed over."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+def chain(packed: bytes | memoryview, block_size: int, parent: int,
+          extras: Sequence[object] | None = None) -> list[int]:
+    """Canonical hashes of the full blocks of `packed` tokens, chained from `parent`.
+
+    `extras[i]` (optional) are block i's extra keys. A trailing partial block is not hashed.
+    """
+    step = block_size * 4
+    mv = memoryview(packed)
+    n = len(mv) // step
+    out = [0] * n
+    h = parent
+    if extras is None:
+        for i in range(n):
+            h = _xxh(mv[i * step:(i + 1) * step], seed=h)
+            out[i] = h
+    else:
+        for i in range(n):
+            e = extras[i] if i < len(extras) else None
+            seed = h if e is None else extra_seed(h, e)
+            h = _xxh(mv[i * step:(i + 1) * step], seed=seed)
+            out[i] = h
+    return out
+
+
+def prompt_hashes(token_ids: Sequence[int] | np.ndarray | bytes, block_size: int,
+                  lora_name: str | None = None, cache_salt: str | None = None) -> list[int]:
+    """What a router (or the lookup service) computes for a prompt: the canonical hashes of its full
+    blocks. The cache salt is an extra key of the first block only, as in vLLM; later blocks carry it
+    through their parent."""
+    packed = token_ids if isinstance(token_ids, bytes | memoryview) else pack_tokens(token_ids)
+    extras = [[cache_salt]] if cache_salt else None
+    return chain(packed, block_size, namespace_seed(lora_name), extras)

@@ -1,0 +1,209 @@
+"""The relay's mirror of one vLLM engine's cache (one publisher = one replica or DP rank).
+
+It turns the engine's events into canonical index events by vLLM's rules (vllm/v1/core/block_pool.py):
+- blocks are evicted one by one from an LRU free queue, so a cached block can outlive its evicted
+  parent: each block is tracked on its own, and canonical hashes (content-based) make it reachable
+  again when the parent returns;
+- a BlockStored's parent is an engine hash: the mirror memoizes engine hash -> canonical hashes so
+  it can chain the next blocks and match later removals (engine hashes are content hashes, so the
+  memo stays valid after eviction);
+- hybrid models can hold two physical copies of one hash in a group: copies are counted and a block
+  is retracted only when its last copy goes. In single-group models the engine never recomputes a
+  cached block, so a store of a live hash is a re-announcement (kv_cache_report_mode "full"), not a
+  copy, and does not count;
+- AllBlocksCleared drops everything the replica held.
+The mirror is pure: no I/O, no clocks. It is fed decoded engine batches and returns schema events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvidx.core.hashing import chain, namespace_seed, pack_tokens
+from relays.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, fold_engine_hash
+from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
+
+
+class MirrorError(ValueError):
+    """An engine event that cannot be applied (its reason names a dead-letter counter)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def normalize_tier(medium: str | None) -> str:
+    m = (medium or "GPU").upper()
+    if m in ("CPU", "CPU_PINNED", "HOST", "CPU_TIER"):
+        return "CPU"
+    if m in ("DISK", "LOCAL_DISK", "SSD"):
+        return "DISK"
+    return m
+
+
+class VllmMirror:
+    def __init__(self, index_block_size: int, memo_limit: int = 1 << 21):
+        self.index_block_size = index_block_size
+        self.memo_limit = memo_limit
+        # engine hash -> (canonical hashes of its index sub-blocks, depth of the first one)
+        self.memo: dict[EngineHash, tuple[tuple[int, ...], int]] = {}
+        # (engine hash, tier, group) -> [physical copies, canonical hashes it was stored under]
+        self.live: dict[tuple[EngineHash, str, int], list] = {}
+        # (canonical hash, tier, group) -> live engine blocks covering it: with an index block size
+        # below the engine's, two engine blocks can share their first index blocks
+        self.refs: dict[tuple[int, str, int], int] = {}
+        self.group_kinds: dict[int, tuple[str, int | None]] = {}
+        self.block_size = 0  # the engine's (largest) block size seen
+        self.stats = {"stored": 0, "removed": 0, "restored_live": 0, "extra_copies": 0,
+                      "remove_unknown": 0, "orphan_blocks": 0, "cleared": 0}
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.group_kinds) > 1
+
+    def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared]) -> list[Event]:
+        out: list[Event] = []
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self._stored(ev, out)
+            elif isinstance(ev, BlockRemoved):
+                self._removed(ev, out)
+            else:
+                self.clear()
+                self.stats["cleared"] += 1
+                out.append(ReplicaCleared("engine_cache_reset"))
+        return out
+
+    def _stored(self, ev: BlockStored, out: list[Event]) -> None:
+        nb = len(ev.block_hashes)
+        if nb == 0:
+            return
+        ibs, ebs = self.index_block_size, ev.block_size
+        if ebs <= 0 or ebs % ibs:
+            raise MirrorError("block_size_mismatch",
+                              f"engine block size {ebs} is not a multiple of the index block size {ibs}")
+        k = ebs // ibs
+        n_token_blocks = len(ev.token_ids) // ebs
+        if n_token_blocks < nb:
+            raise MirrorError("short_token_ids",
+                              f"{len(ev.token_ids)} token ids for {nb} blocks of {ebs}")
+        group = ev.group_idx or 0
+        kind = ev.kv_cache_spec_kind or "full_attention"
+        self.group_kinds.setdefault(group, (kind, ev.kv_cache_spec_sliding_window))
+        self.block_size = max(self.block_size, ebs)
+        tier = normalize_tier(ev.medium)
+
+        if ev.parent_block_hash is None:
+            parent, depth0 = namespace_seed(ev.lora_name), 0
+        else:
+            known = self.memo.get(ev.parent_block_hash)
+            if known is None:  # a parent we never saw (joined mid-stream): the chain can't be placed
+                self.stats["orphan_blocks"] += nb
+                return
+            parent, depth0 = known[0][-1], known[1] + len(known[0])
+
+        # Sliding-window groups may skip blocks that left the window: token_ids then start earlier
+        # than the listed hashes, which are the last nb blocks.
+        skip = n_token_blocks - nb
+        extras = _index_block_extras(ev.extra_keys, ev.lora_name, skip, nb, k)
+        canon = chain(pack_tokens(ev.token_ids[: n_token_blocks * ebs]), ibs, parent, extras)
+
+        hybrid = self.hybrid
+        refs = self.refs
+        new_pos: list[int] = []  # positions in `canon` of index blocks that became cached here
+        engine_new: list[int] = []
+        for j, eh in enumerate(ev.block_hashes):
+            first = (skip + j) * k
+            sub = tuple(canon[first:first + k])
+            self._remember(eh, sub, depth0 + first)
+            key = (eh, tier, group)
+            entry = self.live.get(key)
+            if entry is not None:
+                if hybrid:
+                    entry[0] += 1
+                    self.stats["extra_copies"] += 1
+                else:
+                    self.stats["restored_live"] += 1
+                continue
+            self.live[key] = [1, sub]
+            self.stats["stored"] += 1
+            engine_new.append(fold_engine_hash(eh))
+            for i, c in enumerate(sub):
+                rkey = (c, tier, group)
+                r = refs.get(rkey, 0)
+                refs[rkey] = r + 1
+                if not r:
+                    new_pos.append(first + i)
+        # one BlocksStored per contiguous run of newly cached index blocks
+        start = 0
+        for i in range(1, len(new_pos) + 1):
+            if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
+                p0 = new_pos[start]
+                run_parent = canon[p0 - 1] if p0 else (None if depth0 == 0 else parent)
+                out.append(BlocksStored(tier, group, canon[p0:new_pos[i - 1] + 1], run_parent,
+                                        depth0 + p0, engine_new if start == 0 else [], kind,
+                                        ev.kv_cache_spec_sliding_window))
+                start = i
+
+    def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:
+        tier = normalize_tier(ev.medium)
+        group = ev.group_idx or 0
+        hashes: list[int] = []
+        engine: list[int] = []
+        for eh in ev.block_hashes:
+            key = (eh, tier, group)
+            entry = self.live.get(key)
+            if entry is None:
+                self.stats["remove_unknown"] += 1
+                continue
+            if entry[0] > 1:
+                entry[0] -= 1
+                continue
+            del self.live[key]
+            self.stats["removed"] += 1
+            engine.append(fold_engine_hash(eh))
+            for c in entry[1]:
+                rkey = (c, tier, group)
+                r = self.refs[rkey] - 1
+                if r:
+                    self.refs[rkey] = r
+                else:
+                    del self.refs[rkey]
+                    hashes.append(c)
+        if hashes:
+            out.append(BlocksRemoved(tier, group, hashes, engine))
+
+    def _remember(self, eh: EngineHash, sub: tuple[int, ...], depth: int) -> None:
+        memo = self.memo
+        if eh not in memo and len(memo) >= self.memo_limit:
+            # drop the oldest entries that no live copy needs
+            tier_groups = {(t, g) for (_, t, g) in self.live}
+            for old in list(memo)[: self.memo_limit // 8]:
+                if not any((old, t, g) in self.live for t, g in tier_groups):
+                    del memo[old]
+        memo[eh] = (sub, depth)
+
+    def clear(self) -> None:
+        self.live.clear()
+        self.refs.clear()
+
+    def live_blocks(self) -> int:
+        return len(self.live)
+
+
+def _index_block_extras(extra_keys: list | None, lora_name: str | None, skip: int, nb: int,
+                        k: int) -> list[object] | None:
+    """Per index block extra keys: an engine block's keys (minus the LoRA name, which namespaces the
+    whole chain) go to its first index sub-block."""
+    if not extra_keys:
+        return None
+    out: list[object] = [None] * ((skip + nb) * k)
+    any_key = False
+    for j, keys in enumerate(extra_keys[:nb]):
+        if not keys:
+            continue
+        kept = [x for x in keys if x != lora_name]
+        if kept:
+            out[(skip + j) * k] = kept
+            any_key = True
+    return out if any_key else None

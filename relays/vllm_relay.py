@@ -1,0 +1,123 @@
+"""The vLLM relay's logic, free of sockets and brokers: frames in, versioned event batches out.
+
+Per publisher (one engine replica or one DP rank): decode the payload, check the sequence number,
+update the mirror, and wrap the canonical events in an `EventBatch`. Sequence handling:
+- a frame whose seq was already seen (the replay endpoint repeats published batches) is dropped;
+- a jump ahead is a gap: the caller asks the engine's replay endpoint for the missing batches and
+  feeds them in; if they cannot be had, `gap_unfilled` publishes ReplicaCleared (a warm replica seen
+  as cold costs little; a cold one seen as warm costs a slow request);
+- seq 0 after a later seq is an engine restart: new epoch, everything cleared.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvidx.core.mirror import MirrorError, VllmMirror
+from relays.vllm_wire import decode_payload
+from schemas.events import SCHEMA_VERSION, EventBatch, ReplicaCleared
+
+MAX_PAYLOAD = 64 << 20  # a larger frame is not an engine batch
+
+
+@dataclass
+class Frame:
+    """One ZMQ message of the engine's PUB socket (or of its replay endpoint)."""
+    topic: bytes
+    seq: int
+    payload: bytes
+    recv_ns: int
+    endpoint: str = ""
+    src: str = "pub"
+
+
+@dataclass
+class DeadLetter:
+    reason: str
+    detail: str
+    frame: Frame
+
+
+@dataclass
+class RelayOutput:
+    batches: list[EventBatch] = field(default_factory=list)
+    dead: list[DeadLetter] = field(default_factory=list)
+    gap: tuple[int, int] | None = None  # (first missing seq, seq received) when a gap is detected
+
+
+class VllmPublisherRelay:
+    def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
+                 epoch: int | None = None):
+        self.model = model
+        self.replica = replica
+        self.dp_rank = dp_rank
+        self.mirror = VllmMirror(index_block_size)
+        # epochs order a replica's batches across relay restarts: start from the wall clock (ms)
+        self.epoch = epoch if epoch is not None else int(time.time() * 1000)
+        self.next_seq: int | None = None
+        self.counters: dict[str, int] = {"frames": 0, "duplicates": 0, "gaps": 0, "restarts": 0}
+
+    def on_frame(self, frame: Frame, check_gap: bool = True) -> RelayOutput:
+        out = RelayOutput()
+        self.counters["frames"] += 1
+        if self.next_seq is not None:
+            if frame.seq < self.next_seq:
+                if frame.seq == 0 and frame.src == "pub":  # the engine restarted
+                    self.counters["restarts"] += 1
+                    self.epoch += 1
+                    self.mirror.clear()
+                    out.batches.append(self._wrap([ReplicaCleared("engine_restart")], -1, frame, 0.0))
+                else:
+                    self.counters["duplicates"] += 1
+                    return out
+            elif frame.seq > self.next_seq and check_gap:
+                self.counters["gaps"] += 1
+                out.gap = (self.next_seq, frame.seq)
+                return out
+        if len(frame.payload) > MAX_PAYLOAD:
+            self._skip(frame)
+            out.dead.append(DeadLetter("oversized", f"{len(frame.payload)} bytes", frame))
+            return out
+        try:
+            batch = decode_payload(frame.payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._skip(frame)
+            out.dead.append(DeadLetter("malformed_payload", str(e)[:300], frame))
+            return out
+        try:
+            events = self.mirror.apply(batch.events)
+        except MirrorError as e:
+            self._skip(frame)
+            out.dead.append(DeadLetter(e.reason, str(e)[:300], frame))
+            return out
+        self.next_seq = frame.seq + 1
+        rank = batch.data_parallel_rank if batch.data_parallel_rank is not None else (self.dp_rank or 0)
+        out.batches.append(self._wrap(events, frame.seq, frame, batch.ts, rank))
+        return out
+
+    def gap_unfilled(self, frame: Frame) -> RelayOutput:
+        """The replay endpoint could not return the missing batches: forget the replica's state and
+        carry on from `frame`."""
+        self.mirror.clear()
+        self.epoch += 1
+        out = RelayOutput(batches=[self._wrap([ReplicaCleared("gap_unfilled")], -1, frame, 0.0)])
+        self.next_seq = None
+        nxt = self.on_frame(frame)
+        out.batches += nxt.batches
+        out.dead += nxt.dead
+        return out
+
+    def _skip(self, frame: Frame) -> None:
+        # a bad frame still consumes its sequence number: it is dead-lettered, not a gap
+        if self.next_seq is None or frame.seq >= self.next_seq:
+            self.next_seq = frame.seq + 1
+
+    def _wrap(self, events, seq: int, frame: Frame, engine_ts: float, rank: int | None = None) -> EventBatch:
+        return EventBatch(
+            v=SCHEMA_VERSION, model=self.model, replica=self.replica,
+            dp_rank=rank if rank is not None else (self.dp_rank or 0), epoch=self.epoch, seq=seq,
+            engine_ts=engine_ts or frame.recv_ns / 1e9, relay_ts=frame.recv_ns / 1e9,
+            block_size=self.mirror.block_size, events=events)

@@ -1,0 +1,86 @@
+"""Wire schemas of what relays publish (topic `kvidx.events.v1`), encoded with msgpack.
+
+One Kafka message = one `EventBatch` = one engine batch, so per-message costs are paid per batch,
+not per block. Only hashes and counts travel: never token ids or text.
+
+Evolution rule (see README "Schema versions"):
+- Adding a field with a default at the end of a struct keeps the version: old readers ignore it
+  (structs are encoded as arrays, and msgspec drops trailing extra elements), new readers see the
+  default on old messages.
+- Removing a field, changing its type or meaning, or reordering fields is a breaking change: bump
+  SCHEMA_VERSION and publish to a new topic (`kvidx.events.v2`); readers check `v` and dead-letter
+  versions they do not know.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SCHEMA_VERSION = 1
+EVENTS_TOPIC = f"kvidx.events.v{SCHEMA_VERSION}"
+SNAPSHOTS_TOPIC = f"kvidx.shards.v{SCHEMA_VERSION}"  # compacted: latest shard snapshot per model
+DEAD_LETTER_TOPIC = "kvidx.deadletter"
+
+TIERS = ("GPU", "CPU", "DISK", "NODE_SHARED", "POOL")  # fastest first
+TIER_IDS = {t: i for i, t in enumerate(TIERS)}
+
+
+class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
+    """A chain of blocks newly cached (first live copy) in one tier and KV-cache group.
+
+    hashes[i] is the canonical hash of the block at depth `depth + i` (in index blocks), whose
+    parent is hashes[i-1] (or `parent` for i == 0; None at the root)."""
+    tier: str
+    group: int
+    hashes: list[int]
+    parent: int | None
+    depth: int
+    engine_hashes: list[int] = []  # engine block hashes (u64; 32-byte digests folded to their last 8)
+    group_kind: str = "full_attention"
+    sliding_window: int | None = None
+
+
+class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
+    """Blocks whose last copy in this tier and group was evicted."""
+    tier: str
+    group: int
+    hashes: list[int]
+    engine_hashes: list[int] = []
+
+
+class ReplicaCleared(msgspec.Struct, tag="cleared", array_like=True):
+    """Everything this replica (DP rank) held is gone: a cache reset, an engine restart, or a gap
+    the relay could not fill (an unknown state is treated as empty)."""
+    reason: str
+
+
+Event = BlocksStored | BlocksRemoved | ReplicaCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+    v: int
+    model: str
+    replica: str
+    dp_rank: int
+    epoch: int  # bumps when the engine or relay restarts: (epoch, seq) orders a replica's batches
+    seq: int  # the engine's batch sequence number within the epoch
+    engine_ts: float  # the engine's batch timestamp (s since the epoch)
+    relay_ts: float  # when the relay published it
+    block_size: int  # the engine's block size in tokens (resume granularity)
+    events: list[Event]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(EventBatch)
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_batch(data: bytes) -> EventBatch:
+    """Decode and check the version; raises msgspec.ValidationError / DecodeError / ValueError."""
+    batch = _decoder.decode(data)
+    if batch.v != SCHEMA_VERSION:
+        raise ValueError(f"unsupported schema version {batch.v} (this reader knows {SCHEMA_VERSION})")
+    return batch
