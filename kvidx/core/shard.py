@@ -61,6 +61,9 @@ class ModelShard:
         self.by_slot: list[ReplicaState | None] = []
         self.groups: dict[int, GroupIndex] = {}
         self.blocks_applied = 0
+        self.snapshot_id = 0  # the last durable snapshot this shard was written as or rebuilt from
+        self.events_offset = 0  # next offset of the events partition after what is folded in
+        self.events_partition = -1  # the events partition the model's key maps to, once known
 
     # ---- fold -------------------------------------------------------------------------------
     def replica(self, replica: str, dp_rank: int) -> ReplicaState:
@@ -284,6 +287,7 @@ class ModelShard:
             "model": self.model, "block_size": self.block_size,
             "replicas": [st for st in self.by_slot if st is not None],
             "groups": groups, "blocks_applied": self.blocks_applied,
+            "events_offset": self.events_offset,
         })
 
     @classmethod
@@ -291,6 +295,7 @@ class ModelShard:
         raw = msgspec.msgpack.decode(data)
         shard = cls(raw["model"], raw["block_size"])
         shard.blocks_applied = raw["blocks_applied"]
+        shard.events_offset = raw.get("events_offset", 0)
         for r in raw["replicas"]:
             st = msgspec.convert(r, ReplicaState)
             while len(shard.by_slot) <= st.slot:

@@ -1,0 +1,101 @@
+"""Prometheus metrics of one lookup service app, on a registry of its own (several apps can live in one
+process, e.g. in tests, without their metrics clashing in the global registry).
+
+Series:
+- kvidx_lookup_latency_seconds{form}        histogram of the handler time of answered (200) lookups
+- kvidx_lookups_total{form,status}          lookups by HTTP status code
+- kvidx_lookup_prompt_tokens_total{model}   prompt tokens looked up
+- kvidx_lookup_best_resumable_tokens_total{model}  best replica's resumable tokens, summed (hit rate =
+                                            this / prompt tokens)
+- kvidx_index_blocks{model,group}           distinct blocks indexed (read from the shards at scrape)
+- kvidx_replicas{model}                     replicas (replica, DP rank) known per model
+- kvidx_replica_event_age_max_seconds{model}  age of the stalest replica's last applied engine batch
+- kvidx_batches_applied_total               batches the store folded
+- kvidx_ready                               1 once the store was rebuilt
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from index_service.store import ShardStore
+
+FORMS = ("json", "binary")
+# Lookups take ~50 us (short prompt, binary) to a few ms (32k tokens as JSON on a loaded box).
+LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3,
+                   10e-3, 20e-3, 50e-3)
+
+
+class _StoreCollector:
+    """Gauges read from the shards at scrape time (nothing to update on the hot path)."""
+
+    def __init__(self, store: ShardStore):
+        self.store = store
+
+    def collect(self):
+        store = self.store
+        blocks = GaugeMetricFamily("kvidx_index_blocks", "Distinct blocks indexed (any tier)",
+                                   labels=["model", "group"])
+        replicas = GaugeMetricFamily("kvidx_replicas", "Replicas (replica, DP rank) known",
+                                     labels=["model"])
+        age = GaugeMetricFamily("kvidx_replica_event_age_max_seconds",
+                                "Age of the stalest replica's last applied engine batch",
+                                labels=["model"])
+        now = time.time()
+        with store.lock:  # scrapes are rare: a consistent view is worth a short wait
+            for model, shard in sorted(store.shards.items()):
+                for gid, g in sorted(shard.groups.items()):
+                    blocks.add_metric([model, str(gid)], len(g.any))
+                replicas.add_metric([model], len(shard.replicas))
+                ages = [now - st.engine_ts for st in shard.replicas.values() if st.batches]
+                if ages:
+                    age.add_metric([model], max(ages))
+            applied = store.batches_applied
+        yield blocks
+        yield replicas
+        yield age
+        yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
+                                  value=applied)
+        yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))
+
+
+class ServiceMetrics:
+    def __init__(self, store: ShardStore):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.latency = Histogram("kvidx_lookup_latency_seconds",
+                                 "Handler time of answered lookups (body read to response encoded)",
+                                 ["form"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.lookups = Counter("kvidx_lookups", "Lookups by form and HTTP status code",
+                               ["form", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("kvidx_lookup_prompt_tokens", "Prompt tokens looked up",
+                                     ["model"], registry=self.registry)
+        self.best_resumable = Counter("kvidx_lookup_best_resumable_tokens",
+                                      "Resumable tokens of the best replica, summed over lookups",
+                                      ["model"], registry=self.registry)
+        self.registry.register(_StoreCollector(store))
+        self._latency = {f: self.latency.labels(form=f) for f in FORMS}
+        self._counts: dict[tuple[str, int], Counter] = {}
+        self._per_model: dict[str, tuple[Counter, Counter]] = {}
+
+    def observe(self, form: str, status: int, seconds: float | None = None) -> None:
+        c = self._counts.get((form, status))
+        if c is None:
+            c = self._counts[(form, status)] = self.lookups.labels(form=form, status=str(status))
+        c.inc()
+        if seconds is not None:
+            self._latency[form].observe(seconds)
+
+    def answered(self, model: str, prompt_tokens: int, best_resumable: int) -> None:
+        """Only called for known models: label values never come from unchecked client input."""
+        pm = self._per_model.get(model)
+        if pm is None:
+            pm = self._per_model[model] = (self.prompt_tokens.labels(model=model),
+                                           self.best_resumable.labels(model=model))
+        pm[0].inc(prompt_tokens)
+        pm[1].inc(best_resumable)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

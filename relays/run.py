@@ -1,0 +1,126 @@
+"""A running relay: a frame source (live ZMQ or a recording) -> relay logic -> a sink."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from prometheus_client import Counter
+
+from relays.recording import Recorder, read_frames
+from relays.sinks import Sink
+from relays.vllm_relay import Frame, RelayOutput, VllmPublisherRelay
+from relays.zmq_source import ZmqSource
+from schemas.events import ReplicaCleared
+
+log = logging.getLogger("kvidx.relay")
+
+FRAMES = Counter("kvidx_relay_frames_total", "Engine messages received", ["replica"])
+BATCHES = Counter("kvidx_relay_batches_total", "Event batches published", ["replica"])
+BLOCKS = Counter("kvidx_relay_blocks_total", "Block events published", ["replica", "kind"])
+DEAD = Counter("kvidx_relay_dead_letters_total", "Malformed engine messages, by reason",
+               ["replica", "reason"])
+GAPS = Counter("kvidx_relay_gaps_total", "Sequence gaps, by outcome", ["replica", "outcome"])
+
+
+class Relay:
+    def __init__(self, core: VllmPublisherRelay, sink: Sink, source: ZmqSource | None = None,
+                 record_to: str | Path | None = None):
+        self.core = core
+        self.sink = sink
+        self.source = source
+        self.recorder = Recorder(record_to) if record_to else None
+        self.stop_event = threading.Event()
+
+    def handle(self, frame: Frame) -> None:
+        if self.recorder:
+            self.recorder.write(frame)
+        FRAMES.labels(self.core.replica).inc()
+        out = self.core.on_frame(frame)
+        if out.gap is not None:
+            self._emit(self._fill_gap(out.gap, frame))
+        else:
+            self._emit(out)
+
+    def _fill_gap(self, gap: tuple[int, int], frame: Frame) -> RelayOutput:
+        first, got = gap
+        replayed = self.source.replay(first) if self.source else None
+        missing = sorted((f for f in replayed or () if first <= f.seq < got), key=lambda f: f.seq)
+        if not missing or missing[0].seq != first or len(missing) != got - first:
+            GAPS.labels(self.core.replica, "unfilled").inc()
+            log.warning("event=gap_unfilled replica=%s missing=%d..%d", self.core.replica, first, got - 1)
+            return self.core.gap_unfilled(frame)
+        GAPS.labels(self.core.replica, "filled").inc()
+        log.info("event=gap_filled replica=%s batches=%d", self.core.replica, len(missing))
+        total = RelayOutput()
+        for f in [*missing, frame]:
+            if self.recorder:
+                self.recorder.write(f)
+            o = self.core.on_frame(f, check_gap=False)
+            total.batches += o.batches
+            total.dead += o.dead
+        return total
+
+    def _emit(self, out: RelayOutput) -> None:
+        rep = self.core.replica
+        for dl in out.dead:
+            DEAD.labels(rep, dl.reason).inc()
+            log.warning("event=dead_letter replica=%s reason=%s seq=%d bytes=%d", rep, dl.reason,
+                        dl.frame.seq, len(dl.frame.payload))
+            self.sink.dead_letter(dl, self.core.model, rep)
+        for b in out.batches:
+            self.sink.publish(b)
+            BATCHES.labels(rep).inc()
+            for ev in b.events:
+                hashes = getattr(ev, "hashes", ())
+                BLOCKS.labels(rep, type(ev).__name__).inc(len(hashes))
+
+    def start_fresh(self, replay_from_start: bool = True) -> None:
+        """A relay that starts knows nothing of the engine's cache: clear the replica's view, then
+        rebuild it from whatever the engine's replay buffer still holds."""
+        now = time.time_ns()
+        start = Frame(b"", -1, b"", now, self.source.endpoint if self.source else "", "relay")
+        self._emit(RelayOutput(batches=[self.core._wrap([ReplicaCleared("relay_start")], -1, start, 0.0)]))
+        if replay_from_start and self.source is not None:
+            frames = self.source.replay(0) or []
+            log.info("event=startup_replay replica=%s batches=%d", self.core.replica, len(frames))
+            for f in frames:
+                self.handle(f)
+
+    def run_live(self, idle_flush_s: float = 0.2) -> None:
+        assert self.source is not None
+        for frame in self.source.frames(idle_flush_s):
+            if self.stop_event.is_set():
+                break
+            if frame is None:
+                self.sink.flush(0)
+                continue
+            self.handle(frame)
+        self.sink.flush()
+
+    def play(self, path: str | Path, realtime: bool = False, speed: float = 1.0) -> int:
+        """Feed a recording instead of a live socket; with `realtime`, keep its timing."""
+        n = 0
+        t0 = w0 = None
+        for frame in sorted(read_frames(path), key=lambda f: f.recv_ns):
+            if self.stop_event.is_set():
+                break
+            if realtime:
+                if t0 is None:
+                    t0, w0 = frame.recv_ns, time.monotonic()
+                delay = (frame.recv_ns - t0) / 1e9 / speed - (time.monotonic() - w0)
+                if delay > 0:
+                    time.sleep(delay)
+            self.handle(frame)
+            n += 1
+        self.sink.flush()
+        return n
+
+    def close(self) -> None:
+        self.stop_event.set()
+        if self.recorder:
+            self.recorder.close()
+        if self.source:
+            self.source.close()

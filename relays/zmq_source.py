@@ -1,0 +1,82 @@
+"""Live engine streams over ZMQ: a SUB socket on the engine's PUB, and its replay ROUTER.
+
+vLLM's PUB socket binds only for wildcard or ipc/inproc endpoints and connects otherwise, so the
+relay can bind its SUB side (`bind=True`) or connect to a binding publisher.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import zmq
+
+from relays.vllm_relay import Frame
+
+END_SEQ = -1
+
+
+class ZmqSource:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: bytes = b"",
+                 bind: bool = False, ctx: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.ctx = ctx or zmq.Context.instance()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.setsockopt(zmq.RCVHWM, 100_000)
+        (self.sub.bind if bind else self.sub.connect)(endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sub, zmq.POLLIN)
+        self.closed = False
+
+    def frames(self, timeout_s: float = 0.2) -> Iterator[Frame | None]:
+        """Frames as they arrive; None every `timeout_s` without one (lets the caller stop/flush)."""
+        while not self.closed:
+            if not self.poller.poll(int(timeout_s * 1000)):
+                yield None
+                continue
+            parts = self.sub.recv_multipart()
+            yield self._frame(parts, "pub")
+
+    def _frame(self, parts: list[bytes], src: str) -> Frame:
+        now = time.time_ns()
+        if len(parts) != 3 or len(parts[1]) != 8:
+            # not the engine's 3-frame shape: hand it on as a malformed frame for the dead letters
+            return Frame(b"", -2, b"".join(parts), now, self.endpoint, src)
+        return Frame(parts[0], int.from_bytes(parts[1], "big", signed=True), parts[2], now,
+                     self.endpoint, src)
+
+    def replay(self, start_seq: int, timeout_s: float = 2.0) -> list[Frame] | None:
+        """Ask the engine's replay endpoint for every buffered batch from `start_seq` on. None if
+        there is no replay endpoint or it does not answer in time."""
+        if not self.replay_endpoint:
+            return None
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        try:
+            sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)])
+            out: list[Frame] = []
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000)):
+                    return None
+                parts = sock.recv_multipart()
+                if parts and parts[0] == b"":
+                    parts = parts[1:]
+                if len(parts) == 2:  # some engines (SGLang) leave out the topic frame
+                    parts = [b"", *parts]
+                if len(parts) < 3:
+                    return None
+                seq = int.from_bytes(parts[1], "big", signed=True)
+                if seq == END_SEQ:
+                    return out
+                out.append(Frame(parts[0], seq, parts[2], time.time_ns(), self.endpoint, "replay"))
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.sub.close(linger=0)

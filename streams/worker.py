@@ -1,0 +1,157 @@
+"""The stream worker (faust-streaming): folds relay event batches into per-model shards.
+
+- Consumes `kvidx.events.v1` (key = model) in batches (`take_events`), folds each batch into the
+  model's shard (kvidx.core.shard: the same fold the embedded and shadow paths run).
+- Durability: every `snapshot_interval` seconds the dirty shards are written to the local RocksDB and
+  to the compacted snapshot topic; only then are the folded events acknowledged, so the committed
+  offsets never run ahead of what a restarted worker can rebuild. Redelivered events are skipped by
+  the shard's (epoch, seq) check.
+- A restarted or new worker rebuilds a shard on its first event: local RocksDB if it has it,
+  otherwise the compacted topic (no relays needed).
+- Lag: per replica, engine timestamp -> applied (histogram) and last applied age (gauge); faust
+  exposes consumer lag itself.
+Malformed messages on the events topic go to the dead-letter topic with a counter; never dropped
+silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import faust
+import msgspec
+from confluent_kafka import Producer
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from kvidx.core.shard import ModelShard
+from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
+from streams.snapshots import LocalStore, SnapshotTopic, read_snapshots, split
+
+log = logging.getLogger("kvidx.streams")
+
+APPLIED = Counter("kvidx_worker_batches_total", "Event batches folded, by outcome", ["model", "outcome"])
+BLOCKS = Counter("kvidx_worker_block_events_total", "Block events folded", ["model"])
+DEAD = Counter("kvidx_worker_dead_letters_total", "Undecodable event messages", ["reason"])
+LAG = Histogram("kvidx_worker_apply_lag_seconds", "Engine event time to applied in the shard",
+                ["model"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30))
+SNAP = Histogram("kvidx_worker_snapshot_seconds", "Time to write one shard snapshot", ["model"])
+INDEXED = Gauge("kvidx_worker_indexed_blocks", "Distinct blocks in the shard", ["model", "group"])
+
+
+class ShardWorker:
+    """The fold-and-snapshot state machine, independent of faust so it can be tested directly."""
+
+    def __init__(self, bootstrap: str, data_dir: str | Path, snapshot_topic: str = SNAPSHOTS_TOPIC,
+                 dead_letter_topic: str = DEAD_LETTER_TOPIC, block_size: int = 16,
+                 block_sizes: dict[str, int] | None = None):
+        self.bootstrap = bootstrap
+        self.local = LocalStore(Path(data_dir) / "shards")
+        self.topic = SnapshotTopic(bootstrap, snapshot_topic)
+        self.snapshot_topic = snapshot_topic
+        self.dead_letter_topic = dead_letter_topic
+        self.block_size = block_size
+        self.block_sizes = block_sizes or {}
+        self.shards: dict[str, ModelShard] = {}
+        self.partition_of: dict[str, int] = {}
+        self.dirty: set[str] = set()
+        self._dlq: Producer | None = None
+
+    def shard(self, model: str, partition: int) -> ModelShard:
+        s = self.shards.get(model)
+        if s is None:
+            s = self.local.load(model)
+            source = "rocksdb"
+            if s is None:
+                s = read_snapshots(self.bootstrap, self.snapshot_topic, [partition]).get(model)
+                source = "snapshot_topic"
+            if s is None:
+                s = ModelShard(model, self.block_sizes.get(model, self.block_size))
+                source = "new"
+            log.info("event=shard_loaded model=%s source=%s blocks_applied=%d", model, source,
+                     s.blocks_applied)
+            self.shards[model] = s
+        self.partition_of[model] = partition
+        return s
+
+    def fold(self, raw: bytes, partition: int, offset: int = -1, now: float | None = None) -> None:
+        try:
+            batch = decode_batch(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            self.dead_letter(raw, "undecodable_event_batch", str(e)[:300])
+            return
+        now = time.time() if now is None else now
+        shard = self.shard(batch.model, partition)
+        applied = shard.apply(batch, now)
+        shard.events_offset = max(shard.events_offset, offset + 1)
+        APPLIED.labels(batch.model, "applied" if applied else "duplicate").inc()
+        if applied:
+            self.dirty.add(batch.model)
+            BLOCKS.labels(batch.model).inc(sum(len(getattr(e, "hashes", ())) for e in batch.events))
+            if batch.seq >= 0:
+                LAG.labels(batch.model).observe(max(0.0, now - batch.engine_ts))
+
+    def snapshot_dirty(self) -> int:
+        """Write every changed shard to RocksDB and the compacted topic; returns how many."""
+        n = 0
+        for model in sorted(self.dirty):
+            shard = self.shards[model]
+            t0 = time.perf_counter()
+            shard.snapshot_id += 1
+            items = split(model, shard.snapshot(), shard.snapshot_id, shard.blocks_applied)
+            self.local.save(items)
+            self.topic.publish(items, self.partition_of[model])
+            SNAP.labels(model).observe(time.perf_counter() - t0)
+            for gid, g in shard.groups.items():
+                INDEXED.labels(model, str(gid)).set(len(g.any))
+            n += 1
+        self.dirty.clear()
+        return n
+
+    def dead_letter(self, raw: bytes, reason: str, detail: str) -> None:
+        DEAD.labels(reason).inc()
+        log.warning("event=dead_letter reason=%s bytes=%d detail=%s", reason, len(raw), detail[:120])
+        if self._dlq is None:
+            self._dlq = Producer({"bootstrap.servers": self.bootstrap, "enable.idempotence": True})
+        self._dlq.produce(self.dead_letter_topic, value=raw,
+                          headers=[("reason", reason.encode()), ("detail", detail.encode())])
+        self._dlq.flush(10)
+
+    def close(self) -> None:
+        self.local.close()
+
+
+def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-worker",
+               events_topic: str = EVENTS_TOPIC, snapshot_topic: str = SNAPSHOTS_TOPIC,
+               snapshot_interval: float = 2.0, block_size: int = 16, metrics_port: int | None = None,
+               web_port: int = 6066, partitions: int = 4) -> tuple[faust.App, ShardWorker]:
+    app = faust.App(
+        app_id, broker=f"kafka://{bootstrap}", datadir=str(Path(data_dir) / "faust"),
+        web_bind="127.0.0.1", web_port=web_port, topic_partitions=partitions,
+        consumer_auto_offset_reset="earliest", broker_commit_every=100_000,
+        broker_commit_interval=1.0, stream_buffer_maxsize=20_000,
+    )
+    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, block_size=block_size)
+    topic = app.topic(events_topic, key_type=bytes, value_type=bytes, value_serializer="raw",
+                      key_serializer="raw")
+
+    @app.agent(topic)
+    async def fold(stream):
+        pending = []
+        last_snapshot = time.monotonic()
+        # acks are manual: an event is acknowledged only once a snapshot holds it
+        async for events in stream.noack().take_events(5000, within=0.05):
+            for ev in events:
+                worker.fold(ev.value, ev.message.partition, ev.message.offset)
+            pending.extend(events)
+            if time.monotonic() - last_snapshot >= snapshot_interval:
+                worker.snapshot_dirty()
+                for ev in pending:
+                    await stream.ack(ev)
+                pending.clear()
+                last_snapshot = time.monotonic()
+
+    if metrics_port:
+        start_http_server(metrics_port, addr="127.0.0.1")
+    return app, worker
