@@ -1,0 +1,206 @@
+"""`kvidx`: one command for every part of the pipeline. `kvidx <command> --help` for each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+
+
+def _bootstrap(args) -> str:
+    b = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not b:
+        sys.exit("error: no Kafka cluster: pass --bootstrap HOST:PORT or set KAFKA_BOOTSTRAP_SERVERS "
+                 "(`kvidx kafka up` starts a local broker)")
+    return b
+
+
+def cmd_relay(args) -> int:
+    from relays.run import Relay
+    from relays.sinks import KafkaSink
+    from relays.vllm_relay import VllmPublisherRelay
+    from relays.zmq_source import ZmqSource
+
+    if args.engine != "vllm":
+        sys.exit(f"error: engine {args.engine!r} has no relay yet (supported: vllm)")
+    sink = KafkaSink(_bootstrap(args))
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(args.metrics_port, addr="127.0.0.1")
+    if args.play:
+        from relays.recording import read_frames
+        endpoints = sorted({f.endpoint for f in read_frames(args.play)})
+        total = 0
+        for ep in endpoints:  # one relay per publisher in the recording
+            core = VllmPublisherRelay(args.model, args.replica or ep, args.index_block_size, args.dp_rank)
+            relay = Relay(core, sink)
+            relay.start_fresh(replay_from_start=False)
+            frames = [f for f in read_frames(args.play) if f.endpoint == ep]
+            for f in sorted(frames, key=lambda f: f.recv_ns):
+                relay.handle(f)
+            total += len(frames)
+        sink.flush()
+        print(json.dumps({"played_frames": total, "publishers": len(endpoints),
+                          "delivery_errors": sink.errors}))
+        return 0 if sink.errors == 0 else 1
+    if not args.endpoint:
+        sys.exit("error: --endpoint (the engine's KV-events endpoint) or --play FILE is required")
+    source = ZmqSource(args.endpoint, args.replay_endpoint, bind=args.bind)
+    core = VllmPublisherRelay(args.model, args.replica or args.endpoint, args.index_block_size, args.dp_rank)
+    relay = Relay(core, sink, source, record_to=args.record)
+    signal.signal(signal.SIGTERM, lambda *_: relay.stop_event.set())
+    logging.getLogger("kvidx.relay").info("event=relay_start model=%s replica=%s endpoint=%s",
+                                          args.model, core.replica, args.endpoint)
+    relay.start_fresh()
+    try:
+        relay.run_live()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        relay.close()
+        sink.flush()
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from streams.worker import create_app
+    import faust
+
+    app, worker = create_app(_bootstrap(args), args.data_dir, snapshot_interval=args.snapshot_interval,
+                             block_size=args.index_block_size, metrics_port=args.metrics_port,
+                             web_port=args.web_port)
+    faust.Worker(app, loglevel=args.log_level.lower()).execute_from_commandline()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from index_service.app import create_app
+    from index_service.follower import KafkaFollower
+    from index_service.store import ShardStore
+
+    store = ShardStore(args.index_block_size)
+    follower = KafkaFollower(store, _bootstrap(args)).start()
+    try:
+        uvicorn.run(create_app(store), host=args.host, port=args.port, log_level="warning")
+    finally:
+        follower.stop()
+    return 0
+
+
+def cmd_shadow(args) -> int:
+    from kvidx.shadow import run_shadow
+
+    if args.engine != "vllm":
+        sys.exit(f"error: engine {args.engine!r} has no shadow replay yet (supported: vllm)")
+    for path in (args.recording, args.requests):
+        if not os.path.exists(path):
+            sys.exit(f"error: no such file: {path}")
+    agreement, index = run_shadow(args.recording, args.requests, index_block_size=args.index_block_size)
+    summary = agreement.summary()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for k, v in summary.items():
+            print(f"{k:>16}: {v}")
+        print(f"{'dead_letters':>16}: {index.dead_letters}")
+        for m in agreement.mismatches[:10]:
+            print(f"  mismatch: request {m['i']}: engine reused {m['reused']}, index credited {m['credited']}"
+                  f" of {m['prompt_tokens']} tokens")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kvidx.demo import run_demo
+
+    return run_demo(replicas=args.replicas, requests=args.requests, kafka=args.kafka,
+                    bootstrap=args.bootstrap, port=args.port, keep_serving=args.serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvidx", description="A fleet-wide KV-cache index for LLM serving.")
+    p.add_argument("--log-level", default=os.environ.get("KVIDX_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    from kvidx.kafka import add_cli
+    add_cli(sub)
+
+    def common(sp, kafka=True):
+        if kafka:
+            sp.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+        sp.add_argument("--index-block-size", type=int, default=16,
+                        help="tokens per canonical index block; must divide every engine's block size")
+
+    r = sub.add_parser("relay", help="relay one engine's KV events to Kafka",
+                       description="Subscribe to an engine's KV-cache events (or play a recording), "
+                                   "re-hash blocks canonically and publish versioned batches to Kafka.")
+    common(r)
+    r.add_argument("--engine", default="vllm", choices=["vllm"])
+    r.add_argument("--model", required=True, help="model name the events belong to (Kafka key)")
+    r.add_argument("--endpoint", help="engine event endpoint, e.g. tcp://127.0.0.1:5557")
+    r.add_argument("--replay-endpoint", help="engine replay endpoint, e.g. tcp://127.0.0.1:5558")
+    r.add_argument("--bind", action="store_true", help="bind the SUB socket (engine PUB connects)")
+    r.add_argument("--replica", help="replica name (default: the endpoint)")
+    r.add_argument("--dp-rank", type=int, default=None, help="data-parallel rank of this publisher")
+    r.add_argument("--record", help="also append every raw engine message to this frames.jsonl")
+    r.add_argument("--play", help="publish a recording (frames.jsonl) instead of a live socket")
+    r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    r.set_defaults(func=cmd_relay)
+
+    w = sub.add_parser("worker", help="run a stream worker (faust) folding events into RocksDB shards")
+    common(w)
+    w.add_argument("--data-dir", default="var/worker", help="RocksDB and faust state")
+    w.add_argument("--snapshot-interval", type=float, default=2.0, help="seconds between shard snapshots")
+    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    w.add_argument("--web-port", type=int, default=6066, help="faust's web port (127.0.0.1)")
+    w.set_defaults(func=cmd_worker)
+
+    s = sub.add_parser("serve", help="run the lookup service (FastAPI), fed from Kafka")
+    common(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.set_defaults(func=cmd_serve)
+
+    sh = sub.add_parser("shadow", help="replay a recording and compare credited with reused tokens",
+                        description="Replays a recorded engine stream through the relay and fold code and "
+                                    "prints how the index's credit agrees with the engine's own "
+                                    "cached_tokens for every request of the request log.")
+    common(sh, kafka=False)
+    sh.add_argument("--engine", default="vllm", choices=["vllm"])
+    sh.add_argument("--recording", required=True, help="frames.jsonl")
+    sh.add_argument("--requests", required=True, help="requests.jsonl")
+    sh.add_argument("--json", action="store_true", help="print one JSON object")
+    sh.set_defaults(func=cmd_shadow)
+
+    d = sub.add_parser("demo", help="run the whole pipeline on this machine",
+                       description="Simulated vLLM replicas publish real vLLM-format events over ZMQ; "
+                                   "relays, shards and the HTTP service run in process (or over Kafka "
+                                   "with --kafka); prints lookups and the shadow agreement.")
+    d.add_argument("--replicas", type=int, default=3)
+    d.add_argument("--requests", type=int, default=300)
+    d.add_argument("--kafka", action="store_true", help="go through Kafka (starts a local broker "
+                   "unless --bootstrap or $KAFKA_BOOTSTRAP_SERVERS is given)")
+    d.add_argument("--bootstrap")
+    d.add_argument("--port", type=int, default=0, help="HTTP port of the service (0: any free port)")
+    d.add_argument("--serve", action="store_true", help="keep serving lookups after the demo")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _logging(args.log_level)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
