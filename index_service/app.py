@@ -1,0 +1,326 @@
+"""The lookup service: HTTP front of a ShardStore. Routers ask it, per prompt, how much of the prompt
+each replica (DP rank) has cached and can resume from.
+
+Endpoints
+---------
+POST /v1/lookup            JSON body, one of two forms:
+    {"model": str, "token_ids": [u32, ...], "lora_name": str|null, "cache_salt": str|null}
+        The service hashes the prompt (kvidx.core.hashing.prompt_hashes at the model's index block
+        size, with the LoRA namespace and the cache salt).
+    {"model": str, "block_hashes": [u64, ...], "prompt_tokens": int}
+        The router hashed the prompt itself, the same way (prompt_hashes with the index block size
+        this service reports as "block_size", its LoRA adapter and cache salt): block_hashes are the
+        canonical hashes of the prompt's leading full blocks (at most prompt_tokens // block_size
+        of them), prompt_tokens the prompt length. lora_name / cache_salt are accepted but ignored
+        in this form (they are already in the hashes).
+    Unknown fields are rejected.
+POST /v1/lookup/binary?model=NAME[&lora_name=..][&cache_salt=..]
+    Body: the prompt's token ids as packed little-endian uint32 (application/octet-stream). The
+    fast form: no JSON parse, the bytes are hashed as they are.
+Both answer 200:
+    {"model": str, "prompt_tokens": int, "block_size": int (the index block size),
+     "replicas": [{"replica", "dp_rank", "cached_tokens", "tiers": [{"tier", "tokens"}],
+                   "resumable_tokens", "freshness": {"last_event_age_ms", "apply_lag_ms", "epoch",
+                   "seq", "seq_gaps"}}, ...]}   (ModelShard.lookup: best resumable first)
+    and errors as {"error": "what is wrong, naming the field"}:
+    400 invalid JSON / binary body not a multiple of 4 bytes; 404 unknown model (the message lists
+    known ones); 413 more than max_tokens tokens (or a body too large to hold them); 422 a field
+    missing, of the wrong type or out of range (token ids must be 0..2^32-1), an empty prompt, both
+    or neither of token_ids and block_hashes.
+GET /healthz     200 {"status": "ok", "ready": true, "models": n, "batches_applied": n}; 503 (status
+                 "not_ready") until the store was rebuilt.
+GET /v1/models   {"models": [{"model", "block_size", "replicas", "groups", "blocks_applied",
+                 "freshness": {...summary over replicas...}}]}
+GET /metrics     Prometheus text (index_service.metrics).
+
+Handlers are thin on purpose (this is the routers' hot path): the body is decoded with msgspec, token
+ids are packed to bytes in C (array) and hashed per block, never looped over per token in Python.
+Lookups read the shards without the store lock (see ShardStore). Token ids are never logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from array import array
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from index_service.metrics import ServiceMetrics
+from index_service.store import ShardStore
+from kvidx.core.hashing import prompt_hashes
+from kvidx.core.shard import ModelShard
+
+log = logging.getLogger("kvidx.index_service")
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+JSON = "application/json"
+_MAX_MODELS_LISTED = 10
+_BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt"})
+
+# Token ids as packed little-endian uint32, converted in C (array range-checks every id).
+_U32_CODE = next(c for c in ("I", "L") if array(c).itemsize == 4)
+_SWAP = sys.byteorder != "little"
+
+
+class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    # Range-checked in C by array("I") / array("Q"): a msgspec constraint per item costs more (and
+    # msgspec bounds cannot express u64).
+    token_ids: list[int] | None = None
+    block_hashes: list[int] | None = None
+    prompt_tokens: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+_decoder = msgspec.json.Decoder(LookupRequest)
+_REQUEST_SCHEMA = msgspec.json.schema_components([LookupRequest])[1]["LookupRequest"]  # inline, no $ref
+_encode = msgspec.json.Encoder().encode
+
+
+class Reject(Exception):
+    def __init__(self, status: int, error: str):
+        super().__init__(error)
+        self.status = status
+        self.error = error
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(_encode(obj), status_code=status, media_type=JSON)
+
+
+def _pack(token_ids: list[int]) -> bytes:
+    try:
+        a = array(_U32_CODE, token_ids)
+    except (OverflowError, TypeError):
+        i = next((i for i, t in enumerate(token_ids) if not 0 <= t <= U32_MAX), None)
+        raise Reject(422, f"token_ids[{i}] is out of range: token ids are uint32 (0..{U32_MAX})"
+                     ) from None
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _check_u64(hashes: list[int]) -> None:
+    try:
+        array("Q", hashes)
+    except (OverflowError, TypeError):
+        i = next((i for i, h in enumerate(hashes) if not 0 <= h <= U64_MAX), None)
+        raise Reject(422, f"block_hashes[{i}] is out of range: hashes are uint64 (0..{U64_MAX})"
+                     ) from None
+
+
+def _kv(**fields: object) -> str:
+    """key=value pairs for log lines; strings with spaces or quotes are JSON-quoted."""
+    out = []
+    for k, v in fields.items():
+        if isinstance(v, str) and (not v or any(c in v for c in ' "=\n')):
+            v = _encode(v).decode()
+        out.append(f"{k}={v}")
+    return " ".join(out)
+
+
+class _RejectLog:
+    """Client errors logged at most once per second (with how many were left out), so a broken
+    router cannot flood the log."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval = interval
+        self.next_at = 0.0
+        self.suppressed = 0
+
+    def __call__(self, **fields: object) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.suppressed += 1
+            return
+        self.next_at = now + self.interval
+        if self.suppressed:
+            fields["suppressed"] = self.suppressed
+            self.suppressed = 0
+        log.info("%s", _kv(event="lookup_rejected", **fields))
+
+
+def _freshness(shard: ModelShard, now: float) -> dict:
+    states = list(shard.replicas.values())
+    live = [st for st in states if st.batches]
+    ages = [(now - st.engine_ts) * 1000 for st in live]
+    lags = [(st.applied_ts - st.engine_ts) * 1000 for st in live]
+    return {
+        "replicas_never_applied": len(states) - len(live),
+        "last_event_age_ms_min": round(min(ages), 3) if ages else None,
+        "last_event_age_ms_max": round(max(ages), 3) if ages else None,
+        "apply_lag_ms_max": round(max(lags), 3) if lags else None,
+        "seq_gaps": sum(st.seq_gaps for st in states),
+        "duplicates": sum(st.duplicates for st in states),
+    }
+
+
+def create_app(store: ShardStore, *, max_tokens: int = 1_000_000) -> FastAPI:
+    app = FastAPI(title="kvidx lookup service", version="1")
+    metrics = ServiceMetrics(store)
+    app.state.store = store
+    app.state.metrics = metrics
+    reject_log = _RejectLog()
+    # The largest JSON body that can hold max_tokens ids (10 digits, a comma and a space each) plus
+    # the other fields; anything larger is refused before it is read in full.
+    max_json_bytes = max_tokens * 12 + 65536
+    max_binary_bytes = max_tokens * 4
+
+    async def read_body(request: Request, limit: int, what: str) -> bytes:
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > limit:
+            raise Reject(413, f"{what} too large: {int(cl)} bytes, at most {limit} "
+                              f"(max_tokens={max_tokens})")
+        if cl is not None:
+            return await request.body()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise Reject(413, f"{what} too large: over {limit} bytes (max_tokens={max_tokens})")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def find_shard(model: str) -> ModelShard:
+        shard = store.shards.get(model)
+        if shard is None:
+            known = sorted(store.shards)
+            listed = ", ".join(repr(m) for m in known[:_MAX_MODELS_LISTED]) or "none"
+            more = f" (and {len(known) - _MAX_MODELS_LISTED} more)" if len(known) > _MAX_MODELS_LISTED else ""
+            raise Reject(404, f"unknown model {model[:200]!r}: known models are {listed}{more}")
+        return shard
+
+    def answer(form: str, t0: float, shard: ModelShard, hashes: list[int], n_tokens: int) -> Response:
+        replicas = shard.lookup(hashes, n_tokens, time.time())
+        body = _encode({"model": shard.model, "prompt_tokens": n_tokens,
+                        "block_size": shard.block_size, "replicas": replicas})
+        dt = time.perf_counter() - t0
+        best = replicas[0]["resumable_tokens"] if replicas else 0
+        metrics.observe(form, 200, dt)
+        metrics.answered(shard.model, n_tokens, best)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", _kv(event="lookup", form=form, model=shard.model, prompt_tokens=n_tokens,
+                                blocks=len(hashes), replicas=len(replicas), best_resumable=best,
+                                us=round(dt * 1e6)))
+        return Response(body, media_type=JSON)
+
+    def rejected(form: str, e: Exception, model: str | None) -> Response:
+        if isinstance(e, Reject):
+            status, error = e.status, e.error
+            reject_log(form=form, status=status, model=model or "-", error=error)
+        else:
+            status, error = 500, "internal error"
+            log.exception("%s", _kv(event="lookup_failed", form=form, model=model or "-"))
+        metrics.observe(form, status)
+        return _json({"error": error}, status)
+
+    @app.post("/v1/lookup", response_class=Response, openapi_extra={"requestBody": {
+        "required": True, "content": {JSON: {"schema": _REQUEST_SCHEMA}}}})
+    async def lookup(request: Request) -> Response:
+        """Prompt lookup, JSON form: token_ids (hashed here) or block_hashes + prompt_tokens."""
+        t0 = time.perf_counter()
+        model = None
+        try:
+            body = await read_body(request, max_json_bytes, "JSON body")
+            try:
+                req = _decoder.decode(body)
+            except msgspec.ValidationError as e:
+                raise Reject(422, f"invalid request: {e}") from None
+            except msgspec.DecodeError as e:
+                raise Reject(400, f"invalid JSON: {e}") from None
+            model = req.model
+            if req.token_ids is not None:
+                if req.block_hashes is not None:
+                    raise Reject(422, "give either token_ids or block_hashes (+ prompt_tokens), not both")
+                n = len(req.token_ids)
+                if n == 0:
+                    raise Reject(422, "token_ids is empty: a prompt has at least one token")
+                if n > max_tokens:
+                    raise Reject(413, f"token_ids has {n} tokens, more than max_tokens={max_tokens}")
+                if req.prompt_tokens is not None and req.prompt_tokens != n:
+                    raise Reject(422, f"prompt_tokens={req.prompt_tokens} differs from the {n} token_ids")
+                packed = _pack(req.token_ids)
+                shard = find_shard(model)
+                hashes = prompt_hashes(packed, shard.block_size, req.lora_name, req.cache_salt)
+            elif req.block_hashes is not None:
+                n = req.prompt_tokens
+                if n is None:
+                    raise Reject(422, "block_hashes needs prompt_tokens (the prompt's length in tokens)")
+                if n <= 0:
+                    raise Reject(422, f"prompt_tokens must be positive, got {n}")
+                if n > max_tokens:
+                    raise Reject(413, f"prompt_tokens={n} is more than max_tokens={max_tokens}")
+                shard = find_shard(model)
+                hashes = req.block_hashes
+                _check_u64(hashes)
+                bs = shard.block_size
+                if len(hashes) > n // bs:
+                    raise Reject(422, f"block_hashes has {len(hashes)} hashes but prompt_tokens={n} holds "
+                                      f"only {n // bs} full blocks of {bs} tokens")
+            else:
+                raise Reject(422, "give token_ids, or block_hashes and prompt_tokens")
+            return answer("json", t0, shard, hashes, n)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a JSON error response
+            return rejected("json", e, model)
+
+    @app.post("/v1/lookup/binary", response_class=Response, openapi_extra={"requestBody": {
+        "required": True, "content": {"application/octet-stream": {
+            "schema": {"type": "string", "format": "binary",
+                       "description": "token ids as packed little-endian uint32"}}}}})
+    async def lookup_binary(request: Request) -> Response:
+        """Prompt lookup, binary form: ?model=NAME[&lora_name=..][&cache_salt=..], body = packed
+        little-endian uint32 token ids."""
+        t0 = time.perf_counter()
+        model = None
+        try:
+            q = request.query_params
+            for key in q:
+                if key not in _BINARY_PARAMS:
+                    raise Reject(422, f"unknown query parameter {key[:100]!r} (known: model, lora_name, "
+                                      "cache_salt)")
+                if len(q.getlist(key)) > 1:
+                    raise Reject(422, f"query parameter {key!r} given more than once")
+            model = q.get("model")
+            if not model:
+                raise Reject(422, "query parameter 'model' is required")
+            body = await read_body(request, max_binary_bytes, "binary body")
+            if len(body) % 4:
+                raise Reject(400, f"binary body is {len(body)} bytes, not a multiple of 4: token ids "
+                                  "are packed little-endian uint32")
+            if not body:
+                raise Reject(422, "binary body is empty: a prompt has at least one token")
+            shard = find_shard(model)
+            hashes = prompt_hashes(body, shard.block_size, q.get("lora_name"), q.get("cache_salt"))
+            return answer("binary", t0, shard, hashes, len(body) // 4)
+        except Exception as e:  # noqa: BLE001
+            return rejected("binary", e, model)
+
+    @app.get("/healthz", response_class=Response)
+    async def healthz() -> Response:
+        ready = bool(store.ready)
+        return _json({"status": "ok" if ready else "not_ready", "ready": ready,
+                      "models": len(store.shards), "batches_applied": store.batches_applied},
+                     200 if ready else 503)
+
+    @app.get("/v1/models", response_class=Response)
+    async def models() -> Response:
+        now = time.time()
+        out = []
+        with store.lock:  # stats iterate the shards' dicts: not while a batch is folded
+            for model, shard in sorted(store.shards.items()):
+                out.append({"model": model, "block_size": shard.block_size, **shard.stats(),
+                            "freshness": _freshness(shard, now)})
+        return _json({"models": out})
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    log.info("%s", _kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))
+    return app
