@@ -79,6 +79,9 @@ class SimVllmEngine:
 
     ``endpoint`` may use port ``*`` when binding (e.g. ``tcp://127.0.0.1:*``); the bound address is
     then in ``self.endpoint`` (same for ``replay_endpoint``, which is always bound).
+    With ``bind=False`` the PUB connects (as vLLM does for a non-wildcard tcp endpoint) to a SUB that
+    binds; such a SUB attaches the engine (and sends it its subscription) only when its owner polls
+    or receives on it, so poll the SUB for a moment before the first request (slow joiner).
     """
 
     def __init__(
