@@ -31,25 +31,16 @@ def cmd_relay(args) -> int:
 
     if args.engine != "vllm":
         sys.exit(f"error: engine {args.engine!r} has no relay yet (supported: vllm)")
-    sink = KafkaSink(_bootstrap(args))
+    from schemas.events import topic_names
+    t = topic_names(args.topic_prefix)
+    sink = KafkaSink(_bootstrap(args), t["events"], t["dead_letters"])
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, addr="127.0.0.1")
     if args.play:
-        from relays.recording import read_frames
-        endpoints = sorted({f.endpoint for f in read_frames(args.play)})
-        total = 0
-        for ep in endpoints:  # one relay per publisher in the recording
-            core = VllmPublisherRelay(args.model, args.replica or ep, args.index_block_size, args.dp_rank)
-            relay = Relay(core, sink)
-            relay.start_fresh(replay_from_start=False)
-            frames = [f for f in read_frames(args.play) if f.endpoint == ep]
-            for f in sorted(frames, key=lambda f: f.recv_ns):
-                relay.handle(f)
-            total += len(frames)
-        sink.flush()
-        print(json.dumps({"played_frames": total, "publishers": len(endpoints),
-                          "delivery_errors": sink.errors}))
+        from relays.run import play_recording
+        n = play_recording(args.play, args.model, sink, args.index_block_size, args.replica, args.dp_rank)
+        print(json.dumps({"played_frames": n, "delivery_errors": sink.errors}))
         return 0 if sink.errors == 0 else 1
     if not args.endpoint:
         sys.exit("error: --endpoint (the engine's KV-events endpoint) or --play FILE is required")
@@ -71,10 +62,15 @@ def cmd_relay(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from streams.worker import create_app
     import faust
 
-    app, worker = create_app(_bootstrap(args), args.data_dir, snapshot_interval=args.snapshot_interval,
+    from schemas.events import topic_names
+    from streams.worker import create_app
+
+    t = topic_names(args.topic_prefix)
+    app, worker = create_app(_bootstrap(args), args.data_dir, app_id=args.topic_prefix + "kvidx-worker",
+                             events_topic=t["events"], snapshot_topic=t["snapshots"],
+                             dead_letter_topic=t["dead_letters"], snapshot_interval=args.snapshot_interval,
                              block_size=args.index_block_size, metrics_port=args.metrics_port,
                              web_port=args.web_port)
     faust.Worker(app, loglevel=args.log_level.lower()).execute_from_commandline()
@@ -88,8 +84,11 @@ def cmd_serve(args) -> int:
     from index_service.follower import KafkaFollower
     from index_service.store import ShardStore
 
+    from schemas.events import topic_names
+
+    t = topic_names(args.topic_prefix)
     store = ShardStore(args.index_block_size)
-    follower = KafkaFollower(store, _bootstrap(args)).start()
+    follower = KafkaFollower(store, _bootstrap(args), t["events"], t["snapshots"]).start()
     try:
         uvicorn.run(create_app(store), host=args.host, port=args.port, log_level="warning")
     finally:
@@ -137,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp, kafka=True):
         if kafka:
             sp.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+            sp.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
+                            help="prefix of every topic name (several deployments on one cluster)")
         sp.add_argument("--index-block-size", type=int, default=16,
                         help="tokens per canonical index block; must divide every engine's block size")
 
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--data-dir", default="var/worker", help="RocksDB and faust state")
     w.add_argument("--snapshot-interval", type=float, default=2.0, help="seconds between shard snapshots")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
-    w.add_argument("--web-port", type=int, default=6066, help="faust's web port (127.0.0.1)")
+    w.add_argument("--web-port", type=int, default=6066, help="faust's web port on 127.0.0.1 (0: off)")
     w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("serve", help="run the lookup service (FastAPI), fed from Kafka")

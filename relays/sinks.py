@@ -34,7 +34,6 @@ class KafkaSink:
             "bootstrap.servers": bootstrap,
             "enable.idempotence": True,  # implies acks=all and ordered, duplicate-free retries
             "linger.ms": 2,
-            "compression.type": "lz4",
             "message.max.bytes": 16 << 20,
             **config,
         })

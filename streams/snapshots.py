@@ -83,7 +83,7 @@ class SnapshotTopic:
         self.bootstrap = bootstrap
         self.topic = topic
         self.producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                                  "message.max.bytes": 4 << 20, "compression.type": "lz4"})
+                                  "message.max.bytes": 4 << 20})
 
     def publish(self, items: list[tuple[str, bytes]], partition: int) -> None:
         for k, v in items:

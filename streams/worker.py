@@ -124,33 +124,41 @@ class ShardWorker:
 
 def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-worker",
                events_topic: str = EVENTS_TOPIC, snapshot_topic: str = SNAPSHOTS_TOPIC,
-               snapshot_interval: float = 2.0, block_size: int = 16, metrics_port: int | None = None,
+               dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0, block_size: int = 16, metrics_port: int | None = None,
                web_port: int = 6066, partitions: int = 4) -> tuple[faust.App, ShardWorker]:
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", datadir=str(Path(data_dir) / "faust"),
-        web_bind="127.0.0.1", web_port=web_port, topic_partitions=partitions,
+        web_enabled=web_port > 0, web_bind="127.0.0.1", web_port=web_port or 6066,
+        topic_partitions=partitions,
         consumer_auto_offset_reset="earliest", broker_commit_every=100_000,
         broker_commit_interval=1.0, stream_buffer_maxsize=20_000,
     )
-    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, block_size=block_size)
+    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, block_size=block_size)
     topic = app.topic(events_topic, key_type=bytes, value_type=bytes, value_serializer="raw",
                       key_serializer="raw")
 
+    pending: list = []  # folded events not yet covered by a durable snapshot
+    streams: list = []
+
     @app.agent(topic)
     async def fold(stream):
-        pending = []
-        last_snapshot = time.monotonic()
-        # acks are manual: an event is acknowledged only once a snapshot holds it
+        streams.append(stream)
+        # acks are manual: an event is acknowledged only once a snapshot holds it, so committed
+        # offsets never run ahead of what a restarted worker can rebuild
         async for events in stream.noack().take_events(5000, within=0.05):
             for ev in events:
                 worker.fold(ev.value, ev.message.partition, ev.message.offset)
             pending.extend(events)
-            if time.monotonic() - last_snapshot >= snapshot_interval:
-                worker.snapshot_dirty()
-                for ev in pending:
-                    await stream.ack(ev)
-                pending.clear()
-                last_snapshot = time.monotonic()
+
+    @app.timer(interval=snapshot_interval)
+    async def snapshot():
+        if not pending:
+            return
+        done = list(pending)
+        pending.clear()
+        worker.snapshot_dirty()
+        for ev in done:
+            await streams[0].ack(ev)
 
     if metrics_port:
         start_http_server(metrics_port, addr="127.0.0.1")

@@ -7,10 +7,10 @@ It turns the engine's events into canonical index events by vLLM's rules (vllm/v
 - a BlockStored's parent is an engine hash: the mirror memoizes engine hash -> canonical hashes so
   it can chain the next blocks and match later removals (engine hashes are content hashes, so the
   memo stays valid after eviction);
-- hybrid models can hold two physical copies of one hash in a group: copies are counted and a block
-  is retracted only when its last copy goes. In single-group models the engine never recomputes a
-  cached block, so a store of a live hash is a re-announcement (kv_cache_report_mode "full"), not a
-  copy, and does not count;
+- a group can hold two physical copies of one hash (the recomputed last block of a fully cached
+  prompt; whole chains in hybrid models): copies are counted and a block is retracted only when its
+  last copy goes. A chain re-stored from the root (parent null) in a single-group model is a
+  re-announcement (kv_cache_report_mode "full"), not a copy, and does not count;
 - AllBlocksCleared drops everything the replica held.
 The mirror is pure: no I/O, no clocks. It is fed decoded engine batches and returns schema events.
 """
@@ -108,7 +108,10 @@ class VllmMirror:
         extras = _index_block_extras(ev.extra_keys, ev.lora_name, skip, nb, k)
         canon = chain(pack_tokens(ev.token_ids[: n_token_blocks * ebs]), ibs, parent, extras)
 
-        hybrid = self.hybrid
+        # A store of a live hash is a second physical copy (vLLM recomputes the last block of a fully
+        # cached prompt; hybrid models recompute whole chains), except a chain re-announced from the
+        # root in a single-group model (kv_cache_report_mode "full"), which is the same copy.
+        count_copies = self.hybrid or ev.parent_block_hash is not None
         refs = self.refs
         new_pos: list[int] = []  # positions in `canon` of index blocks that became cached here
         engine_new: list[int] = []
@@ -119,7 +122,7 @@ class VllmMirror:
             key = (eh, tier, group)
             entry = self.live.get(key)
             if entry is not None:
-                if hybrid:
+                if count_copies:
                     entry[0] += 1
                     self.stats["extra_copies"] += 1
                 else:

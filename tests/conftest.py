@@ -1,0 +1,35 @@
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from kafka_broker import create_topics, kafka_bootstrap_session  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures"
+LLAMA = FIXTURES / "vllm-0.32" / "llama_c4"
+GEMMA = FIXTURES / "vllm-0.32" / "gemma2_swa"
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap():
+    """A real broker: $KAFKA_BOOTSTRAP_SERVERS, else testcontainers (Docker), else a local KRaft
+    broker from Kafka's own jars."""
+    yield from kafka_bootstrap_session()
+
+
+@pytest.fixture
+def topics(kafka_bootstrap):
+    """Fresh topic names for one test (a unique prefix), created on the broker."""
+    from schemas.events import topic_names
+
+    prefix = f"t{uuid.uuid4().hex[:8]}."
+    names = topic_names(prefix)
+    create_topics(kafka_bootstrap, [names["events"], names["dead_letters"]], partitions=4,
+                  compacted=[names["snapshots"]])
+    names["prefix"] = prefix
+    return names
