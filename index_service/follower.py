@@ -17,7 +17,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from index_service.store import ShardStore
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
-from streams.snapshots import read_snapshots
+from streams.snapshots import read_snapshots, watermarks
 
 log = logging.getLogger("kvidx.service")
 
@@ -66,14 +66,16 @@ class KafkaFollower:
             parts = self._partitions(c)
             ends = {}
             for p in parts:
-                lo, hi = c.get_watermark_offsets(TopicPartition(self.events_topic, p), timeout=10)
+                lo, hi = watermarks(c, self.events_topic, p)
                 if hi > max(lo, starts.get(p, 0)):
                     ends[p] = hi
             c.assign([TopicPartition(self.events_topic, p, starts.get(p, OFFSET_BEGINNING)) for p in parts])
             if not ends:
                 self._ready(t0)
             while not self.stop_event.is_set():
-                for msg in c.consume(2000, 0.05):
+                first = c.poll(0.05)  # wake on the first message, then take what is there
+                msgs = [first, *c.consume(2000, 0)] if first is not None else []
+                for msg in msgs:
                     if msg.error():
                         continue
                     try:

@@ -31,8 +31,10 @@ def cmd_relay(args) -> int:
 
     if args.engine != "vllm":
         sys.exit(f"error: engine {args.engine!r} has no relay yet (supported: vllm)")
+    from kvidx.kafka.topics import ensure_topics
     from schemas.events import topic_names
     t = topic_names(args.topic_prefix)
+    ensure_topics(_bootstrap(args), t)
     sink = KafkaSink(_bootstrap(args), t["events"], t["dead_letters"])
     if args.metrics_port:
         from prometheus_client import start_http_server
@@ -64,10 +66,11 @@ def cmd_relay(args) -> int:
 def cmd_worker(args) -> int:
     import faust
 
+    from kvidx.kafka.topics import ensure_topics
     from schemas.events import topic_names
     from streams.worker import create_app
-
     t = topic_names(args.topic_prefix)
+    ensure_topics(_bootstrap(args), t)
     app, worker = create_app(_bootstrap(args), args.data_dir, app_id=args.topic_prefix + "kvidx-worker",
                              events_topic=t["events"], snapshot_topic=t["snapshots"],
                              dead_letter_topic=t["dead_letters"], snapshot_interval=args.snapshot_interval,
@@ -83,7 +86,6 @@ def cmd_serve(args) -> int:
     from index_service.app import create_app
     from index_service.follower import KafkaFollower
     from index_service.store import ShardStore
-
     from schemas.events import topic_names
 
     t = topic_names(args.topic_prefix)

@@ -69,6 +69,10 @@ class KafkaSink:
     def flush(self, timeout: float = 10.0) -> int:
         return self.producer.flush(timeout)
 
+    def close(self) -> None:
+        self.flush()
+        self.producer = None  # librdkafka's handle goes with the last reference
+
 
 class StoreSink:
     """Folds batches straight into a ShardStore (no broker): the embedded default."""

@@ -69,6 +69,7 @@ class VllmPublisherRelay:
                     self.counters["restarts"] += 1
                     self.epoch += 1
                     self.mirror.clear()
+                    self.next_seq = 0
                     out.batches.append(self._wrap([ReplicaCleared("engine_restart")], -1, frame, 0.0))
                 else:
                     self.counters["duplicates"] += 1
@@ -94,8 +95,9 @@ class VllmPublisherRelay:
             out.dead.append(DeadLetter(e.reason, str(e)[:300], frame))
             return out
         self.next_seq = frame.seq + 1
-        rank = batch.data_parallel_rank if batch.data_parallel_rank is not None else (self.dp_rank or 0)
-        out.batches.append(self._wrap(events, frame.seq, frame, batch.ts, rank))
+        if batch.data_parallel_rank is not None:
+            self.dp_rank = batch.data_parallel_rank  # the publisher's rank, for clears too
+        out.batches.append(self._wrap(events, frame.seq, frame, batch.ts))
         return out
 
     def gap_unfilled(self, frame: Frame) -> RelayOutput:
@@ -115,9 +117,9 @@ class VllmPublisherRelay:
         if self.next_seq is None or frame.seq >= self.next_seq:
             self.next_seq = frame.seq + 1
 
-    def _wrap(self, events, seq: int, frame: Frame, engine_ts: float, rank: int | None = None) -> EventBatch:
+    def _wrap(self, events, seq: int, frame: Frame, engine_ts: float) -> EventBatch:
         return EventBatch(
             v=SCHEMA_VERSION, model=self.model, replica=self.replica,
-            dp_rank=rank if rank is not None else (self.dp_rank or 0), epoch=self.epoch, seq=seq,
+            dp_rank=self.dp_rank or 0, epoch=self.epoch, seq=seq,
             engine_ts=engine_ts or frame.recv_ns / 1e9, relay_ts=frame.recv_ns / 1e9,
             block_size=self.mirror.block_size, events=events)

@@ -29,15 +29,21 @@ class ZmqSource:
         self.poller = zmq.Poller()
         self.poller.register(self.sub, zmq.POLLIN)
         self.closed = False
+        self._iterating = False
 
     def frames(self, timeout_s: float = 0.2) -> Iterator[Frame | None]:
         """Frames as they arrive; None every `timeout_s` without one (lets the caller stop/flush)."""
-        while not self.closed:
-            if not self.poller.poll(int(timeout_s * 1000)):
-                yield None
-                continue
-            parts = self.sub.recv_multipart()
-            yield self._frame(parts, "pub")
+        self._iterating = True
+        try:
+            while not self.closed:
+                if not self.poller.poll(int(timeout_s * 1000)):
+                    yield None
+                    continue
+                parts = self.sub.recv_multipart()
+                yield self._frame(parts, "pub")
+        finally:
+            self._iterating = False
+            self.sub.close(linger=0)  # closed by the thread that polls it (ZMQ sockets aren't thread-safe)
 
     def _frame(self, parts: list[bytes], src: str) -> Frame:
         now = time.time_ns()
@@ -78,5 +84,7 @@ class ZmqSource:
             sock.close()
 
     def close(self) -> None:
+        """Stop; a running `frames()` loop closes the socket itself within its poll timeout."""
         self.closed = True
-        self.sub.close(linger=0)
+        if not self._iterating:
+            self.sub.close(linger=0)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import msgspec
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from rocksdict import Options, Rdict
 
 from kvidx.core.shard import ModelShard
@@ -92,6 +92,18 @@ class SnapshotTopic:
             raise RuntimeError(f"snapshot to {self.topic} not acknowledged")
 
 
+def watermarks(c: Consumer, topic: str, partition: int, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(low, high) offsets; retried while a new topic's partitions still elect their leader."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return c.get_watermark_offsets(TopicPartition(topic, partition), timeout=5)
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def read_snapshots(bootstrap: str, topic: str, partitions: list[int] | None = None,
                    timeout_s: float = 30.0) -> dict[str, ModelShard]:
     """The newest complete snapshot of every model in the compacted topic (all partitions unless
@@ -106,7 +118,7 @@ def read_snapshots(bootstrap: str, topic: str, partitions: list[int] | None = No
         parts = sorted(tmeta.partitions) if partitions is None else partitions
         ends = {}
         for p in parts:
-            lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            lo, hi = watermarks(c, topic, p)
             if hi > lo:
                 ends[p] = hi
         if not ends:

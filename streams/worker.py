@@ -124,7 +124,8 @@ class ShardWorker:
 
 def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-worker",
                events_topic: str = EVENTS_TOPIC, snapshot_topic: str = SNAPSHOTS_TOPIC,
-               dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0, block_size: int = 16, metrics_port: int | None = None,
+               dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0,
+               block_size: int = 16, metrics_port: int | None = None,
                web_port: int = 6066, partitions: int = 4) -> tuple[faust.App, ShardWorker]:
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", datadir=str(Path(data_dir) / "faust"),

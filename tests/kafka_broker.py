@@ -23,7 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 DEFAULT_IMAGE = "confluentinc/cp-kafka:7.6.0"
 
@@ -83,38 +83,4 @@ def kafka_bootstrap_session() -> Iterator[str]:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def create_topics(
-    bootstrap: str,
-    names: Iterable[str],
-    partitions: int = 4,
-    compacted: Iterable[str] = (),
-    timeout: float = 30.0,
-) -> None:
-    """Create topics (replication factor 1), waiting for completion; existing topics are fine.
-
-    Names in ``compacted`` get ``cleanup.policy=compact`` (they are created even if not in ``names``).
-    """
-    from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    compacted = set(compacted)
-    wanted = list(dict.fromkeys([*names, *sorted(compacted)]))
-    if not wanted:
-        return
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    new = [
-        NewTopic(
-            n,
-            num_partitions=partitions,
-            replication_factor=1,
-            config={"cleanup.policy": "compact"} if n in compacted else {},
-        )
-        for n in wanted
-    ]
-    futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
-    for name, fut in futures.items():
-        try:
-            fut.result(timeout=timeout)
-        except KafkaException as e:
-            if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                raise RuntimeError(f"creating topic {name!r} failed: {e}") from e
+from kvidx.kafka.topics import create_topics  # noqa: E402,F401  (re-exported for tests)

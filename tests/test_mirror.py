@@ -266,9 +266,6 @@ def test_memo_limit_bounds_memo_and_keeps_live_entries():
     assert e.hashes == [H16[1]]
 
 
-@pytest.mark.xfail(strict=True, reason="mirror._remember prunes only among the oldest memo_limit//8 "
-                   "entries: when those are all live (long-lived blocks stored first) nothing is "
-                   "dropped and the memo grows without bound")
 def test_memo_limit_holds_when_oldest_entries_are_live():
     m = VllmMirror(16, memo_limit=64)
     m.apply([S(range(1000, 1008), None, T[:128])])  # 8 long-lived blocks (a system prompt), first in

@@ -154,9 +154,6 @@ def test_relay_mirror_error_dead_letter():
     assert out.dead == [] and out.gap is None and len(out.batches) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="vllm_relay.on_frame restart branch keeps the old next_seq: when "
-                   "the restarted engine's seq 0 is dead-lettered, _skip does not lower next_seq and "
-                   "the new epoch's seq 1, 2, ... are dropped as duplicates")
 def test_relay_restart_with_malformed_first_frame_keeps_following_frames():
     r = VllmPublisherRelay("m", "rep", 16, epoch=0)
     for s in range(5):
@@ -167,9 +164,6 @@ def test_relay_restart_with_malformed_first_frame_keeps_following_frames():
     assert len(out.batches) == 1 and out.batches[0].events[0].hashes == [H[0]]
 
 
-@pytest.mark.xfail(strict=True, reason="vllm_relay: ReplicaCleared of a restart/gap is wrapped with "
-                   "self.dp_rank or 0, not the publisher's data_parallel_rank: with dp_rank=None and a "
-                   "rank-1 publisher it clears rank 0 and leaves rank 1's stale blocks credited")
 def test_relay_clear_targets_the_publishers_dp_rank():
     shard = ModelShard("m", 16)
     r = VllmPublisherRelay("m", "rep", 16, epoch=0)  # rank taken from the batches

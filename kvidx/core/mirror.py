@@ -178,13 +178,18 @@ class VllmMirror:
 
     def _remember(self, eh: EngineHash, sub: tuple[int, ...], depth: int) -> None:
         memo = self.memo
-        if eh not in memo and len(memo) >= self.memo_limit:
-            # drop the oldest entries that no live copy needs
+        if memo.pop(eh, None) is None and len(memo) >= self.memo_limit:
+            # forget the least recently stored hashes that no live copy needs (live ones are kept:
+            # their removal must still find their canonical hashes, which `live` holds anyway)
             tier_groups = {(t, g) for (_, t, g) in self.live}
-            for old in list(memo)[: self.memo_limit // 8]:
+            budget = max(1, self.memo_limit // 8)
+            for old in [h for h, _ in zip(memo, range(4 * budget), strict=False)]:
                 if not any((old, t, g) in self.live for t, g in tier_groups):
                     del memo[old]
-        memo[eh] = (sub, depth)
+                    budget -= 1
+                    if not budget:
+                        break
+        memo[eh] = (sub, depth)  # (re)inserted at the end: the memo is kept in LRU order
 
     def clear(self) -> None:
         self.live.clear()

@@ -306,7 +306,8 @@ class ModelShard:
             g = shard._group(int(gid), kind, window)
             for tid, (keys, masks) in sorted(tiers.items()):
                 d = g.tier_map(int(tid))
-                d.update(zip(np.frombuffer(keys, dtype=np.uint64).tolist(), _unpack_masks(masks), strict=True))
+                hashes = np.frombuffer(keys, dtype=np.uint64).tolist()
+                d.update(zip(hashes, _unpack_masks(masks), strict=True))
             if len(g.tiers) > 1:
                 a: dict[int, int] = {}
                 for d in g.tiers.values():

@@ -1,0 +1,53 @@
+"""Creating the index's topics with the right settings (idempotent)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+EVENTS_RETENTION_MS = 7 * 24 * 3600 * 1000  # the events topic is the history for replay and audit
+
+
+def create_topics(
+    bootstrap: str,
+    names: Iterable[str],
+    partitions: int = 4,
+    compacted: Iterable[str] = (),
+    timeout: float = 30.0,
+    retention_ms: int | None = None,
+) -> None:
+    """Create topics (replication factor 1), waiting for completion; existing topics are fine.
+
+    Names in ``compacted`` get ``cleanup.policy=compact`` (they are created even if not in ``names``).
+    """
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    compacted = set(compacted)
+    wanted = list(dict.fromkeys([*names, *sorted(compacted)]))
+    if not wanted:
+        return
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    new = [
+        NewTopic(
+            n,
+            num_partitions=partitions,
+            replication_factor=1,
+            config={"cleanup.policy": "compact"} if n in compacted
+            else ({"retention.ms": str(retention_ms)} if retention_ms else {}),
+        )
+        for n in wanted
+    ]
+    futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
+    for name, fut in futures.items():
+        try:
+            fut.result(timeout=timeout)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise RuntimeError(f"creating topic {name!r} failed: {e}") from e
+
+
+def ensure_topics(bootstrap: str, names: dict[str, str], partitions: int = 4) -> None:
+    """The topics of one deployment (schemas.events.topic_names): events kept for days, the snapshot
+    topic compacted, dead letters kept for days."""
+    create_topics(bootstrap, [names["events"], names["dead_letters"]], partitions=partitions,
+                  compacted=[names["snapshots"]], retention_ms=EVENTS_RETENTION_MS)
