@@ -502,6 +502,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    print(ensure_jars())
+    return 0
+
+
 def _cmd_down(args: argparse.Namespace) -> int:
     down(args.state_dir)
     return 0
@@ -519,14 +524,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kafka {up,down,status}``. Each leaf sets ``func(args) -> int`` (exit code)."""
+    """Register ``kafka {fetch,up,down,status}``. Each leaf sets ``func(args) -> int`` (exit code)."""
     p = subparsers.add_parser(
         "kafka",
         help="run a local single-node Kafka broker (no Docker)",
         description="Run a real single-node Kafka broker (KRaft) on 127.0.0.1 with java; the jars "
         "are fetched once with Maven into ~/.cache/kvidx (override: KVIDX_KAFKA_HOME).",
     )
-    sub = p.add_subparsers(dest="kafka_cmd", metavar="{up,down,status}", required=True)
+    sub = p.add_subparsers(dest="kafka_cmd", metavar="{fetch,up,down,status}", required=True)
+    sp = sub.add_parser("fetch", help="fetch the Kafka jars with Maven (once; cached)",
+                        description="Download Apache Kafka's jars from Maven Central into the cache "
+                        "(~/.cache/kvidx, or $KVIDX_KAFKA_HOME) and print where they are.")
+    sp.set_defaults(func=_cmd_fetch)
 
     def state_arg(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(

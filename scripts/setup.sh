@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up a fresh clone: a virtualenv with kvidx and its test tools, and Apache Kafka's jars
+# (fetched once with Maven, cached in ~/.cache/kvidx). Needs python3 (3.11+), java 17+ and mvn.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v java >/dev/null || { echo "setup: java 17+ is needed for the local Kafka broker" >&2; exit 1; }
+command -v mvn >/dev/null || { echo "setup: maven (mvn) is needed to fetch the Kafka jars" >&2; exit 1; }
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/kvidx kafka fetch >/dev/null
+echo "setup: done (.venv ready, Kafka jars cached)" >&2
