@@ -241,7 +241,7 @@ class ModelShard:
                 "dp_rank": st.dp_rank,
                 "cached_tokens": cached,
                 "tiers": [{"tier": t, "tokens": k} for t, k in self.tier_runs(hashes, st.slot, nb)],
-                "resumable_tokens": resumable(cached, n_tokens, st.block_size or self.block_size),
+                "resumable_tokens": self.resume_point(hashes, n_tokens, st, cached),
                 "freshness": {
                     "last_event_age_ms": round((now - st.engine_ts) * 1000, 3) if st.batches else None,
                     "apply_lag_ms": round((st.applied_ts - st.engine_ts) * 1000, 3) if st.batches else None,
@@ -262,8 +262,28 @@ class ModelShard:
         for (rep, rank), st in self.replicas.items():
             if (replica is None or rep == replica) and (dp_rank is None or rank == dp_rank):
                 cached = min(hits.get(st.slot, 0) * self.block_size, n_tokens)
-                best = max(best, resumable(cached, n_tokens, st.block_size or self.block_size))
+                best = max(best, self.resume_point(hashes, n_tokens, st, cached))
         return best
+
+    def resume_point(self, hashes: list[int], n_tokens: int, st: ReplicaState, cached: int) -> int:
+        """The tokens the engine can resume from on one replica: the full-attention hit, capped below
+        the last prompt token at an engine block boundary, then moved left until every
+        sliding-window group holds the blocks covering the window before it (vLLM's hybrid rule:
+        ceil((w-1)/B) contiguous blocks right before the resume point, or all blocks from 0)."""
+        ebs = st.block_size or self.block_size
+        p = resumable(cached, n_tokens, ebs)
+        windows = [g for g in self.groups.values() if g.kind == "sliding_window" and g.window]
+        if not p or not windows:
+            return p
+        bit = 1 << st.slot
+        k = max(1, ebs // self.block_size)  # index blocks per engine block
+        need = [(g.any, -(-(g.window - 1) // ebs) * k) for g in windows]  # index blocks per window
+        while p > 0:
+            end = (p // ebs) * k  # index blocks before the resume point
+            if all(all(held.get(h, 0) & bit for h in hashes[max(0, end - n):end]) for held, n in need):
+                return p
+            p -= ebs
+        return 0
 
     def stats(self) -> dict:
         return {
