@@ -1,0 +1,209 @@
+"""Fold throughput (block events/s) and relay throughput.
+
+1. Worker fold: pre-encoded EventBatch messages (<= --per-batch block events each, removes and
+   stores, --replicas replicas, Mooncake-trace block patterns over per-replica LRU caches at 16-token
+   index blocks) -> decode_batch -> ModelShard.apply, after a warm-up that fills the caches (so the
+   timed part runs on a full shard with steady-state evictions). Also decode alone and apply alone.
+2. Relay: vLLM 0.32 wire payloads (token ids, engine block size --engine-block-size) produced by the
+   simulated engine's block pool from the same trace -> relays.vllm_wire.decode_payload alone, and
+   VllmPublisherRelay.on_frame (decode + mirror + canonical re-hash), and on_frame + encode_batch.
+
+Target (DESIGN.md): ingest >= 250k block events/s (relay decode -> Kafka -> fold -> shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import _common as c
+import numpy as np
+
+from kvidx.core.shard import ModelShard
+from kvidx.sim.vllm_engine import SimVllmEngine
+from relays.vllm_relay import Frame, VllmPublisherRelay
+from relays.vllm_wire import BlockRemoved, BlockStored, decode_payload
+from schemas.events import decode_batch, encode_batch
+
+TARGET = 250_000
+
+
+def bench_worker_fold(args, figs: c.Figures) -> None:
+    c.log(f"worker fold: generating ~{args.events:,} timed block events, {args.replicas} replicas, "
+          f"capacity {args.capacity:,} blocks/replica, <= {args.per_batch} block events/batch ...")
+    t = time.perf_counter()
+    warm, timed = c.batches_from_stream(args.replicas, args.capacity, 16, args.per_batch, args.events)
+    n_timed = sum(map(c.block_events, timed))
+    n_removed = sum(len(e.hashes) for b in timed for e in b.events if type(e).__name__ == "BlocksRemoved")
+    msgs = [encode_batch(b) for b in timed]
+    c.log(f"  {len(warm):,} warm-up + {len(timed):,} timed batches ({n_timed:,} block events, "
+          f"{n_removed / n_timed:.0%} removes, {sum(map(len, msgs)) / len(msgs):.0f} B/msg) "
+          f"in {time.perf_counter() - t:.1f}s")
+
+    base = ModelShard(c.MODEL, 16)
+    for b in warm:
+        base.apply(b, 0.0)
+    blocks, entries = c.shard_entries(base)
+    c.log(f"  warm shard: {blocks:,} blocks, {entries:,} entries")
+    snap = base.snapshot()
+    del warm
+
+    dec = []
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        for m in msgs:
+            decode_batch(m)
+        dec.append(n_timed / (time.perf_counter() - t))
+    c.log(f"  decode_batch alone: {max(dec):,.0f} blocks/s (best of {args.repeat})")
+
+    decoded = [decode_batch(m) for m in msgs]
+    app = []
+    for _ in range(args.repeat):
+        shard = ModelShard.restore(snap)
+        t = time.perf_counter()
+        for b in decoded:
+            shard.apply(b, 1.0)
+        app.append(n_timed / (time.perf_counter() - t))
+    c.log(f"  apply alone: {max(app):,.0f} blocks/s (best of {args.repeat})")
+    del decoded
+
+    both = []
+    for i in range(args.repeat):
+        shard = ModelShard.restore(snap)
+        c.collect()
+        t = time.perf_counter()
+        for m in msgs:
+            shard.apply(decode_batch(m), 1.0)
+        dt = time.perf_counter() - t
+        both.append(n_timed / dt)
+        c.log(f"  run {i + 1}/{args.repeat}: decode+apply {n_timed:,} block events in {dt:.2f}s = "
+              f"{both[-1]:,.0f} blocks/s ({len(msgs) / dt:,.0f} batches/s)")
+    figs.add("fold decode_batch+apply, block events/s (best)", max(both), "blocks/s", f">= {TARGET}",
+             f"median {statistics.median(both):,.0f}; {args.per_batch} blocks/batch, "
+             f"{args.replicas} replicas")
+    figs.add("fold decode_batch alone, block events/s", max(dec), "blocks/s")
+    figs.add("fold ModelShard.apply alone, block events/s", max(app), "blocks/s")
+
+
+class _CapturingEngine(SimVllmEngine):
+    """The simulated vLLM engine's block pool and wire format; payloads are kept, not sent."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.payloads: list[tuple[int, bytes]] = []
+
+    def _publish(self, payload: bytes) -> int:
+        seq = self._seq
+        self._seq += 1
+        self.payloads.append((seq, payload))
+        return seq
+
+
+def _prompt(n_in: int, ids: list[int]) -> list[int]:
+    keys = (np.asarray(ids, dtype=np.uint64)[:, None] * np.uint64(c.TRACE_BLOCK)
+            + np.arange(c.TRACE_BLOCK, dtype=np.uint64)).ravel()[:n_in]
+    return (c.mix64(keys) % np.uint64(150_000)).tolist()
+
+
+def bench_relay(args, figs: c.Figures) -> None:
+    bs = args.engine_block_size
+    c.log(f"relay: simulating {args.relay_replicas} vLLM engines (block size {bs}, "
+          f"{args.engine_blocks:,} blocks each) over {args.relay_requests:,} trace requests ...")
+    t = time.perf_counter()
+    trace = c.load_trace(args.relay_requests)
+    rng = np.random.default_rng(3)
+    engines = [_CapturingEngine(args.engine_blocks, bs, endpoint="tcp://127.0.0.1:*", dp_rank=0)
+               for _ in range(args.relay_replicas)]
+    max_tokens = args.engine_blocks * bs // 2
+    try:
+        for (n_in, ids), r in zip(trace, rng.integers(0, len(engines), len(trace)).tolist(), strict=True):
+            n_in = min(n_in, max_tokens)
+            engines[r].serve(_prompt(n_in, ids), rng.integers(0, 150_000, 32).tolist())
+    finally:
+        streams = [e.payloads for e in engines]
+        for e in engines:
+            e.close()
+    payloads = [p for s in streams for _, p in s]
+    n_engine = 0
+    for p in payloads:
+        for ev in decode_payload(p).events:
+            if isinstance(ev, BlockStored | BlockRemoved):
+                n_engine += len(ev.block_hashes)
+    n_bytes = sum(map(len, payloads))
+    c.log(f"  {len(payloads):,} payloads, {n_engine:,} engine block events, {n_bytes / 1e6:.1f} MB "
+          f"({n_bytes / n_engine:.0f} B/block event) in {time.perf_counter() - t:.1f}s")
+
+    dec = []
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        for p in payloads:
+            decode_payload(p)
+        dec.append(n_engine / (time.perf_counter() - t))
+    c.log(f"  decode_payload alone: {max(dec):,.0f} engine blocks/s")
+
+    runs, runs_enc, n_index = [], [], 0
+    for i in range(min(args.repeat, 2)):
+        for with_encode in (False, True):
+            relays = [VllmPublisherRelay(c.MODEL, f"replica-{r}", args.index_block_size, epoch=1)
+                      for r in range(len(streams))]
+            frames = [[Frame(b"kv", seq, p, 0) for seq, p in s] for s in streams]
+            c.collect()
+            n_out = 0
+            t = time.perf_counter()
+            for relay, fs in zip(relays, frames, strict=True):
+                on_frame = relay.on_frame
+                for f in fs:
+                    out = on_frame(f)
+                    if with_encode:
+                        for b in out.batches:
+                            encode_batch(b)
+                    elif i == 0:
+                        n_out += sum(map(c.block_events, out.batches))
+            dt = time.perf_counter() - t
+            (runs_enc if with_encode else runs).append(n_engine / dt)
+            if not with_encode and i == 0:
+                n_index = n_out
+                dead = sum(r.mirror.stats["orphan_blocks"] for r in relays)
+                c.log(f"  relay out: {n_index:,} index block events ({dead} orphan blocks)")
+        c.log(f"  run {i + 1}: on_frame {runs[-1]:,.0f} engine blocks/s, "
+              f"+encode_batch {runs_enc[-1]:,.0f}")
+    ratio = n_index / n_engine if n_engine else 0
+    note = f"engine block size {bs}, index block size {args.index_block_size}"
+    figs.add("relay decode_payload alone, engine block events/s", max(dec), "blocks/s", "", note)
+    figs.add("relay on_frame (decode+mirror+hash), engine block events/s", max(runs), "blocks/s",
+             f">= {TARGET}", note)
+    figs.add("relay on_frame + encode_batch, engine block events/s", max(runs_enc), "blocks/s", "",
+             f"{ratio:.2f} index block events per engine block event")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI-size run (a few seconds)")
+    p.add_argument("--events", type=int, default=3_000_000, help="timed block events (fold)")
+    p.add_argument("--replicas", type=int, default=64)
+    p.add_argument("--capacity", type=int, default=16384, help="blocks cached per replica (fold)")
+    p.add_argument("--per-batch", type=int, default=64, help="block events per EventBatch")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--relay-requests", type=int, default=700, help="trace requests for the relay part")
+    p.add_argument("--relay-replicas", type=int, default=8)
+    p.add_argument("--engine-block-size", type=int, default=16)
+    p.add_argument("--index-block-size", type=int, default=16)
+    p.add_argument("--engine-blocks", type=int, default=16384, help="KV blocks per simulated engine")
+    p.add_argument("--skip-relay", action="store_true")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.events, args.capacity, args.repeat, args.relay_requests = 300_000, 2048, 1, 200
+        args.engine_blocks = 4096
+    figs = c.Figures("fold")
+    bench_worker_fold(args, figs)
+    if not args.skip_relay:
+        bench_relay(args, figs)
+    figs.write(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""In-process lookup latency, shard memory, snapshot size and restore time.
+
+The shard (see _common.build_lookup_shard): --blocks distinct 64-token index blocks over --replicas
+replicas, one tier; 16 query prompts of 32k tokens (512 blocks) of which each replica holds a
+random-length prefix with probability 0.6 (partial hits on ~38 replicas per prompt), the rest of
+the blocks from the Mooncake trace replayed with random routing.
+
+Measured per lookup (prompts rotated, --iters of each):
+  (a) prompt_hashes(packed tokens)  (b) shard.lookup(hashes)  (b') shard.prefix_blocks(hashes)
+  (c) prompt_hashes + shard.lookup  (what the service does per request, minus HTTP and JSON)
+Targets (DESIGN.md): in-process p99 <= 300 us; <= 64 bytes per (block, replica, tier) entry;
+rebuild of a 1M-block shard <= 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import tracemalloc
+
+import _common as c
+
+from kvidx.core.hashing import prompt_hashes
+from kvidx.core.shard import ModelShard
+
+
+def timed(fn, iters: int, n_prompts: int) -> list[float]:
+    out = []
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        j = i % n_prompts
+        t = clock()
+        fn(j)
+        out.append((clock() - t) / 1e3)
+    return out
+
+
+def measure_latency(ls: c.LookupShard, args, figs: c.Figures, now: float) -> None:
+    shard, hs, n = ls.shard, ls.prompt_hashes, len(ls.prompts)
+    n_tok = len(ls.prompts[0]) // 4
+    ops = {
+        "a_hash": lambda j: prompt_hashes(ls.prompts[j], args.block_size),
+        "b_lookup": lambda j: shard.lookup(hs[j], n_tok, now),
+        "b_prefix_blocks": lambda j: shard.prefix_blocks(hs[j]),
+        "c_hash_lookup": lambda j: shard.lookup(prompt_hashes(ls.prompts[j], args.block_size), n_tok, now),
+    }
+    labels = {"a_hash": "(a) prompt_hashes 32k tokens", "b_lookup": "(b) shard.lookup 512 blocks",
+              "b_prefix_blocks": "(b') shard.prefix_blocks 512 blocks",
+              "c_hash_lookup": "(c) prompt_hashes + shard.lookup"}
+    for key, fn in ops.items():
+        timed(fn, min(200, args.iters), n)  # warm-up
+        lat = timed(fn, args.iters, n)
+        p50, p99, mx = c.pct(lat, 50, 99, 100)
+        c.log(f"  {labels[key]}: p50 {p50:.1f} us, p99 {p99:.1f} us, max {mx:.0f} us ({args.iters} lookups)")
+        figs.add(f"{labels[key]} p50", p50, "us")
+        figs.add(f"{labels[key]} p99", p99, "us", "<= 300" if key == "c_hash_lookup" else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI-size run (a few seconds)")
+    p.add_argument("--blocks", type=int, default=1_000_000, help="distinct blocks in the shard")
+    p.add_argument("--replicas", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64, help="index block size (tokens)")
+    p.add_argument("--iters", type=int, default=20000, help="timed lookups per measured operation")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.blocks, args.iters = 100_000, 500
+    figs = c.Figures("lookup")
+
+    c.log(f"building a shard of {args.blocks:,} blocks over {args.replicas} replicas "
+          f"({args.block_size}-token blocks) ...")
+    c.collect()
+    rss0 = c.rss_bytes()
+    ls = c.build_lookup_shard(args.blocks, args.replicas, args.block_size)
+    c.collect()
+    rss1 = c.rss_bytes()
+    shard = ls.shard
+    blocks, entries = c.shard_entries(shard)
+    c.log(f"  built in {ls.build_s:.1f}s: {blocks:,} blocks, {entries:,} (block, replica, tier) entries "
+          f"({entries / blocks:.2f} replicas per block)")
+
+    now = time.time()
+    hs = ls.prompt_hashes
+    n = len(ls.prompts)
+    n_tok = len(ls.prompts[0]) // 4
+    hits = [shard.prefix_blocks(h) for h in hs]
+    c.log(f"  query prompts: {n} x {n_tok:,} tokens = {len(hs[0])} blocks; hit on "
+          f"{sum(map(len, hits)) / n:.1f} replicas on average, mean hit "
+          f"{sum(sum(x.values()) / max(1, len(x)) for x in hits) / n:.0f} blocks")
+
+    measure_latency(ls, args, figs, now)
+
+    nbytes = c.shard_bytes(shard)
+    figs.add("memory per (block, replica, tier) entry (dict tables + int objects)", nbytes / entries,
+             "bytes", "<= 64", f"{nbytes / blocks:.0f} B per distinct block, {entries / blocks:.2f} "
+             f"entries per block")
+    figs.add("memory per entry (RSS delta of the build)", (rss1 - rss0) / entries, "bytes", "",
+             f"RSS +{(rss1 - rss0) / 2**20:.0f} MiB, includes allocator slack and the query prompts")
+
+    c.log("snapshot ...")
+    t = time.perf_counter()
+    snap = shard.snapshot()
+    t_snap = time.perf_counter() - t
+    figs.add("snapshot size", len(snap) / 2**20, "MiB", "", f"{len(snap) / blocks:.1f} B per block")
+    figs.add("snapshot time", t_snap, "s")
+    del shard, ls, hits
+    c.collect()
+    rt = []
+    for _ in range(2):
+        t = time.perf_counter()
+        restored = ModelShard.restore(snap)
+        rt.append(time.perf_counter() - t)
+        del restored
+        c.collect()
+    c.log(f"  restore: {', '.join(f'{x:.2f}s' for x in rt)}")
+    figs.add(f"restore (rebuild) of {blocks:,} blocks from a snapshot", min(rt), "s", "<= 10",
+             "in process: decode + dict rebuild (no Kafka read)")
+    tracemalloc.start()
+    restored = ModelShard.restore(snap)
+    c.collect()
+    used = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    figs.add("memory per entry of a restored shard (tracemalloc)", used / entries, "bytes", "")
+    del restored
+    figs.write(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
