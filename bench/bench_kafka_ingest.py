@@ -77,7 +77,7 @@ def consume(bootstrap: str, topic: str, n_batches: int, timeout: float, fresh: b
 
 
 def run(bootstrap: str, topic: str, n_batches: int, rate: float | None, ctx) -> tuple[dict, tuple]:
-    from tests.kafka_broker import create_topics
+    from kvidx.kafka.topics import create_topics
 
     create_topics(bootstrap, [topic, topic + ".warmup"], partitions=1)
     q, go = ctx.Queue(), ctx.Queue()
@@ -126,8 +126,8 @@ def producer(bootstrap: str, topic: str, n_batches: int, rate: float | None, q, 
 
 def rebuild(bootstrap: str, topic: str, n_blocks: int, figs: c.Figures) -> None:
     """Write a shard's snapshot to a compacted topic (streams.snapshots) and time read_snapshots."""
+    from kvidx.kafka.topics import create_topics
     from streams.snapshots import SnapshotTopic, read_snapshots, split
-    from tests.kafka_broker import create_topics
 
     create_topics(bootstrap, [], partitions=1, compacted=[topic])
     shard = c.build_lookup_shard(n_blocks, progress=False).shard
