@@ -2,7 +2,7 @@
 
 Kafka: an idempotent producer (acks=all, no duplicates on retry), key = model so that every event of a
 model, and so of each replica, stays in order in one partition. Malformed engine messages go to the
-dead-letter topic with their raw bytes and the reason in headers.
+dead-letter topic with the reason in headers and the message with its token ids redacted.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Protocol
 
 from confluent_kafka import KafkaException, Producer
 
+from relays.redact import redact
 from relays.vllm_relay import DeadLetter
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, EventBatch, encode_batch
 
@@ -60,11 +61,12 @@ class KafkaSink:
 
     def dead_letter(self, dl: DeadLetter, model: str, replica: str) -> None:
         f = dl.frame
+        value, how = redact(f.payload)  # never prompt tokens, not even in dead letters
         headers = [("reason", dl.reason.encode()), ("detail", dl.detail.encode()),
                    ("model", model.encode()), ("replica", replica.encode()),
                    ("endpoint", f.endpoint.encode()), ("seq", str(f.seq).encode()),
-                   ("topic", f.topic)]
-        self._produce(self.dead_letter_topic, f"{model}/{replica}".encode(), f.payload, headers)
+                   ("topic", f.topic), ("redaction", how.encode()), ("bytes", str(len(f.payload)).encode())]
+        self._produce(self.dead_letter_topic, f"{model}/{replica}".encode(), value, headers)
 
     def flush(self, timeout: float = 10.0) -> int:
         return self.producer.flush(timeout)
