@@ -40,6 +40,7 @@ Lookups read the shards without the store lock (see ShardStore). Token ids are n
 
 from __future__ import annotations
 
+import hmac
 import logging
 import sys
 import time
@@ -161,8 +162,21 @@ def _freshness(shard: ModelShard, now: float) -> dict:
     }
 
 
-def create_app(store: ShardStore, *, max_tokens: int = 1_000_000) -> FastAPI:
+def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None) -> FastAPI:
+    """`auth_token`: when set, every /v1/ request must carry `Authorization: Bearer <token>`
+    (/healthz and /metrics stay open for probes and scrapers)."""
     app = FastAPI(title="kvidx lookup service", version="1")
+    if auth_token:
+        expected = f"Bearer {auth_token}".encode()
+
+        @app.middleware("http")
+        async def require_token(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return _json({"error": "missing or wrong bearer token (Authorization: Bearer ...)"}, 401)
+            return await call_next(request)
+
     metrics = ServiceMetrics(store)
     app.state.store = store
     app.state.metrics = metrics

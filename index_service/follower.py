@@ -16,6 +16,7 @@ import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from index_service.store import ShardStore
+from kvidx.kafka.config import client_config
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
 from streams.snapshots import read_snapshots, watermarks
 
@@ -59,7 +60,8 @@ class KafkaFollower:
                 p = shard.events_partition
                 starts[p] = min(starts.get(p, shard.events_offset), shard.events_offset)
         log.info("event=snapshots_loaded models=%d seconds=%.3f", len(shards), time.monotonic() - t0)
-        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"kvidx-service-{time.time_ns()}",
+        c = Consumer({**client_config(), "bootstrap.servers": self.bootstrap,
+                      "group.id": f"kvidx-service-{time.time_ns()}",
                       "enable.auto.commit": False, "fetch.wait.max.ms": 5, "fetch.min.bytes": 1,
                       "topic.metadata.refresh.interval.ms": 5000})
         try:

@@ -89,10 +89,15 @@ def cmd_serve(args) -> int:
     from schemas.events import topic_names
 
     t = topic_names(args.topic_prefix)
+    token = os.environ.get("KVIDX_API_TOKEN")
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            token = f.read().strip()
     store = ShardStore(args.index_block_size)
     follower = KafkaFollower(store, _bootstrap(args), t["events"], t["snapshots"]).start()
     try:
-        uvicorn.run(create_app(store), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(create_app(store, max_tokens=args.max_tokens, auth_token=token), host=args.host,
+                    port=args.port, log_level="warning")
     finally:
         follower.stop()
     return 0
@@ -130,6 +135,8 @@ def cmd_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvidx", description="A fleet-wide KV-cache index for LLM serving.")
     p.add_argument("--log-level", default=os.environ.get("KVIDX_LOG_LEVEL", "INFO"))
+    p.add_argument("--kafka-config", help="JSON file of librdkafka settings for every Kafka client "
+                   "(TLS, SASL ...; or set $KVIDX_KAFKA_CONFIG)")
     sub = p.add_subparsers(dest="command", required=True)
 
     from kvidx.kafka import add_cli
@@ -171,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--auth-token-file", help="require `Authorization: Bearer <token>` on /v1/ "
+                   "(the token read from this file; or set $KVIDX_API_TOKEN)")
+    s.add_argument("--max-tokens", type=int, default=1_000_000, help="largest prompt a lookup accepts")
     s.set_defaults(func=cmd_serve)
 
     sh = sub.add_parser("shadow", help="replay a recording and compare credited with reused tokens",
@@ -202,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _logging(args.log_level)
+    if args.kafka_config:
+        from kvidx.kafka.config import load_file
+        load_file(args.kafka_config)
     return args.func(args) or 0
 
 

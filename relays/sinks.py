@@ -12,6 +12,7 @@ from typing import Protocol
 
 from confluent_kafka import KafkaException, Producer
 
+from kvidx.kafka.config import client_config
 from relays.redact import redact
 from relays.vllm_relay import DeadLetter
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, EventBatch, encode_batch
@@ -36,6 +37,7 @@ class KafkaSink:
             "enable.idempotence": True,  # implies acks=all and ordered, duplicate-free retries
             "linger.ms": 2,
             "message.max.bytes": 16 << 20,
+            **client_config(),
             **config,
         })
 

@@ -21,6 +21,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 from rocksdict import Options, Rdict
 
 from kvidx.core.shard import ModelShard
+from kvidx.kafka.config import client_config
 
 log = logging.getLogger("kvidx.streams")
 CHUNK = 512 * 1024
@@ -82,8 +83,8 @@ class SnapshotTopic:
     def __init__(self, bootstrap: str, topic: str):
         self.bootstrap = bootstrap
         self.topic = topic
-        self.producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                                  "message.max.bytes": 4 << 20})
+        self.producer = Producer({**client_config(), "bootstrap.servers": bootstrap,
+                                  "enable.idempotence": True, "message.max.bytes": 4 << 20})
 
     def publish(self, items: list[tuple[str, bytes]], partition: int) -> None:
         for k, v in items:
@@ -108,7 +109,8 @@ def read_snapshots(bootstrap: str, topic: str, partitions: list[int] | None = No
                    timeout_s: float = 30.0) -> dict[str, ModelShard]:
     """The newest complete snapshot of every model in the compacted topic (all partitions unless
     given)."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"kvidx-snapshot-reader-{time.time_ns()}",
+    c = Consumer({**client_config(), "bootstrap.servers": bootstrap,
+                  "group.id": f"kvidx-snapshot-reader-{time.time_ns()}",
                   "enable.auto.commit": False, "fetch.max.bytes": 64 << 20})
     try:
         md = c.list_topics(topic, timeout=10)

@@ -26,6 +26,7 @@ from confluent_kafka import Producer
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from kvidx.core.shard import ModelShard
+from kvidx.kafka.config import client_config, faust_credentials
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
 from streams.snapshots import LocalStore, SnapshotTopic, read_snapshots, split
 
@@ -113,7 +114,8 @@ class ShardWorker:
         DEAD.labels(reason).inc()
         log.warning("event=dead_letter reason=%s bytes=%d detail=%s", reason, len(raw), detail[:120])
         if self._dlq is None:
-            self._dlq = Producer({"bootstrap.servers": self.bootstrap, "enable.idempotence": True})
+            self._dlq = Producer({**client_config(), "bootstrap.servers": self.bootstrap,
+                                  "enable.idempotence": True})
         self._dlq.produce(self.dead_letter_topic, value=raw,
                           headers=[("reason", reason.encode()), ("detail", detail.encode())])
         self._dlq.flush(10)
@@ -131,7 +133,8 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
         app_id, broker=f"kafka://{bootstrap}", datadir=str(Path(data_dir) / "faust"),
         web_enabled=web_port > 0, web_bind="127.0.0.1", web_port=web_port or 6066,
         topic_partitions=partitions,
-        consumer_auto_offset_reset="earliest", broker_commit_every=100_000,
+        consumer_auto_offset_reset="earliest", broker_credentials=faust_credentials(client_config()),
+        broker_commit_every=100_000,
         broker_commit_interval=1.0, stream_buffer_maxsize=20_000,
     )
     worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, block_size=block_size)

@@ -378,3 +378,16 @@ def test_metrics(world):
         other = httpx.get(f"{url}/metrics").text
     assert 'kvidx_lookups_total{form="json",status="200"}' not in other
     assert "kvidx_ready 0.0" in other
+
+
+def test_bearer_token_required_on_v1_when_configured(world):
+    store = world["store"]
+    with ServerThread(create_app(store, auth_token="s3cret")) as base, httpx.Client(base_url=base) as c:
+        body = {"model": MODEL, "token_ids": list(range(64))}
+        r = c.post("/v1/lookup", json=body)
+        assert r.status_code == 401 and "bearer" in r.json()["error"]
+        r = c.post("/v1/lookup", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = c.post("/v1/lookup", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["model"] == MODEL
+        assert c.get("/healthz").status_code == 200  # probes stay open

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvidx.kafka.config import client_config
+
 EVENTS_RETENTION_MS = 7 * 24 * 3600 * 1000  # the events topic is the history for replay and audit
 
 
@@ -26,7 +28,7 @@ def create_topics(
     wanted = list(dict.fromkeys([*names, *sorted(compacted)]))
     if not wanted:
         return
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({**client_config(), "bootstrap.servers": bootstrap})
     new = [
         NewTopic(
             n,

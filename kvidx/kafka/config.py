@@ -1,0 +1,57 @@
+"""Kafka client settings shared by every client of the index (TLS, SASL, timeouts ...).
+
+`KVIDX_KAFKA_CONFIG` holds a JSON object of librdkafka settings, e.g.
+`{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "kvidx",
+"sasl.password": "...", "ssl.ca.location": "/etc/kafka/ca.pem"}`; `--kafka-config FILE` on the
+commands reads the same object from a file. The faust worker gets the same security settings
+translated to its own (aiokafka) credentials.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+ENV = "KVIDX_KAFKA_CONFIG"
+
+
+def client_config() -> dict[str, Any]:
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        conf = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: ${ENV} is not a JSON object: {e}") from None
+    if not isinstance(conf, dict):
+        raise SystemExit(f"error: ${ENV} must be a JSON object of librdkafka settings")
+    return conf
+
+
+def load_file(path: str) -> None:
+    """`--kafka-config FILE`: make the file's settings the process's client settings."""
+    with open(path) as f:
+        os.environ[ENV] = json.dumps(json.load(f))
+
+
+def faust_credentials(conf: dict[str, Any]):
+    """The faust/aiokafka equivalent of the librdkafka security settings (None: plaintext)."""
+    proto = str(conf.get("security.protocol", "PLAINTEXT")).upper()
+    if proto == "PLAINTEXT":
+        return None
+    import ssl
+
+    import faust
+
+    ctx = None
+    if proto in ("SSL", "SASL_SSL"):
+        ctx = ssl.create_default_context(cafile=conf.get("ssl.ca.location"))
+        if conf.get("ssl.certificate.location"):
+            ctx.load_cert_chain(conf["ssl.certificate.location"], conf.get("ssl.key.location"),
+                                conf.get("ssl.key.password"))
+    if proto == "SSL":
+        return faust.SSLCredentials(ctx)
+    mechanism = str(conf.get("sasl.mechanism", "PLAIN")).upper()
+    return faust.SASLCredentials(username=conf.get("sasl.username"), password=conf.get("sasl.password"),
+                                 mechanism=mechanism, ssl_context=ctx)
