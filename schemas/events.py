@@ -46,6 +46,9 @@ class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     engine_hashes: list[int] = []  # engine block hashes (u64; 32-byte digests folded to their last 8)
     group_kind: str = "full_attention"
     sliding_window: int | None = None
+    # the engine block size of these blocks when it differs from the batch's (vLLM's partial blocks
+    # under --prefix-match-unit: a finer unit the engine may resume at); 0 = the batch's block size
+    block_size: int = 0
 
 
 class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):

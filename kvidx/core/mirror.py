@@ -9,8 +9,19 @@ It turns the engine's events into canonical index events by vLLM's rules (vllm/v
   memo stays valid after eviction);
 - a group can hold two physical copies of one hash (the recomputed last block of a fully cached
   prompt; whole chains in hybrid models): copies are counted and a block is retracted only when its
-  last copy goes. A chain re-stored from the root (parent null) in a single-group model is a
-  re-announcement (kv_cache_report_mode "full"), not a copy, and does not count;
+  last copy goes. A re-announcement (kv_cache_report_mode "full": vLLM re-lists the blocks a request
+  reused, from the root, parent null) is not a copy and does not count. It can be told apart:
+  in a single-group model, any chain re-stored from the root; in a hybrid model, vLLM re-announces
+  every group of the request in one batch with the same hash list, token_ids exactly covering it,
+  and the hit it reports is cached: the full-attention groups hold every listed hash and each other
+  group holds the last one (see `_reannounced`). Anything else re-storing a live hash is a copy;
+- state-space ("mamba") groups: vLLM announces a state checkpoint as one hash at the last block of
+  the chunk's token range (token_ids cover the whole chunk, parent null): it is placed at that block,
+  chained from the root over all tokens, and kept under its last index block only (a checkpoint is
+  a point: the state after exactly p tokens). Announcements without any hash are counted and ignored;
+- partial blocks (--prefix-match-unit): BlockStored events whose block_size is a finer unit than the
+  group's block size are placed like any block (by their parent's hash); the canonical events carry
+  that unit so the shard knows where the engine may resume;
 - AllBlocksCleared drops everything the replica held.
 The mirror is pure: no I/O, no clocks. It is fed decoded engine batches and returns schema events.
 """
@@ -22,6 +33,10 @@ from collections.abc import Iterable
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
 from relays.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, fold_engine_hash
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
+
+FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+STATE_KINDS = frozenset({"mamba"})
 
 
 class MirrorError(ValueError):
@@ -55,7 +70,8 @@ class VllmMirror:
         self.group_kinds: dict[int, tuple[str, int | None]] = {}
         self.block_size = 0  # the engine's (largest) block size seen
         self.stats = {"stored": 0, "removed": 0, "restored_live": 0, "extra_copies": 0,
-                      "remove_unknown": 0, "orphan_blocks": 0, "cleared": 0}
+                      "remove_unknown": 0, "orphan_blocks": 0, "cleared": 0, "hashless_stored": 0,
+                      "reannounced": 0, "partial_blocks": 0, "partial_unaligned": 0}
 
     @property
     def hybrid(self) -> bool:
@@ -63,8 +79,14 @@ class VllmMirror:
 
     def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared]) -> list[Event]:
         out: list[Event] = []
-        for ev in events:
+        events = list(events)
+        reannounced = self._reannounced(events)
+        for i, ev in enumerate(events):
             if isinstance(ev, BlockStored):
+                if reannounced and i in reannounced:
+                    self.stats["reannounced"] += 1
+                    self.stats["restored_live"] += len(ev.block_hashes)
+                    continue
                 self._stored(ev, out)
             elif isinstance(ev, BlockRemoved):
                 self._removed(ev, out)
@@ -74,11 +96,51 @@ class VllmMirror:
                 out.append(ReplicaCleared("engine_cache_reset"))
         return out
 
+    def _reannounced(self, events: list) -> set[int] | None:
+        """Positions of hybrid-model re-announcements in one engine batch (kv_cache_report_mode
+        "full"): vLLM's emit_cached_block_events lists, for every group of a request with a hit, the
+        hit's hashes from the root (parent null, token_ids exactly nb x block_size), all in one batch.
+        A second physical copy differs: it is stored by one group's cache_full_blocks, and the other
+        groups' stores of the same step skip their null blocks (other hash lists), or the hit that
+        forced the recompute is not cached in every group."""
+        if len(events) < 2 or not self.hybrid:
+            return None
+        cands: dict[tuple, list[int]] = {}
+        for i, ev in enumerate(events):
+            if (isinstance(ev, BlockStored) and ev.parent_block_hash is None and ev.block_hashes
+                    and len(ev.token_ids) == len(ev.block_hashes) * ev.block_size):
+                cands.setdefault((tuple(ev.block_hashes), ev.block_size, normalize_tier(ev.medium)),
+                                 []).append(i)
+        out: set[int] = set()
+        for (hashes, _, tier), idx in cands.items():
+            groups = {events[i].group_idx or 0 for i in idx}
+            if len(groups) < 2:
+                continue
+            live = self.live
+            ok = True
+            for g in groups:
+                kind = self.group_kinds.get(g, ("full_attention", None))[0]
+                need = hashes if kind in FULL_KINDS else hashes[-1:]
+                if not all((h, tier, g) in live for h in need):
+                    ok = False
+                    break
+            if ok:
+                out.update(idx)
+        return out or None
+
     def _stored(self, ev: BlockStored, out: list[Event]) -> None:
         nb = len(ev.block_hashes)
         if nb == 0:
+            # vLLM's mamba groups announce chunks whose state blocks were all skipped (blocks filled
+            # during decode): nothing was cached
+            self.stats["hashless_stored"] += 1
             return
         ibs, ebs = self.index_block_size, ev.block_size
+        if 0 < ebs < self.block_size and ebs % ibs:
+            # a partial block (--prefix-match-unit) finer than the index block size: not indexable,
+            # the engine's full blocks still are
+            self.stats["partial_unaligned"] += 1
+            return
         if ebs <= 0 or ebs % ibs:
             raise MirrorError("block_size_mismatch",
                               f"engine block size {ebs} is not a multiple of the index block size {ibs}")
@@ -89,8 +151,15 @@ class VllmMirror:
                               f"{len(ev.token_ids)} token ids for {nb} blocks of {ebs}")
         group = ev.group_idx or 0
         kind = ev.kv_cache_spec_kind or "full_attention"
-        self.group_kinds.setdefault(group, (kind, ev.kv_cache_spec_sliding_window))
-        self.block_size = max(self.block_size, ebs)
+        gk = self.group_kinds.setdefault(group, (kind, ev.kv_cache_spec_sliding_window))
+        if ev.kv_cache_spec_kind is None and gk[0] != kind:
+            kind = gk[0]  # a partial event may come without the group's metadata: keep what we know
+        partial = 0 < ebs < self.block_size
+        if partial:
+            self.stats["partial_blocks"] += nb
+        else:
+            self.block_size = max(self.block_size, ebs)
+        state = kind in STATE_KINDS
         tier = normalize_tier(ev.medium)
 
         if ev.parent_block_hash is None:
@@ -119,6 +188,9 @@ class VllmMirror:
             first = (skip + j) * k
             sub = tuple(canon[first:first + k])
             self._remember(eh, sub, depth0 + first)
+            if state:  # a state checkpoint is a point: the state after the block's last token
+                first += k - 1
+                sub = sub[-1:]
             key = (eh, tier, group)
             entry = self.live.get(key)
             if entry is not None:
@@ -145,7 +217,7 @@ class VllmMirror:
                 run_parent = canon[p0 - 1] if p0 else (None if depth0 == 0 else parent)
                 out.append(BlocksStored(tier, group, canon[p0:new_pos[i - 1] + 1], run_parent,
                                         depth0 + p0, engine_new if start == 0 else [], kind,
-                                        ev.kv_cache_spec_sliding_window))
+                                        ev.kv_cache_spec_sliding_window, ebs if partial else 0))
                 start = i
 
     def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:

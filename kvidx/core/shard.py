@@ -12,6 +12,8 @@ so Kafka redeliveries change nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 import numpy as np
 
@@ -32,6 +34,8 @@ class ReplicaState(msgspec.Struct):
     duplicates: int = 0  # redelivered batches skipped
     seq_gaps: int = 0  # batches missing between applied ones (the relay fills or clears them)
     blocks: int = 0  # live (block, tier, group) entries
+    group_blocks: dict[int, int] = {}  # group -> live (block, tier) entries of that group
+    unit: int = 0  # the finest partial block size the engine announced (--prefix-match-unit), 0: none
 
 
 class GroupIndex:
@@ -53,10 +57,18 @@ class GroupIndex:
         return d
 
 
+FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+STATE_KINDS = frozenset({"mamba"})
+
+
 class ModelShard:
-    def __init__(self, model: str, block_size: int):
+    def __init__(self, model: str, block_size: int, unreported_eviction_kinds: Iterable[str] = ()):
         self.model = model
         self.block_size = block_size  # the index block size (tokens per canonical hash)
+        # group kinds whose evictions the engines of this model do not report (e.g. {"mamba"} where
+        # state copies are dropped silently): a credit relying on them is an upper bound
+        self.unreported_eviction_kinds = frozenset(unreported_eviction_kinds)
         self.replicas: dict[tuple[str, int], ReplicaState] = {}
         self.by_slot: list[ReplicaState | None] = []
         self.groups: dict[int, GroupIndex] = {}
@@ -117,6 +129,11 @@ class ModelShard:
             for h in ev.hashes:
                 a[h] = a.get(h, 0) | bit
         st.blocks += new
+        if new:
+            gb = st.group_blocks
+            gb[ev.group] = gb.get(ev.group, 0) + new
+        if ev.block_size and (not st.unit or ev.block_size < st.unit):
+            st.unit = ev.block_size
         self.blocks_applied += len(ev.hashes)
 
     def _remove(self, ev: BlocksRemoved, bit: int, st: ReplicaState) -> None:
@@ -147,6 +164,8 @@ class ModelShard:
                 else:
                     g.any.pop(h, None)
         st.blocks -= gone
+        if gone:
+            st.group_blocks[ev.group] = st.group_blocks.get(ev.group, 0) - gone
         self.blocks_applied += len(ev.hashes)
 
     def _clear(self, bit: int, st: ReplicaState) -> None:
@@ -164,6 +183,7 @@ class ModelShard:
                     else:
                         del d[h]
         st.blocks = 0
+        st.group_blocks = {}
 
     # ---- lookup -----------------------------------------------------------------------------
     def prefix_blocks(self, hashes: list[int], group: int | None = None) -> dict[int, int]:
@@ -201,7 +221,7 @@ class ModelShard:
         if group is not None:
             return self.groups.get(group)
         for gid in sorted(self.groups):
-            if self.groups[gid].kind == "full_attention":
+            if self.groups[gid].kind in FULL_KINDS:
                 return self.groups[gid]
         return next(iter(self.groups.values()), None)
 
@@ -228,20 +248,49 @@ class ModelShard:
 
     def lookup(self, hashes: list[int], n_tokens: int, now: float) -> list[dict]:
         """Per replica and DP rank: tokens cached along the prefix (by tier), the tokens the engine
-        can resume from, and how fresh the view is. Sorted by resumable tokens, best first."""
+        can resume from, and how fresh the view is. Sorted by resumable tokens, best first.
+
+        Hybrid models add why the resumable hit can be shorter than the cached full-attention prefix:
+        `full_attention_hit_tokens` (what the full-attention groups alone would resume), per group
+        its kind, its own hit within the full-attention hit, and its memory (`blocks`: the replica's
+        live entries in the group; `prompt_blocks`: this prompt's index blocks it holds, hybrid models
+        only); `upper_bound` when the credit relies on a group kind whose evictions go unreported."""
         hits = self.prefix_blocks(hashes)
+        resume = self.resume_points(hashes, n_tokens, hits)
+        held = self._prompt_held(hashes) if len(self.groups) > 1 else None
+        gids = sorted(self.groups)
+        unreported = [gid for gid in gids if self.groups[gid].kind in self.unreported_eviction_kinds]
         answers = []
         for st in self.by_slot:
             if st is None:
                 continue
-            nb = hits.get(st.slot, 0)
+            slot = st.slot
+            nb = hits.get(slot, 0)
             cached = min(nb * self.block_size, n_tokens)
+            fa_hit, res, ghits = resume.get(slot, _NO_HIT)
+            groups = []
+            for gid in gids:
+                g = self.groups[gid]
+                if g.kind in STATE_KINDS or (g.kind in WINDOW_KINDS and g.window):
+                    hit = ghits.get(gid, 0) if ghits else 0
+                else:
+                    hit = fa_hit
+                e = {"group": gid, "kind": g.kind, "hit_tokens": hit, "blocks": st.group_blocks.get(gid, 0)}
+                if g.window:
+                    e["window"] = g.window
+                if held is not None:
+                    e["prompt_blocks"] = held[gid].get(slot, 0)
+                groups.append(e)
             answers.append({
                 "replica": st.replica,
                 "dp_rank": st.dp_rank,
                 "cached_tokens": cached,
-                "tiers": [{"tier": t, "tokens": k} for t, k in self.tier_runs(hashes, st.slot, nb)],
-                "resumable_tokens": self.resume_point(hashes, n_tokens, st, cached),
+                "tiers": [{"tier": t, "tokens": k} for t, k in self.tier_runs(hashes, slot, nb)],
+                "resumable_tokens": res,
+                "full_attention_hit_tokens": fa_hit,
+                "groups": groups,
+                "upper_bound": bool(res and unreported),
+                "upper_bound_groups": unreported if res else [],
                 "freshness": {
                     "last_event_age_ms": round((now - st.engine_ts) * 1000, 3) if st.batches else None,
                     "apply_lag_ms": round((st.applied_ts - st.engine_ts) * 1000, 3) if st.batches else None,
@@ -257,34 +306,150 @@ class ModelShard:
                  dp_rank: int | None = None) -> int:
         """Resumable tokens on one replica and DP rank (None: the best of any): what the shadow
         audit credits."""
-        hits = self.prefix_blocks(hashes)
-        best = 0
-        for (rep, rank), st in self.replicas.items():
-            if (replica is None or rep == replica) and (dp_rank is None or rank == dp_rank):
-                cached = min(hits.get(st.slot, 0) * self.block_size, n_tokens)
-                best = max(best, self.resume_point(hashes, n_tokens, st, cached))
-        return best
+        slots = [st.slot for (rep, rank), st in self.replicas.items()
+                 if (replica is None or rep == replica) and (dp_rank is None or rank == dp_rank)]
+        if not slots:
+            return 0
+        resume = self.resume_points(hashes, n_tokens, self.prefix_blocks(hashes), set(slots))
+        return max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
 
     def resume_point(self, hashes: list[int], n_tokens: int, st: ReplicaState, cached: int) -> int:
-        """The tokens the engine can resume from on one replica: the full-attention hit, capped below
-        the last prompt token at an engine block boundary, then moved left until every
-        sliding-window group holds the blocks covering the window before it (vLLM's hybrid rule:
-        ceil((w-1)/B) contiguous blocks right before the resume point, or all blocks from 0)."""
-        ebs = st.block_size or self.block_size
-        p = resumable(cached, n_tokens, ebs)
-        windows = [g for g in self.groups.values() if g.kind == "sliding_window" and g.window]
-        if not p or not windows:
-            return p
-        bit = 1 << st.slot
-        k = max(1, ebs // self.block_size)  # index blocks per engine block
-        need = [(g.any, -(-(g.window - 1) // ebs) * k) for g in windows]  # index blocks per window
-        while p > 0:
-            end = (p // ebs) * k  # index blocks before the resume point
-            if all(all(held.get(h, 0) & bit for h in hashes[max(0, end - n):end]) for held, n in need):
-                return p
-            p -= ebs
-        return 0
+        """The tokens the engine can resume from on one replica (see `resume_points`)."""
+        hits = {st.slot: min(cached, len(hashes) * self.block_size) // self.block_size}
+        return self.resume_points(hashes, n_tokens, hits, {st.slot}).get(st.slot, _NO_HIT)[1]
 
+    def resume_points(self, hashes: list[int], n_tokens: int, hits: dict[int, int],
+                      slots: set[int] | None = None) -> dict[int, tuple[int, int, dict[int, int] | None]]:
+        """slot -> (full-attention hit, resumable tokens, {group: its own hit} or None), vLLM's rule
+        (vllm/v1/core/kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit):
+
+        - full attention: the contiguous hit, below the last prompt token, rounded down to the
+          engine's block size (the LCM of its groups' block sizes: the largest one announced);
+        - sliding window w: at p, the ceil((w-1)/B) engine blocks right before p (or all from 0);
+        - state space ("mamba"): a state checkpoint at exactly p;
+        - resumable: the largest p, within the full-attention hit, valid for every group.
+
+        Positions are scanned right to left once for all replicas, with slot bitmasks (no loop per
+        replica over the prompt). Finer units (--prefix-match-unit): vLLM resumes inside a block only
+        with fine-grained hits, which it enables for full-attention + mamba ("align") models whose
+        hash unit is finer than the mamba block, and never with sliding-window groups
+        (partial_hash_hits_enabled); then p steps by the unit and the full-attention hit may end at a
+        partial block inside the first block it does not hold whole. Otherwise partial blocks are
+        indexed but credit stays at engine block boundaries."""
+        ibs = self.block_size
+        cons = [(gid, g) for gid, g in sorted(self.groups.items())
+                if (g.kind in WINDOW_KINDS and g.window) or g.kind in STATE_KINDS]
+        fa = self._lookup_group(None)
+        fine_ok = bool(cons) and not any(g.kind in WINDOW_KINDS for _, g in cons)
+        out: dict[int, tuple[int, int, dict[int, int] | None]] = {}
+        classes: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (engine block, step) -> [(slot, top)]
+        for st in self.by_slot:
+            if st is None or (slots is not None and st.slot not in slots):
+                continue
+            slot = st.slot
+            ebs = st.block_size or ibs
+            cached = min(hits.get(slot, 0) * ibs, n_tokens)
+            step = ebs
+            if fine_ok and st.unit and st.unit < ebs and ebs % st.unit == 0 and fa is not None:
+                step = st.unit
+                top = self._fine_fa_hit(hashes, n_tokens, slot, fa, cached, ebs, step)
+            else:
+                top = resumable(cached, n_tokens, ebs)
+            if not cons or not top:
+                out[slot] = (top, top, None) if not cons else (0, 0, None)
+                continue
+            classes.setdefault((ebs, step), []).append((slot, top))
+        for (ebs, step), members in classes.items():
+            self._scan(hashes, ebs, step, members, cons, out)
+        return out
+
+    def _fine_fa_hit(self, hashes: list[int], n_tokens: int, slot: int, fa: GroupIndex, cached: int,
+                     ebs: int, unit: int) -> int:
+        """vLLM's fine-grained full-attention hit: whole blocks, then the highest partial entry
+        inside the next block (FullAttentionManager.find_longest_cache_hit, phase 2)."""
+        limit = n_tokens - 1 if n_tokens > 1 else 0
+        full = min(cached // ebs * ebs, limit // ebs * ebs)
+        bit = 1 << slot
+        d = fa.any
+        ibs = self.block_size
+        p = min(full + ebs - unit, limit // unit * unit)
+        while p > full:
+            e = p // ibs
+            if e <= len(hashes) and d.get(hashes[e - 1], 0) & bit:
+                return p
+            p -= unit
+        return full
+
+    def _scan(self, hashes: list[int], ebs: int, step: int, members: list[tuple[int, int]],
+              cons: list[tuple[int, GroupIndex]], out: dict) -> None:
+        ibs = self.block_size
+        k = max(1, ebs // ibs)
+        members.sort(key=lambda m: -m[1])
+        tops = {slot: top for slot, top in members}
+        top_max = members[0][1]
+        n_idx = min(len(hashes), top_max // ibs)
+        checks = []  # (gid, fn(e) -> mask of slots valid at index position e)
+        reach = []  # per check: the slots valid anywhere (others are settled at once: no hit)
+        for gid, g in cons:
+            get = g.any.get
+            if g.kind in STATE_KINDS:
+                # checkpoints at the step boundaries only: masks[i] is the state after (i+1)*step tokens
+                sub = step // ibs
+                masks = [get(h, 0) for h in hashes[sub - 1:n_idx:sub]]
+                checks.append((gid, lambda e, masks=masks, sub=sub: masks[e // sub - 1]))
+            else:
+                need = -(-(g.window - 1) // ebs) * k  # index blocks per window
+                masks = [get(h, 0) for h in hashes[:n_idx]]
+                checks.append((gid, _window_and(masks, max(1, need))))
+            r = 0
+            for m in masks:
+                r |= m
+            reach.append(r)
+        reach_all = -1
+        for r in reach:
+            reach_all &= r
+        ghit: dict[int, dict[int, int]] = {slot: {} for slot in tops}
+        res: dict[int, int] = {}
+        pend_all = 0
+        pend = [0] * len(checks)
+        j = 0
+        p = top_max
+        while p > 0:
+            while j < len(members) and members[j][1] >= p:
+                b = 1 << members[j][0]
+                pend_all |= b & reach_all
+                for i in range(len(pend)):
+                    pend[i] |= b & reach[i]
+                j += 1
+            if j == len(members) and not pend_all and not any(pend):
+                break
+            e = p // ibs
+            both = pend_all
+            for i, (gid, fn) in enumerate(checks):
+                m = fn(e)
+                both &= m
+                got = m & pend[i]
+                if got:
+                    pend[i] &= ~got
+                    for slot in _bits(got):
+                        ghit[slot][gid] = p
+            if both:
+                pend_all &= ~both
+                for slot in _bits(both):
+                    res[slot] = p
+            p -= step
+        for slot, top in tops.items():
+            out[slot] = (top, res.get(slot, 0), ghit[slot])
+
+    def _prompt_held(self, hashes: list[int]) -> dict[int, dict[int, int]]:
+        """group -> slot -> how many of the prompt's index blocks the slot holds in the group
+        (anywhere along the prompt, not only the prefix): the per-group memory a router sees."""
+        out: dict[int, dict[int, int]] = {}
+        n_slots = len(self.by_slot)
+        for gid, g in self.groups.items():
+            get = g.any.get
+            out[gid] = _bit_counts([get(h, 0) for h in hashes], n_slots)
+        return out
     def stats(self) -> dict:
         return {
             "replicas": len(self.replicas),
@@ -335,6 +500,59 @@ class ModelShard:
                         a[h] = a.get(h, 0) | m
                 g.any = a
         return shard
+
+
+_NO_HIT: tuple[int, int, None] = (0, 0, None)
+
+
+def _bits(mask: int):
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _window_and(masks: list[int], width: int):
+    """fn(e) -> AND of masks[max(0, e - width):e], O(1) per call after O(n) set-up (van Herk /
+    Gil-Werman: prefix ANDs and suffix ANDs within runs of `width`)."""
+    n = len(masks)
+    pre = [0] * n
+    suf = [0] * n
+    for i in range(n):
+        pre[i] = masks[i] if i % width == 0 else pre[i - 1] & masks[i]
+    for i in range(n - 1, -1, -1):
+        suf[i] = masks[i] if (i % width == width - 1 or i == n - 1) else suf[i + 1] & masks[i]
+
+    def window(e: int) -> int:
+        if e <= 0 or e > n:
+            return 0
+        a = e - width
+        if a <= 0:
+            if e <= width:  # the whole window is [0, e): all in the first run
+                return pre[e - 1]
+            a = 0
+        if a % width == 0:
+            return pre[e - 1]
+        return suf[a] & pre[e - 1]
+
+    return window
+
+
+def _bit_counts(masks: list[int], n_slots: int) -> dict[int, int]:
+    """slot -> how many of `masks` have its bit set (numpy over 64-bit words)."""
+    out: dict[int, int] = {}
+    if not masks or not any(masks):
+        return out
+    words = max(1, (n_slots + 63) // 64)
+    for w in range(words):
+        if words == 1:
+            arr = np.array(masks, dtype=np.uint64)
+        else:
+            arr = np.array([(m >> (64 * w)) & 0xFFFF_FFFF_FFFF_FFFF for m in masks], dtype=np.uint64)
+        counts = np.unpackbits(arr.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little").sum(axis=0)
+        for b in np.flatnonzero(counts).tolist():
+            out[64 * w + b] = int(counts[b])
+    return out
 
 
 def resumable(cached: int, n_tokens: int, engine_block_size: int) -> int:
