@@ -99,10 +99,14 @@ class VllmMirror:
     def _reannounced(self, events: list) -> set[int] | None:
         """Positions of hybrid-model re-announcements in one engine batch (kv_cache_report_mode
         "full"): vLLM's emit_cached_block_events lists, for every group of a request with a hit, the
-        hit's hashes from the root (parent null, token_ids exactly nb x block_size), all in one batch.
-        A second physical copy differs: it is stored by one group's cache_full_blocks, and the other
-        groups' stores of the same step skip their null blocks (other hash lists), or the hit that
-        forced the recompute is not cached in every group."""
+        hit's hashes from the root (parent null, token_ids exactly nb x block_size), all in one batch,
+        and that hit is a valid resume point: every full-attention group holds all its blocks, every
+        sliding-window group the ceil((w-1)/B) before its end, every other group (state) the last.
+        A second physical copy differs: the engine recomputes because the point is not valid in some
+        group, and the other groups' stores of that step skip their null blocks (other hash lists).
+        One case stays ambiguous: a prompt of exactly one block, fully cached, whose block vLLM
+        recomputes (it never reuses the last token): taken as a re-announcement, which errs toward
+        under-credit (the block is retracted one removal early)."""
         if len(events) < 2 or not self.hybrid:
             return None
         cands: dict[tuple, list[int]] = {}
@@ -112,15 +116,20 @@ class VllmMirror:
                 cands.setdefault((tuple(ev.block_hashes), ev.block_size, normalize_tier(ev.medium)),
                                  []).append(i)
         out: set[int] = set()
-        for (hashes, _, tier), idx in cands.items():
+        for (hashes, bs, tier), idx in cands.items():
             groups = {events[i].group_idx or 0 for i in idx}
             if len(groups) < 2:
                 continue
             live = self.live
             ok = True
             for g in groups:
-                kind = self.group_kinds.get(g, ("full_attention", None))[0]
-                need = hashes if kind in FULL_KINDS else hashes[-1:]
+                kind, window = self.group_kinds.get(g, ("full_attention", None))
+                if kind in WINDOW_KINDS and window:
+                    need = hashes[-max(1, -(-(window - 1) // bs)):]
+                elif kind in FULL_KINDS:
+                    need = hashes
+                else:
+                    need = hashes[-1:]
                 if not all((h, tier, g) in live for h in need):
                     ok = False
                     break

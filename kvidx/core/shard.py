@@ -473,12 +473,13 @@ class ModelShard:
             "replicas": [st for st in self.by_slot if st is not None],
             "groups": groups, "blocks_applied": self.blocks_applied,
             "events_offset": self.events_offset,
+            "unreported_eviction_kinds": sorted(self.unreported_eviction_kinds),
         })
 
     @classmethod
     def restore(cls, data: bytes) -> ModelShard:
         raw = msgspec.msgpack.decode(data)
-        shard = cls(raw["model"], raw["block_size"])
+        shard = cls(raw["model"], raw["block_size"], raw.get("unreported_eviction_kinds", ()))
         shard.blocks_applied = raw["blocks_applied"]
         shard.events_offset = raw.get("events_offset", 0)
         for r in raw["replicas"]:
