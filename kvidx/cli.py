@@ -63,7 +63,43 @@ def cmd_relay(args) -> int:
     return 0
 
 
+def _supervise(what: str) -> int:
+    """Run this same command as a child process and start it again when it dies (a faust worker
+    exits when the broker is unreachable at start-up or for too long); SIGTERM/SIGINT stop both.
+    A crash loses nothing: events are acknowledged only once a snapshot holds them."""
+    import subprocess
+    import time
+
+    log = logging.getLogger("kvidx.supervisor")
+    env = dict(os.environ, KVIDX_SUPERVISED="1")
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def stop(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    backoff = 1.0
+    while True:
+        started = time.monotonic()
+        child = subprocess.Popen([sys.executable, "-m", "kvidx.cli", *sys.argv[1:]], env=env)
+        code = child.wait()
+        if stopping:
+            return 0
+        if time.monotonic() - started > 60:
+            backoff = 1.0
+        log.warning("event=child_exited what=%s code=%s restart_in_s=%.1f", what, code, backoff)
+        time.sleep(backoff)
+        backoff = min(backoff * 2, 30.0)
+
+
 def cmd_worker(args) -> int:
+    if not args.no_supervise and not os.environ.get("KVIDX_SUPERVISED"):
+        return _supervise("worker")
     import faust
 
     from kvidx.kafka.topics import ensure_topics
@@ -172,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--snapshot-interval", type=float, default=2.0, help="seconds between shard snapshots")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     w.add_argument("--web-port", type=int, default=6066, help="faust's web port on 127.0.0.1 (0: off)")
+    w.add_argument("--no-supervise", action="store_true",
+                   help="run faust in this process (default: a supervisor restarts it when it dies)")
     w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("serve", help="run the lookup service (FastAPI), fed from Kafka")

@@ -338,13 +338,31 @@ class LocalKafka:
         if fmt.returncode != 0:
             raise RuntimeError(f"kafka storage format failed ({fmt.returncode}):\n{fmt.stdout[-4000:]}")
 
+        self._spawn(t0)
+        return self.bootstrap
+
+    def restart(self, down_s: float = 0.0) -> str:
+        """Stop the broker and start it again on the same ports and data (a broker restart as
+        clients see it); `down_s` keeps it down that long."""
+        if self.data_dir is None:
+            raise RuntimeError("restart() needs a broker started with start()")
+        self.stop()
+        time.sleep(down_s)
+        self._spawn(time.monotonic())
+        return self.bootstrap
+
+    def _spawn(self, t0: float) -> None:
+        assert self.data_dir is not None and self.log_file is not None
+        cp = str(ensure_jars(self.log) / "*")
+        sysprops = [f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", f"-Dkafka.logs.dir={self.data_dir}"]
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(
-                [java, *JVM_OPTS, *sysprops, "-cp", cp, "kafka.Kafka", str(props)],
+                [_java(), *JVM_OPTS, *sysprops, "-cp", cp, "kafka.Kafka",
+                 str(self.data_dir / "server.properties")],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                cwd=data,
+                cwd=self.data_dir,
                 start_new_session=True,
                 close_fds=True,
             )
@@ -354,10 +372,8 @@ class LocalKafka:
         except BaseException:
             self.stop()
             raise
-        self.log(
-            f"started at {self.bootstrap} (pid {self.pid}, {time.monotonic() - t0:.1f}s, logs in {data})"
-        )
-        return self.bootstrap
+        took = time.monotonic() - t0
+        self.log(f"started at {self.bootstrap} (pid {self.pid}, {took:.1f}s, logs in {self.data_dir})")
 
     def _wait_serving(self, t0: float) -> None:
         assert self.proc is not None and self.port is not None and self.bootstrap is not None
