@@ -260,46 +260,56 @@ class ModelShard:
         held = self._prompt_held(hashes) if len(self.groups) > 1 else None
         gids = sorted(self.groups)
         unreported = [gid for gid in gids if self.groups[gid].kind in self.unreported_eviction_kinds]
+        # per group: (gid, kind, window, whether its hit is its own or the full-attention one)
+        group_info = [(gid, g.kind, g.window, g.kind in STATE_KINDS or (g.kind in WINDOW_KINDS and g.window))
+                      for gid, g in ((gid, self.groups[gid]) for gid in gids)]
+        fa = self._lookup_group(None)
+        single_tier = TIERS[next(iter(fa.tiers))] if fa is not None and len(fa.tiers) == 1 else None
+        bs = self.block_size
         answers = []
         for st in self.by_slot:
             if st is None:
                 continue
             slot = st.slot
             nb = hits.get(slot, 0)
-            cached = min(nb * self.block_size, n_tokens)
+            cached = min(nb * bs, n_tokens)
             fa_hit, res, ghits = resume.get(slot, _NO_HIT)
             groups = []
-            for gid in gids:
-                g = self.groups[gid]
-                if g.kind in STATE_KINDS or (g.kind in WINDOW_KINDS and g.window):
-                    hit = ghits.get(gid, 0) if ghits else 0
-                else:
-                    hit = fa_hit
-                e = {"group": gid, "kind": g.kind, "hit_tokens": hit, "blocks": st.group_blocks.get(gid, 0)}
-                if g.window:
-                    e["window"] = g.window
+            for gid, kind, window, own in group_info:
+                e = {"group": gid, "kind": kind,
+                     "hit_tokens": (ghits.get(gid, 0) if ghits else 0) if own else fa_hit,
+                     "blocks": st.group_blocks.get(gid, 0)}
+                if window:
+                    e["window"] = window
                 if held is not None:
                     e["prompt_blocks"] = held[gid].get(slot, 0)
                 groups.append(e)
+            if not nb:
+                tiers = []
+            elif single_tier is not None:
+                tiers = [{"tier": single_tier, "tokens": nb * bs}]
+            else:
+                tiers = [{"tier": t, "tokens": k} for t, k in self.tier_runs(hashes, slot, nb)]
+            seen = st.batches > 0
             answers.append({
                 "replica": st.replica,
                 "dp_rank": st.dp_rank,
                 "cached_tokens": cached,
-                "tiers": [{"tier": t, "tokens": k} for t, k in self.tier_runs(hashes, slot, nb)],
+                "tiers": tiers,
                 "resumable_tokens": res,
                 "full_attention_hit_tokens": fa_hit,
                 "groups": groups,
                 "upper_bound": bool(res and unreported),
                 "upper_bound_groups": unreported if res else [],
                 "freshness": {
-                    "last_event_age_ms": round((now - st.engine_ts) * 1000, 3) if st.batches else None,
-                    "apply_lag_ms": round((st.applied_ts - st.engine_ts) * 1000, 3) if st.batches else None,
+                    "last_event_age_ms": int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
+                    "apply_lag_ms": int((st.applied_ts - st.engine_ts) * 1e6) / 1e3 if seen else None,
                     "epoch": st.epoch,
                     "seq": st.seq,
                     "seq_gaps": st.seq_gaps,
                 },
             })
-        answers.sort(key=lambda a: -a["resumable_tokens"])
+        answers.sort(key=_by_resumable)
         return answers
 
     def credited(self, hashes: list[int], n_tokens: int, replica: str | None = None,
@@ -554,6 +564,10 @@ def _bit_counts(masks: list[int], n_slots: int) -> dict[int, int]:
         for b in np.flatnonzero(counts).tolist():
             out[64 * w + b] = int(counts[b])
     return out
+
+
+def _by_resumable(answer: dict) -> int:
+    return -answer["resumable_tokens"]
 
 
 def resumable(cached: int, n_tokens: int, engine_block_size: int) -> int:
