@@ -111,6 +111,7 @@ def cmd_worker(args) -> int:
                              events_topic=t["events"], snapshot_topic=t["snapshots"],
                              dead_letter_topic=t["dead_letters"], snapshot_interval=args.snapshot_interval,
                              block_size=args.index_block_size, metrics_port=args.metrics_port,
+                             unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
                              web_port=args.web_port)
     faust.Worker(app, loglevel=args.log_level.lower()).execute_from_commandline()
     return 0
@@ -129,7 +130,7 @@ def cmd_serve(args) -> int:
     if args.auth_token_file:
         with open(args.auth_token_file) as f:
             token = f.read().strip()
-    store = ShardStore(args.index_block_size)
+    store = ShardStore(args.index_block_size, unreported_eviction_kinds=tuple(args.unreported_eviction_kinds))
     follower = KafkaFollower(store, _bootstrap(args), t["events"], t["snapshots"]).start()
     try:
         uvicorn.run(create_app(store, max_tokens=args.max_tokens, auth_token=token), host=args.host,
@@ -147,7 +148,8 @@ def cmd_shadow(args) -> int:
     for path in (args.recording, args.requests):
         if not os.path.exists(path):
             sys.exit(f"error: no such file: {path}")
-    agreement, index = run_shadow(args.recording, args.requests, index_block_size=args.index_block_size)
+    agreement, index = run_shadow(args.recording, args.requests, index_block_size=args.index_block_size,
+                                  unreported_eviction_kinds=tuple(args.unreported_eviction_kinds))
     summary = agreement.summary()
     if args.json:
         print(json.dumps(summary))
@@ -178,18 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     from kvidx.kafka import add_cli
     add_cli(sub)
 
-    def common(sp, kafka=True):
+    def common(sp, kafka=True, shards=True):
         if kafka:
             sp.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
             sp.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
                             help="prefix of every topic name (several deployments on one cluster)")
         sp.add_argument("--index-block-size", type=int, default=16,
                         help="tokens per canonical index block; must divide every engine's block size")
+        if shards:
+            sp.add_argument("--unreported-eviction-kinds", nargs="*", default=[], metavar="KIND",
+                            help="KV-cache group kinds whose evictions engines do not report (e.g. "
+                                 "mamba): credit relying on them is flagged as an upper bound")
 
     r = sub.add_parser("relay", help="relay one engine's KV events to Kafka",
                        description="Subscribe to an engine's KV-cache events (or play a recording), "
                                    "re-hash blocks canonically and publish versioned batches to Kafka.")
-    common(r)
+    common(r, shards=False)
     r.add_argument("--engine", default="vllm", choices=["vllm"])
     r.add_argument("--model", required=True, help="model name the events belong to (Kafka key)")
     r.add_argument("--endpoint", help="engine event endpoint, e.g. tcp://127.0.0.1:5557")

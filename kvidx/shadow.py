@@ -59,9 +59,9 @@ class InProcessIndex:
     """Relays (one per publisher endpoint) feeding one shard in process: the same code the Kafka
     path runs, minus the broker."""
 
-    def __init__(self, model: str, index_block_size: int):
+    def __init__(self, model: str, index_block_size: int, unreported_eviction_kinds: tuple[str, ...] = ()):
         self.model = model
-        self.shard = ModelShard(model, index_block_size)
+        self.shard = ModelShard(model, index_block_size, unreported_eviction_kinds)
         self.relays: dict[str, VllmPublisherRelay] = {}
         self.dead_letters = 0
 
@@ -94,8 +94,9 @@ def load_requests(path: str | Path) -> list[dict]:
 
 
 def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",
-           index_block_size: int = 16) -> tuple[Agreement, InProcessIndex]:
-    index = InProcessIndex(model, index_block_size)
+           index_block_size: int = 16, unreported_eviction_kinds: tuple[str, ...] = ()
+           ) -> tuple[Agreement, InProcessIndex]:
+    index = InProcessIndex(model, index_block_size, unreported_eviction_kinds)
     ordered = sorted(frames, key=lambda f: f.recv_ns)
     agreement = Agreement()
     k = 0
@@ -113,6 +114,7 @@ def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",
     return agreement, index
 
 
-def run_shadow(recording: str, requests: str, model: str = "model", index_block_size: int = 16
-               ) -> tuple[Agreement, InProcessIndex]:
-    return shadow(read_frames(recording), load_requests(requests), model, index_block_size)
+def run_shadow(recording: str, requests: str, model: str = "model", index_block_size: int = 16,
+               unreported_eviction_kinds: tuple[str, ...] = ()) -> tuple[Agreement, InProcessIndex]:
+    return shadow(read_frames(recording), load_requests(requests), model, index_block_size,
+                  unreported_eviction_kinds)

@@ -46,7 +46,7 @@ class ShardWorker:
 
     def __init__(self, bootstrap: str, data_dir: str | Path, snapshot_topic: str = SNAPSHOTS_TOPIC,
                  dead_letter_topic: str = DEAD_LETTER_TOPIC, block_size: int = 16,
-                 block_sizes: dict[str, int] | None = None):
+                 block_sizes: dict[str, int] | None = None, unreported_eviction_kinds: tuple[str, ...] = ()):
         self.bootstrap = bootstrap
         self.local = LocalStore(Path(data_dir) / "shards")
         self.topic = SnapshotTopic(bootstrap, snapshot_topic)
@@ -54,6 +54,7 @@ class ShardWorker:
         self.dead_letter_topic = dead_letter_topic
         self.block_size = block_size
         self.block_sizes = block_sizes or {}
+        self.unreported_eviction_kinds = unreported_eviction_kinds
         self.shards: dict[str, ModelShard] = {}
         self.partition_of: dict[str, int] = {}
         self.dirty: set[str] = set()
@@ -68,7 +69,8 @@ class ShardWorker:
                 s = read_snapshots(self.bootstrap, self.snapshot_topic, [partition]).get(model)
                 source = "snapshot_topic"
             if s is None:
-                s = ModelShard(model, self.block_sizes.get(model, self.block_size))
+                s = ModelShard(model, self.block_sizes.get(model, self.block_size),
+                               self.unreported_eviction_kinds)
                 source = "new"
             log.info("event=shard_loaded model=%s source=%s blocks_applied=%d", model, source,
                      s.blocks_applied)
@@ -128,6 +130,7 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
                events_topic: str = EVENTS_TOPIC, snapshot_topic: str = SNAPSHOTS_TOPIC,
                dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0,
                block_size: int = 16, metrics_port: int | None = None,
+               unreported_eviction_kinds: tuple[str, ...] = (),
                web_port: int = 6066, partitions: int = 4) -> tuple[faust.App, ShardWorker]:
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", datadir=str(Path(data_dir) / "faust"),
@@ -137,7 +140,8 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
         broker_commit_every=100_000,
         broker_commit_interval=1.0, stream_buffer_maxsize=20_000,
     )
-    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, block_size=block_size)
+    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, block_size=block_size,
+                         unreported_eviction_kinds=unreported_eviction_kinds)
     topic = app.topic(events_topic, key_type=bytes, value_type=bytes, value_serializer="raw",
                       key_serializer="raw")
 
