@@ -149,7 +149,8 @@ def cmd_shadow(args) -> int:
         if not os.path.exists(path):
             sys.exit(f"error: no such file: {path}")
     agreement, index = run_shadow(args.recording, args.requests, index_block_size=args.index_block_size,
-                                  unreported_eviction_kinds=tuple(args.unreported_eviction_kinds))
+                                  unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
+                                  pending_ttl=args.pending_ttl)
     summary = agreement.summary()
     if args.json:
         print(json.dumps(summary))
@@ -236,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--recording", required=True, help="frames.jsonl")
     sh.add_argument("--requests", required=True, help="requests.jsonl")
     sh.add_argument("--json", action="store_true", help="print one JSON object")
+    sh.add_argument("--pending-ttl", type=float, default=0.0, metavar="S",
+                    help="record each request as a routing decision (pending credit for S seconds), as "
+                         "routers do with POST /v1/routes; 0: the index alone")
     sh.set_defaults(func=cmd_shadow)
 
     d = sub.add_parser("demo", help="run the whole pipeline on this machine",

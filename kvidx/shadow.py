@@ -94,8 +94,11 @@ def load_requests(path: str | Path) -> list[dict]:
 
 
 def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",
-           index_block_size: int = 16, unreported_eviction_kinds: tuple[str, ...] = ()
-           ) -> tuple[Agreement, InProcessIndex]:
+           index_block_size: int = 16, unreported_eviction_kinds: tuple[str, ...] = (),
+           pending_ttl: float = 0.0) -> tuple[Agreement, InProcessIndex]:
+    """With `pending_ttl` > 0, every request, once credited, is recorded as a routing decision: its
+    prompt counts as cached on its replica until the engine's events confirm it or the TTL passes
+    (what routers get from POST /v1/routes)."""
     index = InProcessIndex(model, index_block_size, unreported_eviction_kinds)
     ordered = sorted(frames, key=lambda f: f.recv_ns)
     agreement = Agreement()
@@ -109,12 +112,18 @@ def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",
             k += 1
         tokens = r["prompt_token_ids"]
         hashes = prompt_hashes(tokens, index_block_size, r.get("lora"), r.get("cache_salt"))
-        credited = index.shard.credited(hashes, len(tokens), r.get("replica"), r.get("dp_rank"))
+        credited = index.shard.credited(hashes, len(tokens), r.get("replica"), r.get("dp_rank"),
+                                        now=r["t_send"])
+        if pending_ttl > 0 and r.get("replica", "") is not None:
+            replica = r.get("replica") or next(iter(index.relays), "")
+            index.shard.add_pending(replica, r.get("dp_rank") or 0, hashes, len(tokens), credited,
+                                    r["t_send"] + pending_ttl)
         agreement.add(r.get("i", agreement.requests), len(tokens), int(r["cached_tokens"]), credited)
     return agreement, index
 
 
 def run_shadow(recording: str, requests: str, model: str = "model", index_block_size: int = 16,
-               unreported_eviction_kinds: tuple[str, ...] = ()) -> tuple[Agreement, InProcessIndex]:
+               unreported_eviction_kinds: tuple[str, ...] = (), pending_ttl: float = 0.0
+               ) -> tuple[Agreement, InProcessIndex]:
     return shadow(read_frames(recording), load_requests(requests), model, index_block_size,
-                  unreported_eviction_kinds)
+                  unreported_eviction_kinds, pending_ttl)

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
+from kvidx.core.pending import PendingCredits
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 
@@ -76,6 +77,45 @@ class ModelShard:
         self.snapshot_id = 0  # the last durable snapshot this shard was written as or rebuilt from
         self.events_offset = 0  # next offset of the events partition after what is folded in
         self.events_partition = -1  # the events partition the model's key maps to, once known
+        # shared caches: a pool publishes its blocks as a replica of its own (its name) and counts for
+        # every replica attached to it (topology from configuration)
+        self.pool_readers: dict[str, frozenset[str]] = {}
+        self._pool_cache: tuple[int, dict[int, int]] | None = None  # (pool slot mask, pool bits -> readers)
+        self.pending = PendingCredits()
+
+    # ---- topology ---------------------------------------------------------------------------
+    def set_pools(self, pools: dict[str, Iterable[str]]) -> None:
+        """pool name (the `replica` its relay publishes as) -> the replicas that can read it."""
+        self.pool_readers = {p: frozenset(r) for p, r in pools.items()}
+        self._pool_cache = None
+
+    def _pools(self) -> tuple[int, dict[int, int]]:
+        """(mask of the pool slots, pool slot bit -> mask of the slots reading that pool)."""
+        if self._pool_cache is None:
+            pool_mask, readers = 0, {}
+            for st in self.by_slot:
+                if st is not None and st.replica in self.pool_readers:
+                    names = self.pool_readers[st.replica]
+                    pool_mask |= 1 << st.slot
+                    readers[1 << st.slot] = sum(1 << r.slot for r in self.by_slot
+                                                if r is not None and r.replica in names)
+            self._pool_cache = (pool_mask, readers)
+        return self._pool_cache
+
+    def is_pool(self, st: ReplicaState) -> bool:
+        return st.replica in self.pool_readers
+
+    def _pending_applies(self) -> bool:
+        """Pending credit counts only in full-attention models: where sliding-window or state groups
+        decide the resume point, what the engine will keep of a routed prompt is not known (it frees
+        out-of-window blocks and keeps state only at chunk ends), so crediting it would over-credit."""
+        return bool(self.pending.masks) and all(g.kind in FULL_KINDS for g in self.groups.values())
+
+    def engine_block_size(self, st: ReplicaState) -> int:
+        """The block size the replica's engine resumes at; before its first event, the model's."""
+        if st.block_size:
+            return st.block_size
+        return max((r.block_size for r in self.by_slot if r is not None), default=0) or self.block_size
 
     # ---- fold -------------------------------------------------------------------------------
     def replica(self, replica: str, dp_rank: int) -> ReplicaState:
@@ -84,7 +124,15 @@ class ModelShard:
             st = ReplicaState(len(self.by_slot), replica, dp_rank)
             self.replicas[(replica, dp_rank)] = st
             self.by_slot.append(st)
+            self._pool_cache = None
         return st
+
+    def add_pending(self, replica: str, dp_rank: int, hashes: list[int], n_tokens: int, credited: int,
+                    expires: float) -> None:
+        """A router sent this prompt to (replica, dp_rank): credit its blocks there until the engine's
+        events confirm them or `expires` passes."""
+        st = self.replica(replica, dp_rank)
+        self.pending.add(st.slot, hashes, expires, max(0, n_tokens - credited))
 
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
@@ -129,6 +177,8 @@ class ModelShard:
             for h in ev.hashes:
                 a[h] = a.get(h, 0) | bit
         st.blocks += new
+        if self.pending.masks and g.kind in FULL_KINDS:
+            self.pending.confirm(st.slot, ev.hashes)
         if new:
             gb = st.group_blocks
             gb[ev.group] = gb.get(ev.group, 0) + new
@@ -186,36 +236,43 @@ class ModelShard:
         st.group_blocks = {}
 
     # ---- lookup -----------------------------------------------------------------------------
-    def prefix_blocks(self, hashes: list[int], group: int | None = None) -> dict[int, int]:
-        """slot -> number of leading blocks it holds (in any tier) in `group` (default: the first
-        full-attention group). Slots that hold nothing are left out."""
+    def prefix_blocks(self, hashes: list[int], group: int | None = None, pending: bool = False
+                      ) -> dict[int, int]:
+        """slot -> number of leading blocks it holds (in any tier, or in a pool it reads) in `group`
+        (default: the first full-attention group); with `pending`, pending credit counts too. Slots
+        that hold nothing are left out."""
         g = self._lookup_group(group)
         if g is None or not hashes:
             return {}
-        d = g.any
-        alive = d.get(hashes[0], 0)
-        out: dict[int, int] = {}
-        if not alive:
-            return out
-        i = 1
-        n = len(hashes)
-        while i < n:
-            m = d.get(hashes[i], 0) & alive
-            if m != alive:
-                lost = alive & ~m
-                while lost:
-                    low = lost & -lost
-                    out[low.bit_length() - 1] = i
-                    lost ^= low
-                alive = m
-                if not alive:
-                    return out
-            i += 1
-        while alive:
-            low = alive & -alive
-            out[low.bit_length() - 1] = n
-            alive ^= low
-        return out
+        get = g.any.get
+        pool_mask = self._pools()[0] if self.pool_readers else 0
+        pend = self.pending.masks if pending else None
+        if pool_mask or pend:
+            get = self._overlay_get(get, pool_mask, pend)
+        return _walk(get, hashes)
+
+    def _overlay_get(self, get, pool_mask: int, pend: dict[int, int] | None):
+        """A mask getter where a pool's bit also lights its readers', and pending credit adds in."""
+        readers = self._pools()[1] if pool_mask else {}
+        cache: dict[int, int] = {}
+
+        def expand(m: int) -> int:
+            p = m & pool_mask
+            if p:
+                e = cache.get(p)
+                if e is None:
+                    e = 0
+                    for b in _bits(p):
+                        e |= readers.get(1 << b, 0)
+                    cache[p] = e
+                m |= e
+            return m
+
+        if pend:
+            pget = pend.get
+            return lambda h, default=0: expand(get(h, 0)) | pget(h, 0)
+        return lambda h, default=0: expand(get(h, 0))
+
 
     def _lookup_group(self, group: int | None) -> GroupIndex | None:
         if group is not None:
@@ -232,10 +289,14 @@ class ModelShard:
         g = self._lookup_group(group)
         if g is None or n_blocks == 0:
             return []
-        if len(g.tiers) == 1:
+        if len(g.tiers) == 1 and not self.pool_readers:
             (tid,) = g.tiers
             return [(TIERS[tid], n_blocks * self.block_size)]
         bit = 1 << slot
+        if self.pool_readers:  # the pools this slot reads hold blocks for it, in their own tier
+            for pool_bit, readers in self._pools()[1].items():
+                if readers & (1 << slot):
+                    bit |= pool_bit
         order = sorted(g.tiers.items())
         runs: list[tuple[str, int]] = []
         for h in hashes[:n_blocks]:
@@ -255,8 +316,12 @@ class ModelShard:
         its kind, its own hit within the full-attention hit, and its memory (`blocks`: the replica's
         live entries in the group; `prompt_blocks`: this prompt's index blocks it holds, hybrid models
         only); `upper_bound` when the credit relies on a group kind whose evictions go unreported."""
+        if len(self.pending):
+            self.pending.expire(now)
         hits = self.prefix_blocks(hashes)
         resume = self.resume_points(hashes, n_tokens, hits)
+        with_pending = self.prefix_blocks(hashes, pending=True) if self._pending_applies() else hits
+        inflight = self.pending.inflight
         held = self._prompt_held(hashes) if len(self.groups) > 1 else None
         gids = sorted(self.groups)
         unreported = [gid for gid in gids if self.groups[gid].kind in self.unreported_eviction_kinds]
@@ -264,16 +329,23 @@ class ModelShard:
         group_info = [(gid, g.kind, g.window, g.kind in STATE_KINDS or (g.kind in WINDOW_KINDS and g.window))
                       for gid, g in ((gid, self.groups[gid]) for gid in gids)]
         fa = self._lookup_group(None)
-        single_tier = TIERS[next(iter(fa.tiers))] if fa is not None and len(fa.tiers) == 1 else None
+        single_tier = (TIERS[next(iter(fa.tiers))] if fa is not None and len(fa.tiers) == 1
+                       and not self.pool_readers else None)
         bs = self.block_size
         answers = []
         for st in self.by_slot:
-            if st is None:
+            if st is None or st.replica in self.pool_readers:
                 continue
             slot = st.slot
             nb = hits.get(slot, 0)
             cached = min(nb * bs, n_tokens)
             fa_hit, res, ghits = resume.get(slot, _NO_HIT)
+            pending = 0
+            if with_pending is not hits and with_pending.get(slot, 0) > nb:
+                # a routed prompt not yet confirmed by the engine's events: resumable up to its end
+                pending = max(0, resumable(min(with_pending[slot] * bs, n_tokens), n_tokens,
+                                           self.engine_block_size(st)) - res)
+                res += pending
             groups = []
             for gid, kind, window, own in group_info:
                 e = {"group": gid, "kind": kind,
@@ -299,6 +371,8 @@ class ModelShard:
                 "resumable_tokens": res,
                 "full_attention_hit_tokens": fa_hit,
                 "groups": groups,
+                "pending_tokens": pending,
+                "inflight_prefill_tokens": inflight.get(slot, 0) if inflight else 0,
                 "upper_bound": bool(res and unreported),
                 "upper_bound_groups": unreported if res else [],
                 "freshness": {
@@ -313,7 +387,7 @@ class ModelShard:
         return answers
 
     def credited(self, hashes: list[int], n_tokens: int, replica: str | None = None,
-                 dp_rank: int | None = None) -> int:
+                 dp_rank: int | None = None, now: float | None = None) -> int:
         """Resumable tokens on one replica and DP rank (None: the best of any): what the shadow
         audit credits."""
         slots = [st.slot for (rep, rank), st in self.replicas.items()
@@ -321,7 +395,15 @@ class ModelShard:
         if not slots:
             return 0
         resume = self.resume_points(hashes, n_tokens, self.prefix_blocks(hashes), set(slots))
-        return max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
+        best = max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
+        if now is not None and len(self.pending):
+            self.pending.expire(now)
+        if self._pending_applies():  # pending credit: the prompt's resumable part up to its pending end
+            wp = self.prefix_blocks(hashes, pending=True)
+            for s in slots:
+                ebs = self.engine_block_size(self.by_slot[s])
+                best = max(best, resumable(min(wp.get(s, 0) * self.block_size, n_tokens), n_tokens, ebs))
+        return best
 
     def resume_point(self, hashes: list[int], n_tokens: int, st: ReplicaState, cached: int) -> int:
         """The tokens the engine can resume from on one replica (see `resume_points`)."""
@@ -563,6 +645,33 @@ def _bit_counts(masks: list[int], n_slots: int) -> dict[int, int]:
         counts = np.unpackbits(arr.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little").sum(axis=0)
         for b in np.flatnonzero(counts).tolist():
             out[64 * w + b] = int(counts[b])
+    return out
+
+
+def _walk(get, hashes: list[int]) -> dict[int, int]:
+    """The AND-walk: slot -> leading blocks held, for every slot holding block 0."""
+    alive = get(hashes[0], 0)
+    out: dict[int, int] = {}
+    if not alive:
+        return out
+    i = 1
+    n = len(hashes)
+    while i < n:
+        m = get(hashes[i], 0) & alive
+        if m != alive:
+            lost = alive & ~m
+            while lost:
+                low = lost & -lost
+                out[low.bit_length() - 1] = i
+                lost ^= low
+            alive = m
+            if not alive:
+                return out
+        i += 1
+    while alive:
+        low = alive & -alive
+        out[low.bit_length() - 1] = n
+        alive ^= low
     return out
 
 
