@@ -53,7 +53,9 @@ from fastapi.responses import Response
 from index_service.metrics import ServiceMetrics
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
+from kvidx.core.price import price
 from kvidx.core.shard import ModelShard
+from schemas.routes import ROUTES_VERSION, RouteDecision
 
 log = logging.getLogger("kvidx.index_service")
 
@@ -79,8 +81,26 @@ class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: str | None = None
 
 
+class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A routing decision: the prompt (as in a lookup), where it went, and what the index credited."""
+    request_id: str
+    model: str
+    replica: str
+    dp_rank: int = 0
+    credited_tokens: int = 0
+    ttl_s: float | None = None
+    router: str = ""
+    token_ids: list[int] | None = None
+    block_hashes: list[int] | None = None
+    prompt_tokens: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
 _decoder = msgspec.json.Decoder(LookupRequest)
+_route_decoder = msgspec.json.Decoder(RouteRequest)
 _REQUEST_SCHEMA = msgspec.json.schema_components([LookupRequest])[1]["LookupRequest"]  # inline, no $ref
+_ROUTE_SCHEMA = msgspec.json.schema_components([RouteRequest])[1]["RouteRequest"]
 _encode = msgspec.json.Encoder().encode
 
 
@@ -89,6 +109,10 @@ class Reject(Exception):
         super().__init__(error)
         self.status = status
         self.error = error
+
+
+def _by_price(answer: dict) -> float:
+    return answer["price"]["total_s"]
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -210,8 +234,14 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             raise Reject(404, f"unknown model {model[:200]!r}: known models are {listed}{more}")
         return shard
 
-    def answer(form: str, t0: float, shard: ModelShard, hashes: list[int], n_tokens: int) -> Response:
+    def answer(form: str, t0: float, shard: ModelShard, hashes: list[int], n_tokens: int,
+               rank: bool = False) -> Response:
         replicas = shard.lookup(hashes, n_tokens, time.time())
+        cost = store.config.model(shard.model).price
+        for r in replicas:
+            r["price"] = price(r, n_tokens, cost)
+        if rank:
+            replicas.sort(key=_by_price)
         body = _encode({"model": shard.model, "prompt_tokens": n_tokens,
                         "block_size": shard.block_size, "replicas": replicas})
         dt = time.perf_counter() - t0
@@ -234,10 +264,41 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         metrics.observe(form, status)
         return _json({"error": error}, status)
 
-    @app.post("/v1/lookup", response_class=Response, openapi_extra={"requestBody": {
-        "required": True, "content": {JSON: {"schema": _REQUEST_SCHEMA}}}})
-    async def lookup(request: Request) -> Response:
-        """Prompt lookup, JSON form: token_ids (hashed here) or block_hashes + prompt_tokens."""
+    def prompt(req: LookupRequest | RouteRequest) -> tuple[ModelShard, list[int], int]:
+        """The shard, canonical block hashes and prompt length of a JSON request's prompt."""
+        model = req.model
+        if req.token_ids is not None:
+            if req.block_hashes is not None:
+                raise Reject(422, "give either token_ids or block_hashes (+ prompt_tokens), not both")
+            n = len(req.token_ids)
+            if n == 0:
+                raise Reject(422, "token_ids is empty: a prompt has at least one token")
+            if n > max_tokens:
+                raise Reject(413, f"token_ids has {n} tokens, more than max_tokens={max_tokens}")
+            if req.prompt_tokens is not None and req.prompt_tokens != n:
+                raise Reject(422, f"prompt_tokens={req.prompt_tokens} differs from the {n} token_ids")
+            packed = _pack(req.token_ids)
+            shard = find_shard(model)
+            return shard, prompt_hashes(packed, shard.block_size, req.lora_name, req.cache_salt), n
+        if req.block_hashes is not None:
+            n = req.prompt_tokens
+            if n is None:
+                raise Reject(422, "block_hashes needs prompt_tokens (the prompt's length in tokens)")
+            if n <= 0:
+                raise Reject(422, f"prompt_tokens must be positive, got {n}")
+            if n > max_tokens:
+                raise Reject(413, f"prompt_tokens={n} is more than max_tokens={max_tokens}")
+            shard = find_shard(model)
+            hashes = req.block_hashes
+            _check_u64(hashes)
+            bs = shard.block_size
+            if len(hashes) > n // bs:
+                raise Reject(422, f"block_hashes has {len(hashes)} hashes but prompt_tokens={n} holds "
+                                  f"only {n // bs} full blocks of {bs} tokens")
+            return shard, hashes, n
+        raise Reject(422, "give token_ids, or block_hashes and prompt_tokens")
+
+    async def json_lookup(request: Request, form: str, rank: bool) -> Response:
         t0 = time.perf_counter()
         model = None
         try:
@@ -249,39 +310,57 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             except msgspec.DecodeError as e:
                 raise Reject(400, f"invalid JSON: {e}") from None
             model = req.model
-            if req.token_ids is not None:
-                if req.block_hashes is not None:
-                    raise Reject(422, "give either token_ids or block_hashes (+ prompt_tokens), not both")
-                n = len(req.token_ids)
-                if n == 0:
-                    raise Reject(422, "token_ids is empty: a prompt has at least one token")
-                if n > max_tokens:
-                    raise Reject(413, f"token_ids has {n} tokens, more than max_tokens={max_tokens}")
-                if req.prompt_tokens is not None and req.prompt_tokens != n:
-                    raise Reject(422, f"prompt_tokens={req.prompt_tokens} differs from the {n} token_ids")
-                packed = _pack(req.token_ids)
-                shard = find_shard(model)
-                hashes = prompt_hashes(packed, shard.block_size, req.lora_name, req.cache_salt)
-            elif req.block_hashes is not None:
-                n = req.prompt_tokens
-                if n is None:
-                    raise Reject(422, "block_hashes needs prompt_tokens (the prompt's length in tokens)")
-                if n <= 0:
-                    raise Reject(422, f"prompt_tokens must be positive, got {n}")
-                if n > max_tokens:
-                    raise Reject(413, f"prompt_tokens={n} is more than max_tokens={max_tokens}")
-                shard = find_shard(model)
-                hashes = req.block_hashes
-                _check_u64(hashes)
-                bs = shard.block_size
-                if len(hashes) > n // bs:
-                    raise Reject(422, f"block_hashes has {len(hashes)} hashes but prompt_tokens={n} holds "
-                                      f"only {n // bs} full blocks of {bs} tokens")
-            else:
-                raise Reject(422, "give token_ids, or block_hashes and prompt_tokens")
-            return answer("json", t0, shard, hashes, n)
+            shard, hashes, n = prompt(req)
+            return answer(form, t0, shard, hashes, n, rank)
         except Exception as e:  # noqa: BLE001 - every failure becomes a JSON error response
-            return rejected("json", e, model)
+            return rejected(form, e, model)
+
+    @app.post("/v1/lookup", response_class=Response, openapi_extra={"requestBody": {
+        "required": True, "content": {JSON: {"schema": _REQUEST_SCHEMA}}}})
+    async def lookup(request: Request) -> Response:
+        """Prompt lookup, JSON form: token_ids (hashed here) or block_hashes + prompt_tokens. Replicas
+        by resumable tokens, best first, each with its prefix price."""
+        return await json_lookup(request, "json", rank=False)
+
+    @app.post("/v1/rank", response_class=Response, openapi_extra={"requestBody": {
+        "required": True, "content": {JSON: {"schema": _REQUEST_SCHEMA}}}})
+    async def rank(request: Request) -> Response:
+        """The lookup ranked by prefix price (queue + load from tiers + prefill left), cheapest first."""
+        return await json_lookup(request, "rank", rank=True)
+
+    @app.post("/v1/routes", response_class=Response, status_code=202, openapi_extra={"requestBody": {
+        "required": True, "content": {JSON: {"schema": _ROUTE_SCHEMA}}}})
+    async def routes(request: Request) -> Response:
+        """Record a routing decision: the prompt counts as cached on that replica, for every router
+        of every instance, until the engine's events confirm it or ttl_s passes."""
+        t0 = time.perf_counter()
+        model = None
+        try:
+            body = await read_body(request, max_json_bytes, "JSON body")
+            try:
+                req = _route_decoder.decode(body)
+            except msgspec.ValidationError as e:
+                raise Reject(422, f"invalid request: {e}") from None
+            except msgspec.DecodeError as e:
+                raise Reject(400, f"invalid JSON: {e}") from None
+            model = req.model
+            if not req.request_id or not req.replica:
+                raise Reject(422, "request_id and replica must not be empty")
+            ttl = store.config.pending_ttl_s if req.ttl_s is None else req.ttl_s
+            if not 0 < ttl <= 3600:
+                raise Reject(422, f"ttl_s must be in (0, 3600], got {ttl}")
+            if req.dp_rank < 0 or req.credited_tokens < 0:
+                raise Reject(422, "dp_rank and credited_tokens must not be negative")
+            shard, hashes, n = prompt(req)
+            d = RouteDecision(ROUTES_VERSION, req.request_id[:200], model, req.replica[:500], req.dp_rank,
+                              list(hashes), n, req.credited_tokens, time.time(), ttl, req.router[:200])
+            applied = store.apply_route(d)
+            if applied and store.publish_route is not None:
+                store.publish_route(d)
+            metrics.observe("routes", 202, time.perf_counter() - t0)
+            return _json({"accepted": True, "duplicate": not applied, "expires_at": d.ts + ttl}, 202)
+        except Exception as e:  # noqa: BLE001
+            return rejected("routes", e, model)
 
     @app.post("/v1/lookup/binary", response_class=Response, openapi_extra={"requestBody": {
         "required": True, "content": {"application/octet-stream": {

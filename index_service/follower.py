@@ -4,6 +4,9 @@ Start-up: rebuild every shard from the compacted snapshot topic, then consume th
 the offsets those snapshots cover (events already in a snapshot are skipped by the fold's (epoch,
 seq) check). After that, every event batch is folded as it arrives, so a lookup sees an engine event
 a few milliseconds after the relay published it. Several instances fed this way answer alike.
+
+Routing decisions (the routes topic) are followed too, from a few minutes back: a prompt routed
+through any instance counts as pending credit on every instance.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from index_service.store import ShardStore
 from kvidx.kafka.config import client_config
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
+from schemas.routes import RouteDecision, decode_route, encode_route
 from streams.snapshots import read_snapshots, watermarks
 
 log = logging.getLogger("kvidx.service")
@@ -25,11 +29,14 @@ log = logging.getLogger("kvidx.service")
 
 class KafkaFollower:
     def __init__(self, store: ShardStore, bootstrap: str, events_topic: str = EVENTS_TOPIC,
-                 snapshot_topic: str = SNAPSHOTS_TOPIC):
+                 snapshot_topic: str = SNAPSHOTS_TOPIC, routes_topic: str | None = None,
+                 routes_lookback_s: float = 600.0):
         self.store = store
         self.bootstrap = bootstrap
         self.events_topic = events_topic
         self.snapshot_topic = snapshot_topic
+        self.routes_topic = routes_topic
+        self.routes_lookback_s = routes_lookback_s
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kafka-follower", daemon=True)
         self.undecodable = 0
@@ -71,7 +78,11 @@ class KafkaFollower:
                 lo, hi = watermarks(c, self.events_topic, p)
                 if hi > max(lo, starts.get(p, 0)):
                     ends[p] = hi
-            c.assign([TopicPartition(self.events_topic, p, starts.get(p, OFFSET_BEGINNING)) for p in parts])
+            assignment = [TopicPartition(self.events_topic, p, starts.get(p, OFFSET_BEGINNING))
+                          for p in parts]
+            if self.routes_topic:
+                assignment += self._routes_start(c)
+            c.assign(assignment)
             if not ends:
                 self._ready(t0)
             while not self.stop_event.is_set():
@@ -79,6 +90,9 @@ class KafkaFollower:
                 msgs = [first, *c.consume(2000, 0)] if first is not None else []
                 for msg in msgs:
                     if msg.error():
+                        continue
+                    if msg.topic() == self.routes_topic:
+                        self._route(msg.value())
                         continue
                     try:
                         batch = decode_batch(msg.value())
@@ -93,15 +107,54 @@ class KafkaFollower:
         finally:
             c.close()
 
-    def _partitions(self, c: Consumer) -> list[int]:
+    def _routes_start(self, c: Consumer) -> list[TopicPartition]:
+        """The routes topic's partitions, positioned `routes_lookback_s` back in time."""
+        since_ms = int((time.time() - self.routes_lookback_s) * 1000)
+        parts = [TopicPartition(self.routes_topic, p, since_ms)
+                 for p in self._partitions(c, self.routes_topic)]
+        return c.offsets_for_times(parts, timeout=10)
+
+    def _route(self, raw: bytes) -> None:
+        try:
+            self.store.apply_route(decode_route(raw))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            self.undecodable += 1
+
+    def _partitions(self, c: Consumer, topic: str | None = None) -> list[int]:
+        topic = topic or self.events_topic
         for _ in range(100):
-            t = c.list_topics(self.events_topic, timeout=10).topics.get(self.events_topic)
+            t = c.list_topics(topic, timeout=10).topics.get(topic)
             if t is not None and t.error is None and t.partitions:
                 return sorted(t.partitions)
             time.sleep(0.2)
-        raise RuntimeError(f"topic {self.events_topic} not found")
+        raise RuntimeError(f"topic {topic} not found")
 
     def _ready(self, t0: float) -> None:
         self.store.ready = True
         log.info("event=caught_up seconds=%.3f batches=%d", time.monotonic() - t0,
                  self.store.batches_applied)
+
+
+class RoutePublisher:
+    """Sends the routing decisions this instance records to the routes topic (key = model)."""
+
+    def __init__(self, bootstrap: str, topic: str):
+        from confluent_kafka import Producer
+
+        self.topic = topic
+        self.errors = 0
+        self.producer = Producer({**client_config(), "bootstrap.servers": bootstrap,
+                                  "enable.idempotence": True, "linger.ms": 1})
+
+    def __call__(self, d: RouteDecision) -> None:
+        self.producer.produce(self.topic, key=d.model.encode(), value=encode_route(d),
+                              on_delivery=self._delivered)
+        self.producer.poll(0)
+
+    def _delivered(self, err, msg) -> None:
+        if err is not None:
+            self.errors += 1
+            log.error("event=route_delivery_failed error=%s", err)
+
+    def close(self) -> None:
+        self.producer.flush(10)

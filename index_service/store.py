@@ -1,35 +1,60 @@
-"""The shards a service instance answers from, fed by a follower (Kafka) or by in-process relays."""
+"""The shards a service instance answers from, fed by a follower (Kafka) or by in-process relays,
+plus the routing decisions it applies as pending credit."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 
+from kvidx.config import Config
 from kvidx.core.shard import ModelShard
 from schemas.events import EventBatch
+from schemas.routes import RouteDecision
+
+_SEEN_ROUTES = 200_000  # request ids remembered to apply each decision once (local + Kafka echo)
 
 
 class ShardStore:
     """model -> ModelShard. Writers hold the lock while folding a batch; lookups read without it
     (a dict read racing a fold sees the block either before or after: both are valid views)."""
 
-    def __init__(self, index_block_size: int = 16, block_sizes: dict[str, int] | None = None,
-                 unreported_eviction_kinds: tuple[str, ...] = ()):
+    def __init__(self, index_block_size: int | None = None, block_sizes: dict[str, int] | None = None,
+                 unreported_eviction_kinds: tuple[str, ...] | None = None, config: Config | None = None):
+        self.config = config or Config()
         self.default_block_size = index_block_size
         self.unreported_eviction_kinds = unreported_eviction_kinds
         self.block_sizes = block_sizes or {}
         self.shards: dict[str, ModelShard] = {}
         self.lock = threading.Lock()
         self.batches_applied = 0
+        self.routes_applied = 0
         self.ready = False  # set once the shards were rebuilt (snapshots + catch-up)
+        self.publish_route: Callable[[RouteDecision], None] | None = None  # set when routes go to Kafka
+        self._seen_routes: OrderedDict[str, None] = OrderedDict()
 
     def block_size(self, model: str) -> int:
-        return self.block_sizes.get(model, self.default_block_size)
+        if model in self.block_sizes:
+            return self.block_sizes[model]
+        if self.default_block_size is not None and model not in self.config.models:
+            return self.default_block_size
+        return self.config.model(model).index_block_size
+
+    def _configure(self, shard: ModelShard) -> ModelShard:
+        kinds = self.unreported_eviction_kinds
+        if kinds is None:
+            kinds = tuple(self.config.model(shard.model).unreported_eviction_kinds)
+        if kinds:
+            shard.unreported_eviction_kinds = frozenset(kinds)
+        if self.config.pools:
+            shard.set_pools(self.config.pool_readers())
+        return shard
 
     def shard(self, model: str) -> ModelShard:
         s = self.shards.get(model)
         if s is None:
-            s = self.shards[model] = ModelShard(model, self.block_size(model), self.unreported_eviction_kinds)
+            s = self.shards[model] = self._configure(ModelShard(model, self.block_size(model)))
         return s
 
     def apply(self, batch: EventBatch, now: float | None = None) -> bool:
@@ -38,7 +63,20 @@ class ShardStore:
             return self.shard(batch.model).apply(batch, time.time() if now is None else now)
 
     def put(self, shard: ModelShard) -> None:
-        if self.unreported_eviction_kinds:
-            shard.unreported_eviction_kinds = frozenset(self.unreported_eviction_kinds)
+        self._configure(shard)
         with self.lock:
             self.shards[shard.model] = shard
+
+    def apply_route(self, d: RouteDecision) -> bool:
+        """Credit a routed prompt to its replica until confirmed or expired; False if this decision
+        was applied already (every instance sees its own decisions again through Kafka)."""
+        with self.lock:
+            if d.request_id in self._seen_routes:
+                return False
+            self._seen_routes[d.request_id] = None
+            if len(self._seen_routes) > _SEEN_ROUTES:
+                self._seen_routes.popitem(last=False)
+            self.routes_applied += 1
+            self.shard(d.model).add_pending(d.replica, d.dp_rank, d.block_hashes, d.prompt_tokens,
+                                            d.credited_tokens, d.ts + d.ttl_s)
+            return True

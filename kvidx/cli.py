@@ -121,17 +121,22 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from index_service.app import create_app
-    from index_service.follower import KafkaFollower
+    from index_service.follower import KafkaFollower, RoutePublisher
     from index_service.store import ShardStore
+    from kvidx.config import load_config
+    from kvidx.kafka.topics import ensure_topics
     from schemas.events import topic_names
 
     t = topic_names(args.topic_prefix)
+    ensure_topics(_bootstrap(args), t)
     token = os.environ.get("KVIDX_API_TOKEN")
     if args.auth_token_file:
         with open(args.auth_token_file) as f:
             token = f.read().strip()
-    store = ShardStore(args.index_block_size, unreported_eviction_kinds=tuple(args.unreported_eviction_kinds))
-    follower = KafkaFollower(store, _bootstrap(args), t["events"], t["snapshots"]).start()
+    store = ShardStore(args.index_block_size, config=load_config(args.config),
+                       unreported_eviction_kinds=tuple(args.unreported_eviction_kinds) or None)
+    store.publish_route = RoutePublisher(_bootstrap(args), t["routes"])
+    follower = KafkaFollower(store, _bootstrap(args), t["events"], t["snapshots"], t["routes"]).start()
     try:
         uvicorn.run(create_app(store, max_tokens=args.max_tokens, auth_token=token), host=args.host,
                     port=args.port, log_level="warning")
@@ -226,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-token-file", help="require `Authorization: Bearer <token>` on /v1/ "
                    "(the token read from this file; or set $KVIDX_API_TOKEN)")
     s.add_argument("--max-tokens", type=int, default=1_000_000, help="largest prompt a lookup accepts")
+    s.add_argument("--config", help="deployment configuration (.toml or .json): per-model block size, "
+                   "prices, pools; see kvidx/config.py")
     s.set_defaults(func=cmd_serve)
 
     sh = sub.add_parser("shadow", help="replay a recording and compare credited with reused tokens",

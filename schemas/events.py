@@ -20,13 +20,14 @@ SCHEMA_VERSION = 1
 EVENTS_TOPIC = f"kvidx.events.v{SCHEMA_VERSION}"
 SNAPSHOTS_TOPIC = f"kvidx.shards.v{SCHEMA_VERSION}"  # compacted: latest shard snapshot per model
 DEAD_LETTER_TOPIC = "kvidx.deadletter"
+ROUTES_TOPIC = "kvidx.routes.v1"  # routing decisions: pending credit and the audit (schemas/routes.py)
 
 
 
 def topic_names(prefix: str = "") -> dict[str, str]:
     """The topics of one index deployment; a prefix lets several share a cluster (or a test run)."""
     return {"events": prefix + EVENTS_TOPIC, "snapshots": prefix + SNAPSHOTS_TOPIC,
-            "dead_letters": prefix + DEAD_LETTER_TOPIC}
+            "dead_letters": prefix + DEAD_LETTER_TOPIC, "routes": prefix + ROUTES_TOPIC}
 
 
 TIERS = ("GPU", "CPU", "DISK", "NODE_SHARED", "POOL")  # fastest first

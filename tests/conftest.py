@@ -8,7 +8,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from kafka_broker import create_topics, kafka_bootstrap_session  # noqa: E402
+from kafka_broker import kafka_bootstrap_session  # noqa: E402
+
+from kvidx.kafka.topics import ensure_topics  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 LLAMA = FIXTURES / "vllm-0.32" / "llama_c4"
@@ -29,7 +31,6 @@ def topics(kafka_bootstrap):
 
     prefix = f"t{uuid.uuid4().hex[:8]}."
     names = topic_names(prefix)
-    create_topics(kafka_bootstrap, [names["events"], names["dead_letters"]], partitions=4,
-                  compacted=[names["snapshots"]])
+    ensure_topics(kafka_bootstrap, names, partitions=4)
     names["prefix"] = prefix
     return names

@@ -49,7 +49,7 @@ def create_topics(
 
 
 def ensure_topics(bootstrap: str, names: dict[str, str], partitions: int = 4) -> None:
-    """The topics of one deployment (schemas.events.topic_names): events kept for days, the snapshot
-    topic compacted, dead letters kept for days."""
-    create_topics(bootstrap, [names["events"], names["dead_letters"]], partitions=partitions,
+    """The topics of one deployment (schemas.events.topic_names): events, routes and dead letters
+    kept for days, the snapshot topic compacted."""
+    create_topics(bootstrap, [names["events"], names["dead_letters"], names["routes"]], partitions=partitions,
                   compacted=[names["snapshots"]], retention_ms=EVENTS_RETENTION_MS)

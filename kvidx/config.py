@@ -1,0 +1,73 @@
+"""Deployment configuration (`--config FILE`, JSON or TOML): per-model settings, the price model,
+and the topology of shared caches. Everything has a default: no file is needed to start.
+
+```toml
+pending_ttl_s = 10.0                      # how long a routed prompt counts as cached unconfirmed
+
+[default]                                 # every model without its own section
+index_block_size = 16
+unreported_eviction_kinds = []            # e.g. ["mamba"]: credit relying on them is an upper bound
+
+[default.price]
+recompute_tokens_per_s = 8000.0           # a replica's prefill throughput
+load_tokens_per_s = {GPU = 0.0, CPU = 150000.0, DISK = 40000.0, NODE_SHARED = 100000.0, POOL = 25000.0}
+
+[models."llama-3-70b".price]              # per-model overrides
+recompute_tokens_per_s = 2500.0
+
+[pools.rack-7-lmcache]                    # a shared cache: its relay publishes as replica "rack-7-lmcache"
+tier = "NODE_SHARED"
+replicas = ["rack7-node1:5557", "rack7-node2:5557"]
+```
+A load rate of 0 means free (the tier is where the engine computes from: GPU).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+
+class PriceConfig(msgspec.Struct, forbid_unknown_fields=True):
+    recompute_tokens_per_s: float = 8000.0
+    load_tokens_per_s: dict[str, float] = msgspec.field(default_factory=lambda: {
+        "GPU": 0.0, "CPU": 150_000.0, "DISK": 40_000.0, "NODE_SHARED": 100_000.0, "POOL": 25_000.0})
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
+    index_block_size: int = 16
+    unreported_eviction_kinds: list[str] = []
+    price: PriceConfig = msgspec.field(default_factory=PriceConfig)
+
+
+class PoolConfig(msgspec.Struct, forbid_unknown_fields=True):
+    replicas: list[str]
+    tier: str = "POOL"
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True):
+    default: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    models: dict[str, ModelConfig] = {}
+    pools: dict[str, PoolConfig] = {}
+    pending_ttl_s: float = 10.0
+
+    def model(self, name: str) -> ModelConfig:
+        return self.models.get(name, self.default)
+
+    def pool_readers(self) -> dict[str, list[str]]:
+        return {name: p.replicas for name, p in self.pools.items()}
+
+
+def load_config(path: str | Path | None) -> Config:
+    """The configuration in `path` (.toml or .json); the defaults when None. Errors name the file and
+    the field."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else msgspec.json.decode(p.read_bytes())
+        return msgspec.convert(raw, Config)
+    except (OSError, tomllib.TOMLDecodeError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise SystemExit(f"error: bad configuration {p}: {e}") from None

@@ -1,0 +1,503 @@
+"""`kvidx simulate`: a simulated vLLM fleet on a real trace; index agreement and router comparison.
+
+Runs, on one workload (the Mooncake conversation trace by default, or generated multi-turn chat):
+- ``kv``: the KV-aware router (price = prefill tokens left after the index's resumable tokens + a
+  load penalty: the prefill tokens already queued on the replica, times --load-weight) with realistic
+  event delay and drops. Its agreement is the headline (the JSON's top-level keys). With --kafka its
+  events go through a real broker (a KafkaSink per fleet, index_service's KafkaFollower), with --http
+  its lookups go through the real FastAPI service;
+- ``kv_zero_delay``: the same router, events delivered before the next request, no drops: the index
+  must then agree exactly (recall 1, over-credit 0);
+- the baselines ``random``, ``round_robin``, ``least_loaded`` (same delay and drops as ``kv``).
+Each run gets a fresh fleet. Runs go in parallel processes (--jobs). See kvidx/sim/fleet.py for the
+simulation model and kvidx/sim/workloads.py for the workloads.
+
+Agreement (DESIGN.md): reuse_rate = reused / prompt tokens, recall = sum(min(credited, reused)) /
+sum(reused), over_credit = sum(max(credited - reused, 0)) / sum(reused); credited = what the index
+said the chosen replica could resume from at routing time, reused = the engine's cached_tokens.
+Pending credit (the index crediting a routed prompt before its events arrive) is not built yet: with
+event delay the index lags the engines and the ``kv`` run shows what that costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvidx.shadow import Agreement
+from kvidx.sim.fleet import POLICIES, FleetConfig, RunResult, run_fleet
+from kvidx.sim.workloads import (
+    MOONCAKE_TRACE,
+    TRACE_BLOCK,
+    SimRequest,
+    chat_requests,
+    load_trace,
+    model_names,
+    trace_requests,
+)
+
+KEYS = ("requests", "prompt_tokens", "reused_tokens", "credited_tokens", "reuse_rate", "recall",
+        "over_credit")
+
+
+# ---- workload and jobs ----------------------------------------------------------------------------
+def build_workload(w: dict) -> list[SimRequest]:
+    if w["kind"] == "chat":
+        return chat_requests(w["requests"] or 2000, w["models"], w["chat_rate"], w["seed"])
+    rows = load_trace(w["trace"], w["requests"])
+    return trace_requests(rows, w["block_tokens"], w["models"])
+
+
+_workload_cache: dict[str, list[SimRequest]] = {}
+_progress: Any = None  # per-job request counters (shared memory in worker processes)
+
+
+def _workload(w: dict) -> list[SimRequest]:
+    key = json.dumps(w, sort_keys=True)
+    if key not in _workload_cache:
+        _workload_cache.clear()
+        _workload_cache[key] = build_workload(w)
+    return _workload_cache[key]
+
+
+def _init_worker(counters) -> None:
+    global _progress
+    _progress = counters
+    _quiet_relays()
+
+
+def _quiet_relays() -> None:
+    # a relay logs every gap it fills or clears: the run's counters report them instead
+    logging.getLogger("kvidx.relay").setLevel(logging.ERROR)
+
+
+def _run_job(job: dict) -> dict:
+    reqs = _workload(job["workload"])
+    cfg = FleetConfig(**job["fleet"])
+    k = job["index"]
+
+    def progress(n: int) -> None:
+        if _progress is not None:
+            _progress[k] = n
+    return summarize(job["name"], run_fleet(reqs, cfg, job["policy"], progress), job)
+
+
+# ---- report -----------------------------------------------------------------------------------
+def _agreement(a: Agreement) -> dict:
+    s = a.summary()
+    s["prefill_tokens"] = a.prompt_tokens - a.reused_tokens
+    return s
+
+
+def summarize(name: str, r: RunResult, job: dict) -> dict:
+    f = job["fleet"]
+    ttft = r.ttft_s if len(r.ttft_s) else np.zeros(1)
+    return {
+        "name": name, "policy": r.policy, "transport": f["transport"], "lookup": f["lookup"],
+        "delay_ms": list(f["delay_ms"]), "drop_rate": f["drop_rate"], "replay": f["replay"],
+        **_agreement(r.overall),
+        "prefill_tokens_saved": r.overall.reused_tokens,
+        "ttft_est_s": {"mean": round(float(ttft.mean()), 4), "p50": round(float(np.percentile(ttft, 50)), 4),
+                       "p99": round(float(np.percentile(ttft, 99)), 4)},
+        "per_model": {m: _agreement(a) for m, a in r.per_model.items()},
+        "per_engine": {"vllm": _agreement(r.overall)},
+        "per_tier": {"GPU": _agreement(r.overall)},
+        "per_replica": {rep: {**_agreement(a), "routed": r.requests_per_replica[rep]}
+                        for rep, a in r.per_replica.items()},
+        "windows": [{"t0_s": w * f["window_s"], **_agreement(a)} for w, a in sorted(r.windows.items())],
+        "mismatches": r.overall.mismatches[:10],
+        "counters": r.counters,
+        "wall_s": round(r.wall_s, 2),
+    }
+
+
+def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, runtime: float) -> dict:
+    out = {k: primary[k] for k in KEYS}
+    out["exact_requests"] = primary["exact_requests"]
+    out.update(policy=primary["policy"], transport=primary["transport"], lookup=primary["lookup"],
+               delay_ms=primary["delay_ms"], drop_rate=primary["drop_rate"], replay=primary["replay"])
+    if zero is not None:
+        out["zero_delay"] = {k: zero[k] for k in (*KEYS, "exact_requests")}
+    pol = {}
+    for r in runs:
+        if r["name"] == "kv_zero_delay":
+            continue
+        pol[r["name"]] = {"reuse_rate": r["reuse_rate"], "prefill_tokens_saved": r["prefill_tokens_saved"],
+                          "prefill_tokens": r["prefill_tokens"], "recall": r["recall"],
+                          "over_credit": r["over_credit"], "ttft_est_s": r["ttft_est_s"]}
+    out["policies"] = pol
+    base = [v["reuse_rate"] for k, v in pol.items() if k != "kv"]
+    if "kv" in pol and base:
+        out["kv_beats_baselines"] = all(pol["kv"]["reuse_rate"] > b for b in base)
+    if primary.get("counters", {}).get("kafka_wait_ms_p99") is not None:
+        c = primary["counters"]
+        out["kafka_wait_ms"] = {"p50": c["kafka_wait_ms_p50"], "p99": c["kafka_wait_ms_p99"],
+                                "timeouts": c["kafka_wait_timeouts"]}
+    out["config"] = config
+    out["runtime_s"] = round(runtime, 2)
+    return out
+
+
+def _plots(out_dir: Path, runs: dict[str, dict]) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    # agreement over time
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    for name, r in runs.items():
+        if not name.startswith("kv"):
+            continue
+        t = [w["t0_s"] for w in r["windows"]]
+        axes[0].plot(t, [w["recall"] for w in r["windows"]], label=name, marker=".")
+        axes[1].plot(t, [w["over_credit"] for w in r["windows"]], label=name, marker=".")
+        axes[2].plot(t, [w["reuse_rate"] for w in r["windows"]], label=name, marker=".")
+    for ax, lab in zip(axes, ("recall", "over-credit", "reuse rate"), strict=True):
+        ax.set_ylabel(lab)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].axhline(0.997, color="grey", ls="--", lw=0.8)
+    axes[1].axhline(0.002, color="grey", ls="--", lw=0.8)
+    axes[2].set_xlabel("simulated time (s)")
+    fig.suptitle("index agreement over time (KV-aware router)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "agreement_over_time.png", dpi=110)
+    plt.close(fig)
+    files.append("agreement_over_time.png")
+    # routers
+    names = [n for n in runs if n != "kv_zero_delay"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(names, [runs[n]["reuse_rate"] for n in names], color="tab:blue")
+    axes[0].set_ylabel("reuse rate (reused / prompt tokens)")
+    axes[1].bar(names, [runs[n]["ttft_est_s"]["mean"] for n in names], color="tab:orange", label="mean")
+    axes[1].plot(names, [runs[n]["ttft_est_s"]["p99"] for n in names], "k^", label="p99")
+    axes[1].set_ylabel("estimated TTFT (s)")
+    axes[1].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=20)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("routers: prefix reuse and estimated time to first token")
+    fig.tight_layout()
+    fig.savefig(out_dir / "routers.png", dpi=110)
+    plt.close(fig)
+    files.append("routers.png")
+    # per replica (primary)
+    if "kv" in runs:
+        reps = runs["kv"]["per_replica"]
+        fig, ax = plt.subplots(figsize=(max(6, len(reps) * 0.5), 4))
+        x = np.arange(len(reps))
+        ax.bar(x - 0.2, [v["reuse_rate"] for v in reps.values()], 0.4, label="reuse rate")
+        ax.bar(x + 0.2, [v["recall"] for v in reps.values()], 0.4, label="recall")
+        ax.set_xticks(x, list(reps), rotation=60, fontsize=7)
+        ax2 = ax.twinx()
+        ax2.plot(x, [v["routed"] for v in reps.values()], "k.", label="requests")
+        ax2.set_ylabel("requests routed")
+        ax.legend(loc="lower left", fontsize=8)
+        ax.set_title("KV-aware router, per replica")
+        fig.tight_layout()
+        fig.savefig(out_dir / "per_replica.png", dpi=110)
+        plt.close(fig)
+        files.append("per_replica.png")
+    return files
+
+
+class _Progress:
+    def __init__(self, totals: list[int], names: list[str], enabled: bool) -> None:
+        self.total = sum(totals)
+        self.names = names
+        self.enabled = enabled
+        self.t0 = time.monotonic()
+        self.last = 0.0
+
+    def show(self, counts, done: int, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        t = time.monotonic()
+        if not force and t - self.last < 0.25:
+            return
+        self.last = t
+        n = sum(counts)
+        frac = n / self.total if self.total else 1.0
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        el = t - self.t0
+        eta = f"{el / frac - el:5.0f}s" if frac > 0.01 else "    ?"
+        sys.stderr.write(f"\r[simulate] [{bar}] {frac * 100:5.1f}% {n}/{self.total} requests, "
+                         f"{done}/{len(self.names)} runs, {el:5.0f}s elapsed, eta {eta} ")
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---- main -------------------------------------------------------------------------------------
+def _parse_delay(s: str) -> tuple[float, float]:
+    parts = [float(x) for x in s.split(",")]
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or parts[0] < 0 or parts[1] < parts[0]:
+        raise argparse.ArgumentTypeError("--delay-ms takes LO,HI (0 <= LO <= HI) or one value")
+    return parts[0], parts[1]
+
+
+def run(args: argparse.Namespace) -> dict:
+    t_start = time.monotonic()
+    _quiet_relays()
+    say = (lambda m: print(f"[simulate] {m}", file=sys.stderr, flush=True)) if not args.quiet else \
+        (lambda m: None)
+    if args.engine_block_size % args.index_block_size:
+        raise SystemExit("error: --index-block-size must divide --engine-block-size")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"error: unknown policy {p!r} (known: {', '.join(POLICIES)})")
+    trace = args.trace or str(MOONCAKE_TRACE)
+    if args.workload == "trace" and not os.path.exists(trace):
+        raise SystemExit(f"error: no such trace file: {trace}")
+    wl = {"kind": args.workload, "trace": trace, "requests": args.requests, "models": args.models,
+          "block_tokens": args.trace_block_tokens, "chat_rate": args.chat_rate, "seed": args.seed}
+    reqs = _workload(wl)
+    if not reqs:
+        raise SystemExit("error: the workload is empty")
+    scale = args.trace_block_tokens / TRACE_BLOCK if args.workload == "trace" else 1.0
+    max_blocks = max(math.ceil((len(r.prompt) + len(r.output)) / args.engine_block_size) for r in reqs)
+    num_blocks = args.engine_blocks or max(1, round(args.cache_tokens * scale / args.engine_block_size))
+    if num_blocks <= max_blocks:
+        say(f"engine blocks raised from {num_blocks} to {max_blocks + 1}: "
+            f"the longest request needs {max_blocks}")
+        num_blocks = max_blocks + 1
+    duration = max(r.t for r in reqs) / args.speed
+    window = args.window_s or max(1.0, round(duration / 40, 1))
+    delay = _parse_delay(args.delay_ms)
+    fleet = {"models": model_names(args.models), "replicas": args.replicas,
+             "engine_block": args.engine_block_size, "index_block": args.index_block_size,
+             "num_blocks": num_blocks, "delay_ms": delay, "drop_rate": args.drop_rate,
+             "replay": not args.no_replay, "replay_buffer": args.replay_buffer, "speed": args.speed,
+             "token_scale": scale, "prefill_tps": args.prefill_tps,
+             "decode_ms_per_token": args.decode_ms_per_token, "load_weight": args.load_weight,
+             "window_s": window, "seed": args.seed}
+    config = {"workload": args.workload,
+              "trace": os.path.basename(trace) if args.workload == "trace" else None,
+              "requests": len(reqs), "models": args.models, "replicas_per_model": args.replicas,
+              "engine": "vllm-0.32 (simulated)", "engine_block_size": args.engine_block_size,
+              "index_block_size": args.index_block_size, "engine_blocks": num_blocks,
+              "trace_block_tokens": args.trace_block_tokens if args.workload == "trace" else None,
+              "token_scale": scale, "speed": args.speed, "delay_ms": list(delay), "drop_rate": args.drop_rate,
+              "replay": not args.no_replay, "prefill_tps": args.prefill_tps, "load_weight": args.load_weight,
+              "window_s": window, "seed": args.seed}
+    say(f"{len(reqs)} requests ({sum(len(r.prompt) for r in reqs)} prompt tokens, "
+        f"{duration:.0f} s simulated) on {args.models} model(s) x {args.replicas} vLLM replicas, "
+        f"{num_blocks} blocks of {args.engine_block_size} tokens each; index block {args.index_block_size}")
+
+    jobs: list[dict] = []
+
+    def job(name: str, policy: str, **over: Any) -> None:
+        jobs.append({"name": name, "policy": policy, "workload": wl, "index": len(jobs),
+                     "fleet": {**fleet, "transport": "embedded", "lookup": "inproc", **over}})
+
+    stack: list = []
+    tmp = None
+    try:
+        primary_over: dict[str, Any] = {}
+        if args.kafka:
+            from kvidx.kafka.topics import ensure_topics
+            from schemas.events import topic_names
+            bootstrap = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+            if not bootstrap:
+                from kvidx.kafka.local import LocalKafka
+                tmp = Path(tempfile.mkdtemp(prefix="kvidx-simulate-"))
+                broker = LocalKafka(log=lambda m: say(f"kafka: {m}"))
+                bootstrap = broker.start(tmp / "kafka")
+                stack.append(broker.stop)
+            prefix = args.topic_prefix or f"sim{time.time_ns()}."
+            ensure_topics(bootstrap, topic_names(prefix))
+            say(f"Kafka at {bootstrap}, topics {topic_names(prefix)['events']} ...: the kv run's events go "
+                f"through the broker")
+            primary_over = {"transport": "kafka", "bootstrap": bootstrap, "topic_prefix": prefix}
+        if args.http:
+            primary_over["lookup"] = "http"
+        if "kv" in policies:
+            job("kv", "kv", **primary_over)
+        if not args.no_zero_delay:
+            job("kv_zero_delay", "kv", delay_ms=(0.0, 0.0), drop_rate=0.0)
+        for p in policies:
+            if p != "kv":
+                job(p, p)
+        if not jobs:
+            raise SystemExit("error: nothing to run")
+
+        n_jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(jobs)))
+        prog = _Progress([len(reqs)] * len(jobs), [j["name"] for j in jobs], not args.no_progress)
+        results: list[dict] = []
+        if n_jobs == 1:
+            counts = [0] * len(jobs)
+            _init_worker(counts)
+            for j in jobs:
+                def tick(n: int, k: int = j["index"]) -> None:
+                    counts[k] = n
+                    prog.show(counts, len(results))
+                results.append(summarize(j["name"], run_fleet(reqs, FleetConfig(**j["fleet"]), j["policy"],
+                                                              tick), j))
+            prog.show(counts, len(results), force=True)
+        else:
+            ctx = mp.get_context("spawn")
+            counts = ctx.Array("q", len(jobs), lock=False)
+            with ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker,
+                                     initargs=(counts,)) as pool:
+                futs = [pool.submit(_run_job, j) for j in jobs]
+                while not all(f.done() for f in futs):
+                    prog.show(list(counts), sum(f.done() for f in futs))
+                    time.sleep(0.1)
+                results = [f.result() for f in futs]
+            prog.show([len(reqs)] * len(jobs), len(jobs), force=True)
+        prog.end()
+    finally:
+        for stop in reversed(stack):
+            try:
+                stop()
+            except Exception:
+                pass
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    by_name = {r["name"]: r for r in results}
+    primary = by_name.get("kv") or results[0]
+    head = _headline(primary, by_name.get("kv_zero_delay"), results, config, time.monotonic() - t_start)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plots = _plots(out, by_name)
+        full = {"summary": head, "runs": by_name, "plots": plots,
+                "notes": ["engines: vLLM 0.32 only (SGLang and TensorRT-LLM simulators are a later issue)",
+                          "tiers: GPU only (no host/disk offload simulated)",
+                          "pending credit is not built: with event delay the index lags the engines"]}
+        (out / "summary.json").write_text(json.dumps(full, indent=1))
+        head["out"] = str(out)
+        if not plots:
+            say("matplotlib is not installed: no PNG plots (summary.json written)")
+    return head
+
+
+def _print_human(head: dict) -> None:
+    def pct(x: float) -> str:
+        return f"{x * 100:.3f}%"
+    print(f"requests {head['requests']}, prompt tokens {head['prompt_tokens']}, "
+          f"runtime {head['runtime_s']} s")
+    print(f"agreement, KV-aware router, delay {head['delay_ms']} ms, drops {head['drop_rate']}: reuse rate "
+          f"{pct(head['reuse_rate'])}, recall {pct(head['recall'])}, over-credit {pct(head['over_credit'])}"
+          f" (transport {head['transport']}, lookup {head['lookup']})")
+    z = head.get("zero_delay")
+    if z:
+        print(f"agreement, zero delay: recall {pct(z['recall'])}, over-credit {pct(z['over_credit'])}, "
+              f"exact {z['exact_requests']}/{z['requests']}")
+    print(f"{'router':>14} {'reuse rate':>10} {'prefill saved':>14} {'recall':>9} {'over-cr.':>9} "
+          f"{'TTFT mean':>10} {'TTFT p99':>9}")
+    for name, p in head["policies"].items():
+        print(f"{name:>14} {p['reuse_rate']:>10.4f} {p['prefill_tokens_saved']:>14} {p['recall']:>9.5f} "
+              f"{p['over_credit']:>9.5f} {p['ttft_est_s']['mean']:>9.3f}s {p['ttft_est_s']['p99']:>8.3f}s")
+    if "out" in head:
+        print(f"summary and plots in {head['out']}")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    head = run(args)
+    if args.json:
+        print(json.dumps(head), flush=True)
+    else:
+        _print_human(head)
+    return 0
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    """Register ``simulate``; its leaf sets ``func(args) -> int`` (exit code)."""
+    p = subparsers.add_parser(
+        "simulate", help="simulate a vLLM fleet on a trace: index agreement and KV-aware routing",
+        description="Replays a workload (the Mooncake conversation trace by default) on a simulated fleet "
+                    "of vLLM replicas whose real-format KV events reach the index through the relay code "
+                    "with delay, reordering across replicas and drops. Reports how the index's credit "
+                    "agrees with what the engines reused (reuse rate, recall, over-credit; overall, per "
+                    "model/replica, over time) and how a KV-aware router compares with random, "
+                    "round-robin and least-loaded routing. Engines: vLLM only for now.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", help="a Mooncake-format trace (jsonl: timestamp ms, input_length, "
+                   "output_length, hash_ids); default: the bundled mooncake_conversation_trace.jsonl")
+    w.add_argument("--workload", choices=["trace", "chat"], default="trace",
+                   help="the trace, or generated multi-turn chat with shared system prompts")
+    w.add_argument("--requests", type=int, default=None, help="use the first N requests (chat: default 2000)")
+    w.add_argument("--trace-block-tokens", type=int, default=64,
+                   help="tokens per trace hash id (the trace's are 512): every length is scaled by "
+                        "this/512, which keeps the prefix structure and divides the work")
+    w.add_argument("--speed", type=float, default=1.0,
+                   help="time compression: arrivals come SPEED times faster")
+    w.add_argument("--chat-rate", type=float, default=20.0, help="chat workload: requests/s (Poisson)")
+    w.add_argument("--seed", type=int, default=7)
+    f = p.add_argument_group("fleet")
+    f.add_argument("--models", type=int, default=1, help="models (trace requests spread by prefix)")
+    f.add_argument("--replicas", type=int, default=8, help="vLLM replicas per model")
+    f.add_argument("--engine-block-size", type=int, default=16)
+    f.add_argument("--index-block-size", type=int, default=16, help="must divide the engine block size")
+    f.add_argument("--cache-tokens", type=int, default=1_000_000,
+                   help="KV cache per replica, in workload tokens (before --trace-block-tokens scaling)")
+    f.add_argument("--engine-blocks", type=int, default=None, help="GPU blocks per replica (overrides "
+                   "--cache-tokens)")
+    f.add_argument("--delay-ms", default="1,20", help="event delay after the engine step: LO,HI (uniform) "
+                   "or one value; FIFO per replica, reordered across replicas")
+    f.add_argument("--drop-rate", type=float, default=0.001, help="fraction of engine messages lost")
+    f.add_argument("--no-replay", action="store_true",
+                   help="do not fill gaps from the engine's replay buffer (the relay clears the replica)")
+    f.add_argument("--replay-buffer", type=int, default=1000, help="engine messages kept for replay")
+    f.add_argument("--prefill-tps", type=float, default=20000.0,
+                   help="load model: prefill tokens/s per replica (workload tokens)")
+    f.add_argument("--decode-ms-per-token", type=float, default=20.0,
+                   help="load model: decode time per output token")
+    r = p.add_argument_group("routing and index")
+    r.add_argument("--policies", default=",".join(POLICIES), help="routers to run (kv = KV-aware)")
+    r.add_argument("--load-weight", type=float, default=1.0,
+                   help="kv router: price = prefill tokens left + WEIGHT x prefill tokens already queued "
+                        "on the replica")
+    r.add_argument("--no-zero-delay", action="store_true", help="skip the zero-delay agreement run")
+    r.add_argument("--http", action="store_true", help="the kv run looks up through the real HTTP service")
+    r.add_argument("--kafka", action="store_true", help="the kv run's events go through a Kafka broker "
+                   "(a local one unless --bootstrap or $KAFKA_BOOTSTRAP_SERVERS)")
+    r.add_argument("--bootstrap", help="Kafka bootstrap servers (with --kafka)")
+    r.add_argument("--topic-prefix", default=None, help="topic prefix with --kafka (default: unique per run)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="directory for summary.json and PNG plots")
+    o.add_argument("--window-s", type=float, default=None,
+                   help="agreement window in simulated seconds (default: the run split in ~40)")
+    o.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    o.add_argument("--jobs", type=int, default=None, help="runs in parallel (default: the CPU count)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--quiet", action="store_true", help="no messages on stderr (but the progress bar)")
+    p.set_defaults(func=cmd_simulate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvidx")
+    add_cli(ap.add_subparsers(dest="command", required=True))
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
