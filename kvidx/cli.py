@@ -112,7 +112,7 @@ def cmd_worker(args) -> int:
                              dead_letter_topic=t["dead_letters"], snapshot_interval=args.snapshot_interval,
                              block_size=args.index_block_size, metrics_port=args.metrics_port,
                              unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
-                             web_port=args.web_port)
+                             web_port=args.web_port, session_timeout=args.session_timeout)
     faust.Worker(app, loglevel=args.log_level.lower()).execute_from_commandline()
     return 0
 
@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--snapshot-interval", type=float, default=2.0, help="seconds between shard snapshots")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     w.add_argument("--web-port", type=int, default=6066, help="faust's web port on 127.0.0.1 (0: off)")
+    w.add_argument("--session-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds before a dead worker's partitions move to the others")
     w.add_argument("--no-supervise", action="store_true",
                    help="run faust in this process (default: a supervisor restarts it when it dies)")
     w.set_defaults(func=cmd_worker)

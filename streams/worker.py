@@ -131,13 +131,17 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
                dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0,
                block_size: int = 16, metrics_port: int | None = None,
                unreported_eviction_kinds: tuple[str, ...] = (),
-               web_port: int = 6066, partitions: int = 4) -> tuple[faust.App, ShardWorker]:
+               web_port: int = 6066, partitions: int = 4, session_timeout: float = 30.0
+               ) -> tuple[faust.App, ShardWorker]:
+    """`session_timeout`: how long a dead worker keeps its partitions before the group gives them to
+    the others (they then rebuild the shards from the compacted topic and carry on)."""
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", datadir=str(Path(data_dir) / "faust"),
         web_enabled=web_port > 0, web_bind="127.0.0.1", web_port=web_port or 6066,
         topic_partitions=partitions,
         consumer_auto_offset_reset="earliest", broker_credentials=faust_credentials(client_config()),
-        broker_commit_every=100_000,
+        broker_commit_every=100_000, broker_session_timeout=session_timeout,
+        broker_heartbeat_interval=max(0.5, session_timeout / 10),
         broker_commit_interval=1.0, stream_buffer_maxsize=20_000,
     )
     worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, block_size=block_size,
