@@ -48,8 +48,13 @@ def cmd_relay(args) -> int:
         sys.exit("error: --endpoint (the engine's KV-events endpoint) or --play FILE is required")
     source = ZmqSource(args.endpoint, args.replay_endpoint, bind=args.bind)
     core = VllmPublisherRelay(args.model, args.replica or args.endpoint, args.index_block_size, args.dp_rank)
-    relay = Relay(core, sink, source, record_to=args.record)
+    relay = Relay(core, sink, source, record_to=args.record, resync_blocks_per_s=args.resync_blocks_per_s,
+                  resync_jitter_s=args.resync_jitter)
+    from relays.control import ControlListener
+    control = ControlListener(_bootstrap(args), t["control"], args.model, core.replica,
+                              relay.request_resync).start()
     signal.signal(signal.SIGTERM, lambda *_: relay.stop_event.set())
+    signal.signal(signal.SIGUSR1, lambda *_: relay.request_resync())
     logging.getLogger("kvidx.relay").info("event=relay_start model=%s replica=%s endpoint=%s",
                                           args.model, core.replica, args.endpoint)
     relay.start_fresh()
@@ -58,8 +63,19 @@ def cmd_relay(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        control.stop()
         relay.close()
         sink.flush()
+    return 0
+
+
+def cmd_resync(args) -> int:
+    from relays.control import send_resync
+    from schemas.events import topic_names
+
+    send_resync(_bootstrap(args), topic_names(args.topic_prefix)["control"], args.model, args.replica,
+                args.reason)
+    print(f"resync requested: model={args.model} replica={args.replica}")
     return 0
 
 
@@ -212,7 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--record", help="also append every raw engine message to this frames.jsonl")
     r.add_argument("--play", help="publish a recording (frames.jsonl) instead of a live socket")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    r.add_argument("--resync-blocks-per-s", type=float, default=50_000,
+                   help="pace of a mirror replay (asked with `kvidx resync` or SIGUSR1)")
+    r.add_argument("--resync-jitter", type=float, default=5.0, metavar="S",
+                   help="a replay starts at a random time within S seconds (relays asked together "
+                        "do not send together)")
     r.set_defaults(func=cmd_relay)
+
+    rs = sub.add_parser("resync", help="ask relays to replay their mirrors (shallowest blocks first)",
+                        description="Publish a resync request on the control topic: the matching relays "
+                                    "clear their replica in the index and replay their mirror, paced.")
+    rs.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+    rs.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""))
+    rs.add_argument("--model", default="*", help="model, or * for all")
+    rs.add_argument("--replica", default="*", help="replica, or * for all of the model")
+    rs.add_argument("--reason", default="operator", help="recorded in the relays' logs")
+    rs.set_defaults(func=cmd_resync)
 
     w = sub.add_parser("worker", help="run a stream worker (faust) folding events into RocksDB shards")
     common(w)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from pathlib import Path
@@ -27,12 +28,44 @@ GAPS = Counter("kvidx_relay_gaps_total", "Sequence gaps, by outcome", ["replica"
 
 class Relay:
     def __init__(self, core: VllmPublisherRelay, sink: Sink, source: ZmqSource | None = None,
-                 record_to: str | Path | None = None):
+                 record_to: str | Path | None = None, resync_blocks_per_s: float = 50_000,
+                 resync_jitter_s: float = 5.0):
         self.core = core
         self.sink = sink
         self.source = source
         self.recorder = Recorder(record_to) if record_to else None
         self.stop_event = threading.Event()
+        # mirror replays on request, spread out: a random start within the jitter (so that relays
+        # asked together do not send together), then parts paced at resync_blocks_per_s
+        self.resync_blocks_per_s = resync_blocks_per_s
+        self.resync_jitter_s = resync_jitter_s
+        self._resync_wanted = threading.Event()
+        self._resync = None
+        self._resync_at = 0.0
+
+    def request_resync(self) -> None:
+        """Ask for a mirror replay (thread-safe: control listeners call it)."""
+        self._resync_wanted.set()
+
+    def resync_tick(self, now: float | None = None) -> bool:
+        """Send the next mirror-replay part if one is due; True while a replay is in progress."""
+        now = time.monotonic() if now is None else now
+        if self._resync_wanted.is_set() and self._resync is None:
+            self._resync_wanted.clear()
+            self._resync = self.core.resync(max_blocks=max(1, int(self.resync_blocks_per_s / 10)))
+            self._resync_at = now + random.uniform(0, self.resync_jitter_s)
+            log.info("event=resync_scheduled replica=%s in_s=%.2f", self.core.replica, self._resync_at - now)
+        if self._resync is None or now < self._resync_at:
+            return self._resync is not None
+        batch = next(self._resync, None)
+        if batch is None:
+            self._resync = None
+            log.info("event=resync_done replica=%s parts=%d", self.core.replica, self.core.resync_part)
+            return False
+        self.sink.publish(batch)
+        blocks = sum(len(getattr(e, "hashes", ())) for e in batch.events)
+        self._resync_at = now + blocks / self.resync_blocks_per_s
+        return True
 
     def handle(self, frame: Frame) -> None:
         if self.recorder:
@@ -94,6 +127,7 @@ class Relay:
         for frame in self.source.frames(idle_flush_s):
             if self.stop_event.is_set():
                 break
+            self.resync_tick()
             if frame is None:
                 self.sink.flush(0)
                 continue

@@ -12,13 +12,14 @@ update the mirror, and wrap the canonical events in an `EventBatch`. Sequence ha
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
 
 from kvidx.core.mirror import MirrorError, VllmMirror
 from relays.vllm_wire import decode_payload
-from schemas.events import SCHEMA_VERSION, EventBatch, ReplicaCleared
+from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, ReplicaCleared
 
 MAX_PAYLOAD = 64 << 20  # a larger frame is not an engine batch
 
@@ -59,6 +60,7 @@ class VllmPublisherRelay:
         self.epoch = epoch if epoch is not None else int(time.time() * 1000)
         self.next_seq: int | None = None
         self.counters: dict[str, int] = {"frames": 0, "duplicates": 0, "gaps": 0, "restarts": 0}
+        self.resync_part = 0  # mirror-replay parts sent (EventBatch.part), increasing for ever
 
     def on_frame(self, frame: Frame, check_gap: bool = True) -> RelayOutput:
         out = RelayOutput()
@@ -123,3 +125,36 @@ class VllmPublisherRelay:
             dp_rank=self.dp_rank or 0, epoch=self.epoch, seq=seq,
             engine_ts=engine_ts or frame.recv_ns / 1e9, relay_ts=frame.recv_ns / 1e9,
             block_size=self.mirror.block_size, events=events)
+
+    def resync(self, max_blocks: int = 4096) -> Iterator[EventBatch]:
+        """Replay the mirror (when the index lost this replica's state): a ReplicaCleared, then the
+        live blocks shallowest first, `max_blocks` index blocks per batch. Parts are built when they
+        are taken, from the mirror as it is then, so the caller can spread them out in time between
+        live batches: a block evicted meanwhile is not re-sent, and each part is ordered after the
+        last engine batch (EventBatch.part)."""
+        depth = self.mirror.memo
+        plan = sorted(self.mirror.live, key=lambda key: depth.get(key[0], ((), 0))[1])
+        i, first = 0, True
+        while first or i < len(plan):
+            events: list = [ReplicaCleared("resync")] if first else []
+            first = False
+            chunk: dict[tuple[str, int], list[int]] = {}
+            n = 0
+            while i < len(plan) and n < max_blocks:
+                key = plan[i]
+                i += 1
+                entry = self.mirror.live.get(key)
+                if entry is not None:
+                    chunk.setdefault((key[1], key[2]), []).extend(entry[1])
+                    n += len(entry[1])
+            for (tier, group), hashes in chunk.items():
+                kind, window = self.mirror.group_kinds.get(group, ("full_attention", None))
+                events.append(BlocksStored(tier, group, hashes, None, 0, group_kind=kind,
+                                           sliding_window=window))
+            self.resync_part += 1
+            now = time.time()
+            yield EventBatch(v=SCHEMA_VERSION, model=self.model, replica=self.replica,
+                             dp_rank=self.dp_rank or 0, epoch=self.epoch,
+                             seq=self.next_seq - 1 if self.next_seq is not None else -1,
+                             engine_ts=now, relay_ts=now, block_size=self.mirror.block_size,
+                             events=events, part=self.resync_part)

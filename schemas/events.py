@@ -20,6 +20,7 @@ SCHEMA_VERSION = 1
 EVENTS_TOPIC = f"kvidx.events.v{SCHEMA_VERSION}"
 SNAPSHOTS_TOPIC = f"kvidx.shards.v{SCHEMA_VERSION}"  # compacted: latest shard snapshot per model
 DEAD_LETTER_TOPIC = "kvidx.deadletter"
+CONTROL_TOPIC = "kvidx.control.v1"  # requests to relays (schemas/control.py)
 ROUTES_TOPIC = "kvidx.routes.v1"  # routing decisions: pending credit and the audit (schemas/routes.py)
 
 
@@ -27,7 +28,8 @@ ROUTES_TOPIC = "kvidx.routes.v1"  # routing decisions: pending credit and the au
 def topic_names(prefix: str = "") -> dict[str, str]:
     """The topics of one index deployment; a prefix lets several share a cluster (or a test run)."""
     return {"events": prefix + EVENTS_TOPIC, "snapshots": prefix + SNAPSHOTS_TOPIC,
-            "dead_letters": prefix + DEAD_LETTER_TOPIC, "routes": prefix + ROUTES_TOPIC}
+            "dead_letters": prefix + DEAD_LETTER_TOPIC, "routes": prefix + ROUTES_TOPIC,
+            "control": prefix + CONTROL_TOPIC}
 
 
 TIERS = ("GPU", "CPU", "DISK", "NODE_SHARED", "POOL")  # fastest first
@@ -38,7 +40,8 @@ class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     """A chain of blocks newly cached (first live copy) in one tier and KV-cache group.
 
     hashes[i] is the canonical hash of the block at depth `depth + i` (in index blocks), whose
-    parent is hashes[i-1] (or `parent` for i == 0; None at the root)."""
+    parent is hashes[i-1] (or `parent` for i == 0; None at the root). In a mirror replay
+    (EventBatch.part > 0) the hashes are live blocks in depth order, not one chain (parent None)."""
     tier: str
     group: int
     hashes: list[int]
@@ -80,6 +83,8 @@ class EventBatch(msgspec.Struct, array_like=True):
     relay_ts: float  # when the relay published it
     block_size: int  # the engine's block size in tokens (resume granularity)
     events: list[Event]
+    # > 0: a part of a mirror replay (resync), ordered after the engine batch `seq`: (epoch, seq, part)
+    part: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

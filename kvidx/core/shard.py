@@ -37,6 +37,7 @@ class ReplicaState(msgspec.Struct):
     blocks: int = 0  # live (block, tier, group) entries
     group_blocks: dict[int, int] = {}  # group -> live (block, tier) entries of that group
     unit: int = 0  # the finest partial block size the engine announced (--prefix-match-unit), 0: none
+    part: int = 0  # the last mirror-replay part applied after batch `seq` (see EventBatch.part)
 
 
 class GroupIndex:
@@ -137,7 +138,7 @@ class ModelShard:
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
         st = self.replica(batch.replica, batch.dp_rank)
-        if (batch.epoch, batch.seq) <= (st.epoch, st.seq):
+        if (batch.epoch, batch.seq, batch.part) <= (st.epoch, st.seq, st.part):
             st.duplicates += 1
             return False
         if batch.epoch == st.epoch and batch.seq > st.seq + 1:
@@ -150,7 +151,7 @@ class ModelShard:
                 self._remove(ev, bit, st)
             elif isinstance(ev, ReplicaCleared):
                 self._clear(bit, st)
-        st.epoch, st.seq = batch.epoch, batch.seq
+        st.epoch, st.seq, st.part = batch.epoch, batch.seq, batch.part
         st.block_size = batch.block_size or st.block_size
         st.engine_ts, st.relay_ts, st.applied_ts = batch.engine_ts, batch.relay_ts, now
         st.batches += 1
