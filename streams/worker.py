@@ -58,16 +58,23 @@ class ShardWorker:
         self.shards: dict[str, ModelShard] = {}
         self.partition_of: dict[str, int] = {}
         self.dirty: set[str] = set()
+        self._topic_cache: dict[int, dict[str, ModelShard]] = {}  # partition -> its snapshots, at load
         self._dlq: Producer | None = None
 
     def shard(self, model: str, partition: int) -> ModelShard:
         s = self.shards.get(model)
         if s is None:
-            s = self.local.load(model)
-            source = "rocksdb"
-            if s is None:
-                s = read_snapshots(self.bootstrap, self.snapshot_topic, [partition]).get(model)
-                source = "snapshot_topic"
+            # The local copy may be older than the compacted topic's (another worker owned the model
+            # meanwhile): take the newer snapshot. Snapshot ids grow across owners: a worker goes on
+            # from the id it loaded.
+            local = self.local.load(model)
+            if partition not in self._topic_cache:  # one read of the partition for all its models
+                self._topic_cache[partition] = read_snapshots(self.bootstrap, self.snapshot_topic,
+                                                              [partition])
+            remote = self._topic_cache[partition].pop(model, None)
+            s, source = local, "rocksdb"
+            if remote is not None and (local is None or remote.snapshot_id > local.snapshot_id):
+                s, source = remote, "snapshot_topic"
             if s is None:
                 s = ModelShard(model, self.block_sizes.get(model, self.block_size),
                                self.unreported_eviction_kinds)
@@ -94,6 +101,21 @@ class ShardWorker:
             BLOCKS.labels(batch.model).inc(sum(len(getattr(e, "hashes", ())) for e in batch.events))
             if batch.seq >= 0:
                 LAG.labels(batch.model).observe(max(0.0, now - batch.engine_ts))
+
+    def revoke(self, partitions: set[int]) -> list[str]:
+        """Partitions taken away by a rebalance: forget their models (the new owner rebuilds them
+        from the compacted topic and the unacknowledged events; a snapshot written from here now
+        could overwrite its newer one)."""
+        gone = [m for m, p in self.partition_of.items() if p in partitions]
+        for m in gone:
+            self.shards.pop(m, None)
+            self.partition_of.pop(m, None)
+            self.dirty.discard(m)
+        for p in partitions:
+            self._topic_cache.pop(p, None)
+        if gone:
+            log.info("event=models_revoked models=%d", len(gone))
+        return gone
 
     def snapshot_dirty(self) -> int:
         """Write every changed shard to RocksDB and the compacted topic; returns how many."""
@@ -161,6 +183,13 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
             for ev in events:
                 worker.fold(ev.value, ev.message.partition, ev.message.offset)
             pending.extend(events)
+
+    @app.on_partitions_revoked.connect
+    async def on_revoked(app, revoked, **kwargs):
+        mine = {tp.partition for tp in revoked if tp.topic == events_topic}
+        worker.revoke(mine)
+        # their events will be redelivered to the new owner: never ack them from here
+        pending[:] = [ev for ev in pending if ev.message.partition not in mine]
 
     @app.timer(interval=snapshot_interval)
     async def snapshot():
