@@ -27,7 +27,9 @@ from kvidx.core.hashing import pack_tokens, prompt_hashes  # noqa: E402
 from kvidx.core.shard import ModelShard  # noqa: E402
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch  # noqa: E402
 
-TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_head7000.jsonl"
+# the public Mooncake conversation trace, shipped with the simulator (the benchmarks read its head)
+TRACE = (Path(__file__).resolve().parent.parent / "kvidx" / "sim" / "data"
+         / "mooncake_conversation_trace.jsonl")
 TRACE_BLOCK = 512  # tokens per Mooncake hash_id
 MODEL = "bench-model"
 _M64 = (1 << 64) - 1

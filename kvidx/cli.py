@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     from kvidx.kafka import add_cli
+    from kvidx.simulate import add_cli as add_simulate_cli
     add_cli(sub)
+    add_simulate_cli(sub)
 
     def common(sp, kafka=True, shards=True):
         if kafka:

@@ -10,13 +10,21 @@ translated to its own (aiokafka) credentials.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
 ENV = "KVIDX_KAFKA_CONFIG"
+# librdkafka's own log lines go through Python logging (structured, filterable), not raw stderr
+_CLIENT_LOG = logging.getLogger("kvidx.kafka.client")
 
 
 def client_config() -> dict[str, Any]:
+    """The settings every confluent-kafka client of the index starts from."""
+    return {"logger": _CLIENT_LOG, **_user_config()}
+
+
+def _user_config() -> dict[str, Any]:
     raw = os.environ.get(ENV, "").strip()
     if not raw:
         return {}
@@ -37,6 +45,7 @@ def load_file(path: str) -> None:
 
 def faust_credentials(conf: dict[str, Any]):
     """The faust/aiokafka equivalent of the librdkafka security settings (None: plaintext)."""
+    conf = {k: v for k, v in conf.items() if k != "logger"}
     proto = str(conf.get("security.protocol", "PLAINTEXT")).upper()
     if proto == "PLAINTEXT":
         return None
