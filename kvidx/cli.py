@@ -46,8 +46,11 @@ def cmd_relay(args) -> int:
         return 0 if sink.errors == 0 else 1
     if not args.endpoint:
         sys.exit("error: --endpoint (the engine's KV-events endpoint) or --play FILE is required")
+    from kvidx.config import load_config
+
     source = ZmqSource(args.endpoint, args.replay_endpoint, bind=args.bind)
-    core = VllmPublisherRelay(args.model, args.replica or args.endpoint, args.index_block_size, args.dp_rank)
+    core = VllmPublisherRelay(args.model, args.replica or args.endpoint, args.index_block_size, args.dp_rank,
+                              group_kinds=load_config(args.config).model(args.model).group_kinds())
     relay = Relay(core, sink, source, record_to=args.record, resync_blocks_per_s=args.resync_blocks_per_s,
                   resync_jitter_s=args.resync_jitter)
     from relays.control import ControlListener
@@ -230,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--record", help="also append every raw engine message to this frames.jsonl")
     r.add_argument("--play", help="publish a recording (frames.jsonl) instead of a live socket")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    r.add_argument("--config", help="deployment configuration (.toml/.json): the model's KV-cache groups "
+                   "where its engine's events do not name them; see kvidx/config.py")
     r.add_argument("--resync-blocks-per-s", type=float, default=50_000,
                    help="pace of a mirror replay (asked with `kvidx resync` or SIGUSR1)")
     r.add_argument("--resync-jitter", type=float, default=5.0, metavar="S",

@@ -15,6 +15,10 @@ load_tokens_per_s = {GPU = 0.0, CPU = 150000.0, DISK = 40000.0, NODE_SHARED = 10
 [models."llama-3-70b".price]              # per-model overrides
 recompute_tokens_per_s = 2500.0
 
+[models."gemma-2-27b".groups]             # groups an engine's events leave unnamed (older vLLM)
+0 = {kind = "sliding_window", window = 4096}
+1 = {kind = "full_attention"}
+
 [pools.rack-7-lmcache]                    # a shared cache: its relay publishes as replica "rack-7-lmcache"
 tier = "NODE_SHARED"
 replicas = ["rack7-node1:5557", "rack7-node2:5557"]
@@ -36,10 +40,20 @@ class PriceConfig(msgspec.Struct, forbid_unknown_fields=True):
         "GPU": 0.0, "CPU": 150_000.0, "DISK": 40_000.0, "NODE_SHARED": 100_000.0, "POOL": 25_000.0})
 
 
+class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
+    kind: str  # full_attention, sliding_window, mamba ...
+    window: int | None = None  # sliding window length in tokens
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     index_block_size: int = 16
     unreported_eviction_kinds: list[str] = []
     price: PriceConfig = msgspec.field(default_factory=PriceConfig)
+    # KV-cache groups by index, for engines whose events do not carry the group's kind or window
+    groups: dict[int, GroupConfig] = {}
+
+    def group_kinds(self) -> dict[int, tuple[str, int | None]]:
+        return {g: (c.kind, c.window) for g, c in self.groups.items()}
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -68,6 +82,6 @@ def load_config(path: str | Path | None) -> Config:
     p = Path(path)
     try:
         raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else msgspec.json.decode(p.read_bytes())
-        return msgspec.convert(raw, Config)
+        return msgspec.convert(raw, Config, strict=False)  # TOML keys are strings: groups 0, 1 ...
     except (OSError, tomllib.TOMLDecodeError, msgspec.DecodeError, msgspec.ValidationError) as e:
         raise SystemExit(f"error: bad configuration {p}: {e}") from None

@@ -51,11 +51,11 @@ class RelayOutput:
 
 class VllmPublisherRelay:
     def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
-                 epoch: int | None = None):
+                 epoch: int | None = None, group_kinds: dict[int, tuple[str, int | None]] | None = None):
         self.model = model
         self.replica = replica
         self.dp_rank = dp_rank
-        self.mirror = VllmMirror(index_block_size)
+        self.mirror = VllmMirror(index_block_size, group_kinds=group_kinds)
         # epochs order a replica's batches across relay restarts: start from the wall clock (ms)
         self.epoch = epoch if epoch is not None else int(time.time() * 1000)
         self.next_seq: int | None = None

@@ -57,7 +57,10 @@ def normalize_tier(medium: str | None) -> str:
 
 
 class VllmMirror:
-    def __init__(self, index_block_size: int, memo_limit: int = 1 << 21):
+    def __init__(self, index_block_size: int, memo_limit: int = 1 << 21,
+                 group_kinds: dict[int, tuple[str, int | None]] | None = None):
+        """`group_kinds`: KV-cache groups known from configuration (group -> (kind, window)), for
+        engines whose events do not say (the events' own metadata wins when they carry it)."""
         self.index_block_size = index_block_size
         self.memo_limit = memo_limit
         # engine hash -> (canonical hashes of its index sub-blocks, depth of the first one)
@@ -67,7 +70,7 @@ class VllmMirror:
         # (canonical hash, tier, group) -> live engine blocks covering it: with an index block size
         # below the engine's, two engine blocks can share their first index blocks
         self.refs: dict[tuple[int, str, int], int] = {}
-        self.group_kinds: dict[int, tuple[str, int | None]] = {}
+        self.group_kinds: dict[int, tuple[str, int | None]] = dict(group_kinds or {})
         self.block_size = 0  # the engine's (largest) block size seen
         self.stats = {"stored": 0, "removed": 0, "restored_live": 0, "extra_copies": 0,
                       "remove_unknown": 0, "orphan_blocks": 0, "cleared": 0, "hashless_stored": 0,
@@ -226,7 +229,7 @@ class VllmMirror:
                 run_parent = canon[p0 - 1] if p0 else (None if depth0 == 0 else parent)
                 out.append(BlocksStored(tier, group, canon[p0:new_pos[i - 1] + 1], run_parent,
                                         depth0 + p0, engine_new if start == 0 else [], kind,
-                                        ev.kv_cache_spec_sliding_window, ebs if partial else 0))
+                                        ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
                 start = i
 
     def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:

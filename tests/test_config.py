@@ -1,0 +1,35 @@
+"""The deployment configuration: the documented example parses, and its settings take effect."""
+
+import pytest
+
+import kvidx.config  # noqa: E402
+from index_service.store import ShardStore
+from kvidx.config import load_config
+from relays.vllm_relay import VllmPublisherRelay
+
+EXAMPLE = open(kvidx.config.__file__).read().split("```toml")[1].split("```")[0]
+
+
+def test_documented_example_parses_and_applies(tmp_path):
+    path = tmp_path / "kvidx.toml"
+    path.write_text(EXAMPLE)
+    cfg = load_config(path)
+    assert cfg.model("llama-3-70b").price.recompute_tokens_per_s == 2500.0
+    assert cfg.model("other").price.load_tokens_per_s["POOL"] == 25000.0
+    want = {0: ("sliding_window", 4096), 1: ("full_attention", None)}
+    assert cfg.model("gemma-2-27b").group_kinds() == want
+    store = ShardStore(config=cfg)
+    shard = store.shard("any-model")
+    assert shard.pool_readers == {"rack-7-lmcache": frozenset({"rack7-node1:5557", "rack7-node2:5557"})}
+    relay = VllmPublisherRelay("gemma-2-27b", "r", 16, group_kinds=cfg.model("gemma-2-27b").group_kinds())
+    assert relay.mirror.hybrid
+
+
+def test_bad_configuration_names_the_problem(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"pending_ttl_s": "soon"}')
+    with pytest.raises(SystemExit, match="pending_ttl_s"):
+        load_config(path)
+    path.write_text('{"pools": {"p": {"tier": "POOL"}}}')
+    with pytest.raises(SystemExit, match="replicas"):
+        load_config(path)
