@@ -298,17 +298,20 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             return shard, hashes, n
         raise Reject(422, "give token_ids, or block_hashes and prompt_tokens")
 
+    async def read_json(request: Request, decoder: msgspec.json.Decoder):
+        body = await read_body(request, max_json_bytes, "JSON body")
+        try:
+            return decoder.decode(body)
+        except msgspec.ValidationError as e:
+            raise Reject(422, f"invalid request: {e}") from None
+        except msgspec.DecodeError as e:
+            raise Reject(400, f"invalid JSON: {e}") from None
+
     async def json_lookup(request: Request, form: str, rank: bool) -> Response:
         t0 = time.perf_counter()
         model = None
         try:
-            body = await read_body(request, max_json_bytes, "JSON body")
-            try:
-                req = _decoder.decode(body)
-            except msgspec.ValidationError as e:
-                raise Reject(422, f"invalid request: {e}") from None
-            except msgspec.DecodeError as e:
-                raise Reject(400, f"invalid JSON: {e}") from None
+            req = await read_json(request, _decoder)
             model = req.model
             shard, hashes, n = prompt(req)
             return answer(form, t0, shard, hashes, n, rank)
@@ -336,13 +339,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         t0 = time.perf_counter()
         model = None
         try:
-            body = await read_body(request, max_json_bytes, "JSON body")
-            try:
-                req = _route_decoder.decode(body)
-            except msgspec.ValidationError as e:
-                raise Reject(422, f"invalid request: {e}") from None
-            except msgspec.DecodeError as e:
-                raise Reject(400, f"invalid JSON: {e}") from None
+            req = await read_json(request, _route_decoder)
             model = req.model
             if not req.request_id or not req.replica:
                 raise Reject(422, "request_id and replica must not be empty")

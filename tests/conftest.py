@@ -1,4 +1,5 @@
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,16 @@ from kvidx.kafka.topics import ensure_topics  # noqa: E402
 FIXTURES = ROOT / "tests" / "fixtures"
 LLAMA = FIXTURES / "vllm-0.32" / "llama_c4"
 GEMMA = FIXTURES / "vllm-0.32" / "gemma2_swa"
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `cond` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="session")

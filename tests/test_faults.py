@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, wait_for
 from test_pipeline_kafka import wait_snapshots
 
 from index_service.follower import KafkaFollower
@@ -28,15 +28,6 @@ from schemas.events import topic_names
 pytestmark = pytest.mark.kafka
 BS = 16
 MODEL = "sim"
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class LiveRelay:

@@ -7,6 +7,7 @@ import time
 import msgspec
 import pytest
 from confluent_kafka import Consumer
+from conftest import wait_for
 
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
@@ -19,15 +20,6 @@ from relays.zmq_source import ZmqSource
 
 pytestmark = pytest.mark.kafka
 BS = 16
-
-
-def wait_for(cond, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

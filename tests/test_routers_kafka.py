@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from conftest import wait_for
 from test_service_http import ServerThread
 
 from index_service.app import create_app
@@ -22,15 +23,6 @@ from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBat
 
 pytestmark = pytest.mark.kafka
 MODEL = "sim"
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def core(answer):
