@@ -36,7 +36,9 @@ class ReplicaState(msgspec.Struct):
     seq_gaps: int = 0  # batches missing between applied ones (the relay fills or clears them)
     blocks: int = 0  # live (block, tier, group) entries
     group_blocks: dict[int, int] = {}  # group -> live (block, tier) entries of that group
-    unit: int = 0  # the finest partial block size the engine announced (--prefix-match-unit), 0: none
+    # the finest partial block size the engine announced (--prefix-match-unit), 0: none; 1: the engine
+    # resumes at any token inside a block (TensorRT-LLM partial reuse)
+    unit: int = 0
     part: int = 0  # the last mirror-replay part applied after batch `seq` (see EventBatch.part)
 
 
@@ -143,7 +145,7 @@ class ModelShard:
             return False
         if batch.epoch == st.epoch and batch.seq > st.seq + 1:
             st.seq_gaps += batch.seq - st.seq - 1
-        bit = 1 << st.slot
+        bit = _bit(st.slot)
         for ev in batch.events:
             if isinstance(ev, BlocksStored):
                 self._store(ev, bit, st)
@@ -171,12 +173,13 @@ class ModelShard:
         for h in ev.hashes:
             m = get(h, 0)
             if not m & bit:
-                d[h] = m | bit
+                d[h] = m | bit if m else bit  # a lone holder shares its slot's mask object
                 new += 1
         if g.any is not d:
             a = g.any
             for h in ev.hashes:
-                a[h] = a.get(h, 0) | bit
+                m = a.get(h, 0)
+                a[h] = m | bit if m else bit
         st.blocks += new
         if self.pending.masks and g.kind in FULL_KINDS:
             self.pending.confirm(st.slot, ev.hashes)
@@ -205,13 +208,13 @@ class ModelShard:
             gone += 1
             m &= clear
             if m:
-                d[h] = m
+                d[h] = _shared(m)
             else:
                 del d[h]
             if others and not any(o.get(h, 0) & bit for o in others):
                 a = g.any.get(h, 0) & clear  # retract only when the last tier drops it
                 if a:
-                    g.any[h] = a
+                    g.any[h] = _shared(a)
                 else:
                     g.any.pop(h, None)
         st.blocks -= gone
@@ -443,7 +446,11 @@ class ModelShard:
             ebs = st.block_size or ibs
             cached = min(hits.get(slot, 0) * ibs, n_tokens)
             step = ebs
-            if fine_ok and st.unit and st.unit < ebs and ebs % st.unit == 0 and fa is not None:
+            if st.unit == 1 and not cons:
+                # token-granular partial reuse (TensorRT-LLM, kvidx/core/trtllm_mirror.py): the engine
+                # resumes inside any block, so the hit below the last token counts at index granularity
+                top = resumable(cached, n_tokens, ibs)
+            elif fine_ok and st.unit > 1 and st.unit < ebs and ebs % st.unit == 0 and fa is not None:
                 step = st.unit
                 top = self._fine_fa_hit(hashes, n_tokens, slot, fa, cached, ebs, step)
             else:
@@ -586,7 +593,7 @@ class ModelShard:
             for tid, (keys, masks) in sorted(tiers.items()):
                 d = g.tier_map(int(tid))
                 hashes = np.frombuffer(keys, dtype=np.uint64).tolist()
-                d.update(zip(hashes, _unpack_masks(masks), strict=True))
+                d.update(zip(hashes, map(_shared, _unpack_masks(masks)), strict=True))
             if len(g.tiers) > 1:
                 a: dict[int, int] = {}
                 for d in g.tiers.values():
@@ -674,6 +681,22 @@ def _walk(get, hashes: list[int]) -> dict[int, int]:
         out[low.bit_length() - 1] = n
         alive ^= low
     return out
+
+
+# One int object per single-slot mask, shared by every block held by one replica only (most blocks):
+# a mask of a slot >= 8 is otherwise a new 28-32 byte int per block.
+_BITS = [1 << i for i in range(4096)]
+
+
+def _bit(slot: int) -> int:
+    return _BITS[slot] if slot < len(_BITS) else 1 << slot
+
+
+def _shared(mask: int) -> int:
+    """The shared object for a single-slot mask; other masks as they are."""
+    if mask & (mask - 1):
+        return mask
+    return _bit(mask.bit_length() - 1)
 
 
 def _by_resumable(answer: dict) -> int:
