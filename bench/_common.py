@@ -324,12 +324,19 @@ def shard_entries(shard: ModelShard) -> tuple[int, int]:
 
 
 def shard_bytes(shard: ModelShard) -> int:
-    """Bytes held by the shard's maps: dict tables + key and mask int objects (small ints, which
-    CPython shares, are not counted). A separate "any tier" map shares its keys with the tier maps:
-    only its table and masks are counted."""
+    """Bytes held by the shard's maps: dict tables + key and mask int objects, each object counted
+    once (small ints and the shard's shared single-slot masks are shared objects). A separate "any
+    tier" map shares its keys with the tier maps: only its table and masks are counted."""
+    seen: set[int] = set()
 
     def ints(xs) -> int:
-        return sum(sys.getsizeof(x) for x in xs if not -5 <= x <= 256)
+        n = 0
+        for x in xs:
+            if -5 <= x <= 256 or id(x) in seen:
+                continue
+            seen.add(id(x))
+            n += sys.getsizeof(x)
+        return n
 
     total = 0
     for g in shard.groups.values():
