@@ -45,6 +45,7 @@ import logging
 import sys
 import time
 from array import array
+from collections import deque
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -53,9 +54,10 @@ from fastapi.responses import Response
 from index_service.metrics import ServiceMetrics
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.price import price
+from kvidx.core.price import Pricer
 from kvidx.core.shard import ModelShard
 from schemas.routes import ROUTES_VERSION, RouteDecision
+from schemas.usage import USAGE_VERSION, UsageReport
 
 log = logging.getLogger("kvidx.index_service")
 
@@ -97,8 +99,23 @@ class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: str | None = None
 
 
+class UsageRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """What an engine reused for a routed request (vLLM: usage.prompt_tokens_details.cached_tokens)."""
+    request_id: str
+    model: str
+    replica: str
+    prompt_tokens: int
+    cached_tokens: int
+    dp_rank: int = 0
+    engine: str = ""
+    tier: str = ""
+    router: str = ""
+
+
 _decoder = msgspec.json.Decoder(LookupRequest)
 _route_decoder = msgspec.json.Decoder(RouteRequest)
+_usage_decoder = msgspec.json.Decoder(UsageRequest)
+_USAGE_SCHEMA = msgspec.json.schema_components([UsageRequest])[1]["UsageRequest"]
 _REQUEST_SCHEMA = msgspec.json.schema_components([LookupRequest])[1]["LookupRequest"]  # inline, no $ref
 _ROUTE_SCHEMA = msgspec.json.schema_components([RouteRequest])[1]["RouteRequest"]
 _encode = msgspec.json.Encoder().encode
@@ -186,10 +203,18 @@ def _freshness(shard: ModelShard, now: float) -> dict:
     }
 
 
-def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None) -> FastAPI:
+def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None,
+               publish_usage=None, feedback=None) -> FastAPI:
     """`auth_token`: when set, every /v1/ request must carry `Authorization: Bearer <token>`
-    (/healthz and /metrics stay open for probes and scrapers)."""
+    (/healthz and /metrics stay open for probes and scrapers). `publish_usage(UsageReport)`: where
+    POST /v1/usage sends reports (kvidx.ops.audit.UsagePublisher: the usage topic). `feedback`: an
+    object whose `apply(model, replicas, block_size)` caps the credit of replicas whose engines reuse
+    less than the index credits (kvidx.ops.feedback.FeedbackFollower). Both may be set later on
+    `app.state`."""
     app = FastAPI(title="kvidx lookup service", version="1")
+    app.state.publish_usage = publish_usage
+    app.state.usage_recent = deque(maxlen=10_000)
+    app.state.feedback = feedback
     if auth_token:
         expected = f"Bearer {auth_token}".encode()
 
@@ -205,6 +230,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     app.state.store = store
     app.state.metrics = metrics
     reject_log = _RejectLog()
+    pricers: dict[str, Pricer] = {}  # per model, from the configuration
     # The largest JSON body that can hold max_tokens ids (10 digits, a comma and a space each) plus
     # the other fields; anything larger is refused before it is read in full.
     max_json_bytes = max_tokens * 12 + 65536
@@ -237,9 +263,13 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     def answer(form: str, t0: float, shard: ModelShard, hashes: list[int], n_tokens: int,
                rank: bool = False) -> Response:
         replicas = shard.lookup(hashes, n_tokens, time.time())
-        cost = store.config.model(shard.model).price
+        if app.state.feedback is not None:  # audit feedback: cap replicas whose engines reuse less
+            replicas = app.state.feedback.apply(shard.model, replicas, shard.block_size)
+        pricer = pricers.get(shard.model)
+        if pricer is None:
+            pricer = pricers[shard.model] = Pricer(store.config.model(shard.model).price)
         for r in replicas:
-            r["price"] = price(r, n_tokens, cost)
+            r["price"] = pricer(r, n_tokens)
         if rank:
             replicas.sort(key=_by_price)
         body = _encode({"model": shard.model, "prompt_tokens": n_tokens,
@@ -359,7 +389,44 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         except Exception as e:  # noqa: BLE001
             return rejected("routes", e, model)
 
-    @app.post("/v1/lookup/binary", response_class=Response, openapi_extra={"requestBody": {
+    @app.post("/v1/usage", response_class=Response, status_code=202, openapi_extra={"requestBody": {
+        "required": True, "content": {JSON: {"schema": _USAGE_SCHEMA}}}})
+    async def usage(request: Request) -> Response:
+        """Record what an engine reused for a routed request (the router forwards the engine's
+        usage.prompt_tokens_details.cached_tokens): the audit joins it with the routing decision."""
+        model = None
+        try:
+            body = await read_body(request, 65536, "JSON body")
+            try:
+                req = _usage_decoder.decode(body)
+            except msgspec.ValidationError as e:
+                raise Reject(422, f"invalid request: {e}") from None
+            except msgspec.DecodeError as e:
+                raise Reject(400, f"invalid JSON: {e}") from None
+            model = req.model
+            if not req.request_id or not req.replica or not req.model:
+                raise Reject(422, "request_id, model and replica must not be empty")
+            if req.prompt_tokens <= 0 or req.dp_rank < 0 or not 0 <= req.cached_tokens <= req.prompt_tokens:
+                raise Reject(422, "need prompt_tokens > 0, dp_rank >= 0 and "
+                                  "0 <= cached_tokens <= prompt_tokens")
+            u = UsageReport(USAGE_VERSION, req.request_id[:200], model[:500], req.replica[:500], req.dp_rank,
+                            req.prompt_tokens, req.cached_tokens, time.time(), req.engine[:100],
+                            req.tier[:20], req.router[:200])
+            publish = app.state.publish_usage
+            if publish is not None:
+                publish(u)
+            else:  # no Kafka (in-process service): kept in memory, the last 10,000
+                app.state.usage_recent.append(u)
+            metrics.observe("usage", 202)  # counted; no latency histogram for this form
+            return _json({"accepted": True, "published": publish is not None}, 202)
+        except Exception as e:  # noqa: BLE001
+            return rejected("usage", e, model)
+
+    @app.post("/v1/lookup/binary", response_class=Response, openapi_extra={"parameters": [
+        {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}},
+        {"name": "lora_name", "in": "query", "required": False, "schema": {"type": "string"}},
+        {"name": "cache_salt", "in": "query", "required": False, "schema": {"type": "string"}},
+    ], "requestBody": {
         "required": True, "content": {"application/octet-stream": {
             "schema": {"type": "string", "format": "binary",
                        "description": "token ids as packed little-endian uint32"}}}}})

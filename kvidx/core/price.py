@@ -3,6 +3,7 @@ busy replica with a pool hit on an idle one.
 
 total = queue (prefill of the requests routed to it and not yet confirmed) + loading the cached part
 from its tiers + recomputing the rest. Seconds, from per-model rates (kvidx.config.PriceConfig).
+Computed for every replica of every lookup: kept to a few operations per replica.
 """
 
 from __future__ import annotations
@@ -10,20 +11,31 @@ from __future__ import annotations
 from kvidx.config import PriceConfig
 
 
+class Pricer:
+    def __init__(self, cfg: PriceConfig):
+        self.per_token = 1.0 / cfg.recompute_tokens_per_s
+        # seconds per token loaded from each tier (0: free, where the engine computes from)
+        self.load_cost = {t: (1.0 / r if r > 0 else 0.0) for t, r in cfg.load_tokens_per_s.items()}
+
+    def __call__(self, answer: dict, n_tokens: int) -> dict:
+        resumable = answer["resumable_tokens"]
+        load_s = 0.0
+        if resumable:
+            left = resumable
+            cost = self.load_cost
+            for run in answer["tiers"]:
+                take = run["tokens"] if run["tokens"] < left else left
+                load_s += take * cost.get(run["tier"], 0.0)
+                left -= take
+                if left <= 0:
+                    break
+        prefill = n_tokens - resumable
+        prefill_s = prefill * self.per_token
+        queue_s = answer.get("inflight_prefill_tokens", 0) * self.per_token
+        return {"prefill_tokens": prefill, "prefill_s": prefill_s, "load_s": load_s, "queue_s": queue_s,
+                "total_s": queue_s + load_s + prefill_s}
+
+
 def price(answer: dict, n_tokens: int, cfg: PriceConfig) -> dict:
-    compute = cfg.recompute_tokens_per_s
-    left = answer["resumable_tokens"]
-    load_s = 0.0
-    for run in answer["tiers"]:
-        take = min(run["tokens"], left)
-        left -= take
-        rate = cfg.load_tokens_per_s.get(run["tier"], 0.0)
-        if rate > 0:
-            load_s += take / rate
-        if left <= 0:
-            break
-    prefill_tokens = n_tokens - answer["resumable_tokens"]
-    prefill_s = prefill_tokens / compute
-    queue_s = answer.get("inflight_prefill_tokens", 0) / compute
-    return {"prefill_tokens": prefill_tokens, "prefill_s": round(prefill_s, 6), "load_s": round(load_s, 6),
-            "queue_s": round(queue_s, 6), "total_s": round(queue_s + load_s + prefill_s, 6)}
+    """One answer's price (routers and tests; the service keeps a Pricer per model)."""
+    return Pricer(cfg)(answer, n_tokens)
