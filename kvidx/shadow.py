@@ -8,7 +8,7 @@ sum(reused). The request log holds prompt token ids (read here, never stored or 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,17 +59,22 @@ class InProcessIndex:
     """Relays (one per publisher endpoint) feeding one shard in process: the same code the Kafka
     path runs, minus the broker."""
 
-    def __init__(self, model: str, index_block_size: int, unreported_eviction_kinds: tuple[str, ...] = ()):
+    def __init__(self, model: str, index_block_size: int, unreported_eviction_kinds: tuple[str, ...] = (),
+                 relay_factory: Callable[[str, str, int], VllmPublisherRelay] | None = None):
+        """`relay_factory(model, endpoint, index_block_size)` builds a publisher's relay (another
+        engine's adapter); by default a VllmPublisherRelay."""
         self.model = model
         self.shard = ModelShard(model, index_block_size, unreported_eviction_kinds)
         self.relays: dict[str, VllmPublisherRelay] = {}
         self.dead_letters = 0
+        self.relay_factory = relay_factory
 
     def feed(self, frame: Frame) -> None:
         relay = self.relays.get(frame.endpoint)
         if relay is None:
-            relay = self.relays[frame.endpoint] = VllmPublisherRelay(
-                self.model, frame.endpoint, self.shard.block_size, epoch=0)
+            relay = self.relays[frame.endpoint] = (
+                self.relay_factory(self.model, frame.endpoint, self.shard.block_size) if self.relay_factory
+                else VllmPublisherRelay(self.model, frame.endpoint, self.shard.block_size, epoch=0))
         out = relay.on_frame(frame)
         if out.gap is not None:  # a recording cannot be asked for the missing batches
             out = relay.gap_unfilled(frame)
@@ -95,11 +100,13 @@ def load_requests(path: str | Path) -> list[dict]:
 
 def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",
            index_block_size: int = 16, unreported_eviction_kinds: tuple[str, ...] = (),
-           pending_ttl: float = 0.0) -> tuple[Agreement, InProcessIndex]:
-    """With `pending_ttl` > 0, every request, once credited, is recorded as a routing decision: its
-    prompt counts as cached on its replica until the engine's events confirm it or the TTL passes
+           pending_ttl: float = 0.0, relay_factory: Callable | None = None
+           ) -> tuple[Agreement, InProcessIndex]:
+    """`relay_factory`: see InProcessIndex (None: vLLM). With `pending_ttl` > 0, every request, once
+    credited, is recorded as a routing decision: its prompt counts as cached on its replica until the
+    engine's events confirm it or the TTL passes
     (what routers get from POST /v1/routes)."""
-    index = InProcessIndex(model, index_block_size, unreported_eviction_kinds)
+    index = InProcessIndex(model, index_block_size, unreported_eviction_kinds, relay_factory)
     ordered = sorted(frames, key=lambda f: f.recv_ns)
     agreement = Agreement()
     k = 0

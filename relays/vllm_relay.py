@@ -85,7 +85,7 @@ class VllmPublisherRelay:
             out.dead.append(DeadLetter("oversized", f"{len(frame.payload)} bytes", frame))
             return out
         try:
-            batch = decode_payload(frame.payload)
+            batch = self.decode(frame.payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._skip(frame)
             out.dead.append(DeadLetter("malformed_payload", str(e)[:300], frame))
@@ -101,6 +101,10 @@ class VllmPublisherRelay:
             self.dp_rank = batch.data_parallel_rank  # the publisher's rank, for clears too
         out.batches.append(self._wrap(events, frame.seq, frame, batch.ts))
         return out
+
+    def decode(self, payload: bytes):
+        """The engine batch in a payload (other engines' relays override this)."""
+        return decode_payload(payload)
 
     def gap_unfilled(self, frame: Frame) -> RelayOutput:
         """The replay endpoint could not return the missing batches: forget the replica's state and

@@ -1,0 +1,214 @@
+"""The relay's mirror of one SGLang engine's radix cache (one publisher = one replica or DP rank).
+
+SGLang's rules (sglang 0.5.23 wheel unless noted; ENGINES.md):
+- Only full pages are stored: a BlockStored lists pages of `block_size` = page size tokens each
+  (mem_cache/radix_cache.py: keys are `page_aligned` before insert, l. 438 and l. 468), and its
+  `parent_block_hash` is the last page of the radix parent (mem_cache/events.py `_parent_block_hash`,
+  l. 180-197; None under the root). Per-page stores are merged into one event per parent-linked
+  chain (events.py `enqueue`, l. 140-170), so a store is one chain.
+- One BlockRemoved per evicted radix node listing all its pages (events.py `record_remove`,
+  l. 273-303), and consecutive removals are merged into one event (same `enqueue`): a removal's hash
+  list is several nodes, leaf first, **not one chain**. Removals are therefore applied page by page.
+- Eviction takes leaves only (radix_cache.py `evict`, l. 556-582: a heap of evictable leaves; a
+  parent becomes a candidate when its last child goes), so a page never outlives a cached
+  descendant. Hence the **aggregation rule** for a page size P below the index block size B (page
+  size 1 = one hash per token; B must be a multiple of P): an index block is cached when all its
+  pages are, which under leaf-only eviction is exactly when the page that completes it (its last
+  page) is cached. Each page carries the index blocks it completes (none for the first B/P - 1
+  pages of a block, one for the last); with P >= B (B must divide P) a page completes P/B blocks.
+  Index blocks are chained over the tokens (kvidx.core.hashing): the mirror keeps, per engine page,
+  the canonical hash of the last complete index block before it and the tokens since, so the next
+  chain can continue mid-index-block.
+- Namespaces: the radix tree separates requests by `extra_key` (+ LoRA id) and `cache_salt`
+  (radix_cache.py RadixKey). 0.5.22+ events carry `cache_salt` on every stored chain and
+  `lora_name` when the adapter is known (events.py l. 199-235; the published hashes are then
+  namespaced, kv_events.py `namespaced_block_hash`). The canonical hash follows the index's rule
+  (kvidx.core.hashing.prompt_hashes): the LoRA name seeds the chain, the salt is an extra key of
+  the first index block. Older releases publish neither: their salted or LoRA chains are indexed
+  in the base namespace (and a caller-defined extra_key, never published, cannot be told apart).
+- Tiers: medium "GPU", host "CPU_PINNED" (HiCache L2; 0.5.10's MEDIUM_CPU, 0.5.23's
+  StorageMedium.CPU) or "CPU"; missing medium (<= 0.5.3) = GPU. Each tier is mirrored on its own.
+- Two live copies of one engine hash are counted (radix namespaces whose published hashes agree,
+  e.g. an unpublished extra_key; or <= 0.5.3's content-only page hashes): a page is retracted when
+  its last copy goes. With content-only hashes (<= 0.5.3) a parent hash may name several places;
+  the most recently stored one is taken (best effort, counted as `ambiguous_parent`).
+- AllBlocksCleared (radix_cache.py `reset`) drops everything.
+The mirror is pure: no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvidx.core.hashing import chain, namespace_seed, pack_tokens
+from kvidx.core.mirror import MirrorError, normalize_tier
+from relays.sglang_wire import AllBlocksCleared, BlockRemoved, BlockStored, u64
+from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
+
+GROUP = 0  # SGLang's radix cache is one KV-cache group (full attention)
+
+
+class SglangMirror:
+    def __init__(self, index_block_size: int, root_parents: Iterable[int] = (),
+                 memo_limit: int = 1 << 21):
+        """`root_parents`: parent hashes that mean "under the root" (<= 0.5.3 sends hash(()))."""
+        self.index_block_size = index_block_size
+        self.root_parents = frozenset(root_parents)
+        self.memo_limit = memo_limit
+        # engine page hash -> (index blocks it completes, depth of the first (in index blocks),
+        #                      canonical parent after it, tokens since that parent, salt, lora)
+        self.memo: dict[int, tuple] = {}
+        # (engine hash, tier, group) -> [copies, canonical hashes of the newest copy, [per copy]]
+        self.live: dict[tuple[int, str, int], list] = {}
+        self.refs: dict[tuple[int, str, int], int] = {}
+        self.group_kinds: dict[int, tuple[str, int | None]] = {GROUP: ("full_attention", None)}
+        self.block_size = 0  # the engine's page size
+        self.stats = {"stored": 0, "removed": 0, "extra_copies": 0, "remove_unknown": 0,
+                      "orphan_blocks": 0, "cleared": 0, "ambiguous_parent": 0, "empty_stored": 0}
+        self._placed: dict[int, tuple] = {}  # <= 0.5.3: engine hash -> a different place seen
+
+    def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
+              now: float | None = None) -> list[Event]:
+        """`now` (the batch's engine time) is accepted for the relay's interface and not used."""
+        out: list[Event] = []
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self._stored(ev, out)
+            elif isinstance(ev, BlockRemoved):
+                self._removed(ev, out)
+            else:
+                self.clear()
+                self.stats["cleared"] += 1
+                out.append(ReplicaCleared("engine_cache_reset"))
+        return out
+
+    def _stored(self, ev: BlockStored, out: list[Event]) -> None:
+        nb = len(ev.block_hashes)
+        if nb == 0:
+            self.stats["empty_stored"] += 1
+            return
+        P, B = ev.block_size, self.index_block_size
+        if P <= 0 or (P % B and B % P):
+            raise MirrorError("block_size_mismatch",
+                              f"page size {P} and index block size {B}: one must divide the other")
+        if len(ev.token_ids) != nb * P:
+            raise MirrorError("short_token_ids", f"{len(ev.token_ids)} token ids for {nb} pages of {P}")
+        self.block_size = max(self.block_size, P)
+        tier = normalize_tier(ev.medium)
+
+        parent = ev.parent_block_hash
+        if parent is None or parent in self.root_parents:
+            seed, pending, depth_blocks = namespace_seed(ev.lora_name), (), 0
+            salt, lora = ev.cache_salt, ev.lora_name
+        else:
+            known = self.memo.get(parent)
+            if known is None:  # a parent we never saw (joined mid-stream): the chain can't be placed
+                self.stats["orphan_blocks"] += nb
+                return
+            if parent in self._placed:
+                self.stats["ambiguous_parent"] += 1
+            blocks, d0, seed, pending, salt, lora = known
+            depth_blocks = d0 + len(blocks)
+        # canonical index blocks over (tokens since the last complete index block) + this chain
+        stream = list(pending) + list(ev.token_ids)
+        extras = [[salt]] if salt and depth_blocks == 0 else None
+        canon = chain(pack_tokens(stream), B, seed, extras)
+        lp = len(pending)
+
+        new_pos: list[int] = []
+        engine_new: list[int] = []
+        done = 0  # index blocks completed by the pages so far
+        refs = self.refs
+        for j, eh in enumerate(ev.block_hashes):
+            end = lp + (j + 1) * P  # stream offset after page j
+            upto = end // B
+            sub = tuple(canon[done:upto])
+            first = done
+            done = upto
+            last = canon[done - 1] if done else seed
+            state = (sub, depth_blocks + first, last, tuple(stream[done * B:end]), salt, lora)
+            self._remember(eh, state)
+            key = (eh, tier, GROUP)
+            entry = self.live.get(key)
+            if entry is None:
+                self.live[key] = [1, sub, [sub]]
+                self.stats["stored"] += 1
+                engine_new.append(u64(eh))
+            else:
+                entry[0] += 1
+                entry[1] = sub
+                entry[2].append(sub)
+                self.stats["extra_copies"] += 1
+            for i, c in enumerate(sub):
+                rkey = (c, tier, GROUP)
+                r = refs.get(rkey, 0)
+                refs[rkey] = r + 1
+                if not r:
+                    new_pos.append(first + i)
+        # one BlocksStored per contiguous run of newly cached index blocks
+        start = 0
+        for i in range(1, len(new_pos) + 1):
+            if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
+                p0 = new_pos[start]
+                run_parent = canon[p0 - 1] if p0 else (None if depth_blocks == 0 else seed)
+                out.append(BlocksStored(tier, GROUP, canon[p0:new_pos[i - 1] + 1], run_parent,
+                                        depth_blocks + p0, engine_new if start == 0 else []))
+                start = i
+
+    def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:
+        tier = normalize_tier(ev.medium)
+        hashes: list[int] = []
+        engine: list[int] = []
+        for eh in ev.block_hashes:  # several radix nodes, leaf first: page by page
+            key = (eh, tier, GROUP)
+            entry = self.live.get(key)
+            if entry is None:
+                self.stats["remove_unknown"] += 1
+                continue
+            sub = entry[2].pop()
+            if entry[0] > 1:
+                entry[0] -= 1
+                entry[1] = entry[2][-1]
+            else:
+                del self.live[key]
+                self.stats["removed"] += 1
+                engine.append(u64(eh))
+            for c in sub:
+                rkey = (c, tier, GROUP)
+                r = self.refs[rkey] - 1
+                if r:
+                    self.refs[rkey] = r
+                else:
+                    del self.refs[rkey]
+                    hashes.append(c)
+        if hashes or engine:
+            out.append(BlocksRemoved(tier, GROUP, hashes, engine))
+
+    def _remember(self, eh: int, state: tuple) -> None:
+        memo = self.memo
+        old = memo.pop(eh, None)
+        if old is not None and self.root_parents and old[1:4] != state[1:4]:
+            self._placed[eh] = state  # a content-only hash (<= 0.5.3) seen at two places
+        if old is None and len(memo) >= self.memo_limit:
+            # forget the least recently stored pages that no live copy needs
+            tiers = {t for (_, t, _) in self.live}
+            budget = max(1, self.memo_limit // 8)
+            for h in [h for h, _ in zip(memo, range(4 * budget), strict=False)]:
+                if not any((h, t, GROUP) in self.live for t in tiers):
+                    del memo[h]
+                    self._placed.pop(h, None)
+                    budget -= 1
+                    if not budget:
+                        break
+        memo[eh] = state
+
+    def clear(self) -> None:
+        self.live.clear()
+        self.refs.clear()
+
+    def live_blocks(self) -> int:
+        return len(self.live)
+
+    def cached_index_blocks(self, tier: str = "GPU") -> set[int]:
+        """Canonical hashes of the index blocks cached in `tier` (for tests and audits)."""
+        return {c for (c, t, _g) in self.refs if t == tier}

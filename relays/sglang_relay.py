@@ -1,0 +1,74 @@
+"""The SGLang relay's logic: frames in, versioned event batches out (VllmPublisherRelay's sequence,
+gap, restart and dead-letter handling, with SGLang's decoder and mirror).
+
+SGLang's publisher is the same ZMQ PUB (3 frames: topic, 8-byte big-endian seq from 0, msgpack
+payload) + ROUTER replay design as vLLM's (sglang/srt/disaggregation/kv_events.py
+ZmqEventPublisher, every checked version). With DP attention each rank publishes on port + rank
+(`offset_endpoint_port`) and stamps `attn_dp_rank` on its batches.
+
+The relay is pinned to one SGLang version at start-up (`make_relay(..., engine_version=...)`,
+`kvidx relay --engine sglang --engine-version X`): an unknown version is a clear error
+(UnsupportedEngineVersion), not a silent misreading; a payload in the other encoding than the pinned
+version's is a dead letter with reason "version_mismatch".
+"""
+
+from __future__ import annotations
+
+from kvidx.core.sglang_mirror import SglangMirror
+from relays.sglang_wire import (
+    DEFAULT_VERSION,
+    PY_EMPTY_TUPLE_HASH,
+    SUPPORTED_VERSIONS,
+    UnsupportedEngineVersion,
+    check_version,
+    decode_payload,
+)
+from relays.vllm_relay import Frame, RelayOutput, VllmPublisherRelay
+
+__all__ = ["SglangPublisherRelay", "make_relay", "SUPPORTED_VERSIONS", "DEFAULT_VERSION",
+           "UnsupportedEngineVersion"]
+
+
+class SglangPublisherRelay(VllmPublisherRelay):
+    def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
+                 engine_version: str = DEFAULT_VERSION, epoch: int | None = None):
+        self.encoding, self.hash_kind = check_version(engine_version)
+        super().__init__(model, replica, index_block_size, dp_rank, epoch)
+        self.engine_version = engine_version
+        roots = (PY_EMPTY_TUPLE_HASH,) if self.hash_kind == "py_tuple_hash" else ()
+        self.mirror = SglangMirror(index_block_size, root_parents=roots)
+        self.counters["version_mismatch"] = 0
+
+    def decode(self, payload: bytes):
+        return decode_payload(payload, self.encoding)
+
+    def on_frame(self, frame: Frame, check_gap: bool = True) -> RelayOutput:
+        out = super().on_frame(frame, check_gap)
+        for dl in out.dead:
+            if dl.reason == "malformed_payload" and dl.detail.startswith("version_mismatch"):
+                dl.reason = "version_mismatch"
+                self.counters["version_mismatch"] += 1
+        return out
+
+
+def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
+               engine_version: str = DEFAULT_VERSION, epoch: int | None = None) -> SglangPublisherRelay:
+    """What `kvidx relay --engine sglang` builds: raises UnsupportedEngineVersion (a ValueError whose
+    message lists the checked versions) for a version this adapter was not checked against."""
+    return SglangPublisherRelay(model, replica, index_block_size, dp_rank, engine_version, epoch)
+
+
+def run_shadow_sglang(recording: str, requests: str, model: str = "model", index_block_size: int = 16,
+                      engine_version: str = DEFAULT_VERSION, pending_ttl: float = 0.0):
+    """`kvidx shadow --engine sglang`: the shadow audit (kvidx.shadow) of a recording of SGLang
+    publishers (frames.jsonl) against its request log; returns (Agreement, InProcessIndex)."""
+    from kvidx.shadow import load_requests, shadow
+    from relays.recording import read_frames
+
+    check_version(engine_version)
+
+    def factory(m: str, endpoint: str, ibs: int) -> SglangPublisherRelay:
+        return SglangPublisherRelay(m, endpoint, ibs, engine_version=engine_version, epoch=0)
+
+    return shadow(read_frames(recording), load_requests(requests), model, index_block_size,
+                  pending_ttl=pending_ttl, relay_factory=factory)
