@@ -50,10 +50,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _lookup(base: str, tokens: list[int]) -> dict:
-    body = np.asarray(tokens, dtype="<u4").tobytes()
-    req = urllib.request.Request(f"{base}/v1/lookup/binary?model={MODEL}", data=body,
-                                 headers={"Content-Type": "application/octet-stream"})
+def _post(base: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return json.loads(r.read())
@@ -152,11 +151,15 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
                     break
                 time.sleep(0.0005)
             waits.append(time.perf_counter() - t0)
-            answer = _lookup(base, prompt)
+            # the router: the cheapest replica by prefix price (queue + load + prefill left), then the
+            # decision is recorded so that every router credits the prompt there at once
+            answer = _post(base, "/v1/rank", {"model": MODEL, "token_ids": prompt})
             by_replica = {a["replica"]: a for a in answer["replicas"]}
-            best = max(range(replicas), key=lambda j: (
-                by_replica.get(f"replica-{j}", {}).get("resumable_tokens", 0), -load[j]))
+            ranked = [int(a["replica"].rsplit("-", 1)[1]) for a in answer["replicas"]]
+            best = ranked[0] if ranked else min(range(replicas), key=lambda j: load[j])
             credited = by_replica.get(f"replica-{best}", {}).get("resumable_tokens", 0)
+            _post(base, "/v1/routes", {"request_id": f"demo-{i}", "model": MODEL, "token_ids": prompt,
+                                       "replica": f"replica-{best}", "credited_tokens": credited, "ttl_s": 5})
             reused = engines[best].serve(prompt, output)
             load[best] += 1
             agreement.add(i, len(prompt), reused, credited)

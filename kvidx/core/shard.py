@@ -135,6 +135,11 @@ class ModelShard:
         """A router sent this prompt to (replica, dp_rank): credit its blocks there until the engine's
         events confirm them or `expires` passes."""
         st = self.replica(replica, dp_rank)
+        fa = self._lookup_group(None)
+        if fa is not None:  # blocks the replica already holds are the index's, not pending: an
+            bit = _bit(st.slot)  # eviction of one must show at once
+            held = fa.any.get
+            hashes = [h for h in hashes if not held(h, 0) & bit]
         self.pending.add(st.slot, hashes, expires, max(0, n_tokens - credited))
 
     def apply(self, batch: EventBatch, now: float) -> bool:
