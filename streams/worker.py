@@ -38,6 +38,8 @@ DEAD = Counter("kvidx_worker_dead_letters_total", "Undecodable event messages", 
 LAG = Histogram("kvidx_worker_apply_lag_seconds", "Engine event time to applied in the shard",
                 ["model"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30))
 SNAP = Histogram("kvidx_worker_snapshot_seconds", "Time to write one shard snapshot", ["model"])
+LOCAL_ERRORS = Counter("kvidx_worker_local_store_errors_total",
+                       "Snapshots the local RocksDB could not store (full disk ...)")
 INDEXED = Gauge("kvidx_worker_indexed_blocks", "Distinct blocks in the shard", ["model", "group"])
 
 
@@ -125,8 +127,14 @@ class ShardWorker:
             t0 = time.perf_counter()
             shard.snapshot_id += 1
             items = split(model, shard.snapshot(), shard.snapshot_id, shard.blocks_applied)
-            self.local.save(items)
+            # the compacted topic is the durable copy; the local RocksDB only speeds up a restart
+            # here, so a full or failing disk is reported and survived, not fatal
             self.topic.publish(items, self.partition_of[model])
+            try:
+                self.local.save(items)
+            except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exceptions on I/O errors
+                LOCAL_ERRORS.inc()
+                log.error("event=local_snapshot_failed model=%s error=%s", model, str(e)[:200])
             SNAP.labels(model).observe(time.perf_counter() - t0)
             for gid, g in shard.groups.items():
                 INDEXED.labels(model, str(gid)).set(len(g.any))
