@@ -23,14 +23,30 @@ def _bootstrap(args) -> str:
     return b
 
 
+def _relay_factory(args):
+    """model, replica, index block size, dp rank -> the relay logic of the engine named by --engine."""
+    if args.engine == "sglang":
+        from relays.sglang_relay import DEFAULT_VERSION, make_relay
+
+        version = args.engine_version or DEFAULT_VERSION
+        return lambda m, r, ibs, rank=None: make_relay(m, r, ibs, rank, engine_version=version)
+    from kvidx.config import load_config
+    from relays.vllm_relay import VllmPublisherRelay
+
+    groups = load_config(getattr(args, "config", None)).model(args.model).group_kinds()
+    return lambda m, r, ibs, rank=None: VllmPublisherRelay(m, r, ibs, rank, group_kinds=groups)
+
+
 def cmd_relay(args) -> int:
     from relays.run import Relay
     from relays.sinks import KafkaSink
-    from relays.vllm_relay import VllmPublisherRelay
     from relays.zmq_source import ZmqSource
 
-    if args.engine != "vllm":
-        sys.exit(f"error: engine {args.engine!r} has no relay yet (supported: vllm)")
+    try:
+        factory = _relay_factory(args)
+        factory(args.model, "check", args.index_block_size)  # an unknown engine version fails here
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     from kvidx.kafka.topics import ensure_topics
     from schemas.events import topic_names
     t = topic_names(args.topic_prefix)
@@ -41,16 +57,14 @@ def cmd_relay(args) -> int:
         start_http_server(args.metrics_port, addr="127.0.0.1")
     if args.play:
         from relays.run import play_recording
-        n = play_recording(args.play, args.model, sink, args.index_block_size, args.replica, args.dp_rank)
+        n = play_recording(args.play, args.model, sink, args.index_block_size, args.replica, args.dp_rank,
+                           relay_factory=factory)
         print(json.dumps({"played_frames": n, "delivery_errors": sink.errors}))
         return 0 if sink.errors == 0 else 1
     if not args.endpoint:
         sys.exit("error: --endpoint (the engine's KV-events endpoint) or --play FILE is required")
-    from kvidx.config import load_config
-
     source = ZmqSource(args.endpoint, args.replay_endpoint, bind=args.bind)
-    core = VllmPublisherRelay(args.model, args.replica or args.endpoint, args.index_block_size, args.dp_rank,
-                              group_kinds=load_config(args.config).model(args.model).group_kinds())
+    core = factory(args.model, args.replica or args.endpoint, args.index_block_size, args.dp_rank)
     relay = Relay(core, sink, source, record_to=args.record, resync_blocks_per_s=args.resync_blocks_per_s,
                   resync_jitter_s=args.resync_jitter)
     from relays.control import ControlListener
@@ -167,14 +181,22 @@ def cmd_serve(args) -> int:
 def cmd_shadow(args) -> int:
     from kvidx.shadow import run_shadow
 
-    if args.engine != "vllm":
-        sys.exit(f"error: engine {args.engine!r} has no shadow replay yet (supported: vllm)")
     for path in (args.recording, args.requests):
         if not os.path.exists(path):
             sys.exit(f"error: no such file: {path}")
-    agreement, index = run_shadow(args.recording, args.requests, index_block_size=args.index_block_size,
-                                  unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
-                                  pending_ttl=args.pending_ttl)
+    if args.engine == "sglang":
+        from relays.sglang_relay import DEFAULT_VERSION, run_shadow_sglang
+        try:
+            agreement, index = run_shadow_sglang(args.recording, args.requests,
+                                                 index_block_size=args.index_block_size,
+                                                 engine_version=args.engine_version or DEFAULT_VERSION,
+                                                 pending_ttl=args.pending_ttl)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+    else:
+        agreement, index = run_shadow(args.recording, args.requests, index_block_size=args.index_block_size,
+                                      unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
+                                      pending_ttl=args.pending_ttl)
     summary = agreement.summary()
     if args.json:
         print(json.dumps(summary))
@@ -223,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Subscribe to an engine's KV-cache events (or play a recording), "
                                    "re-hash blocks canonically and publish versioned batches to Kafka.")
     common(r, shards=False)
-    r.add_argument("--engine", default="vllm", choices=["vllm"])
+    r.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
+    r.add_argument("--engine-version", help="the engine's release (checked against the versions the "
+                   "adapter was verified with; default: the newest checked)")
     r.add_argument("--model", required=True, help="model name the events belong to (Kafka key)")
     r.add_argument("--endpoint", help="engine event endpoint, e.g. tcp://127.0.0.1:5557")
     r.add_argument("--replay-endpoint", help="engine replay endpoint, e.g. tcp://127.0.0.1:5558")
@@ -280,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "prints how the index's credit agrees with the engine's own "
                                     "cached_tokens for every request of the request log.")
     common(sh, kafka=False)
-    sh.add_argument("--engine", default="vllm", choices=["vllm"])
+    sh.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
+    sh.add_argument("--engine-version", help="the engine's release (default: the newest checked)")
     sh.add_argument("--recording", required=True, help="frames.jsonl")
     sh.add_argument("--requests", required=True, help="requests.jsonl")
     sh.add_argument("--json", action="store_true", help="print one JSON object")

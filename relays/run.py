@@ -161,13 +161,16 @@ class Relay:
 
 
 def play_recording(path: str | Path, model: str, sink: Sink, index_block_size: int,
-                   replica: str | None = None, dp_rank: int | None = None) -> int:
-    """Publish a recording through one relay per publisher endpoint it holds; returns the frames."""
+                   replica: str | None = None, dp_rank: int | None = None, relay_factory=None) -> int:
+    """Publish a recording through one relay per publisher endpoint it holds; returns the frames.
+    `relay_factory(model, replica, index_block_size, dp_rank)` builds the engine's relay (vLLM's by
+    default)."""
+    make = relay_factory or VllmPublisherRelay
     by_endpoint: dict[str, list[Frame]] = {}
     for f in read_frames(path):
         by_endpoint.setdefault(f.endpoint, []).append(f)
     for ep, frames in sorted(by_endpoint.items()):
-        relay = Relay(VllmPublisherRelay(model, replica or ep, index_block_size, dp_rank), sink)
+        relay = Relay(make(model, replica or ep, index_block_size, dp_rank), sink)
         relay.start_fresh(replay_from_start=False)
         for f in sorted(frames, key=lambda f: f.recv_ns):
             relay.handle(f)
