@@ -85,7 +85,12 @@ class KafkaFollower:
             c.assign(assignment)
             if not ends:
                 self._ready(t0)
+            lag_at = 0.0
             while not self.stop_event.is_set():
+                now = time.monotonic()
+                if now >= lag_at:  # consumer lag, from the watermarks the fetches already returned
+                    lag_at = now + 1.0
+                    self.store.consumer_lag = self._lag(c, parts)
                 first = c.poll(0.05)  # wake on the first message, then take what is there
                 msgs = [first, *c.consume(2000, 0)] if first is not None else []
                 for msg in msgs:
@@ -106,6 +111,15 @@ class KafkaFollower:
                             self._ready(t0)
         finally:
             c.close()
+
+    def _lag(self, c: Consumer, parts: list[int]) -> int:
+        positions = c.position([TopicPartition(self.events_topic, p) for p in parts])
+        lag = 0
+        for tp in positions:
+            hi = c.get_watermark_offsets(tp, cached=True)[1]
+            if tp.offset >= 0 and hi >= 0:
+                lag += max(0, hi - tp.offset)
+        return lag
 
     def _routes_start(self, c: Consumer) -> list[TopicPartition]:
         """The routes topic's partitions, positioned `routes_lookback_s` back in time."""

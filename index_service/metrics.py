@@ -60,6 +60,9 @@ class _StoreCollector:
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)
         yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))
+        yield GaugeMetricFamily("kvidx_consumer_lag_messages",
+                                "Event batches published but not yet applied here (all partitions)",
+                                value=store.consumer_lag)
 
 
 class ServiceMetrics:
