@@ -1,0 +1,310 @@
+"""The TensorRT-LLM relay: polls trtllm-serve's `POST /kv_cache_events` (or plays a recording of polls)
+and turns the engine's events into versioned event batches.
+
+- Start-up: `GET /version` (trtllm-serve, openai_server.py `version`) must name a pinned series
+  (relays/trtllm_wire.py SUPPORTED_VERSIONS): an unknown version is a clear error, not a guess.
+- A poll returns the events drained since the last one (a JSON list). Events are split per
+  attention-DP rank (rank 0 gathers every rank's events; each event names its rank), and each rank
+  is its own (replica, dp_rank) in the index with its own mirror and event-id sequence.
+- event_id: +1 per event per rank (kvCacheEventManager.cpp `mEventId++`). An id going back is an
+  engine restart (the pull API drains, it never repeats an event): new epoch, cleared. A jump ahead is a
+  gap (the engine's bounded event queue discarded events, or a poll failed). No replay exists, so the
+  replica's state is unknown: ReplicaCleared("gap_unfilled") and a fresh mirror (a warm replica seen
+  as cold costs little; the reverse costs a slow request).
+- 1.2.0rc2: the serializer raises on `updated` events without a priority (every host offload), so a
+  poll can fail (HTTP 5xx) and its events are lost: counted (`poll_errors`), then handled as a gap.
+  Fixed releases send `"priority": null`, which decodes.
+- Only the largest attention window is indexed (from the `created` events when seen, otherwise the
+  largest window seen); other windows' events are counted (`other_window`).
+- A malformed event is dead-lettered alone (its id still counts as seen).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from kvidx.core.mirror import MirrorError
+from kvidx.core.trtllm_mirror import TrtllmMirror
+from relays.trtllm_wire import (
+    BUGGY_UPDATED_SERIALIZER,
+    Created,
+    Event,
+    check_version,
+    decode_event,
+    split_poll,
+)
+from relays.vllm_relay import DeadLetter, Frame, RelayOutput
+from schemas.events import SCHEMA_VERSION, EventBatch, ReplicaCleared
+
+log = logging.getLogger("kvidx.relay")
+MAX_EVENT = 16 << 20
+
+
+@dataclass
+class RankState:
+    mirror: TrtllmMirror
+    next_id: int | None = None
+    epoch: int = 0
+    max_window: int | None = None
+    windows_created: set[int] = field(default_factory=set)
+
+
+class TrtllmPollRelay:
+    """Relay logic for one trtllm-serve instance (all its attention-DP ranks), free of I/O."""
+
+    def __init__(self, model: str, replica: str, index_block_size: int, block_size: int | None = None,
+                 epoch: int | None = None, partial_reuse: bool = True):
+        self.model = model
+        self.replica = replica
+        self.index_block_size = index_block_size
+        self.block_size = block_size
+        self.partial_reuse = partial_reuse
+        self.epoch0 = epoch if epoch is not None else int(time.time() * 1000)
+        self.ranks: dict[int, RankState] = {}
+        self.counters = {"polls": 0, "events": 0, "duplicates": 0, "gaps": 0, "restarts": 0,
+                         "other_window": 0, "poll_errors": 0, "dead": 0}
+
+    def rank(self, r: int) -> RankState:
+        st = self.ranks.get(r)
+        if st is None:
+            st = self.ranks[r] = RankState(TrtllmMirror(self.index_block_size, self.block_size,
+                                                        self.partial_reuse), epoch=self.epoch0)
+        return st
+
+    # ---- input ---------------------------------------------------------------------------------
+    def on_poll_body(self, body: bytes, recv_ns: int) -> RelayOutput:
+        """A poll's raw response body (a JSON array of events)."""
+        try:
+            raws = split_poll(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.counters["dead"] += 1
+            dl = DeadLetter("malformed_poll", str(e)[:300], self._frame(body, -1, recv_ns))
+            return RelayOutput(dead=[dl])
+        return self.on_poll(raws, recv_ns)
+
+    def on_poll(self, events: list, recv_ns: int) -> RelayOutput:
+        """One poll's events, each a dict (as recorded) or raw JSON bytes."""
+        out = RelayOutput()
+        self.counters["polls"] += 1
+        per_rank: dict[int, list[Event]] = {}
+        for raw in events:
+            try:
+                if isinstance(raw, bytes | bytearray) and len(raw) > MAX_EVENT:
+                    raise ValueError(f"oversized event: {len(raw)} bytes")
+                ev = decode_event(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+                self.counters["dead"] += 1
+                out.dead.append(DeadLetter("malformed_event", str(e)[:300], self._frame(raw, -1, recv_ns)))
+                continue
+            per_rank.setdefault(ev.attention_dp_rank or 0, []).append(ev)
+        for r, evs in per_rank.items():
+            self._rank_events(r, evs, recv_ns, out)
+        return out
+
+    def poll_failed(self, reason: str, recv_ns: int | None = None) -> RelayOutput:
+        """A poll that failed on the engine's side (1.2.0rc2 serializer bug, a 5xx): the events it
+        drained are lost for good, so every rank's state is unknown now: cleared at once (the next
+        events are taken as they come)."""
+        self.counters["poll_errors"] += 1
+        log.warning("event=poll_failed replica=%s reason=%s", self.replica, reason)
+        out = RelayOutput()
+        now = recv_ns or time.time_ns()
+        for r, st in self.ranks.items():
+            self._flush_clear(st, r, [], -1, now, out, "poll_failed")
+            st.next_id = None
+        return out
+
+    def _rank_events(self, r: int, evs: list[Event], recv_ns: int, out: RelayOutput) -> None:
+        st = self.rank(r)
+        canon: list = []
+        last_id = -1
+        for ev in evs:
+            self.counters["events"] += 1
+            if st.next_id is not None and ev.event_id != st.next_id:
+                if ev.event_id < st.next_id:
+                    # the pull API drains: it never repeats an event, so ids going back mean a new
+                    # event manager (engine restart; its `created` events may have gone to another poller)
+                    self.counters["restarts"] += 1
+                    canon = self._flush_clear(st, r, canon, last_id, recv_ns, out, "engine_restart")
+                    st.windows_created = set()
+                    st.max_window = None
+                else:
+                    self.counters["gaps"] += 1
+                    log.warning("event=gap_unfilled replica=%s rank=%d missing=%d..%d", self.replica, r,
+                                st.next_id, ev.event_id - 1)
+                    canon = self._flush_clear(st, r, canon, last_id, recv_ns, out, "gap_unfilled")
+            st.next_id = ev.event_id + 1
+            last_id = ev.event_id
+            data = ev.data
+            w = ev.window_size
+            if isinstance(data, Created):
+                if w is not None:
+                    st.windows_created.add(w)
+                    st.max_window = max(st.windows_created)
+                st.mirror.apply([data])
+                continue
+            if w is not None:
+                if st.max_window is None or (w > st.max_window and not st.windows_created):
+                    if st.max_window is not None and st.mirror.live_blocks():
+                        # a larger window than the one indexed so far: index that one instead
+                        canon = self._flush_clear(st, r, canon, last_id - 1, recv_ns, out, "window_change")
+                    st.max_window = w
+                elif w != st.max_window:
+                    self.counters["other_window"] += 1
+                    continue
+            try:
+                canon.extend(st.mirror.apply([data]))
+            except (MirrorError, ValueError) as e:
+                self.counters["dead"] += 1
+                reason = e.reason if isinstance(e, MirrorError) else "bad_value"
+                out.dead.append(DeadLetter(reason, str(e)[:300],
+                                           self._frame(msgspec.json.encode(ev), ev.event_id, recv_ns)))
+        if canon:
+            out.batches.append(self._wrap(st, r, canon, last_id, recv_ns))
+
+    def _flush_clear(self, st: RankState, r: int, canon: list, last_id: int, recv_ns: int,
+                     out: RelayOutput, reason: str) -> list:
+        if canon:
+            out.batches.append(self._wrap(st, r, canon, last_id, recv_ns))
+        st.mirror.clear()
+        st.epoch += 1
+        out.batches.append(self._wrap(st, r, [ReplicaCleared(reason)], -1, recv_ns))
+        return []
+
+    def _wrap(self, st: RankState, r: int, events: list, seq: int, recv_ns: int) -> EventBatch:
+        ts = recv_ns / 1e9
+        return EventBatch(v=SCHEMA_VERSION, model=self.model, replica=self.replica, dp_rank=r,
+                          epoch=st.epoch, seq=seq, engine_ts=ts, relay_ts=ts,
+                          block_size=st.mirror.block_size, events=events)
+
+    def _frame(self, raw, seq: int, recv_ns: int) -> Frame:
+        payload = raw if isinstance(raw, bytes) else json.dumps(raw, default=str).encode()
+        return Frame(b"trtllm.kv_cache_events", seq, payload, recv_ns, self.replica, "poll")
+
+    def start_fresh(self, recv_ns: int | None = None) -> list[EventBatch]:
+        """What a starting relay publishes: the replica's view is unknown until its events arrive."""
+        now = recv_ns or time.time_ns()
+        st = self.rank(0)
+        st.epoch += 1
+        return [self._wrap(st, 0, [ReplicaCleared("relay_start")], -1, now)]
+
+
+# ---- recordings (../shared/fixtures/README.md: one line per poll) -------------------------------
+def read_polls(path: str | Path) -> Iterator[tuple[int, list, str | None]]:
+    """(recv_ns, events, error) per poll; `error` (an extension of the format: a poll that failed on
+    the engine's side, e.g. HTTP 500) is None for ordinary polls."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                yield int(rec["recv_ns"]), list(rec.get("events") or []), rec.get("error")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a poll record ({e})") from None
+
+
+class PollRecorder:
+    def __init__(self, path: str | Path):
+        self.f = open(path, "a")
+
+    def write(self, recv_ns: int, events: list, error: str | None = None) -> None:
+        rec = {"recv_ns": recv_ns, "events": events}
+        if error:
+            rec["error"] = error
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+# ---- live polling -------------------------------------------------------------------------------
+class TrtllmHttpSource:
+    """trtllm-serve's HTTP endpoints (stdlib only)."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.version: str | None = None
+
+    def check_version(self) -> str:
+        """GET /version -> {"version": "..."}; raises UnsupportedVersion for an unknown one."""
+        with urllib.request.urlopen(self.url + "/version", timeout=self.timeout_s) as r:
+            self.version = str(json.loads(r.read())["version"])
+        check_version(self.version)
+        if self.version in BUGGY_UPDATED_SERIALIZER:
+            log.warning("event=engine_serializer_bug version=%s: polls fail on host-offload events and "
+                        "their events are lost (handled as gaps); upgrade the engine", self.version)
+        return self.version
+
+    def poll(self) -> tuple[int, bytes | None, str | None]:
+        """(recv_ns, body or None, error) of one POST /kv_cache_events."""
+        req = urllib.request.Request(self.url + "/kv_cache_events", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return time.time_ns(), r.read(), None
+        except urllib.error.HTTPError as e:
+            return time.time_ns(), None, f"http_{e.code}"
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            return time.time_ns(), None, f"unreachable: {e}"
+
+
+def _emit(sink, core: TrtllmPollRelay, out: RelayOutput) -> None:
+    for dl in out.dead:
+        sink.dead_letter(dl, core.model, core.replica)
+    for b in out.batches:
+        sink.publish(b)
+
+
+def run_relay(url: str, model: str, sink, index_block_size: int, block_size: int | None = None,
+              interval_s: float = 0.05, record_to: str | Path | None = None, stop=None,
+              source: TrtllmHttpSource | None = None) -> TrtllmPollRelay:
+    """`kvidx relay --engine trtllm --url http://host:port`: check the version, then poll until
+    `stop` (a threading.Event) is set."""
+    source = source or TrtllmHttpSource(url)
+    version = source.check_version()
+    log.info("event=relay_start engine=trtllm version=%s url=%s model=%s", version, url, model)
+    core = TrtllmPollRelay(model, url, index_block_size, block_size)
+    recorder = PollRecorder(record_to) if record_to else None
+    for b in core.start_fresh():
+        sink.publish(b)
+    try:
+        while stop is None or not stop.is_set():
+            recv_ns, body, err = source.poll()
+            if err is not None:
+                if recorder:
+                    recorder.write(recv_ns, [], err)
+                _emit(sink, core, core.poll_failed(err, recv_ns))
+            elif body is not None:
+                if recorder:
+                    recorder.write(recv_ns, json.loads(body))
+                _emit(sink, core, core.on_poll_body(body, recv_ns))
+                sink.flush(0)
+            time.sleep(interval_s)
+    finally:
+        sink.flush()
+        if recorder:
+            recorder.close()
+    return core
+
+
+def play_recording(path: str | Path, model: str, sink, index_block_size: int, replica: str = "trtllm",
+                   block_size: int | None = None) -> int:
+    """`kvidx relay --engine trtllm --play events.jsonl`: publish a recording of polls; returns polls."""
+    core = TrtllmPollRelay(model, replica, index_block_size, block_size, epoch=0)
+    n = 0
+    for recv_ns, events, error in sorted(read_polls(path), key=lambda p: p[0]):
+        _emit(sink, core, core.poll_failed(error, recv_ns) if error else core.on_poll(events, recv_ns))
+        n += 1
+    sink.flush()
+    return n
