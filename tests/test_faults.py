@@ -148,3 +148,42 @@ def test_relay_restart_and_engine_restart(kafka_bootstrap, topics):
         follower.stop()
         live.stop()
         engine.close()
+
+
+def test_worker_killed_mid_burst_loses_nothing(kafka_bootstrap, topics, tmp_path):
+    from conftest import LLAMA
+    from test_pipeline_kafka import answers, expected_shard, prompts, start_worker
+
+    from relays.recording import read_frames
+    from relays.run import play_recording
+
+    sink = KafkaSink(kafka_bootstrap, topics["events"], topics["dead_letters"])
+    log1 = tmp_path / "w1.log"
+    w1 = start_worker(kafka_bootstrap, topics["prefix"], tmp_path / "w1", log1)
+    def publish():
+        for i in range(4):
+            play_recording(LLAMA / "frames.jsonl", "tiny", sink, BS, replica=f"r{i}")
+            time.sleep(1.0)
+
+    burst = threading.Thread(target=publish)
+    burst.start()
+    # kill the worker as soon as it folds: the burst is still arriving
+    wait_for(lambda: "shard_loaded model=tiny" in log1.read_text(), timeout=60, what="worker folding")
+    assert burst.is_alive(), "the kill must land in the middle of the burst"
+    w1.send_signal(signal.SIGKILL)
+    w1.wait()
+    burst.join()
+    sink.close()
+    log2 = tmp_path / "w2.log"
+    w2 = start_worker(kafka_bootstrap, topics["prefix"], tmp_path / "w1", log2)  # same disk, restarted
+    try:
+        n = sum(1 for _ in read_frames(LLAMA / "frames.jsonl")) + 1
+        shards = wait_snapshots(kafka_bootstrap, topics["snapshots"], {"tiny": 4 * n}, w2, log2)
+    finally:
+        w2.terminate()
+        w2.wait(30)
+    ps = prompts(LLAMA / "requests.jsonl")[::5]
+    single = [a[0][1:] for a in answers(expected_shard(LLAMA / "frames.jsonl", "tiny"), ps)]
+    got = answers(shards["tiny"], ps)
+    for i in range(4):
+        assert [next(x[1:] for x in a if x[0] == f"r{i}") for a in got] == single
