@@ -42,11 +42,12 @@ def cmd_relay(args) -> int:
     from relays.sinks import KafkaSink
     from relays.zmq_source import ZmqSource
 
-    try:
-        factory = _relay_factory(args)
-        factory(args.model, "check", args.index_block_size)  # an unknown engine version fails here
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    if args.engine != "trtllm":
+        try:
+            factory = _relay_factory(args)
+            factory(args.model, "check", args.index_block_size)  # an unknown engine version fails here
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     from kvidx.kafka.topics import ensure_topics
     from schemas.events import topic_names
     t = topic_names(args.topic_prefix)
@@ -55,6 +56,8 @@ def cmd_relay(args) -> int:
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, addr="127.0.0.1")
+    if args.engine == "trtllm":
+        return _relay_trtllm(args, sink)
     if args.play:
         from relays.run import play_recording
         n = play_recording(args.play, args.model, sink, args.index_block_size, args.replica, args.dp_rank,
@@ -82,6 +85,34 @@ def cmd_relay(args) -> int:
     finally:
         control.stop()
         relay.close()
+        sink.flush()
+    return 0
+
+
+def _relay_trtllm(args, sink) -> int:
+    """TensorRT-LLM's pull API: poll trtllm-serve's POST /kv_cache_events (or play polls)."""
+    import threading
+
+    from relays import trtllm_relay
+
+    if args.play:
+        n = trtllm_relay.play_recording(args.play, args.model, sink, args.index_block_size,
+                                        replica=args.replica or "trtllm", block_size=args.block_size)
+        sink.flush()
+        print(json.dumps({"played_polls": n, "delivery_errors": sink.errors}))
+        return 0 if sink.errors == 0 else 1
+    if not args.url:
+        sys.exit("error: --url http://host:port (trtllm-serve) or --play events.jsonl is required")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        trtllm_relay.run_relay(args.url, args.model, sink, args.index_block_size, block_size=args.block_size,
+                               record_to=args.record, stop=stop)
+    except KeyboardInterrupt:
+        pass
+    except ValueError as e:  # an engine version this adapter was not checked against
+        sys.exit(f"error: {e}")
+    finally:
         sink.flush()
     return 0
 
@@ -184,7 +215,12 @@ def cmd_shadow(args) -> int:
     for path in (args.recording, args.requests):
         if not os.path.exists(path):
             sys.exit(f"error: no such file: {path}")
-    if args.engine == "sglang":
+    if args.engine == "trtllm":
+        from kvidx.shadow_trtllm import run_shadow as run_shadow_trtllm
+        agreement, shard, _ = run_shadow_trtllm(args.recording, args.requests,
+                                                index_block_size=args.index_block_size)
+        index = type("Index", (), {"dead_letters": 0})()
+    elif args.engine == "sglang":
         from relays.sglang_relay import DEFAULT_VERSION, run_shadow_sglang
         try:
             agreement, index = run_shadow_sglang(args.recording, args.requests,
@@ -245,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Subscribe to an engine's KV-cache events (or play a recording), "
                                    "re-hash blocks canonically and publish versioned batches to Kafka.")
     common(r, shards=False)
-    r.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
+    r.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    r.add_argument("--url", help="trtllm: trtllm-serve's base URL (its POST /kv_cache_events is polled)")
+    r.add_argument("--block-size", type=int, help="trtllm: the engine's tokens per block")
     r.add_argument("--engine-version", help="the engine's release (checked against the versions the "
                    "adapter was verified with; default: the newest checked)")
     r.add_argument("--model", required=True, help="model name the events belong to (Kafka key)")
@@ -304,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "prints how the index's credit agrees with the engine's own "
                                     "cached_tokens for every request of the request log.")
     common(sh, kafka=False)
-    sh.add_argument("--engine", default="vllm", choices=["vllm", "sglang"])
+    sh.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+                    help="trtllm reads a recording of polls (events.jsonl); use --index-block-size 1 "
+                         "there for token-exact partial-block credit")
     sh.add_argument("--engine-version", help="the engine's release (default: the newest checked)")
     sh.add_argument("--recording", required=True, help="frames.jsonl")
     sh.add_argument("--requests", required=True, help="requests.jsonl")
