@@ -50,7 +50,11 @@ def create_topics(
 
 def ensure_topics(bootstrap: str, names: dict[str, str], partitions: int = 4) -> None:
     """The topics of one deployment (schemas.events.topic_names): events, routes and dead letters
-    kept for days, the snapshot topic compacted, the control topic with one partition (one order)."""
-    create_topics(bootstrap, [names["events"], names["dead_letters"], names["routes"]],
+    kept for days, the snapshot topic compacted, the control topic with one partition (one order),
+    engine usage reports (the audit's other half) kept as long as the routes."""
+    retained = [names["events"], names["dead_letters"], names["routes"]]
+    if "usage" in names:
+        retained.append(names["usage"])
+    create_topics(bootstrap, retained,
                   partitions=partitions, compacted=[names["snapshots"]], retention_ms=EVENTS_RETENTION_MS)
     create_topics(bootstrap, [names["control"]], partitions=1)
