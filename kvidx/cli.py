@@ -31,10 +31,20 @@ def _relay_factory(args):
         version = args.engine_version or DEFAULT_VERSION
         return lambda m, r, ibs, rank=None: make_relay(m, r, ibs, rank, engine_version=version)
     from kvidx.config import load_config
+    from kvidx.core.lmcache import LmcacheConfig
     from relays.vllm_relay import VllmPublisherRelay
 
-    groups = load_config(getattr(args, "config", None)).model(args.model).group_kinds()
-    return lambda m, r, ibs, rank=None: VllmPublisherRelay(m, r, ibs, rank, group_kinds=groups)
+    options = {
+        "group_kinds": load_config(getattr(args, "config", None)).model(args.model).group_kinds(),
+        "engine_version": args.engine_version or DEFAULT_VLLM_VERSION,
+        "cpu_chunk_blocks": args.cpu_chunk_blocks,
+        "lmcache": LmcacheConfig(ttl_s=args.lmcache_ttl or None,
+                                 capacity_blocks=args.lmcache_capacity_blocks),
+    }
+    return lambda m, r, ibs, rank=None: VllmPublisherRelay(m, r, ibs, rank, **options)
+
+
+DEFAULT_VLLM_VERSION = "0.32.0"  # the newest release the vLLM adapter was checked against
 
 
 def cmd_relay(args) -> int:
@@ -66,25 +76,49 @@ def cmd_relay(args) -> int:
         return 0 if sink.errors == 0 else 1
     if not args.endpoint:
         sys.exit("error: --endpoint (the engine's KV-events endpoint) or --play FILE is required")
-    source = ZmqSource(args.endpoint, args.replay_endpoint, bind=args.bind)
-    core = factory(args.model, args.replica or args.endpoint, args.index_block_size, args.dp_rank)
-    relay = Relay(core, sink, source, record_to=args.record, resync_blocks_per_s=args.resync_blocks_per_s,
-                  resync_jitter_s=args.resync_jitter)
+    import threading
+
     from relays.control import ControlListener
-    control = ControlListener(_bootstrap(args), t["control"], args.model, core.replica,
-                              relay.request_resync).start()
-    signal.signal(signal.SIGTERM, lambda *_: relay.stop_event.set())
-    signal.signal(signal.SIGUSR1, lambda *_: relay.request_resync())
-    logging.getLogger("kvidx.relay").info("event=relay_start model=%s replica=%s endpoint=%s",
-                                          args.model, core.replica, args.endpoint)
-    relay.start_fresh()
+    from relays.vllm_dp import dp_endpoints
+
+    replica = args.replica or args.endpoint
+    relays = []
+    # data parallelism: one publisher per rank, on the base port + rank (vLLM's rule)
+    ranks = (list(enumerate(dp_endpoints(args.endpoint, args.replay_endpoint, args.dp_size)))
+             if args.dp_size > 1 else [(args.dp_rank, (args.endpoint, args.replay_endpoint))])
+    for rank, (ep, rep) in ranks:
+        core = factory(args.model, replica, args.index_block_size, rank)
+        relays.append(Relay(core, sink, ZmqSource(ep, rep, bind=args.bind),
+                            record_to=args.record if len(ranks) == 1 else None,
+                            resync_blocks_per_s=args.resync_blocks_per_s, resync_jitter_s=args.resync_jitter))
+
+    def resync_all():
+        for r in relays:
+            r.request_resync()
+
+    control = ControlListener(_bootstrap(args), t["control"], args.model, replica, resync_all).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGUSR1, lambda *_: resync_all())
+    logging.getLogger("kvidx.relay").info("event=relay_start model=%s replica=%s endpoint=%s ranks=%d",
+                                          args.model, replica, args.endpoint, len(relays))
+    threads = []
+    for r in relays:
+        r.start_fresh()
+        th = threading.Thread(target=r.run_live, daemon=True, name=f"relay-{r.core.dp_rank}")
+        th.start()
+        threads.append(th)
     try:
-        relay.run_live()
+        while not stop.is_set() and any(th.is_alive() for th in threads):
+            stop.wait(0.5)
     except KeyboardInterrupt:
         pass
     finally:
         control.stop()
-        relay.close()
+        for r in relays:
+            r.close()
+        for th in threads:
+            th.join(5)
         sink.flush()
     return 0
 
@@ -292,6 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bind", action="store_true", help="bind the SUB socket (engine PUB connects)")
     r.add_argument("--replica", help="replica name (default: the endpoint)")
     r.add_argument("--dp-rank", type=int, default=None, help="data-parallel rank of this publisher")
+    r.add_argument("--dp-size", type=int, default=1,
+                   help="vLLM data parallelism: relay every rank's publisher (endpoint port + rank)")
+    r.add_argument("--cpu-chunk-blocks", type=int, default=1,
+                   help="vLLM offloading connector: engine blocks per offloaded chunk (CPU events)")
+    r.add_argument("--lmcache-ttl", type=float, default=300.0, metavar="S",
+                   help="LMCache chunks re-published through vLLM (no evictions published) age out after "
+                        "S seconds (0: never)")
+    r.add_argument("--lmcache-capacity-blocks", type=int, default=None,
+                   help="cap on LMCache's live index blocks (its max size / chunk size)")
     r.add_argument("--record", help="also append every raw engine message to this frames.jsonl")
     r.add_argument("--play", help="publish a recording (frames.jsonl) instead of a live socket")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
