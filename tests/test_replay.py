@@ -170,6 +170,15 @@ def test_replay_answers_as_the_index_did_then(kafka_bootstrap, topics, tmp_path,
         out = json.loads(capsys.readouterr().out)
         assert core(out["lookups"][0]["replicas"]) == moments[0][1]["p1"]
         assert {x["replica"] for x in out["replicas"]} == {"a", "b"}
+        # text forms: an ISO time, and a decision explained by request id
+        common = ["--bootstrap", b, "--topic-prefix", topics["prefix"]]
+        assert main(["replay", *common, "--model", MODEL, "--until", iso(moments[2][0] + 0.001),
+                     "--prompts", str(pf)]) == 0
+        text = capsys.readouterr().out
+        assert "batches folded from the checkpoint" in text and "prompt p1 (170 tokens)" in text
+        assert main(["replay", *common, "--request-id", "req-7"]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith("At ") and "* a rank 0: 0 blocks" in text
     finally:
         follower.stop()
         routes.close()
