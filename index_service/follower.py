@@ -16,7 +16,7 @@ import threading
 import time
 
 import msgspec
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from index_service.store import ShardStore
 from kvidx.kafka.config import client_config
@@ -126,7 +126,14 @@ class KafkaFollower:
         since_ms = int((time.time() - self.routes_lookback_s) * 1000)
         parts = [TopicPartition(self.routes_topic, p, since_ms)
                  for p in self._partitions(c, self.routes_topic)]
-        return c.offsets_for_times(parts, timeout=10)
+        for attempt in range(50):  # a new topic's partitions may still be electing their leader
+            try:
+                return c.offsets_for_times(parts, timeout=10)
+            except KafkaException:
+                if attempt == 49:
+                    raise
+                time.sleep(0.2)
+        return parts
 
     def _route(self, raw: bytes) -> None:
         try:

@@ -233,12 +233,19 @@ def cmd_serve(args) -> int:
             token = f.read().strip()
     store = ShardStore(args.index_block_size, config=load_config(args.config),
                        unreported_eviction_kinds=tuple(args.unreported_eviction_kinds) or None)
-    store.publish_route = RoutePublisher(_bootstrap(args), t["routes"])
-    follower = KafkaFollower(store, _bootstrap(args), t["events"], t["snapshots"], t["routes"]).start()
+    from kvidx.ops.audit import UsagePublisher
+    from kvidx.ops.feedback import FeedbackFollower, ensure_feedback_topic
+
+    b = _bootstrap(args)
+    store.publish_route = RoutePublisher(b, t["routes"])
+    follower = KafkaFollower(store, b, t["events"], t["snapshots"], t["routes"]).start()
+    feedback = FeedbackFollower(b, ensure_feedback_topic(b, t)).start()
+    app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
+                     publish_usage=UsagePublisher(b, t["usage"]), feedback=feedback)
     try:
-        uvicorn.run(create_app(store, max_tokens=args.max_tokens, auth_token=token), host=args.host,
-                    port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
+        feedback.stop()
         follower.stop()
     return 0
 
@@ -295,9 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     from kvidx.kafka import add_cli
+    from kvidx.ops.audit import add_cli as add_audit_cli
+    from kvidx.ops.feedback import add_cli as add_feedback_cli
+    from kvidx.ops.replay import add_cli as add_replay_cli
     from kvidx.simulate import add_cli as add_simulate_cli
     add_cli(sub)
     add_simulate_cli(sub)
+    add_replay_cli(sub)  # replay + checkpoint
+    add_audit_cli(sub)
+    add_feedback_cli(sub)
 
     def common(sp, kafka=True, shards=True):
         if kafka:
