@@ -384,6 +384,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             applied = store.apply_route(d)
             if applied and store.publish_route is not None:
                 store.publish_route(d)
+            if applied:
+                metrics.routed(shard.model, req.credited_tokens)
             metrics.observe("routes", 202, time.perf_counter() - t0)
             return _json({"accepted": True, "duplicate": not applied, "expires_at": d.ts + ttl}, 202)
         except Exception as e:  # noqa: BLE001
@@ -417,6 +419,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
                 publish(u)
             else:  # no Kafka (in-process service): kept in memory, the last 10,000
                 app.state.usage_recent.append(u)
+            metrics.usage(model, req.prompt_tokens, req.cached_tokens)
             metrics.observe("usage", 202)  # counted; no latency histogram for this form
             return _json({"accepted": True, "published": publish is not None}, 202)
         except Exception as e:  # noqa: BLE001

@@ -12,6 +12,19 @@ Series:
 - kvidx_replica_event_age_max_seconds{model}  age of the stalest replica's last applied engine batch
 - kvidx_batches_applied_total               batches the store folded
 - kvidx_ready                               1 once the store was rebuilt
+- kvidx_consumer_lag_messages               event batches published but not yet applied here
+Per replica (model, replica, dp_rank; only replicas that sent events, so routes to unknown replicas do
+not add series), read from the shards at scrape:
+- kvidx_replica_batches_applied_total       engine batches applied (rate = the replica's batches/s)
+- kvidx_replica_blocks                      live (block, tier, group) entries
+- kvidx_replica_event_age_seconds           age of the last applied engine batch (freshness)
+- kvidx_replica_apply_lag_seconds           engine time to applied here, of the last batch
+- kvidx_replica_seq_gaps_total              batches missing between applied ones
+Agreement (live; the offline audit joins request by request):
+- kvidx_routes_credited_tokens_total{model} tokens the index credited on the replicas routed to
+- kvidx_usage_prompt_tokens_total{model}    prompt tokens of the engine usage reports (POST /v1/usage)
+- kvidx_usage_reused_tokens_total{model}    tokens the engines reported reused (cached_tokens)
+  reused / credited over a window ~ agreement; model is "other" for models the index does not hold
 """
 
 from __future__ import annotations
@@ -60,9 +73,36 @@ class _StoreCollector:
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)
         yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))
+        yield from self._replicas(now)
         yield GaugeMetricFamily("kvidx_consumer_lag_messages",
                                 "Event batches published but not yet applied here (all partitions)",
                                 value=store.consumer_lag)
+
+
+    def _replicas(self, now: float):
+        labels = ["model", "replica", "dp_rank"]
+        batches = CounterMetricFamily("kvidx_replica_batches_applied", "Engine batches applied, per replica",
+                                      labels=labels)
+        blocks = GaugeMetricFamily("kvidx_replica_blocks", "Live (block, tier, group) entries, per replica",
+                                   labels=labels)
+        age = GaugeMetricFamily("kvidx_replica_event_age_seconds",
+                                "Age of the replica's last applied engine batch", labels=labels)
+        lag = GaugeMetricFamily("kvidx_replica_apply_lag_seconds",
+                                "Engine time to applied here, of the replica's last batch", labels=labels)
+        gaps = CounterMetricFamily("kvidx_replica_seq_gaps", "Engine batches missing between applied ones",
+                                   labels=labels)
+        with self.store.lock:
+            for model, shard in sorted(self.store.shards.items()):
+                for st in shard.replicas.values():
+                    if not st.batches:
+                        continue
+                    key = [model, st.replica, str(st.dp_rank)]
+                    batches.add_metric(key, st.batches)
+                    blocks.add_metric(key, st.blocks)
+                    age.add_metric(key, max(0.0, now - st.engine_ts))
+                    lag.add_metric(key, max(0.0, st.applied_ts - st.engine_ts))
+                    gaps.add_metric(key, st.seq_gaps)
+        yield from (batches, blocks, age, lag, gaps)
 
 
 class ServiceMetrics:
@@ -78,6 +118,13 @@ class ServiceMetrics:
         self.best_resumable = Counter("kvidx_lookup_best_resumable_tokens",
                                       "Resumable tokens of the best replica, summed over lookups",
                                       ["model"], registry=self.registry)
+        self.credited = Counter("kvidx_routes_credited_tokens", "Tokens credited on the replicas routed to",
+                                ["model"], registry=self.registry)
+        self.usage_prompt = Counter("kvidx_usage_prompt_tokens", "Prompt tokens of engine usage reports",
+                                    ["model"], registry=self.registry)
+        self.usage_reused = Counter("kvidx_usage_reused_tokens", "Tokens the engines reported reused",
+                                    ["model"], registry=self.registry)
+        self.store = store
         self.registry.register(_StoreCollector(store))
         self._latency = {f: self.latency.labels(form=f) for f in FORMS}
         self._counts: dict[tuple[str, int], Counter] = {}
@@ -99,6 +146,18 @@ class ServiceMetrics:
                                            self.best_resumable.labels(model=model))
         pm[0].inc(prompt_tokens)
         pm[1].inc(best_resumable)
+
+    def routed(self, model: str, credited_tokens: int) -> None:
+        self.credited.labels(model=self._known(model)).inc(max(0, credited_tokens))
+
+    def usage(self, model: str, prompt_tokens: int, reused_tokens: int) -> None:
+        m = self._known(model)
+        self.usage_prompt.labels(model=m).inc(max(0, prompt_tokens))
+        self.usage_reused.labels(model=m).inc(max(0, reused_tokens))
+
+    def _known(self, model: str) -> str:
+        """Label values never come from unchecked client input: unknown models count as "other"."""
+        return model if model in self.store.shards else "other"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

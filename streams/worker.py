@@ -8,8 +8,8 @@
   the shard's (epoch, seq) check.
 - A restarted or new worker rebuilds a shard on its first event: local RocksDB if it has it,
   otherwise the compacted topic (no relays needed).
-- Lag: per replica, engine timestamp -> applied (histogram) and last applied age (gauge); faust
-  exposes consumer lag itself.
+- Lag: per model, engine timestamp -> applied (histogram); consumer lag of the events topic per
+  partition (kvidx_worker_consumer_lag_messages, from faust's monitor at scrape time).
 Malformed messages on the events topic go to the dead-letter topic with a counter; never dropped
 silently.
 """
@@ -23,7 +23,8 @@ from pathlib import Path
 import faust
 import msgspec
 from confluent_kafka import Producer
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config, faust_credentials
@@ -41,6 +42,37 @@ SNAP = Histogram("kvidx_worker_snapshot_seconds", "Time to write one shard snaps
 LOCAL_ERRORS = Counter("kvidx_worker_local_store_errors_total",
                        "Snapshots the local RocksDB could not store (full disk ...)")
 INDEXED = Gauge("kvidx_worker_indexed_blocks", "Distinct blocks in the shard", ["model", "group"])
+
+
+class _ConsumerLag:
+    """Consumer lag of the events topic per partition, read at scrape time from faust's monitor: to
+    the last message read, and to the last committed offset (events are acknowledged only once a
+    snapshot holds them, so the committed lag runs a snapshot interval behind)."""
+
+    app: faust.App | None = None
+    topic = EVENTS_TOPIC
+
+    def collect(self):
+        read = GaugeMetricFamily("kvidx_worker_consumer_lag_messages",
+                                 "Events-topic messages not yet read, per partition", labels=["partition"])
+        committed = GaugeMetricFamily("kvidx_worker_uncommitted_messages",
+                                      "Events-topic messages past the committed offset, per partition",
+                                      labels=["partition"])
+        m = self.app.monitor if self.app is not None else None
+        if m is not None and m.tp_end_offsets is not None:
+            for tp, end in sorted(dict(m.tp_end_offsets).items()):
+                if tp.topic != self.topic:
+                    continue
+                last = m.tp_read_offsets.get(tp)
+                read.add_metric([str(tp.partition)], max(0, end - (last + 1 if last is not None else 0)))
+                done = m.tp_committed_offsets.get(tp)
+                committed.add_metric([str(tp.partition)], max(0, end - (done if done is not None else 0)))
+        yield read
+        yield committed
+
+
+CONSUMER_LAG = _ConsumerLag()
+REGISTRY.register(CONSUMER_LAG)
 
 
 class ShardWorker:
@@ -176,6 +208,7 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
     )
     worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, block_size=block_size,
                          unreported_eviction_kinds=unreported_eviction_kinds)
+    CONSUMER_LAG.app, CONSUMER_LAG.topic = app, events_topic
     topic = app.topic(events_topic, key_type=bytes, value_type=bytes, value_serializer="raw",
                       key_serializer="raw")
 
