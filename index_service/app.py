@@ -379,6 +379,11 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             if req.dp_rank < 0 or req.credited_tokens < 0:
                 raise Reject(422, "dp_rank and credited_tokens must not be negative")
             shard, hashes, n = prompt(req)
+            if (req.replica, req.dp_rank) not in shard.replicas:
+                # a relay announces its replica when it starts: an unknown name is a router's mistake,
+                # and must not become a slot in every answer
+                raise Reject(422, f"unknown replica {req.replica[:200]!r} (dp_rank {req.dp_rank}) for model "
+                                  f"{model!r}: the index has no events from it")
             d = RouteDecision(ROUTES_VERSION, req.request_id[:200], model, req.replica[:500], req.dp_rank,
                               list(hashes), n, req.credited_tokens, time.time(), ttl, req.router[:200])
             applied = store.apply_route(d)

@@ -391,3 +391,12 @@ def test_bearer_token_required_on_v1_when_configured(world):
         r = c.post("/v1/lookup", json=body, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["model"] == MODEL
         assert c.get("/healthz").status_code == 200  # probes stay open
+
+
+def test_route_to_an_unknown_replica_is_refused(world):
+    c = world["client"]
+    r = c.post("/v1/routes", json={"request_id": "x1", "model": MODEL, "replica": "no-such-replica",
+                                   "token_ids": list(range(40))})
+    assert r.status_code == 422 and "unknown replica" in r.json()["error"]
+    before = len(world["store"].shards[MODEL].replicas)
+    assert len(world["store"].shards[MODEL].replicas) == before  # no slot was made for it
