@@ -395,8 +395,8 @@ def test_bearer_token_required_on_v1_when_configured(world):
 
 def test_route_to_an_unknown_replica_is_refused(world):
     c = world["client"]
+    before = len(world["store"].shards[MODEL].replicas)
     r = c.post("/v1/routes", json={"request_id": "x1", "model": MODEL, "replica": "no-such-replica",
                                    "token_ids": list(range(40))})
     assert r.status_code == 422 and "unknown replica" in r.json()["error"]
-    before = len(world["store"].shards[MODEL].replicas)
     assert len(world["store"].shards[MODEL].replicas) == before  # no slot was made for it
