@@ -65,7 +65,7 @@ def cmd_relay(args) -> int:
     sink = KafkaSink(_bootstrap(args), t["events"], t["dead_letters"])
     if args.metrics_port:
         from prometheus_client import start_http_server
-        start_http_server(args.metrics_port, addr="127.0.0.1")
+        start_http_server(args.metrics_port, addr=args.metrics_host)
     if args.engine == "trtllm":
         return _relay_trtllm(args, sink)
     if args.play:
@@ -209,6 +209,7 @@ def cmd_worker(args) -> int:
                              events_topic=t["events"], snapshot_topic=t["snapshots"],
                              dead_letter_topic=t["dead_letters"], snapshot_interval=args.snapshot_interval,
                              block_size=args.index_block_size, metrics_port=args.metrics_port,
+                             metrics_host=args.metrics_host,
                              unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
                              web_port=args.web_port, session_timeout=args.session_timeout)
     faust.Worker(app, loglevel=args.log_level.lower()).execute_from_commandline()
@@ -270,11 +271,18 @@ def cmd_shadow(args) -> int:
                                                  pending_ttl=args.pending_ttl)
         except ValueError as e:
             sys.exit(f"error: {e}")
+    elif args.engine == "lmcache":  # vLLM + LMCache: LMCache's re-published "cpu" stores as upper bounds
+        from kvidx.shadow_lmcache import run_shadow_lmcache
+        agreement, index, lmcache_stats = run_shadow_lmcache(args.recording, args.requests,
+                                                             index_block_size=args.index_block_size,
+                                                             pending_ttl=args.pending_ttl)
     else:
         agreement, index = run_shadow(args.recording, args.requests, index_block_size=args.index_block_size,
                                       unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
                                       pending_ttl=args.pending_ttl)
     summary = agreement.summary()
+    if args.engine == "lmcache":
+        summary.update(lmcache_stats)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -350,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on LMCache's live index blocks (its max size / chunk size)")
     r.add_argument("--record", help="also append every raw engine message to this frames.jsonl")
     r.add_argument("--play", help="publish a recording (frames.jsonl) instead of a live socket")
-    r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
+    r.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics server")
     r.add_argument("--config", help="deployment configuration (.toml/.json): the model's KV-cache groups "
                    "where its engine's events do not name them; see kvidx/config.py")
     r.add_argument("--resync-blocks-per-s", type=float, default=50_000,
@@ -374,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(w)
     w.add_argument("--data-dir", default="var/worker", help="RocksDB and faust state")
     w.add_argument("--snapshot-interval", type=float, default=2.0, help="seconds between shard snapshots")
-    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
+    w.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics server")
     w.add_argument("--web-port", type=int, default=6066, help="faust's web port on 127.0.0.1 (0: off)")
     w.add_argument("--session-timeout", type=float, default=30.0, metavar="S",
                    help="seconds before a dead worker's partitions move to the others")
@@ -398,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "prints how the index's credit agrees with the engine's own "
                                     "cached_tokens for every request of the request log.")
     common(sh, kafka=False)
-    sh.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+    sh.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm", "lmcache"],
                     help="trtllm reads a recording of polls (events.jsonl); use --index-block-size 1 "
                          "there for token-exact partial-block credit")
     sh.add_argument("--engine-version", help="the engine's release (default: the newest checked)")

@@ -191,7 +191,7 @@ class ShardWorker:
 def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-worker",
                events_topic: str = EVENTS_TOPIC, snapshot_topic: str = SNAPSHOTS_TOPIC,
                dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0,
-               block_size: int = 16, metrics_port: int | None = None,
+               block_size: int = 16, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                unreported_eviction_kinds: tuple[str, ...] = (),
                web_port: int = 6066, partitions: int = 4, session_timeout: float = 30.0
                ) -> tuple[faust.App, ShardWorker]:
@@ -243,5 +243,5 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
             await streams[0].ack(ev)
 
     if metrics_port:
-        start_http_server(metrics_port, addr="127.0.0.1")
+        start_http_server(metrics_port, addr=metrics_host)
     return app, worker
