@@ -28,6 +28,13 @@ Checked against the released wheels (sglang on PyPI), file sglang/srt/disaggrega
 
 The relay is pinned to one version: a payload in the other encoding is a dead letter
 ("version_mismatch"), never silently re-read.
+
+EAGLE speculative decoding: the radix tree is keyed on bigrams and a stored page's `token_ids` are
+token pairs `[(raw[j], raw[j + 1]) for j in range(start, end)]` (mem_cache/events.py `record_store`,
+"bigram pages expose tuples"; 0.5.23 wheel), msgpack arrays of two ints on the wire, `block_size` =
+the number of pairs. They are decoded here as they come (`PageToken`); the mirror turns them back
+into single tokens (kvidx.core.spec_decode.unpair_tokens), so a prefix gets the same index key with
+or without drafting.
 """
 
 from __future__ import annotations
@@ -67,11 +74,15 @@ def check_version(version: str) -> tuple[str, str]:
 
 
 # ---- normalized events (what the mirror reads) ------------------------------------------------
+# a page token: an int, or an EAGLE bigram (token, next token), which the mirror unpairs
+PageToken = int | tuple[int, int]
+
+
 @dataclass
 class BlockStored:
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[PageToken]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -102,7 +113,7 @@ class Batch:
 class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type"):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[PageToken]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -130,7 +141,7 @@ class _BatchMap(msgspec.Struct, array_like=True):
 class _StoredPos(msgspec.Struct, tag="BlockStored", array_like=True):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[PageToken]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None  # 0.5.10+

@@ -33,6 +33,10 @@ SGLang's rules (sglang 0.5.23 wheel unless noted; ENGINES.md):
   its last copy goes. With content-only hashes (<= 0.5.3) a parent hash may name several places;
   the most recently stored one is taken (best effort, counted as `ambiguous_parent`).
 - AllBlocksCleared (radix_cache.py `reset`) drops everything.
+- EAGLE (bigram keys): pages of token pairs are turned back into single tokens (the pairs' first
+  elements, kvidx.core.spec_decode.unpair_tokens) before anything else, so they hash as a plain
+  page of the same prefix; pairs that do not chain (a pair's second token is the next pair's first)
+  or a page mixing ints and pairs are dead letters (`broken_bigram_chain`, `bad_bigram`).
 The mirror is pure: no I/O, no clocks.
 """
 
@@ -42,6 +46,7 @@ from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
 from kvidx.core.mirror import MirrorError, normalize_tier
+from kvidx.core.spec_decode import SpecDecodeError, is_bigram_page, unpair_tokens
 from relays.sglang_wire import AllBlocksCleared, BlockRemoved, BlockStored, u64
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
 
@@ -64,7 +69,8 @@ class SglangMirror:
         self.group_kinds: dict[int, tuple[str, int | None]] = {GROUP: ("full_attention", None)}
         self.block_size = 0  # the engine's page size
         self.stats = {"stored": 0, "removed": 0, "extra_copies": 0, "remove_unknown": 0,
-                      "orphan_blocks": 0, "cleared": 0, "ambiguous_parent": 0, "empty_stored": 0}
+                      "orphan_blocks": 0, "cleared": 0, "ambiguous_parent": 0, "empty_stored": 0,
+                      "bigram_pages": 0}
         self._placed: dict[int, tuple] = {}  # <= 0.5.3: engine hash -> a different place seen
 
     def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
@@ -91,8 +97,17 @@ class SglangMirror:
         if P <= 0 or (P % B and B % P):
             raise MirrorError("block_size_mismatch",
                               f"page size {P} and index block size {B}: one must divide the other")
-        if len(ev.token_ids) != nb * P:
-            raise MirrorError("short_token_ids", f"{len(ev.token_ids)} token ids for {nb} pages of {P}")
+        tokens = ev.token_ids
+        if is_bigram_page(tokens):  # EAGLE: token pairs -> single tokens (kvidx/core/spec_decode.py)
+            try:
+                tokens, _next = unpair_tokens(tokens)
+            except SpecDecodeError as e:
+                raise MirrorError(e.reason, str(e)) from None
+            self.stats["bigram_pages"] += nb
+        elif not all(type(t) is int for t in tokens):
+            raise MirrorError("bad_bigram", "a page mixes single tokens and token pairs")
+        if len(tokens) != nb * P:
+            raise MirrorError("short_token_ids", f"{len(tokens)} token ids for {nb} pages of {P}")
         self.block_size = max(self.block_size, P)
         tier = normalize_tier(ev.medium)
 
@@ -110,7 +125,7 @@ class SglangMirror:
             blocks, d0, seed, pending, salt, lora = known
             depth_blocks = d0 + len(blocks)
         # canonical index blocks over (tokens since the last complete index block) + this chain
-        stream = list(pending) + list(ev.token_ids)
+        stream = list(pending) + list(tokens)
         extras = [[salt]] if salt and depth_blocks == 0 else None
         canon = chain(pack_tokens(stream), B, seed, extras)
         lp = len(pending)
