@@ -490,14 +490,3 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--quiet", action="store_true", help="no messages on stderr (but the progress bar)")
     p.set_defaults(func=cmd_simulate)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvidx")
-    add_cli(ap.add_subparsers(dest="command", required=True))
-    args = ap.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

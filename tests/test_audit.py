@@ -15,8 +15,9 @@ from test_service_http import ServerThread
 from index_service.app import create_app
 from index_service.follower import KafkaFollower, RoutePublisher
 from index_service.store import ShardStore
+from kvidx.cli import main
 from kvidx.core.hashing import prompt_hashes
-from kvidx.ops.audit import UsagePublisher, main
+from kvidx.ops.audit import UsagePublisher
 from kvidx.ops.feedback import (
     FEEDBACK_VERSION,
     CreditFactor,

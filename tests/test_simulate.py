@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvidx import simulate
+from kvidx.cli import main as cli_main
 from kvidx.sim.fleet import FleetConfig, run_fleet
 from kvidx.sim.workloads import MOONCAKE_TRACE, chat_requests, load_trace, model_names, trace_requests
 
@@ -79,7 +80,7 @@ def test_cli_json_last_line(tmp_path, capsys):
     with open(MOONCAKE_TRACE) as f:
         trace.write_text("".join(next(f) for _ in range(150)))
     out = tmp_path / "out"
-    rc = simulate.main(["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "4",
+    rc = cli_main(["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "4",
                         "--jobs", "1", "--out", str(out), "--json", "--speed", "5"])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -95,7 +96,7 @@ def test_cli_json_last_line(tmp_path, capsys):
 
 def test_cli_help():
     with pytest.raises(SystemExit) as e:
-        simulate.main(["simulate", "--help"])
+        cli_main(["simulate", "--help"])
     assert e.value.code == 0
 
 

@@ -276,16 +276,9 @@ class VllmMirror:
                 refs[rkey] = r + 1
                 if not r:
                     new_pos.append(first + i)
-        # one BlocksStored per contiguous run of newly cached index blocks
-        start = 0
-        for i in range(1, len(new_pos) + 1):
-            if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
-                p0 = new_pos[start]
-                run_parent = canon[p0 - 1] if p0 else (None if depth0 == 0 else parent)
-                out.append(BlocksStored(tier, group, canon[p0:new_pos[i - 1] + 1], run_parent,
-                                        depth0 + p0, engine_new if start == 0 else [], kind,
-                                        ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
-                start = i
+        for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, parent, depth0, engine_new):
+            out.append(BlocksStored(tier, group, hashes, run_parent, depth, engine, kind,
+                                    ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
 
     def _placeholder(self, ev: BlockStored, out: list[Event]) -> None:
         """An offloading-connector store without tokens: its hash is the engine hash of the last GPU
@@ -421,3 +414,20 @@ def _index_block_extras(extra_keys: list | None, lora_name: str | None, skip: in
             out[pos] = [*(cur or []), key]
             any_key = True
     return out if any_key else None
+
+
+def stored_runs(canon: list[int], new_pos: list[int], parent: int, depth0: int, engine_new: list[int]
+                ) -> list[tuple[list[int], int | None, int, list[int]]]:
+    """The newly cached index blocks (positions `new_pos` in `canon`, chained from `parent` at depth
+    `depth0`) as contiguous runs: (hashes, parent of the first or None at the root, depth, engine
+    hashes (all on the first run)) — one BlocksStored each."""
+    runs = []
+    start = 0
+    for i in range(1, len(new_pos) + 1):
+        if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
+            p0 = new_pos[start]
+            run_parent = canon[p0 - 1] if p0 else (None if depth0 == 0 else parent)
+            engine = engine_new if start == 0 else []
+            runs.append((canon[p0:new_pos[i - 1] + 1], run_parent, depth0 + p0, engine))
+            start = i
+    return runs

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from kvidx.core.mirror import MirrorError, normalize_tier
+from kvidx.core.mirror import MirrorError, normalize_tier, stored_runs
 from kvidx.core.spec_decode import SpecDecodeError, is_bigram_page, unpair_tokens
 from relays.sglang_wire import AllBlocksCleared, BlockRemoved, BlockStored, u64
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
@@ -160,15 +160,8 @@ class SglangMirror:
                 refs[rkey] = r + 1
                 if not r:
                     new_pos.append(first + i)
-        # one BlocksStored per contiguous run of newly cached index blocks
-        start = 0
-        for i in range(1, len(new_pos) + 1):
-            if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
-                p0 = new_pos[start]
-                run_parent = canon[p0 - 1] if p0 else (None if depth_blocks == 0 else seed)
-                out.append(BlocksStored(tier, GROUP, canon[p0:new_pos[i - 1] + 1], run_parent,
-                                        depth_blocks + p0, engine_new if start == 0 else []))
-                start = i
+        for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, seed, depth_blocks, engine_new):
+            out.append(BlocksStored(tier, GROUP, hashes, run_parent, depth, engine))
 
     def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:
         tier = normalize_tier(ev.medium)

@@ -18,7 +18,6 @@ the range whose decision is not found, even `--grace` seconds before the range (
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -321,14 +320,3 @@ def add_cli(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", help="write audit.json and PNG plots to this directory")
     p.set_defaults(func=cmd_audit)
-
-
-def main(argv: list[str] | None = None) -> int:  # `python -m kvidx.ops.audit` until wired into kvidx
-    parser = argparse.ArgumentParser(prog="kvidx")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,11 +25,9 @@ value as `credited_tokens` (what they relied on): the multiplicative update abov
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -403,14 +401,3 @@ def add_cli(subparsers) -> None:
                    "fleet with one replica that silently drops its state, N requests")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_feedback)
-
-
-def main(argv: list[str] | None = None) -> int:  # `python -m kvidx.ops.feedback` until wired into kvidx
-    parser = argparse.ArgumentParser(prog="kvidx")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

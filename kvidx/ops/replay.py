@@ -32,7 +32,6 @@ of delivery delay are not modelled). Answers' `freshness` ages are relative to T
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -576,14 +575,3 @@ def add_cli(subparsers) -> None:
     c.add_argument("--model", action="append", help="only this model (repeatable)")
     c.add_argument("--every", type=float, default=0.0, metavar="S", help="repeat every S seconds")
     c.set_defaults(func=cmd_checkpoint)
-
-
-def main(argv: list[str] | None = None) -> int:  # `python -m kvidx.ops.replay` until wired into kvidx
-    parser = argparse.ArgumentParser(prog="kvidx")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
