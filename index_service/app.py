@@ -65,7 +65,8 @@ U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 JSON = "application/json"
 _MAX_MODELS_LISTED = 10
-_BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt"})
+_BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt", "top_k"})
+MAX_TOP_K = 4096
 
 # Token ids as packed little-endian uint32, converted in C (array range-checks every id).
 _U32_CODE = next(c for c in ("I", "L") if array(c).itemsize == 4)
@@ -81,6 +82,7 @@ class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
     prompt_tokens: int | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    top_k: int | None = None  # only the best k replicas (by resumable tokens; /v1/rank: by price)
 
 
 class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -261,8 +263,13 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         return shard
 
     def answer(form: str, t0: float, shard: ModelShard, hashes: list[int], n_tokens: int,
-               rank: bool = False) -> Response:
-        replicas = shard.lookup(hashes, n_tokens, time.time())
+               rank: bool = False, top_k: int | None = None) -> Response:
+        if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
+            raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
+        # ranking by price or applying feedback needs every replica first; otherwise only the best
+        # k are described at all
+        whole = rank or app.state.feedback is not None
+        replicas = shard.lookup(hashes, n_tokens, time.time(), None if whole else top_k)
         if app.state.feedback is not None:  # audit feedback: cap replicas whose engines reuse less
             replicas = app.state.feedback.apply(shard.model, replicas, shard.block_size)
         pricer = pricers.get(shard.model)
@@ -272,6 +279,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             r["price"] = pricer(r, n_tokens)
         if rank:
             replicas.sort(key=_by_price)
+        if top_k is not None:
+            del replicas[top_k:]
         body = _encode({"model": shard.model, "prompt_tokens": n_tokens,
                         "block_size": shard.block_size, "replicas": replicas})
         dt = time.perf_counter() - t0
@@ -344,7 +353,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             req = await read_json(request, _decoder)
             model = req.model
             shard, hashes, n = prompt(req)
-            return answer(form, t0, shard, hashes, n, rank)
+            return answer(form, t0, shard, hashes, n, rank, req.top_k)
         except Exception as e:  # noqa: BLE001 - every failure becomes a JSON error response
             return rejected(form, e, model)
 
@@ -434,6 +443,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}},
         {"name": "lora_name", "in": "query", "required": False, "schema": {"type": "string"}},
         {"name": "cache_salt", "in": "query", "required": False, "schema": {"type": "string"}},
+        {"name": "top_k", "in": "query", "required": False,
+         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_TOP_K}},
     ], "requestBody": {
         "required": True, "content": {"application/octet-stream": {
             "schema": {"type": "string", "format": "binary",
@@ -448,7 +459,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             for key in q:
                 if key not in _BINARY_PARAMS:
                     raise Reject(422, f"unknown query parameter {key[:100]!r} (known: model, lora_name, "
-                                      "cache_salt)")
+                                      "cache_salt, top_k)")
                 if len(q.getlist(key)) > 1:
                     raise Reject(422, f"query parameter {key!r} given more than once")
             model = q.get("model")
@@ -461,8 +472,11 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             if not body:
                 raise Reject(422, "binary body is empty: a prompt has at least one token")
             shard = find_shard(model)
+            top_k = q.get("top_k")
+            if top_k is not None and not top_k.isdigit():
+                raise Reject(422, f"query parameter 'top_k' must be a positive integer, got {top_k[:20]!r}")
             hashes = prompt_hashes(body, shard.block_size, q.get("lora_name"), q.get("cache_salt"))
-            return answer("binary", t0, shard, hashes, len(body) // 4)
+            return answer("binary", t0, shard, hashes, len(body) // 4, top_k=int(top_k) if top_k else None)
         except Exception as e:  # noqa: BLE001
             return rejected("binary", e, model)
 

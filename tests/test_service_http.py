@@ -400,3 +400,19 @@ def test_route_to_an_unknown_replica_is_refused(world):
                                    "token_ids": list(range(40))})
     assert r.status_code == 422 and "unknown replica" in r.json()["error"]
     assert len(world["store"].shards[MODEL].replicas) == before  # no slot was made for it
+
+
+def test_top_k_describes_only_the_best_replicas(world, requests_log):
+    c = world["client"]
+    tokens = requests_log[120]["prompt_token_ids"]
+    full = c.post("/v1/lookup", json={"model": SYNTH, "token_ids": _synth_tokens(80, 1)}).json()["replicas"]
+    assert len(full) >= 2
+    top = c.post("/v1/lookup", json={"model": SYNTH, "token_ids": _synth_tokens(80, 1), "top_k": 1}).json()
+    assert [r["replica"] for r in top["replicas"]] == [full[0]["replica"]]
+    assert top["replicas"][0]["resumable_tokens"] == full[0]["resumable_tokens"] > 0
+    packed = np.asarray(tokens, dtype="<u4").tobytes()
+    r = c.post(f"/v1/lookup/binary?model={MODEL}&top_k=1", content=packed)
+    assert r.status_code == 200 and len(r.json()["replicas"]) == 1
+    for bad in ("0", "-1", "x", "99999"):
+        r = c.post(f"/v1/lookup/binary?model={MODEL}&top_k={bad}", content=packed)
+        assert r.status_code == 422 and "top_k" in r.json()["error"], bad

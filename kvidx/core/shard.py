@@ -316,9 +316,10 @@ class ModelShard:
                 runs.append((tier, self.block_size))
         return runs
 
-    def lookup(self, hashes: list[int], n_tokens: int, now: float) -> list[dict]:
+    def lookup(self, hashes: list[int], n_tokens: int, now: float, top_k: int | None = None) -> list[dict]:
         """Per replica and DP rank: tokens cached along the prefix (by tier), the tokens the engine
-        can resume from, and how fresh the view is. Sorted by resumable tokens, best first.
+        can resume from, and how fresh the view is. Sorted by resumable tokens, best first; with
+        `top_k`, only the best k are described (the others cost nothing beyond the prefix walk).
 
         Hybrid models add why the resumable hit can be shorter than the cached full-attention prefix:
         `full_attention_hit_tokens` (what the full-attention groups alone would resume), per group
@@ -341,20 +342,25 @@ class ModelShard:
         single_tier = (TIERS[next(iter(fa.tiers))] if fa is not None and len(fa.tiers) == 1
                        and not self.pool_readers else None)
         bs = self.block_size
-        answers = []
+        ranked = []  # (resumable, pending, replica state), best first
         for st in self.by_slot:
             if st is None or st.replica in self.pool_readers:
                 continue
             slot = st.slot
-            nb = hits.get(slot, 0)
-            cached = min(nb * bs, n_tokens)
-            fa_hit, res, ghits = resume.get(slot, _NO_HIT)
+            res = resume.get(slot, _NO_HIT)[1]
             pending = 0
-            if with_pending is not hits and with_pending.get(slot, 0) > nb:
+            if with_pending is not hits and with_pending.get(slot, 0) > hits.get(slot, 0):
                 # a routed prompt not yet confirmed by the engine's events: resumable up to its end
                 pending = max(0, resumable(min(with_pending[slot] * bs, n_tokens), n_tokens,
                                            self.engine_block_size(st)) - res)
-                res += pending
+            ranked.append((res + pending, pending, st))
+        ranked.sort(key=_by_first_desc)
+        answers = []
+        for res, pending, st in ranked if top_k is None else ranked[:top_k]:
+            slot = st.slot
+            nb = hits.get(slot, 0)
+            cached = min(nb * bs, n_tokens)
+            fa_hit, _, ghits = resume.get(slot, _NO_HIT)
             groups = []
             for gid, kind, window, own in group_info:
                 e = {"group": gid, "kind": kind,
@@ -392,7 +398,6 @@ class ModelShard:
                     "seq_gaps": st.seq_gaps,
                 },
             })
-        answers.sort(key=_by_resumable)
         return answers
 
     def credited(self, hashes: list[int], n_tokens: int, replica: str | None = None,
@@ -704,8 +709,8 @@ def _shared(mask: int) -> int:
     return _bit(mask.bit_length() - 1)
 
 
-def _by_resumable(answer: dict) -> int:
-    return -answer["resumable_tokens"]
+def _by_first_desc(item: tuple) -> int:
+    return -item[0]
 
 
 def resumable(cached: int, n_tokens: int, engine_block_size: int) -> int:
