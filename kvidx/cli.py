@@ -38,8 +38,11 @@ def _relay_factory(args):
         "group_kinds": load_config(getattr(args, "config", None)).model(args.model).group_kinds(),
         "engine_version": args.engine_version or DEFAULT_VLLM_VERSION,
         "cpu_chunk_blocks": args.cpu_chunk_blocks,
-        "lmcache": LmcacheConfig(ttl_s=args.lmcache_ttl or None,
-                                 capacity_blocks=args.lmcache_capacity_blocks),
+        # with the controller's admit/evict messages, LMCache's evictions are known: no TTL, no bound
+        "lmcache": (LmcacheConfig(ttl_s=None, evictions_reported=True)
+                    if getattr(args, "lmcache_controller_endpoint", None) else
+                    LmcacheConfig(ttl_s=args.lmcache_ttl or None,
+                                  capacity_blocks=args.lmcache_capacity_blocks)),
     }
     return lambda m, r, ibs, rank=None: VllmPublisherRelay(m, r, ibs, rank, **options)
 
@@ -88,7 +91,8 @@ def cmd_relay(args) -> int:
              if args.dp_size > 1 else [(args.dp_rank, (args.endpoint, args.replay_endpoint))])
     for rank, (ep, rep) in ranks:
         core = factory(args.model, replica, args.index_block_size, rank)
-        relays.append(Relay(core, sink, ZmqSource(ep, rep, bind=args.bind),
+        controller = args.lmcache_controller_endpoint if len(ranks) == 1 else None
+        relays.append(Relay(core, sink, ZmqSource(ep, rep, bind=args.bind, controller_endpoint=controller),
                             record_to=args.record if len(ranks) == 1 else None,
                             resync_blocks_per_s=args.resync_blocks_per_s, resync_jitter_s=args.resync_jitter))
 
@@ -356,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "S seconds (0: never)")
     r.add_argument("--lmcache-capacity-blocks", type=int, default=None,
                    help="cap on LMCache's live index blocks (its max size / chunk size)")
+    r.add_argument("--lmcache-controller-endpoint", metavar="ENDPOINT",
+                   help="bind a PULL socket for LMCache's admit/evict messages (e.g. tcp://*:9001): with "
+                        "them, LMCache's evictions are known and its blocks are no upper bound")
     r.add_argument("--record", help="also append every raw engine message to this frames.jsonl")
     r.add_argument("--play", help="publish a recording (frames.jsonl) instead of a live socket")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")

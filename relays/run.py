@@ -42,6 +42,7 @@ class Relay:
         self._resync_wanted = threading.Event()
         self._resync = None
         self._resync_at = 0.0
+        self._lmcache = None  # LMCache controller messages, when the source carries them
 
     def request_resync(self) -> None:
         """Ask for a mirror replay (thread-safe: control listeners call it)."""
@@ -68,6 +69,12 @@ class Relay:
         return True
 
     def handle(self, frame: Frame) -> None:
+        if frame.src == "lmcache":  # LMCache controller admit/evict: same mirror, same thread
+            if self._lmcache is None:
+                from relays.lmcache_wire import LmcacheControllerRelay
+                self._lmcache = LmcacheControllerRelay(self.core)
+            self._emit(self._lmcache.on_message(frame.payload, frame.recv_ns))
+            return
         if self.recorder:
             self.recorder.write(frame)
         FRAMES.labels(self.core.replica).inc()

@@ -18,7 +18,9 @@ END_SEQ = -1
 
 class ZmqSource:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: bytes = b"",
-                 bind: bool = False, ctx: zmq.Context | None = None):
+                 bind: bool = False, ctx: zmq.Context | None = None, controller_endpoint: str | None = None):
+        """`controller_endpoint`: also bind a PULL socket there for LMCache's admit/evict messages
+        (point LMCache's controller URL, or a tee, at it); they come out as frames with src "lmcache"."""
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.ctx = ctx or zmq.Context.instance()
@@ -28,6 +30,11 @@ class ZmqSource:
         (self.sub.bind if bind else self.sub.connect)(endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sub, zmq.POLLIN)
+        self.pull = None
+        if controller_endpoint:
+            self.pull = self.ctx.socket(zmq.PULL)
+            self.pull.bind(controller_endpoint)
+            self.poller.register(self.pull, zmq.POLLIN)
         self.closed = False
         self._iterating = False
 
@@ -36,14 +43,21 @@ class ZmqSource:
         self._iterating = True
         try:
             while not self.closed:
-                if not self.poller.poll(int(timeout_s * 1000)):
+                ready = dict(self.poller.poll(int(timeout_s * 1000)))
+                if not ready:
                     yield None
                     continue
-                parts = self.sub.recv_multipart()
-                yield self._frame(parts, "pub")
+                if self.pull is not None and self.pull in ready:
+                    payload = b"".join(self.pull.recv_multipart())
+                    yield Frame(b"lmcache-controller", -1, payload, time.time_ns(), self.endpoint, "lmcache")
+                if self.sub in ready:
+                    yield self._frame(self.sub.recv_multipart(), "pub")
         finally:
             self._iterating = False
-            self.sub.close(linger=0)  # closed by the thread that polls it (ZMQ sockets aren't thread-safe)
+            # closed by the thread that polls them (ZMQ sockets aren't thread-safe)
+            self.sub.close(linger=0)
+            if self.pull is not None:
+                self.pull.close(linger=0)
 
     def _frame(self, parts: list[bytes], src: str) -> Frame:
         now = time.time_ns()
@@ -88,3 +102,5 @@ class ZmqSource:
         self.closed = True
         if not self._iterating:
             self.sub.close(linger=0)
+            if self.pull is not None:
+                self.pull.close(linger=0)
