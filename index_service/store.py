@@ -48,6 +48,9 @@ class ShardStore:
             kinds = tuple(self.config.model(shard.model).unreported_eviction_kinds)
         if kinds:
             shard.unreported_eviction_kinds = frozenset(kinds)
+        tiers = self.config.model(shard.model).unreported_eviction_tiers
+        if tiers:
+            shard.unreported_eviction_tiers = frozenset(tiers)
         if self.config.pools:
             shard.set_pools(self.config.pool_readers())
         return shard

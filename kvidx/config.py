@@ -48,6 +48,8 @@ class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     index_block_size: int = 16
     unreported_eviction_kinds: list[str] = []
+    # tiers whose evictions are not published (LMCache chunks through vLLM without its controller feed)
+    unreported_eviction_tiers: list[str] = []
     price: PriceConfig = msgspec.field(default_factory=PriceConfig)
     # KV-cache groups by index, for engines whose events do not carry the group's kind or window
     groups: dict[int, GroupConfig] = {}

@@ -33,3 +33,17 @@ def test_bad_configuration_names_the_problem(tmp_path):
     path.write_text('{"pools": {"p": {"tier": "POOL"}}}')
     with pytest.raises(SystemExit, match="replicas"):
         load_config(path)
+
+
+def test_unreported_tiers_flag_upper_bounds(tmp_path):
+    from kvidx.config import Config, ModelConfig
+    from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
+
+    store = ShardStore(config=Config(models={"m": ModelConfig(unreported_eviction_tiers=["CPU"])}))
+    shard = store.shard("m")
+    for seq, (tier, hashes) in enumerate([("GPU", [1, 2]), ("CPU", [3, 4])]):
+        shard.apply(EventBatch(SCHEMA_VERSION, "m", "r", 0, 1, seq, 0.0, 0.0, 16,
+                               [BlocksStored(tier, 0, hashes, None, 0)]), 0.0)
+    (gpu_only,) = shard.lookup([1, 2], 33, 0.0)
+    (with_cpu,) = shard.lookup([1, 2, 3, 4], 65, 0.0)
+    assert gpu_only["upper_bound"] is False and with_cpu["upper_bound"] is True

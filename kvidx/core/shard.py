@@ -73,6 +73,9 @@ class ModelShard:
         # group kinds whose evictions the engines of this model do not report (e.g. {"mamba"} where
         # state copies are dropped silently): a credit relying on them is an upper bound
         self.unreported_eviction_kinds = frozenset(unreported_eviction_kinds)
+        # tiers whose evictions go unpublished (e.g. LMCache's chunks re-published through vLLM): a
+        # credit relying on them is an upper bound too
+        self.unreported_eviction_tiers: frozenset[str] = frozenset()
         self.replicas: dict[tuple[str, int], ReplicaState] = {}
         self.by_slot: list[ReplicaState | None] = []
         self.groups: dict[int, GroupIndex] = {}
@@ -113,6 +116,10 @@ class ModelShard:
         decide the resume point, what the engine will keep of a routed prompt is not known (it frees
         out-of-window blocks and keeps state only at chunk ends), so crediting it would over-credit."""
         return bool(self.pending.masks) and all(g.kind in FULL_KINDS for g in self.groups.values())
+
+    def _upper_bound_tiers(self, tiers: list[dict]) -> bool:
+        return bool(self.unreported_eviction_tiers) and any(
+            t["tier"] in self.unreported_eviction_tiers for t in tiers)
 
     def engine_block_size(self, st: ReplicaState) -> int:
         """The block size the replica's engine resumes at; before its first event, the model's."""
@@ -388,7 +395,7 @@ class ModelShard:
                 "groups": groups,
                 "pending_tokens": pending,
                 "inflight_prefill_tokens": inflight.get(slot, 0) if inflight else 0,
-                "upper_bound": bool(res and unreported),
+                "upper_bound": bool(res and (unreported or self._upper_bound_tiers(tiers))),
                 "upper_bound_groups": unreported if res else [],
                 "freshness": {
                     "last_event_age_ms": int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
