@@ -108,6 +108,8 @@ class SglangMirror:
             raise MirrorError("bad_bigram", "a page mixes single tokens and token pairs")
         if len(tokens) != nb * P:
             raise MirrorError("short_token_ids", f"{len(tokens)} token ids for {nb} pages of {P}")
+        if tokens and (min(tokens) < 0 or max(tokens) > 0xFFFF_FFFF):  # hashed as uint32
+            raise MirrorError("bad_token_id", "a token id outside 0..2^32-1")
         self.block_size = max(self.block_size, P)
         tier = normalize_tier(ev.medium)
 
