@@ -261,11 +261,12 @@ def cmd_shadow(args) -> int:
     for path in (args.recording, args.requests):
         if not os.path.exists(path):
             sys.exit(f"error: no such file: {path}")
+    dead_letters = None
     if args.engine == "trtllm":
         from kvidx.shadow_trtllm import run_shadow as run_shadow_trtllm
-        agreement, shard, _ = run_shadow_trtllm(args.recording, args.requests,
+        agreement, _, relay = run_shadow_trtllm(args.recording, args.requests,
                                                 index_block_size=args.index_block_size)
-        index = type("Index", (), {"dead_letters": 0})()
+        dead_letters = relay.counters["dead"]
     elif args.engine == "sglang":
         from relays.sglang_relay import DEFAULT_VERSION, run_shadow_sglang
         try:
@@ -292,7 +293,9 @@ def cmd_shadow(args) -> int:
     else:
         for k, v in summary.items():
             print(f"{k:>16}: {v}")
-        print(f"{'dead_letters':>16}: {index.dead_letters}")
+        if dead_letters is None:
+            dead_letters = index.dead_letters
+        print(f"{'dead_letters':>16}: {dead_letters}")
         for m in agreement.mismatches[:10]:
             print(f"  mismatch: request {m['i']}: engine reused {m['reused']}, index credited {m['credited']}"
                   f" of {m['prompt_tokens']} tokens")
