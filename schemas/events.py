@@ -86,6 +86,9 @@ class EventBatch(msgspec.Struct, array_like=True):
     events: list[Event]
     # > 0: a part of a mirror replay (resync), ordered after the engine batch `seq`: (epoch, seq, part)
     part: int = 0
+    # prompt tokens the engine always recomputes at the end (1; 2 for SGLang with EAGLE, which
+    # matches on token pairs): it resumes from at most n - recompute_tokens of n tokens
+    recompute_tokens: int = 1
 
 
 _encoder = msgspec.msgpack.Encoder()

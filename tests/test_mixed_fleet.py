@@ -342,8 +342,8 @@ def test_eagle_bigram_pages_hash_like_single_tokens(version):
 
 def test_eagle_randomized_agreement_and_bad_pairs():
     """A randomized run on an EAGLE engine: before each request the index holds exactly the engine's
-    cache. EAGLE's resume cap is one token lower (the match key of n - 1 tokens is n - 2 pairs), which
-    the shard's generic rule floor((n - 1) / P) * P does not know: compared under EAGLE's cap."""
+    cache, and credits exactly what it reuses: EAGLE's resume cap is one token lower (the match key of
+    n - 1 tokens is n - 2 pairs), which the relay tells the shard (EventBatch.recompute_tokens = 2)."""
     P = 16
     shard = ModelShard(MODEL, IBS)
     eng = EagleSglangEngine(num_pages=60, page_size=P, version="0.5.23", endpoint=None)
@@ -354,7 +354,7 @@ def test_eagle_randomized_agreement_and_bad_pairs():
         n = len(prompt)
         credited = shard.credited(prompt_hashes(prompt, IBS), n, "eagle")
         want = eng.cached_tokens_of(prompt)
-        assert min(credited, max(n - 2, 0) // P * P) == want, (n, credited, want)
+        assert credited == want, (n, credited, want)
         assert eng.serve(prompt, output) == want
         reused_total += want
         fed = _feed(eng, relay, shard, fed)

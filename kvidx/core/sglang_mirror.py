@@ -71,6 +71,7 @@ class SglangMirror:
         self.stats = {"stored": 0, "removed": 0, "extra_copies": 0, "remove_unknown": 0,
                       "orphan_blocks": 0, "cleared": 0, "ambiguous_parent": 0, "empty_stored": 0,
                       "bigram_pages": 0}
+        self.recompute_tokens = 1  # prompt tokens the engine recomputes at the end (EAGLE: 2)
         self._placed: dict[int, tuple] = {}  # <= 0.5.3: engine hash -> a different place seen
 
     def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
@@ -104,6 +105,7 @@ class SglangMirror:
             except SpecDecodeError as e:
                 raise MirrorError(e.reason, str(e)) from None
             self.stats["bigram_pages"] += nb
+            self.recompute_tokens = 2  # EAGLE matches n-1 tokens as n-2 pairs: one more recomputed
         elif not all(type(t) is int for t in tokens):
             raise MirrorError("bad_bigram", "a page mixes single tokens and token pairs")
         if len(tokens) != nb * P:

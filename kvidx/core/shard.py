@@ -40,6 +40,7 @@ class ReplicaState(msgspec.Struct):
     # resumes at any token inside a block (TensorRT-LLM partial reuse)
     unit: int = 0
     part: int = 0  # the last mirror-replay part applied after batch `seq` (see EventBatch.part)
+    recompute: int = 1  # prompt tokens the engine always recomputes at the end (EventBatch)
 
 
 class GroupIndex:
@@ -166,6 +167,7 @@ class ModelShard:
             elif isinstance(ev, ReplicaCleared):
                 self._clear(bit, st)
         st.epoch, st.seq, st.part = batch.epoch, batch.seq, batch.part
+        st.recompute = batch.recompute_tokens
         st.block_size = batch.block_size or st.block_size
         st.engine_ts, st.relay_ts, st.applied_ts = batch.engine_ts, batch.relay_ts, now
         st.batches += 1
@@ -358,7 +360,8 @@ class ModelShard:
             pending = 0
             if with_pending is not hits and with_pending.get(slot, 0) > hits.get(slot, 0):
                 # a routed prompt not yet confirmed by the engine's events: resumable up to its end
-                pending = max(0, resumable(min(with_pending[slot] * bs, n_tokens), n_tokens,
+                n_eff = n_tokens - (st.recompute - 1)
+                pending = max(0, resumable(min(with_pending[slot] * bs, n_eff), n_eff,
                                            self.engine_block_size(st)) - res)
             ranked.append((res + pending, pending, st))
         ranked.sort(key=_by_first_desc)
@@ -422,8 +425,10 @@ class ModelShard:
         if self._pending_applies():  # pending credit: the prompt's resumable part up to its pending end
             wp = self.prefix_blocks(hashes, pending=True)
             for s in slots:
-                ebs = self.engine_block_size(self.by_slot[s])
-                best = max(best, resumable(min(wp.get(s, 0) * self.block_size, n_tokens), n_tokens, ebs))
+                st = self.by_slot[s]
+                n_eff = n_tokens - (st.recompute - 1)
+                best = max(best, resumable(min(wp.get(s, 0) * self.block_size, n_eff), n_eff,
+                                           self.engine_block_size(st)))
         return best
 
     def resume_point(self, hashes: list[int], n_tokens: int, st: ReplicaState, cached: int) -> int:
@@ -450,6 +455,7 @@ class ModelShard:
         partial block inside the first block it does not hold whole. Otherwise partial blocks are
         indexed but credit stays at engine block boundaries."""
         ibs = self.block_size
+        n_prompt = n_tokens
         cons = [(gid, g) for gid, g in sorted(self.groups.items())
                 if (g.kind in WINDOW_KINDS and g.window) or g.kind in STATE_KINDS]
         fa = self._lookup_group(None)
@@ -461,6 +467,7 @@ class ModelShard:
                 continue
             slot = st.slot
             ebs = st.block_size or ibs
+            n_tokens = n_prompt - (st.recompute - 1)  # the engine's own limit: below the last token(s)
             cached = min(hits.get(slot, 0) * ibs, n_tokens)
             step = ebs
             if st.unit == 1 and not cons:
