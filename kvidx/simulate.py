@@ -1,4 +1,6 @@
-"""`kvidx simulate`: a simulated vLLM fleet on a real trace; index agreement and router comparison.
+"""`kvidx simulate`: a simulated fleet (vLLM by default; `--engines vllm,sglang,trtllm` mixes engine kinds,
+`--host-tier-blocks` gives TensorRT-LLM a host tier, `--pool-blocks` adds node-shared pools) on a real
+trace; index agreement (overall, per engine, per tier) and router comparison.
 
 Runs, on one workload (the Mooncake conversation trace by default, or generated multi-turn chat):
 - ``kv``: the KV-aware router (price = prefill tokens left after the index's resumable tokens + a
@@ -38,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvidx.shadow import Agreement
-from kvidx.sim.fleet import POLICIES, FleetConfig, RunResult, run_fleet
+from kvidx.sim.fleet import ENGINES, POLICIES, POOL_TIERS, FleetConfig, RunResult, run_fleet
 from kvidx.sim.workloads import (
     MOONCAKE_TRACE,
     TRACE_BLOCK,
@@ -49,6 +51,7 @@ from kvidx.sim.workloads import (
     trace_requests,
 )
 
+ENGINE_LABELS = {"vllm": "vllm-0.32", "sglang": "sglang", "trtllm": "trtllm-1.2"}
 KEYS = ("requests", "prompt_tokens", "reused_tokens", "credited_tokens", "reuse_rate", "recall",
         "over_credit")
 
@@ -113,9 +116,10 @@ def summarize(name: str, r: RunResult, job: dict) -> dict:
         "ttft_est_s": {"mean": round(float(ttft.mean()), 4), "p50": round(float(np.percentile(ttft, 50)), 4),
                        "p99": round(float(np.percentile(ttft, 99)), 4)},
         "per_model": {m: _agreement(a) for m, a in r.per_model.items()},
-        "per_engine": {"vllm": _agreement(r.overall)},
-        "per_tier": {"GPU": _agreement(r.overall)},
-        "per_replica": {rep: {**_agreement(a), "routed": r.requests_per_replica[rep]}
+        "per_engine": {k: _agreement(a) for k, a in r.per_engine.items()},
+        "per_tier": {k: _agreement(a) for k, a in r.per_tier.items()},
+        "per_replica": {rep: {**_agreement(a), "routed": r.requests_per_replica[rep],
+                              "engine": r.replica_kinds.get(rep, "vllm")}
                         for rep, a in r.per_replica.items()},
         "windows": [{"t0_s": w * f["window_s"], **_agreement(a)} for w, a in sorted(r.windows.items())],
         "mismatches": r.overall.mismatches[:10],
@@ -139,6 +143,12 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
                           "prefill_tokens": r["prefill_tokens"], "recall": r["recall"],
                           "over_credit": r["over_credit"], "ttft_est_s": r["ttft_est_s"]}
     out["policies"] = pol
+    brief = ("requests", "reuse_rate", "recall", "over_credit")
+    out["per_engine"] = {k: {x: v[x] for x in brief} for k, v in primary["per_engine"].items()}
+    out["per_tier"] = {k: {x: v[x] for x in ("reused_tokens", "credited_tokens", "reuse_rate", "recall",
+                                            "over_credit")} for k, v in primary["per_tier"].items()}
+    if zero is not None and len(zero["per_engine"]) > 1:
+        out["zero_delay"]["per_engine"] = {k: {x: v[x] for x in brief} for k, v in zero["per_engine"].items()}
     base = [v["reuse_rate"] for k, v in pol.items() if k != "kv"]
     if "kv" in pol and base:
         out["kv_beats_baselines"] = all(pol["kv"]["reuse_rate"] > b for b in base)
@@ -265,6 +275,14 @@ def run(args: argparse.Namespace) -> dict:
         (lambda m: None)
     if args.engine_block_size % args.index_block_size:
         raise SystemExit("error: --index-block-size must divide --engine-block-size")
+    engines = tuple(k.strip() for k in args.engines.split(",") if k.strip())
+    for k in engines:
+        if k not in ENGINES:
+            raise SystemExit(f"error: unknown engine {k!r} (known: {', '.join(ENGINES)})")
+    if not engines:
+        raise SystemExit("error: --engines names no engine")
+    if args.host_tier_blocks and "trtllm" not in engines:
+        say("--host-tier-blocks applies to TensorRT-LLM replicas only (vLLM CPU offload is not simulated)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:
@@ -284,6 +302,11 @@ def run(args: argparse.Namespace) -> dict:
         say(f"engine blocks raised from {num_blocks} to {max_blocks + 1}: "
             f"the longest request needs {max_blocks}")
         num_blocks = max_blocks + 1
+    pool_blocks = args.pool_blocks
+    if pool_blocks and pool_blocks <= max_blocks:
+        say(f"pool blocks raised from {pool_blocks} to {max_blocks + 1}: "
+            f"the longest request needs {max_blocks}")
+        pool_blocks = max_blocks + 1
     duration = max(r.t for r in reqs) / args.speed
     window = args.window_s or max(1.0, round(duration / 40, 1))
     delay = _parse_delay(args.delay_ms)
@@ -293,18 +316,27 @@ def run(args: argparse.Namespace) -> dict:
              "replay": not args.no_replay, "replay_buffer": args.replay_buffer, "speed": args.speed,
              "token_scale": scale, "prefill_tps": args.prefill_tps,
              "decode_ms_per_token": args.decode_ms_per_token, "load_weight": args.load_weight,
-             "window_s": window, "seed": args.seed}
+             "window_s": window, "seed": args.seed, "engines": engines,
+             "sglang_version": args.sglang_version, "host_tier_blocks": args.host_tier_blocks,
+             "trtllm_poll_ms": args.trtllm_poll_ms, "pool_blocks": pool_blocks,
+             "pool_group": args.pool_group, "pool_tier": args.pool_tier}
     config = {"workload": args.workload,
               "trace": os.path.basename(trace) if args.workload == "trace" else None,
               "requests": len(reqs), "models": args.models, "replicas_per_model": args.replicas,
-              "engine": "vllm-0.32 (simulated)", "engine_block_size": args.engine_block_size,
+              "engine": ", ".join(ENGINE_LABELS[k] + (f"-{args.sglang_version}" if k == "sglang" else "")
+                                  for k in engines) + " (simulated)",
+              "engines": list(engines), "host_tier_blocks": args.host_tier_blocks,
+              "pool_blocks": pool_blocks, "pool_group": args.pool_group if pool_blocks else None,
+              "pool_tier": args.pool_tier if pool_blocks else None,
+              "engine_block_size": args.engine_block_size,
               "index_block_size": args.index_block_size, "engine_blocks": num_blocks,
               "trace_block_tokens": args.trace_block_tokens if args.workload == "trace" else None,
               "token_scale": scale, "speed": args.speed, "delay_ms": list(delay), "drop_rate": args.drop_rate,
               "replay": not args.no_replay, "prefill_tps": args.prefill_tps, "load_weight": args.load_weight,
               "window_s": window, "seed": args.seed}
     say(f"{len(reqs)} requests ({sum(len(r.prompt) for r in reqs)} prompt tokens, "
-        f"{duration:.0f} s simulated) on {args.models} model(s) x {args.replicas} vLLM replicas, "
+        f"{duration:.0f} s simulated) on {args.models} model(s) x {args.replicas} replicas "
+        f"({'/'.join(engines)}{', pools of ' + str(pool_blocks) + ' blocks' if pool_blocks else ''}), "
         f"{num_blocks} blocks of {args.engine_block_size} tokens each; index block {args.index_block_size}")
 
     jobs: list[dict] = []
@@ -337,7 +369,7 @@ def run(args: argparse.Namespace) -> dict:
         if "kv" in policies:
             job("kv", "kv", **primary_over)
         if not args.no_zero_delay:
-            job("kv_zero_delay", "kv", delay_ms=(0.0, 0.0), drop_rate=0.0)
+            job("kv_zero_delay", "kv", delay_ms=(0.0, 0.0), drop_rate=0.0, trtllm_poll_ms=0.0)
         for p in policies:
             if p != "kv":
                 job(p, p)
@@ -386,14 +418,24 @@ def run(args: argparse.Namespace) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         plots = _plots(out, by_name)
         full = {"summary": head, "runs": by_name, "plots": plots,
-                "notes": ["engines: vLLM 0.32 only (SGLang and TensorRT-LLM simulators are a later issue)",
-                          "tiers: GPU only (no host/disk offload simulated)",
-                          "pending credit is not built: with event delay the index lags the engines"]}
+                "notes": NOTES}
         (out / "summary.json").write_text(json.dumps(full, indent=1))
         head["out"] = str(out)
         if not plots:
             say("matplotlib is not installed: no PNG plots (summary.json written)")
     return head
+
+
+NOTES = [
+    "engines: --engines vllm,sglang,trtllm assigns a model's replicas round-robin to the kinds; each "
+    "publishes its real wire format (vLLM 0.32 ZMQ, SGLang ZMQ per --sglang-version, TensorRT-LLM pull-API "
+    "polls every --trtllm-poll-ms) through its own relay",
+    "tiers: GPU; TensorRT-LLM host tier with --host-tier-blocks (reuse split primary/secondary by the "
+    "engine); shared pools with --pool-blocks; vLLM CPU offload (offloading connector) is not simulated",
+    "hybrid groups (sliding window) are not simulated",
+    "TensorRT-LLM polls are HTTP responses: never dropped (drops apply to ZMQ streams)",
+    "pending credit is not used: with event delay the index lags the engines",
+]
 
 
 def _print_human(head: dict) -> None:
@@ -413,6 +455,11 @@ def _print_human(head: dict) -> None:
     for name, p in head["policies"].items():
         print(f"{name:>14} {p['reuse_rate']:>10.4f} {p['prefill_tokens_saved']:>14} {p['recall']:>9.5f} "
               f"{p['over_credit']:>9.5f} {p['ttft_est_s']['mean']:>9.3f}s {p['ttft_est_s']['p99']:>8.3f}s")
+    if len(head.get("per_engine", {})) > 1 or len(head.get("per_tier", {})) > 1:
+        for label, d in (("engine", head["per_engine"]), ("tier", head["per_tier"])):
+            for k, v in d.items():
+                print(f"  {label} {k:>12}: reuse rate {pct(v['reuse_rate'])}, recall {pct(v['recall'])}, "
+                      f"over-credit {pct(v['over_credit'])}")
     if "out" in head:
         print(f"summary and plots in {head['out']}")
 
@@ -429,13 +476,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def add_cli(subparsers) -> argparse.ArgumentParser:
     """Register ``simulate``; its leaf sets ``func(args) -> int`` (exit code)."""
     p = subparsers.add_parser(
-        "simulate", help="simulate a vLLM fleet on a trace: index agreement and KV-aware routing",
+        "simulate", help="simulate a fleet (vLLM, SGLang, TensorRT-LLM) on a trace: index agreement and "
+                         "KV-aware routing",
         description="Replays a workload (the Mooncake conversation trace by default) on a simulated fleet "
-                    "of vLLM replicas whose real-format KV events reach the index through the relay code "
+                    "of vLLM, SGLang and TensorRT-LLM replicas whose real-format KV events reach the index "
+                    "through "
+                    "the relay code "
                     "with delay, reordering across replicas and drops. Reports how the index's credit "
                     "agrees with what the engines reused (reuse rate, recall, over-credit; overall, per "
                     "model/replica, over time) and how a KV-aware router compares with random, "
-                    "round-robin and least-loaded routing. Engines: vLLM only for now.",
+                    "round-robin and least-loaded routing; per engine and per tier (host tier, shared "
+                    "pools).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="a Mooncake-format trace (jsonl: timestamp ms, input_length, "
@@ -452,7 +503,19 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=7)
     f = p.add_argument_group("fleet")
     f.add_argument("--models", type=int, default=1, help="models (trace requests spread by prefix)")
-    f.add_argument("--replicas", type=int, default=8, help="vLLM replicas per model")
+    f.add_argument("--replicas", type=int, default=8, help="replicas per model")
+    f.add_argument("--engines", default="vllm", help="engine kinds, comma-separated (vllm, sglang, trtllm): "
+                   "a model's replicas are assigned to them round-robin")
+    f.add_argument("--sglang-version", default="0.5.23", help="the SGLang release whose wire format the "
+                   "SGLang replicas publish")
+    f.add_argument("--host-tier-blocks", type=int, default=0, help="TensorRT-LLM: host-tier (secondary) "
+                   "blocks per replica (offload on eviction, onboard on reuse)")
+    f.add_argument("--trtllm-poll-ms", type=float, default=50.0,
+                   help="TensorRT-LLM relay: poll interval of POST /kv_cache_events")
+    f.add_argument("--pool-blocks", type=int, default=0, help="a shared pool (LMCache-like) of N blocks per "
+                   "--pool-group replicas, publishing as its own replica; engines reuse from it on a miss")
+    f.add_argument("--pool-group", type=int, default=4, help="replicas attached to each pool")
+    f.add_argument("--pool-tier", default="NODE_SHARED", choices=POOL_TIERS, help="the pool's tier")
     f.add_argument("--engine-block-size", type=int, default=16)
     f.add_argument("--index-block-size", type=int, default=16, help="must divide the engine block size")
     f.add_argument("--cache-tokens", type=int, default=1_000_000,

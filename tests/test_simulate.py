@@ -109,3 +109,65 @@ def test_events_through_kafka_agree_exactly(kafka_bootstrap, topics, trace_reqs)
     assert s["requests"] == len(reqs) and s["reused_tokens"] > 0
     assert s["recall"] == 1.0 and s["over_credit"] == 0.0, s
     assert r.counters["kafka_wait_timeouts"] == 0
+
+
+# ---- mixed engines, tiers, shared pools ------------------------------------------------------------
+MIX = ("vllm", "sglang", "trtllm")
+
+
+def test_mixed_engines_zero_delay_agree_per_engine(trace_reqs):
+    """vLLM and SGLang replicas agree exactly; TensorRT-LLM reuses partial blocks, which the index
+    credits rounded down to the index block (never more)."""
+    r = run_fleet(trace_reqs, cfg(engines=MIX, replicas=6, trtllm_poll_ms=0.0), "kv")
+    assert set(r.per_engine) == set(MIX) and all(a.requests for a in r.per_engine.values())
+    for k in ("vllm", "sglang"):
+        s = r.per_engine[k].summary()
+        assert s["reused_tokens"] > 0 and s["recall"] == 1.0 and s["over_credit"] == 0.0, (k, s)
+    t = r.per_engine["trtllm"]
+    assert t.reused_tokens > 0 and t.over_tokens == 0
+    assert t.reused_tokens - t.matched_tokens < 16 * t.requests
+    assert r.counters["dead_letters"] == 0 and set(r.counters["engine_evicted_blocks_by_engine"]) == set(MIX)
+    assert all(v > 0 for v in r.counters["engine_evicted_blocks_by_engine"].values())
+    assert {r.replica_kinds[n] for n in r.per_replica} == set(MIX)
+
+
+def test_host_tier_and_shared_pool_zero_delay(trace_reqs):
+    """TensorRT-LLM's host tier and a node-shared pool: reuse split by tier; the index credits pool
+    blocks to the attached replicas exactly; the only over-credit is TensorRT-LLM's own onboarding
+    evicting the rest of the prompt's host prefix (the engine's walk changes what it matched)."""
+    r = run_fleet(trace_reqs, cfg(engines=MIX, replicas=6, trtllm_poll_ms=0.0, host_tier_blocks=600,
+                                  pool_blocks=2500, pool_group=3), "kv")
+    assert set(r.per_tier) == {"GPU", "CPU", "NODE_SHARED"}
+    pool = r.per_tier["NODE_SHARED"].summary()
+    assert r.counters["pools"]["pools"] == 2 and r.counters["pools"]["evicted_blocks"] > 0
+    assert pool["reused_tokens"] > 0 and pool["recall"] == 1.0 and pool["over_credit"] == 0.0, pool
+    assert r.per_tier["CPU"].reused_tokens > 0 and r.counters["trtllm"]["onboarded"] > 0
+    for k in ("vllm", "sglang"):
+        s = r.per_engine[k].summary()
+        assert s["recall"] == 1.0 and s["over_credit"] == 0.0, (k, s)
+    t = r.per_engine["trtllm"]
+    assert t.over_tokens <= r.counters["trtllm"]["self_evicted_tokens"]
+
+
+def test_pool_with_delay_and_baselines(trace_reqs):
+    kw = dict(engines=("vllm", "sglang"), delay_ms=(1.0, 20.0), pool_blocks=2500, pool_group=2)
+    reuse = {p: run_fleet(trace_reqs, cfg(**kw), p).overall.summary()["reuse_rate"]
+             for p in ("kv", "round_robin")}
+    assert reuse["kv"] > reuse["round_robin"], reuse
+
+
+def test_cli_mixed_fleet_json(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    with open(MOONCAKE_TRACE) as f:
+        trace.write_text("".join(next(f) for _ in range(120)))
+    rc = cli_main(["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "3",
+                   "--jobs", "1", "--json", "--speed", "5", "--engines", "vllm,sglang,trtllm",
+                   "--host-tier-blocks", "400", "--pool-blocks", "2000", "--pool-group", "3",
+                   "--policies", "kv,random", "--no-progress", "--quiet"])
+    assert rc == 0
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for k in simulate.KEYS:
+        assert k in head
+    assert set(head["per_engine"]) == set(MIX) and set(head["per_tier"]) == {"GPU", "CPU", "NODE_SHARED"}
+    assert head["config"]["engines"] == list(MIX) and head["config"]["pool_blocks"] == 2000
+    assert head["zero_delay"]["per_engine"]["vllm"]["recall"] == 1.0

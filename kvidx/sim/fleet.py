@@ -1,4 +1,19 @@
-"""A simulated fleet of vLLM replicas, in virtual time, feeding the index through the real relay code.
+"""A simulated fleet of vLLM, SGLang and TensorRT-LLM replicas, in virtual time, feeding the index
+through the real relay code.
+
+Engines (`engines`, assigned to a model's replicas round-robin), each publishing its real wire format
+through its own relay: vLLM 0.32 (OutboxVllmEngine: block pool, LRU free queue, independent
+eviction; VllmPublisherRelay), SGLang (OutboxSglangEngine: radix tree, leaf-only eviction, page
+granularity, the wire format of `sglang_version`; SglangPublisherRelay), TensorRT-LLM
+(PolledTrtllmEngine: subtree eviction, partial reuse, optional host tier of `host_tier_blocks`;
+TrtllmPollRelay fed by pull-API polls at the relay's poll ticks, `trtllm_poll_ms`). Shared pools
+(`pool_blocks`): a SimPool per `pool_group` consecutive replicas of a model, publishing vLLM events
+in its tier (`pool_tier`) as its own replica; the shard gets the topology (set_pools) and credits
+pool blocks to the attached replicas; an engine reuses max(its own hit, the pool's hit) and the
+pool's part is counted in the pool's tier. Agreement is kept overall, per model, replica, engine,
+tier (the engine's reuse split by where it came from, the credit split by the answer's tier runs)
+and time window. Not simulated: vLLM CPU offload (the offloading connector), SGLang HiCache, hybrid
+(sliding-window) groups.
 
 Per request (in arrival order, virtual time `now`):
 1. every engine message whose delivery time is <= now reaches its relay (relays.run.Relay: sequence
@@ -29,25 +44,35 @@ import heapq
 import http.client
 import itertools
 import json
+import math
 import random
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from index_service.store import ShardStore
+from kvidx.config import Config, PoolConfig
 from kvidx.core.hashing import prompt_hashes
 from kvidx.shadow import Agreement
+from kvidx.sim.sglang_engine import SimSglangEngine
+from kvidx.sim.trtllm_engine import SimTrtllmEngine
 from kvidx.sim.vllm_engine import SimVllmEngine
 from kvidx.sim.workloads import SimRequest
 from relays.run import Relay
+from relays.sglang_relay import SglangPublisherRelay
+from relays.trtllm_relay import TrtllmPollRelay
 from relays.vllm_relay import Frame, VllmPublisherRelay
-from schemas.events import EventBatch
+from schemas.events import EventBatch, ReplicaCleared
 
 POLICIES = ("kv", "random", "round_robin", "least_loaded")
+ENGINES = ("vllm", "sglang", "trtllm")
+POOL_TIERS = ("NODE_SHARED", "POOL")
 _inproc_ids = itertools.count()
 
 
@@ -76,6 +101,199 @@ class OutboxVllmEngine(SimVllmEngine):
     def replay_from(self, start_seq: int) -> list[tuple[int, bytes]]:
         """What the engine's replay endpoint answers: the buffered messages from `start_seq` on."""
         return [(s, p) for s, p in self._buffer if s >= start_seq]
+
+
+class OutboxSglangEngine(SimSglangEngine):
+    """A SimSglangEngine (radix tree, leaf-only LRU eviction, SGLang's real wire format for its
+    version) without sockets: each scheduler step's batch goes to `outbox` (seq, payload), stamped
+    with the simulation's clock; the last `buffer_steps` stay replayable."""
+
+    def __init__(self, name: str, num_pages: int, page_size: int, version: str = "0.5.23",
+                 buffer_steps: int = 1000) -> None:
+        self.now = 0.0
+        super().__init__(num_pages, page_size, version=version, endpoint=None, buffer_steps=buffer_steps,
+                         clock=lambda: self.now)
+        self.name = name
+        self.outbox: list[tuple[int, bytes]] = []
+
+    def flush(self) -> int | None:  # as SimSglangEngine.flush, without keeping every payload
+        if not self._queue:
+            return None
+        events, self._queue = self._queue, []
+        payload = self._enc.encode([self.now, [self._wire(e) for e in events], self.dp_rank])
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))
+        self.outbox.append((seq, payload))
+        return seq
+
+    def replay_from(self, start_seq: int) -> list[tuple[int, bytes]]:
+        return [(s, p) for s, p in self._buffer if s >= start_seq]
+
+    def close(self) -> None:
+        pass
+
+
+class PolledTrtllmEngine(SimTrtllmEngine):
+    """A SimTrtllmEngine (subtree eviction, partial reuse, optional host tier) whose pull API is
+    polled once per request: the poll's JSON events go to `outbox` as (last event id, events)."""
+
+    def __init__(self, name: str, num_blocks: int, host_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks=num_blocks, host_blocks=host_blocks, block_size=block_size,
+                         partial_reuse=True)
+        self.name = name
+        self.now = 0.0
+        self.host_blocks = host_blocks
+        self.self_evicted = self.self_evicted_tokens = 0
+        self.outbox: list[tuple[int, Any]] = []
+        self.take_poll()  # the `created` event
+
+    def take_poll(self) -> None:
+        events = self.poll()
+        if events:
+            self.outbox.append((events[-1]["event_id"], events))
+
+    def close(self) -> None:
+        pass
+
+
+class SimPool:
+    """A node-shared KV cache (LMCache-like) attached to a group of replicas: blocks of `block_size`
+    tokens of the prompts the attached engines prefilled, LRU-evicted one by one at `capacity`
+    blocks, published as vLLM 0.32 events (medium = the pool's tier) under its own replica name.
+    Engines look their prompt up in it when their own cache misses (`hit`), and store every prompt's
+    full blocks after prefill (`store`). Its wire hashes chain Python's tuple hash (deterministic for
+    ints): any 64-bit chain will do, the relay re-hashes the tokens canonically."""
+
+    topic = b"kv"
+
+    def __init__(self, name: str, capacity: int, block_size: int, tier: str,
+                 buffer_steps: int = 1000) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.B = block_size
+        self.tier = tier
+        self.now = 0.0
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.outbox: list[tuple[int, bytes]] = []
+        self._buffer: deque = deque(maxlen=buffer_steps)
+        self._seq = 0
+        self._enc = msgspec.msgpack.Encoder()
+        self.stored_blocks = self.removed_blocks = self.hits = self.hit_tokens = 0
+
+    def hashes(self, prompt: list[int]) -> list[int]:
+        B, h, out = self.B, 0, []
+        for i in range(len(prompt) // B):
+            h = hash((h, tuple(prompt[i * B:(i + 1) * B]))) & 0xFFFFFFFFFFFFFFFF
+            out.append(h)
+        return out
+
+    def hit(self, hashes: list[int], max_blocks: int) -> int:
+        """Leading blocks of the prompt held (at most `max_blocks`), touched as LMCache's lookup does."""
+        k = 0
+        lru = self.lru
+        for h in hashes[:max_blocks]:
+            if h not in lru:
+                break
+            lru.move_to_end(h)
+            k += 1
+        if k:
+            self.hits += 1
+            self.hit_tokens += k * self.B
+        return k
+
+    def store(self, prompt: list[int], hashes: list[int]) -> None:
+        lru = self.lru
+        events: list[dict[str, Any]] = []
+        run: list[int] = []
+        run_start = 0
+        for i, h in enumerate(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+                if run:
+                    events.append(self._stored(run, hashes, run_start, prompt))
+                    run = []
+                continue
+            while len(lru) >= self.capacity:
+                old, _ = lru.popitem(last=False)
+                events.append({"type": "BlockRemoved", "block_hashes": [old], "medium": self.tier,
+                               "group_idx": 0})
+                self.removed_blocks += 1
+            lru[h] = None
+            self.stored_blocks += 1
+            if not run:
+                run_start = i
+            run.append(h)
+        if run:
+            events.append(self._stored(run, hashes, run_start, prompt))
+        if events:
+            payload = self._enc.encode([self.now, events, None])
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+            self.outbox.append((seq, payload))
+
+    def _stored(self, run: list[int], hashes: list[int], start: int, prompt: list[int]) -> dict[str, Any]:
+        B = self.B
+        return {"type": "BlockStored", "block_hashes": list(run),
+                "parent_block_hash": hashes[start - 1] if start else None,
+                "token_ids": prompt[start * B:(start + len(run)) * B], "block_size": B, "lora_id": None,
+                "medium": self.tier, "lora_name": None, "extra_keys": [None] * len(run), "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention"}
+
+    def replay_from(self, start_seq: int) -> list[tuple[int, bytes]]:
+        return [(s, p) for s, p in self._buffer if s >= start_seq]
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class SimReplica:
+    """One routing target: its engine (`kind`), the relay its stream goes through, the pool it reads."""
+    name: str
+    kind: str
+    model: str
+    engine: Any
+    pool: SimPool | None = None
+
+
+def serve(rep: SimReplica, prompt: list[int], output: list[int],
+          pool_tier: str) -> tuple[int, dict[str, int]]:
+    """Run one request on `rep`: (tokens the engine reused, their split by tier). With a pool, the
+    engine's own hit is extended by the pool's (vLLM's cached_tokens counts LMCache's hits): reused =
+    max(own, pool), the pool's part in its tier; the prompt's blocks are then stored in the pool."""
+    eng = rep.engine
+    n = len(prompt)
+    pool = rep.pool
+    pool_hit = 0
+    if pool is not None:
+        ph = pool.hashes(prompt)
+        pool_hit = pool.hit(ph, (n - 1) // pool.B) * pool.B
+    if rep.kind == "trtllm":
+        predicted = eng.reusable_tokens(prompt) if eng.stats["onboarded"] or eng.host_blocks else 0
+        r = eng.generate(prompt, output)
+        if r["cached_tokens"] < predicted:
+            # onboarding host blocks takes free GPU blocks, whose eviction can free the rest of this very
+            # prompt's host prefix (TensorRT-LLM getFreeBlock): the request reuses less than the state it
+            # was matched (and credited) against held
+            eng.self_evicted += 1
+            eng.self_evicted_tokens += predicted - r["cached_tokens"]
+        eng.take_poll()
+        local = r["cached_tokens"]
+        lv = r["cached_tokens_by_level"]
+        split = {"GPU": lv["primary"]}
+        if lv["secondary"]:
+            split["CPU"] = lv["secondary"]
+    else:
+        local = eng.serve(prompt, output)
+        split = {"GPU": local}
+    if pool is not None:
+        pool.store(prompt, ph)
+        if pool_hit > local:
+            split[pool_tier] = pool_hit - local
+            return pool_hit, split
+    return local, split
 
 
 class EngineReplaySource:
@@ -163,6 +381,13 @@ class FleetConfig:
     bootstrap: str | None = None
     topic_prefix: str = ""
     kafka_wait_s: float = 5.0
+    engines: tuple[str, ...] = ("vllm",)  # engine kinds, assigned to a model's replicas round-robin
+    sglang_version: str = "0.5.23"
+    host_tier_blocks: int = 0  # TensorRT-LLM: host (secondary) blocks per replica
+    trtllm_poll_ms: float = 50.0  # the TensorRT-LLM relay's poll interval
+    pool_blocks: int = 0  # shared pool: blocks per pool (0: no pools)
+    pool_group: int = 4  # replicas attached to each pool (consecutive replicas of a model)
+    pool_tier: str = "NODE_SHARED"
 
 
 @dataclass
@@ -176,10 +401,15 @@ class RunResult:
     ttft_s: np.ndarray
     counters: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    per_engine: dict[str, Agreement] = field(default_factory=dict)
+    per_tier: dict[str, Agreement] = field(default_factory=dict)
+    replica_kinds: dict[str, str] = field(default_factory=dict)
 
 
 class _Network:
-    """Engine messages in flight: delivery time = engine step + delay, FIFO per replica."""
+    """Engine messages in flight: delivery time = engine step + delay, FIFO per replica. A polled
+    engine (TensorRT-LLM, `poll_s` > 0) is read at its relay's next poll tick (a per-replica phase),
+    then after the delay; its polls are HTTP responses, never lost."""
 
     def __init__(self, cfg: FleetConfig, rng: random.Random) -> None:
         self.lo, self.hi = (x / 1000.0 for x in cfg.delay_ms)
@@ -191,14 +421,22 @@ class _Network:
         self.sent = 0
         self.dropped = 0
         self.delays: list[float] = []
+        self.poll_s = cfg.trtllm_poll_ms / 1000.0
+        self.phase: dict[str, float] = {}
 
-    def send(self, engine: OutboxVllmEngine, now: float) -> None:
+    def send(self, engine: Any, now: float) -> None:
+        polled = isinstance(engine, PolledTrtllmEngine) and self.poll_s > 0
         for seq, payload in engine.outbox:
             self.sent += 1
-            if self.drop_rate and self.rng.random() < self.drop_rate:
+            if not polled and self.drop_rate and self.rng.random() < self.drop_rate:
                 self.dropped += 1
                 continue
             d = self.rng.uniform(self.lo, self.hi) if self.hi > 0 else 0.0
+            if polled:
+                ph = self.phase.get(engine.name)
+                if ph is None:
+                    ph = self.phase[engine.name] = self.rng.uniform(0, self.poll_s)
+                d += ph + math.ceil((now - ph) / self.poll_s) * self.poll_s - now
             at = max(now + d, self.last.get(engine.name, 0.0))
             self.last[engine.name] = at
             self.delays.append(at - now)
@@ -257,7 +495,22 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
     def now() -> float:
         return clock[0]
 
-    store = ShardStore(cfg.index_block)
+    for k in cfg.engines:
+        if k not in ENGINES:
+            raise ValueError(f"unknown engine {k!r} (known: {', '.join(ENGINES)})")
+    if cfg.pool_tier not in POOL_TIERS:
+        raise ValueError(f"pool tier must be one of {', '.join(POOL_TIERS)}")
+    mixed = tuple(cfg.engines) != ("vllm",)
+    kinds = [cfg.engines[j % len(cfg.engines)] for j in range(cfg.replicas)]
+    rep_names = {m: [f"{m}/r{j}-{kinds[j]}" if mixed else f"{m}/r{j}" for j in range(cfg.replicas)]
+                 for m in cfg.models}
+    pools: dict[str, PoolConfig] = {}
+    if cfg.pool_blocks > 0:
+        g = max(1, cfg.pool_group)
+        for m in cfg.models:
+            for k in range(0, cfg.replicas, g):
+                pools[f"{m}/pool{k // g}"] = PoolConfig(replicas=rep_names[m][k:k + g], tier=cfg.pool_tier)
+    store = ShardStore(cfg.index_block, config=Config(pools=pools))
     stack: list[Callable[[], Any]] = []
     kafka_waits: list[float] = []
     kafka_timeouts = 0
@@ -285,26 +538,67 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
             http_lookup = _HttpLookup(store)
             stack.append(http_lookup.close)
 
-        engines: dict[str, list[OutboxVllmEngine]] = {}
-        relays: dict[str, Relay] = {}
+        engines: dict[str, list[SimReplica]] = {}
+        relays: dict[str, Any] = {}  # name -> Relay (ZMQ streams) or TrtllmPollRelay (polls)
         sources: list[EngineReplaySource] = []
+        pool_engines: dict[str, SimPool] = {}
+        net = _Network(cfg, rng)
+
+        def zmq_relay(e: Any, core: VllmPublisherRelay) -> None:
+            src = EngineReplaySource(e, cfg.replay, now)
+            sources.append(src)
+            relays[e.name] = Relay(core, sink, src)
+
         for model in cfg.models:
             engines[model] = []
+            for pname, pc in pools.items():
+                if pname.startswith(model + "/pool"):
+                    pool = SimPool(pname, cfg.pool_blocks, cfg.engine_block, pc.tier, cfg.replay_buffer)
+                    pool_engines[pname] = pool
+                    zmq_relay(pool, VllmPublisherRelay(model, pname, cfg.index_block, epoch=0))
             for j in range(cfg.replicas):
-                e = OutboxVllmEngine(f"{model}/r{j}", cfg.num_blocks, cfg.engine_block, cfg.replay_buffer)
-                stack.append(e.close)
-                engines[model].append(e)
-                src = EngineReplaySource(e, cfg.replay, now)
-                sources.append(src)
-                relays[e.name] = Relay(VllmPublisherRelay(model, e.name, cfg.index_block, epoch=0), sink, src)
-        net = _Network(cfg, rng)
+                name, kind = rep_names[model][j], kinds[j]
+                if kind == "vllm":
+                    e = OutboxVllmEngine(name, cfg.num_blocks, cfg.engine_block, cfg.replay_buffer)
+                    stack.append(e.close)
+                    zmq_relay(e, VllmPublisherRelay(model, name, cfg.index_block, epoch=0))
+                elif kind == "sglang":
+                    e = OutboxSglangEngine(name, cfg.num_blocks, cfg.engine_block, cfg.sglang_version,
+                                           cfg.replay_buffer)
+                    zmq_relay(e, SglangPublisherRelay(model, name, cfg.index_block,
+                                                      engine_version=cfg.sglang_version, epoch=0))
+                else:
+                    e = PolledTrtllmEngine(name, cfg.num_blocks, cfg.host_tier_blocks, cfg.engine_block)
+                    relays[name] = TrtllmPollRelay(model, name, cfg.index_block, block_size=cfg.engine_block,
+                                                   epoch=0)
+                    net.send(e, 0.0)
+                pool = next((pool_engines[p] for p, pc in pools.items() if name in pc.replicas), None)
+                engines[model].append(SimReplica(name, kind, model, e, pool))
+                if pool is not None:
+                    # a starting relay announces its replica (as `kvidx relay` does): the index knows
+                    # it, and credits it its pool's blocks, before its first own event
+                    r = relays[name]
+                    if isinstance(r, Relay):
+                        start = Frame(b"", -1, b"", 0, name, "relay")
+                        sink.publish(r.core._wrap([ReplicaCleared("relay_start")], -1, start, 0.0))
+                    else:
+                        for b in r.start_fresh(0):
+                            sink.publish(b)
 
         def deliver_until(t: float) -> None:
             heap = net.heap
             while heap and heap[0][0] <= t:
                 at, _, name, seq, payload = heapq.heappop(heap)
                 clock[0] = at
-                relays[name].handle(Frame(b"kv", seq, payload, int(at * 1e9), name, "pub"))
+                r = relays[name]
+                if isinstance(r, TrtllmPollRelay):
+                    out = r.on_poll(payload, int(at * 1e9))
+                    for dl in out.dead:
+                        sink.dead_letter(dl, r.model, r.replica)
+                    for b in out.batches:
+                        sink.publish(b)
+                else:
+                    r.handle(Frame(b"kv", seq, payload, int(at * 1e9), name, "pub"))
 
         def wait_for_kafka(model: str) -> None:
             nonlocal kafka_timeouts
@@ -337,6 +631,14 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         tok_rate = cfg.prefill_tps * cfg.token_scale  # simulated tokens per second per replica
         decode_s = cfg.decode_ms_per_token / 1000.0 / cfg.token_scale  # per simulated output token
         ibs = cfg.index_block
+        kind_of = {e.name: e.kind for es in engines.values() for e in es}
+        per_engine = {k: Agreement() for k in dict.fromkeys(kinds)}
+        tier_names = ["GPU"]
+        if cfg.host_tier_blocks > 0 and "trtllm" in kinds:
+            tier_names.append("CPU")
+        if pools:
+            tier_names.append(cfg.pool_tier)
+        per_tier = {tn: Agreement() for tn in tier_names}
 
         for i, req in enumerate(requests):
             t = req.t / cfg.speed
@@ -354,7 +656,8 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
                 shard = store.shards.get(model)
                 answers = shard.lookup(prompt_hashes(req.prompt.astype("<u4").tobytes(), ibs), n, t) \
                     if shard is not None else []
-            resumable = {a["replica"]: a["resumable_tokens"] for a in answers if a["dp_rank"] == 0}
+            by_rep = {a["replica"]: a for a in answers if a["dp_rank"] == 0}
+            resumable = {r: a["resumable_tokens"] for r, a in by_rep.items()}
             for e in reps:
                 q = inflight[e.name]
                 while q and q[0] <= t:
@@ -374,9 +677,13 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
                          for k, e in enumerate(reps)]
                 chosen = reps[min(loads)[3]]
             credited = resumable.get(chosen.name, 0)
-            chosen.now = t
-            reused = chosen.serve(req.prompt.tolist(), req.output.tolist())
-            net.send(chosen, t)
+            eng = chosen.engine
+            eng.now = t
+            reused, reused_split = serve(chosen, req.prompt.tolist(), req.output.tolist(), cfg.pool_tier)
+            net.send(eng, t)
+            if chosen.pool is not None:
+                chosen.pool.now = t
+                net.send(chosen.pool, t)
             # load model: FIFO prefill, then decode
             start = max(t, busy_until[chosen.name])
             busy_until[chosen.name] = start + (n - reused) / tok_rate
@@ -387,6 +694,19 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
             for a in (overall, per_model[model], per_replica[chosen.name],
                       windows.get(win) or windows.setdefault(win, Agreement())):
                 a.add(i, n, reused, credited)
+            per_engine[chosen.kind].add(i, n, reused, credited)
+            if len(tier_names) > 1:
+                # the credit split by the fastest tier holding each block (the answer's tier runs)
+                credited_split: dict[str, int] = {}
+                left = credited
+                for run in by_rep[chosen.name]["tiers"] if credited else ():
+                    k = min(left, run["tokens"])
+                    credited_split[run["tier"]] = credited_split.get(run["tier"], 0) + k
+                    left -= k
+                for tn in tier_names:
+                    per_tier[tn].add(i, n, reused_split.get(tn, 0), credited_split.get(tn, 0))
+            else:
+                per_tier["GPU"].add(i, n, reused, credited)
             if progress is not None and (i & 63) == 63:
                 progress(i + 1)
         deliver_until(float("inf"))
@@ -394,28 +714,60 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         if progress is not None:
             progress(len(requests))
 
-        all_relays = list(relays.values())
+        zmq_relays = [r for r in relays.values() if isinstance(r, Relay)]
+        polled = [r for r in relays.values() if isinstance(r, TrtllmPollRelay)]
         delays = np.asarray(net.delays) * 1000 if net.delays else np.zeros(1)
+        evicted = {k: 0 for k in per_engine}
+        stored = {k: 0 for k in per_engine}
+        for es in engines.values():
+            for r in es:
+                e = r.engine
+                if r.kind == "vllm":
+                    evicted["vllm"] += e.removed_blocks
+                    stored["vllm"] += e.stored_blocks
+                elif r.kind == "sglang":
+                    m = relays[r.name].core.mirror.stats
+                    evicted["sglang"] += m["removed"]
+                    stored["sglang"] += m["stored"]
+                else:
+                    evicted["trtllm"] += e.stats["evicted"]
         counters: dict[str, Any] = {
             "engine_messages": net.sent,
             "dropped_messages": net.dropped,
-            "seq_gaps": sum(r.core.counters["gaps"] for r in all_relays),
-            "gaps_unfilled": sum(r.core.epoch for r in all_relays),  # each unfilled gap bumps the epoch
+            "seq_gaps": sum(r.core.counters["gaps"] for r in zmq_relays)
+            + sum(r.counters["gaps"] for r in polled),
+            # each unfilled gap bumps the epoch
+            "gaps_unfilled": sum(r.core.epoch for r in zmq_relays)
+            + sum(r.counters["gaps"] + r.counters["poll_errors"] for r in polled),  # no replay: unfilled
             "replay_requests": sum(s.requests for s in sources),
             "dead_letters": sink.dead,
             "delay_ms_p50": round(float(np.percentile(delays, 50)), 3),
             "delay_ms_p99": round(float(np.percentile(delays, 99)), 3),
-            "engine_evicted_blocks": sum(e.removed_blocks for es in engines.values() for e in es),
-            "engine_stored_blocks": sum(e.stored_blocks for es in engines.values() for e in es),
+            "engine_evicted_blocks": sum(evicted.values()),
+            "engine_stored_blocks": sum(stored.values()),
             "indexed_blocks_end": sum(len(g.any) for s in store.shards.values() for g in s.groups.values()),
         }
+        if mixed:
+            counters["engine_evicted_blocks_by_engine"] = evicted
+        tr = [r.engine for es in engines.values() for r in es if r.kind == "trtllm"]
+        if tr:
+            keys = ("partial_matches", "taken_over", "copied", "offloaded", "onboarded", "evicted")
+            counters["trtllm"] = {k: sum(e.stats[k] for e in tr) for k in keys}
+            counters["trtllm"].update(self_evicted_requests=sum(e.self_evicted for e in tr),
+                                      self_evicted_tokens=sum(e.self_evicted_tokens for e in tr))
+        if pool_engines:
+            pe = pool_engines.values()
+            counters["pools"] = {"pools": len(pool_engines),
+                                 "stored_blocks": sum(p.stored_blocks for p in pe),
+                                 "evicted_blocks": sum(p.removed_blocks for p in pe),
+                                 "hits": sum(p.hits for p in pe), "hit_tokens": sum(p.hit_tokens for p in pe)}
         if kafka_waits:
             w = np.asarray(kafka_waits) * 1000
             counters.update(kafka_wait_ms_p50=round(float(np.percentile(w, 50)), 3),
                             kafka_wait_ms_p99=round(float(np.percentile(w, 99)), 3),
                             kafka_wait_timeouts=kafka_timeouts)
         return RunResult(policy, overall, per_model, per_replica, windows, served, ttft, counters,
-                         time.perf_counter() - t_wall)
+                         time.perf_counter() - t_wall, per_engine, per_tier, kind_of)
     finally:
         for stop in reversed(stack):
             try:
