@@ -1,6 +1,8 @@
 """`kvidx simulate`: a simulated fleet (vLLM by default; `--engines vllm,sglang,trtllm` mixes engine kinds,
-`--host-tier-blocks` gives TensorRT-LLM a host tier, `--pool-blocks` adds node-shared pools) on a real
-trace; index agreement (overall, per engine, per tier) and router comparison.
+`--host-tier-blocks` gives TensorRT-LLM a host tier, `--pool-blocks` adds node-shared pools, `--hybrid
+swa:W|mamba:K` makes the vLLM replicas hybrid models, `--cpu-offload-blocks` gives them vLLM's offloading
+connector's CPU tier) on a real trace; index agreement (overall, per engine, per tier, per hybrid group
+kind) and router comparison.
 
 Runs, on one workload (the Mooncake conversation trace by default, or generated multi-turn chat):
 - ``kv``: the KV-aware router (price = prefill tokens left after the index's resumable tokens + a
@@ -40,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from kvidx.shadow import Agreement
-from kvidx.sim.fleet import ENGINES, POLICIES, POOL_TIERS, FleetConfig, RunResult, run_fleet
+from kvidx.sim.fleet import ENGINES, POLICIES, POOL_TIERS, FleetConfig, RunResult, hybrid_spec, run_fleet
 from kvidx.sim.workloads import (
     MOONCAKE_TRACE,
     TRACE_BLOCK,
@@ -118,6 +120,7 @@ def summarize(name: str, r: RunResult, job: dict) -> dict:
         "per_model": {m: _agreement(a) for m, a in r.per_model.items()},
         "per_engine": {k: _agreement(a) for k, a in r.per_engine.items()},
         "per_tier": {k: _agreement(a) for k, a in r.per_tier.items()},
+        "per_group_kind": {k: _agreement(a) for k, a in r.per_group_kind.items()},
         "per_replica": {rep: {**_agreement(a), "routed": r.requests_per_replica[rep],
                               "engine": r.replica_kinds.get(rep, "vllm")}
                         for rep, a in r.per_replica.items()},
@@ -147,8 +150,18 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
     out["per_engine"] = {k: {x: v[x] for x in brief} for k, v in primary["per_engine"].items()}
     out["per_tier"] = {k: {x: v[x] for x in ("reused_tokens", "credited_tokens", "reuse_rate", "recall",
                                             "over_credit")} for k, v in primary["per_tier"].items()}
+    tier_keys = ("reused_tokens", "credited_tokens", "reuse_rate", "recall", "over_credit")
+    if primary["per_group_kind"]:
+        # hybrid replicas: each group's own hit within the full-attention hit, engine vs index
+        out["per_group_kind"] = {k: {x: v[x] for x in tier_keys}
+                                 for k, v in primary["per_group_kind"].items()}
     if zero is not None and len(zero["per_engine"]) > 1:
         out["zero_delay"]["per_engine"] = {k: {x: v[x] for x in brief} for k, v in zero["per_engine"].items()}
+    if zero is not None and len(zero["per_tier"]) > 1:
+        out["zero_delay"]["per_tier"] = {k: {x: v[x] for x in tier_keys} for k, v in zero["per_tier"].items()}
+    if zero is not None and zero["per_group_kind"]:
+        out["zero_delay"]["per_group_kind"] = {k: {x: v[x] for x in tier_keys}
+                                               for k, v in zero["per_group_kind"].items()}
     base = [v["reuse_rate"] for k, v in pol.items() if k != "kv"]
     if "kv" in pol and base:
         out["kv_beats_baselines"] = all(pol["kv"]["reuse_rate"] > b for b in base)
@@ -282,7 +295,18 @@ def run(args: argparse.Namespace) -> dict:
     if not engines:
         raise SystemExit("error: --engines names no engine")
     if args.host_tier_blocks and "trtllm" not in engines:
-        say("--host-tier-blocks applies to TensorRT-LLM replicas only (vLLM CPU offload is not simulated)")
+        say("--host-tier-blocks applies to TensorRT-LLM replicas only (vLLM: --cpu-offload-blocks)")
+    if args.hybrid:
+        try:
+            hybrid_spec(args.hybrid)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        if "vllm" not in engines:
+            raise SystemExit("error: --hybrid applies to vLLM replicas: --engines names none")
+        if args.pool_blocks or args.cpu_offload_blocks:
+            raise SystemExit("error: --hybrid is simulated without --pool-blocks or --cpu-offload-blocks")
+    if args.cpu_offload_blocks and "vllm" not in engines:
+        raise SystemExit("error: --cpu-offload-blocks applies to vLLM replicas: --engines names none")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:
@@ -319,7 +343,9 @@ def run(args: argparse.Namespace) -> dict:
              "window_s": window, "seed": args.seed, "engines": engines,
              "sglang_version": args.sglang_version, "host_tier_blocks": args.host_tier_blocks,
              "trtllm_poll_ms": args.trtllm_poll_ms, "pool_blocks": pool_blocks,
-             "pool_group": args.pool_group, "pool_tier": args.pool_tier}
+             "pool_group": args.pool_group, "pool_tier": args.pool_tier, "hybrid": args.hybrid or "",
+             "hybrid_group_blocks": args.hybrid_group_blocks, "hybrid_chunk_tokens": args.hybrid_chunk_tokens,
+             "cpu_offload_blocks": args.cpu_offload_blocks}
     config = {"workload": args.workload,
               "trace": os.path.basename(trace) if args.workload == "trace" else None,
               "requests": len(reqs), "models": args.models, "replicas_per_model": args.replicas,
@@ -327,7 +353,8 @@ def run(args: argparse.Namespace) -> dict:
                                   for k in engines) + " (simulated)",
               "engines": list(engines), "host_tier_blocks": args.host_tier_blocks,
               "pool_blocks": pool_blocks, "pool_group": args.pool_group if pool_blocks else None,
-              "pool_tier": args.pool_tier if pool_blocks else None,
+              "pool_tier": args.pool_tier if pool_blocks else None, "hybrid": args.hybrid,
+              "cpu_offload_blocks": args.cpu_offload_blocks,
               "engine_block_size": args.engine_block_size,
               "index_block_size": args.index_block_size, "engine_blocks": num_blocks,
               "trace_block_tokens": args.trace_block_tokens if args.workload == "trace" else None,
@@ -431,8 +458,12 @@ NOTES = [
     "publishes its real wire format (vLLM 0.32 ZMQ, SGLang ZMQ per --sglang-version, TensorRT-LLM pull-API "
     "polls every --trtllm-poll-ms) through its own relay",
     "tiers: GPU; TensorRT-LLM host tier with --host-tier-blocks (reuse split primary/secondary by the "
-    "engine); shared pools with --pool-blocks; vLLM CPU offload (offloading connector) is not simulated",
-    "hybrid groups (sliding window) are not simulated",
+    "engine); shared pools with --pool-blocks; vLLM's offloading connector with --cpu-offload-blocks (GPU "
+    "evictions move to a CPU LRU, published as the connector's placeholder events; CPU hits after the GPU "
+    "hit are reused and counted in the CPU tier)",
+    "hybrid groups with --hybrid swa:W or mamba:K (vLLM replicas only; vLLM 0.32 hybrid events, reuse by "
+    "vLLM's hybrid rule; per_group_kind compares each group's own hit within the full-attention hit); "
+    "hybrid replicas cache their prompts only (not decode blocks)",
     "TensorRT-LLM polls are HTTP responses: never dropped (drops apply to ZMQ streams)",
     "pending credit is not used: with event delay the index lags the engines",
 ]
@@ -460,6 +491,9 @@ def _print_human(head: dict) -> None:
             for k, v in d.items():
                 print(f"  {label} {k:>12}: reuse rate {pct(v['reuse_rate'])}, recall {pct(v['recall'])}, "
                       f"over-credit {pct(v['over_credit'])}")
+    for k, v in head.get("per_group_kind", {}).items():
+        print(f"  group {k:>12}: hit rate {pct(v['reuse_rate'])}, recall {pct(v['recall'])}, "
+              f"over-credit {pct(v['over_credit'])}")
     if "out" in head:
         print(f"summary and plots in {head['out']}")
 
@@ -516,6 +550,14 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    "--pool-group replicas, publishing as its own replica; engines reuse from it on a miss")
     f.add_argument("--pool-group", type=int, default=4, help="replicas attached to each pool")
     f.add_argument("--pool-tier", default="NODE_SHARED", choices=POOL_TIERS, help="the pool's tier")
+    f.add_argument("--hybrid", default=None, metavar="SPEC", help="vLLM replicas as hybrid models: swa:W "
+                   "(full attention + a sliding window of W tokens) or mamba:K (full attention + a "
+                   "state-space group checkpointed every K engine blocks)")
+    f.add_argument("--hybrid-group-blocks", type=int, default=0, help="blocks of the hybrid model's second "
+                   "group per replica (0: GPU blocks / 4 for swa, / (2K) for mamba)")
+    f.add_argument("--hybrid-chunk-tokens", type=int, default=2048, help="swa: the scheduler's prefill chunk")
+    f.add_argument("--cpu-offload-blocks", type=int, default=0, help="vLLM offloading connector: CPU blocks "
+                   "per vLLM replica (blocks evicted from the GPU move there, LRU; CPU hits are reused)")
     f.add_argument("--engine-block-size", type=int, default=16)
     f.add_argument("--index-block-size", type=int, default=16, help="must divide the engine block size")
     f.add_argument("--cache-tokens", type=int, default=1_000_000,

@@ -2,7 +2,8 @@
 shard) for full attention + sliding window and for full attention + state space (mamba), checked
 against a straightforward reference of vLLM's resume rule on thousands of random cases.
 
-The generator keeps the engine's own view (per group: engine hash -> live physical copies) and emits
+The generated engine lives in kvidx/sim/hybrid_engine.py (the fleet simulator's `--hybrid` replicas
+are built on it). It keeps the engine's own view (per group: engine hash -> live physical copies) and emits
 what vLLM 0.32's block pool emits for it (vllm/v1/core/block_pool.py cache_full_blocks,
 cache_partial_block; ENGINES.md vLLM observations 5, 6, 9):
 - full attention: the chunk's full blocks, parent = the block before the chunk (null at 0);
@@ -16,51 +17,17 @@ Evictions are one BlockRemoved per hash per group, each group on its own.
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import msgspec
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
-from relays.vllm_relay import Frame, VllmPublisherRelay
+from kvidx.sim.hybrid_engine import HybridEngine, WBatch, WRemoved, WStored, _enc
+from relays.vllm_relay import VllmPublisherRelay
 
 
-# ---- vLLM 0.32's wire structs (vllm/distributed/kv_events.py): tagged maps, defaults omitted ----------
-class WStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class WRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class WBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list
-    data_parallel_rank: int | None = None
-
-
-_enc = msgspec.msgpack.Encoder()
-
-
+# ---- vLLM 0.32's wire structs (kvidx/sim/hybrid_engine.py) -------------------------------------
 def test_wire_structs_encode_like_vllm_032():
     """Key order and omitted defaults as in the real recording (fixtures/vllm-0.32/gemma2_swa)."""
     ev = WStored([5], None, [1, 2], 2, None, "GPU", None, [None], 0, "sliding_window", 32)
@@ -72,127 +39,7 @@ def test_wire_structs_encode_like_vllm_032():
     assert rm == {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "group_idx": 1}
 
 
-# ---- the generated engine --------------------------------------------------------------------------
-def _ehash(parent: bytes, tokens: list[int]) -> bytes:
-    return hashlib.sha256(parent + bytes(str(tokens), "ascii")).digest()
-
-
-def _fold(d: bytes) -> int:
-    return int.from_bytes(d[-8:], "big")
-
-
-class HybridEngine:
-    """One replica's KV-cache groups as vLLM keeps them, and the events it publishes."""
-
-    def __init__(self, groups: list[tuple[str, int | None]], block_size: int, unit: int | None = None):
-        self.groups = groups  # index = group_idx: (kind, window)
-        self.B = block_size
-        self.unit = unit or block_size  # the hash unit (--prefix-match-unit)
-        self.live: list[dict[int, int]] = [{} for _ in groups]  # group -> engine hash -> copies
-        self.pending: list = []
-        self.seq = 0
-        self.hashless = 0
-
-    def unit_hashes(self, tokens: list[int]) -> list[int]:
-        out, d = [], b"root"
-        for i in range(len(tokens) // self.unit):
-            d = _ehash(d, tokens[i * self.unit:(i + 1) * self.unit])
-            out.append(_fold(d))
-        return out
-
-    def block_hashes(self, tokens: list[int]) -> list[int]:
-        """A block's hash is the unit chain's hash at its end (vLLM's BlockHashListWithBlockSize)."""
-        s = self.B // self.unit
-        return self.unit_hashes(tokens)[s - 1::s]
-
-    def _store(self, g: int, hashes: list[int], parent: int | None, tokens: list[int], bs: int | None = None):
-        kind, window = self.groups[g]
-        for h in hashes:
-            self.live[g][h] = self.live[g].get(h, 0) + 1
-        self.pending.append(WStored(hashes, parent, tokens, bs or self.B, None, "GPU", None,
-                                    [None] * len(hashes), g, kind, window))
-
-    def prefill(self, tokens: list[int], chunk_tokens: int, rng: random.Random, hashless_p: float = 0.0,
-                report_full_p: float = 0.0):
-        """Compute a prompt from the engine's own hit, in scheduled chunks of `chunk_tokens`, caching
-        as vLLM does (blocks after the hit that are still cached become second physical copies)."""
-        B = self.B
-        hs = self.block_hashes(tokens)
-        hit = self.reference(tokens) // B
-        if hit and rng.random() < report_full_p:  # kv_cache_report_mode "full": re-announce the hit
-            for g, (kind, window) in enumerate(self.groups):
-                self.pending.append(WStored(hs[:hit], None, tokens[:hit * B], B, None, "GPU", None,
-                                            [None] * hit, g, kind, window))
-        done = hit * B
-        n = len(tokens)
-        while done < n:
-            end = min(n, done + chunk_tokens)
-            b0, b1 = done // B, end // B  # blocks cached before / after this chunk
-            for g, (kind, window) in enumerate(self.groups):
-                if kind == "mamba":
-                    if b1 > b0 and rng.random() >= hashless_p:
-                        if rng.random() < 0.5:  # as observed: parent null, token_ids from 0
-                            self._store(g, [hs[b1 - 1]], None, tokens[:b1 * B])
-                        else:  # as cache_full_blocks writes it after a hit: from the chunk's start
-                            self._store(g, [hs[b1 - 1]], hs[b0 - 1] if b0 else None, tokens[b0 * B:b1 * B])
-                    else:  # decode-filled or skipped states: announced without a hash
-                        self.pending.append(WStored([], None, tokens[done:end], B, None, "GPU", None, [],
-                                                    g, kind, window))
-                        self.hashless += 1
-                    continue
-                if b1 <= b0:
-                    continue
-                parent = hs[b0 - 1] if b0 else None
-                if kind == "sliding_window":
-                    need = -(-(window - 1) // B)
-                    keep = list(range(max(b0, b1 - need), b1))
-                else:
-                    keep = list(range(b0, b1))
-                self._store(g, [hs[i] for i in keep], parent, tokens[b0 * B:b1 * B])
-            done = end
-
-    def evict(self, g: int, h: int, silent: bool = False):
-        c = self.live[g][h] - 1
-        if c:
-            self.live[g][h] = c
-        else:
-            del self.live[g][h]
-        if not silent:
-            self.pending.append(WRemoved([h], "GPU", g))
-
-    def flush(self) -> Frame:
-        payload = _enc.encode(WBatch(1.7e9 + self.seq, self.pending, 0))
-        f = Frame(b"kv", self.seq, payload, 1_000_000_000 + self.seq, "tcp://engine:5557")
-        self.seq += 1
-        self.pending = []
-        return f
-
-    def reference(self, tokens: list[int]) -> int:
-        """vLLM's rule from the engine's own state: the full-attention hit below the last token, then
-        the largest block boundary p where each sliding-window group holds the ceil((w-1)/B) blocks
-        before p (or all from 0) and each mamba group holds the state at exactly p."""
-        B = self.B
-        hs = self.block_hashes(tokens)
-        fa = [g for g, (k, _) in enumerate(self.groups) if k == "full_attention"]
-        hit = 0
-        while hit < len(hs) and all(hs[hit] in self.live[g] for g in fa):
-            hit += 1
-        top = min(hit, (len(tokens) - 1) // B)
-        for p in range(top, 0, -1):
-            ok = True
-            for g, (kind, window) in enumerate(self.groups):
-                if kind == "sliding_window":
-                    need = -(-(window - 1) // B)
-                    ok = all(h in self.live[g] for h in hs[max(0, p - need):p])
-                elif kind == "mamba":
-                    ok = hs[p - 1] in self.live[g]
-                if not ok:
-                    break
-            if ok:
-                return p * B
-        return 0
-
-
+# ---- the generated engine: kvidx.sim.hybrid_engine.HybridEngine --------------------------------
 def _prompts(rng: random.Random, n: int, lengths: tuple[int, int]) -> list[list[int]]:
     """Prompts sharing system prefixes (some shorter, some longer than a 1024-token window)."""
     systems = [[rng.randrange(32000) for _ in range(rng.randint(50, 1500))] for _ in range(4)]

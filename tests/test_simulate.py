@@ -171,3 +171,67 @@ def test_cli_mixed_fleet_json(tmp_path, capsys):
     assert set(head["per_engine"]) == set(MIX) and set(head["per_tier"]) == {"GPU", "CPU", "NODE_SHARED"}
     assert head["config"]["engines"] == list(MIX) and head["config"]["pool_blocks"] == 2000
     assert head["zero_delay"]["per_engine"]["vllm"]["recall"] == 1.0
+
+
+# ---- hybrid groups and vLLM CPU offload --------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["swa:256", "mamba:2"])
+def test_hybrid_zero_delay_agrees_per_group_kind(trace_reqs, spec):
+    """Hybrid replicas (kvidx/sim/hybrid_engine.py) reuse by vLLM's hybrid rule; without delay the index
+    agrees exactly, overall and per group kind; each group evicts on its own."""
+    r = run_fleet(trace_reqs, cfg(hybrid=spec, hybrid_group_blocks=200), "kv")
+    s = r.overall.summary()
+    assert s["recall"] == 1.0 and s["over_credit"] == 0.0 and s["exact_requests"] == len(trace_reqs), s
+    kind = "sliding_window" if spec.startswith("swa") else "mamba"
+    assert set(r.per_group_kind) == {"full_attention", kind}
+    for a in r.per_group_kind.values():
+        assert a.matched_tokens == a.reused_tokens and a.over_tokens == 0
+    fa = r.per_group_kind["full_attention"]
+    assert fa.reused_tokens > s["reused_tokens"] > 0  # the second group shortens some hits
+    h = r.counters["hybrid"]
+    assert all(x > 0 for x in h["evicted_blocks_by_group"]) and r.counters["dead_letters"] == 0
+    assert h["relay_extra_copies"] > 0  # recomputed blocks after a shortened hit are second copies
+    if kind == "mamba":
+        assert h["hashless_announced"] == h["relay_hashless_stored"] > 0
+    else:
+        assert h["relay_reannounced"] > 0
+
+
+def test_hybrid_with_delay_and_drops(trace_reqs):
+    r = run_fleet(trace_reqs, cfg(hybrid="swa:256", hybrid_group_blocks=200, delay_ms=(1.0, 20.0),
+                                  drop_rate=0.05), "kv")
+    s = r.overall.summary()
+    assert r.counters["seq_gaps"] > 0 and r.counters["gaps_unfilled"] == 0
+    assert s["recall"] > 0.9 and s["over_credit"] < 0.02, s
+
+
+def test_vllm_cpu_offload_zero_delay_agrees_per_tier(trace_reqs):
+    """GPU evictions move to the connector's CPU tier (placeholder events: block_size 0, no tokens);
+    CPU hits after the GPU hit are reused and credited in the CPU tier, exactly without delay."""
+    r = run_fleet(trace_reqs, cfg(num_blocks=700, cpu_offload_blocks=800), "kv")
+    assert set(r.per_tier) == {"GPU", "CPU"}
+    for tn in ("GPU", "CPU"):
+        t = r.per_tier[tn].summary()
+        assert t["reused_tokens"] > 0 and t["recall"] == 1.0 and t["over_credit"] == 0.0, (tn, t)
+    c = r.counters["cpu_offload"]
+    assert c["cpu_evicted_blocks"] > 0 and c["cpu_hit_blocks"] > 0
+    assert c["relay_placeholder_stored"] == c["offloaded_blocks"] and c["relay_placeholder_unknown"] == 0
+    plain = run_fleet(trace_reqs, cfg(num_blocks=700), "kv").overall.summary()
+    assert r.overall.summary()["reuse_rate"] > plain["reuse_rate"]
+
+
+def test_cli_hybrid_and_offload_json(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    with open(MOONCAKE_TRACE) as f:
+        trace.write_text("".join(next(f) for _ in range(100)))
+    base = ["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "3", "--jobs", "1",
+            "--json", "--policies", "kv", "--no-progress", "--quiet"]
+    assert cli_main([*base, "--hybrid", "mamba:2"]) == 0
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(head["per_group_kind"]) == {"full_attention", "mamba"}
+    assert head["config"]["hybrid"] == "mamba:2"
+    assert head["zero_delay"]["per_group_kind"]["mamba"]["recall"] == 1.0
+    assert cli_main([*base, "--cpu-offload-blocks", "300", "--engine-blocks", "300"]) == 0
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(head["per_tier"]) == {"GPU", "CPU"} and head["zero_delay"]["per_tier"]["CPU"]["recall"] == 1.0
+    with pytest.raises(SystemExit):
+        cli_main([*base, "--hybrid", "swa:64", "--cpu-offload-blocks", "10"])

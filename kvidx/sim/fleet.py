@@ -12,8 +12,18 @@ in its tier (`pool_tier`) as its own replica; the shard gets the topology (set_p
 pool blocks to the attached replicas; an engine reuses max(its own hit, the pool's hit) and the
 pool's part is counted in the pool's tier. Agreement is kept overall, per model, replica, engine,
 tier (the engine's reuse split by where it came from, the credit split by the answer's tier runs)
-and time window. Not simulated: vLLM CPU offload (the offloading connector), SGLang HiCache, hybrid
-(sliding-window) groups.
+and time window.
+
+Hybrid models (`hybrid`, "swa:W" or "mamba:K"): the vLLM replicas are FleetHybridEngines
+(kvidx/sim/hybrid_engine.py: full attention + a sliding-window group of W tokens, or + a state-space
+group checkpointed every K blocks; each group its own capacity and LRU, `hybrid_group_blocks`), publishing
+vLLM 0.32's hybrid events; they reuse by vLLM's hybrid rule, and agreement is also kept per group kind
+(each group's own hit within the full-attention hit, engine vs index `groups[].hit_tokens`).
+vLLM CPU offload (`cpu_offload_blocks`, the offloading connector): OffloadVllmEngine moves every block
+evicted from the GPU to a CPU LRU of that many blocks, published as the connector's placeholder events
+(block_size 0, no token ids, the chunk's last block hash, medium "CPU"; chunks of one block); after its
+GPU hit a request loads the following blocks the CPU holds (vLLM's cached_tokens counts them), split
+GPU / CPU in the per-tier agreement. Not simulated: SGLang HiCache.
 
 Per request (in arrival order, virtual time `now`):
 1. every engine message whose delivery time is <= now reaches its relay (relays.run.Relay: sequence
@@ -60,9 +70,10 @@ from index_service.store import ShardStore
 from kvidx.config import Config, PoolConfig
 from kvidx.core.hashing import prompt_hashes
 from kvidx.shadow import Agreement
+from kvidx.sim.hybrid_engine import FleetHybridEngine
 from kvidx.sim.sglang_engine import SimSglangEngine
 from kvidx.sim.trtllm_engine import SimTrtllmEngine
-from kvidx.sim.vllm_engine import SimVllmEngine
+from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, external_hash
 from kvidx.sim.workloads import SimRequest
 from relays.run import Relay
 from relays.sglang_relay import SglangPublisherRelay
@@ -101,6 +112,63 @@ class OutboxVllmEngine(SimVllmEngine):
     def replay_from(self, start_seq: int) -> list[tuple[int, bytes]]:
         """What the engine's replay endpoint answers: the buffered messages from `start_seq` on."""
         return [(s, p) for s, p in self._buffer if s >= start_seq]
+
+
+class OffloadVllmEngine(OutboxVllmEngine):
+    """An OutboxVllmEngine with vLLM's offloading connector (CPU tier of `cpu_blocks` blocks, LRU,
+    chunks of one engine block): a block evicted from the GPU moves to the CPU (published as the
+    connector's placeholder, vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py
+    _placeholder_stored: block_size 0, no token ids, the block's hash, medium "CPU"; the CPU's own
+    evictions as BlockRemoved "CPU"). A request's GPU hit is extended by the blocks the CPU holds
+    right after it (the connector's lookup starts at the GPU hit and counts consecutive CPU hits),
+    below the last prompt token; they are loaded into GPU blocks and cached there again."""
+
+    def __init__(self, name: str, num_blocks: int, block_size: int, cpu_blocks: int,
+                 buffer_steps: int = 1000) -> None:
+        super().__init__(name, num_blocks, block_size, buffer_steps)
+        self.cpu_blocks = cpu_blocks
+        self.cpu: OrderedDict[bytes, None] = OrderedDict()
+        self.offloaded = self.cpu_evicted = self.cpu_hit_blocks = 0
+        self.last_split: dict[str, int] = {}
+
+    def _evict(self, b: Any, events: list[dict[str, Any]]) -> None:
+        d = b.digest
+        super()._evict(b, events)
+        if d is None:
+            return
+        cpu = self.cpu
+        if d in cpu:
+            cpu.move_to_end(d)
+            return
+        while len(cpu) >= self.cpu_blocks:
+            old, _ = cpu.popitem(last=False)
+            events.append({"type": "BlockRemoved", "block_hashes": [external_hash(old)], "medium": "CPU",
+                           "group_idx": 0})
+            self.cpu_evicted += 1
+        cpu[d] = None
+        self.offloaded += 1
+        events.append({"type": "BlockStored", "block_hashes": [external_hash(d)], "parent_block_hash": None,
+                       "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU",
+                       "lora_name": None, "group_idx": 0})
+
+    def serve(self, prompt_token_ids: list[int], output_token_ids: list[int] | None = None) -> int:
+        prompt = list(prompt_token_ids)
+        B = self.block_size
+        limit = (len(prompt) - 1) // B
+        digests = chain_digests(prompt[:limit * B], B, self._root)
+        g = 0
+        while g < limit and digests[g] in self._cached:
+            g += 1
+        c = 0
+        cpu = self.cpu
+        while g + c < limit and digests[g + c] in cpu:
+            cpu.move_to_end(digests[g + c])  # touched by the lookup / load
+            c += 1
+        self.cpu_hit_blocks += c
+        gpu = super().serve(prompt, output_token_ids)
+        assert gpu == g * B
+        self.last_split = {"GPU": g * B, "CPU": c * B}
+        return (g + c) * B
 
 
 class OutboxSglangEngine(SimSglangEngine):
@@ -287,7 +355,7 @@ def serve(rep: SimReplica, prompt: list[int], output: list[int],
             split["CPU"] = lv["secondary"]
     else:
         local = eng.serve(prompt, output)
-        split = {"GPU": local}
+        split = eng.last_split if isinstance(eng, OffloadVllmEngine) else {"GPU": local}
     if pool is not None:
         pool.store(prompt, ph)
         if pool_hit > local:
@@ -388,6 +456,27 @@ class FleetConfig:
     pool_blocks: int = 0  # shared pool: blocks per pool (0: no pools)
     pool_group: int = 4  # replicas attached to each pool (consecutive replicas of a model)
     pool_tier: str = "NODE_SHARED"
+    hybrid: str = ""  # vLLM replicas as hybrid models: "swa:W" (window W tokens) or "mamba:K" (checkpoints)
+    hybrid_group_blocks: int = 0  # the second group's blocks (0: GPU blocks / 4 for swa, / (2K) for mamba)
+    hybrid_chunk_tokens: int = 2048  # scheduler chunk of the swa model (mamba: K engine blocks)
+    hybrid_hashless_p: float = 0.05  # mamba: chunk announcements without a hash
+    hybrid_report_full_p: float = 0.1  # hits re-announced (kv_cache_report_mode "full")
+    cpu_offload_blocks: int = 0  # vLLM offloading connector: CPU blocks per vLLM replica (0: none)
+
+
+def hybrid_spec(spec: str) -> tuple[list[tuple[str, int | None]], int]:
+    """`swa:W` -> full attention + sliding window of W tokens; `mamba:K` -> full attention + mamba
+    checkpointed every K engine blocks. Returns (groups, K or 0)."""
+    kind, _, arg = spec.partition(":")
+    try:
+        v = int(arg)
+    except ValueError:
+        v = 0
+    if kind not in ("swa", "mamba") or v <= 0:
+        raise ValueError(f"--hybrid takes swa:W or mamba:K with a positive integer, not {spec!r}")
+    if kind == "swa":
+        return [("full_attention", None), ("sliding_window", v)], 0
+    return [("full_attention", None), ("mamba", None)], v
 
 
 @dataclass
@@ -404,6 +493,7 @@ class RunResult:
     per_engine: dict[str, Agreement] = field(default_factory=dict)
     per_tier: dict[str, Agreement] = field(default_factory=dict)
     replica_kinds: dict[str, str] = field(default_factory=dict)
+    per_group_kind: dict[str, Agreement] = field(default_factory=dict)
 
 
 class _Network:
@@ -500,6 +590,12 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
             raise ValueError(f"unknown engine {k!r} (known: {', '.join(ENGINES)})")
     if cfg.pool_tier not in POOL_TIERS:
         raise ValueError(f"pool tier must be one of {', '.join(POOL_TIERS)}")
+    hgroups, hk = hybrid_spec(cfg.hybrid) if cfg.hybrid else ([], 0)
+    if hgroups and (cfg.pool_blocks > 0 or cfg.cpu_offload_blocks > 0):
+        raise ValueError("hybrid replicas are simulated without pools or CPU offload")
+    if hgroups:
+        hcap = cfg.hybrid_group_blocks or max(1, cfg.num_blocks // (2 * hk if hk else 4))
+        hchunk = hk * cfg.engine_block if hk else cfg.hybrid_chunk_tokens
     mixed = tuple(cfg.engines) != ("vllm",)
     kinds = [cfg.engines[j % len(cfg.engines)] for j in range(cfg.replicas)]
     rep_names = {m: [f"{m}/r{j}-{kinds[j]}" if mixed else f"{m}/r{j}" for j in range(cfg.replicas)]
@@ -558,8 +654,21 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
                     zmq_relay(pool, VllmPublisherRelay(model, pname, cfg.index_block, epoch=0))
             for j in range(cfg.replicas):
                 name, kind = rep_names[model][j], kinds[j]
-                if kind == "vllm":
-                    e = OutboxVllmEngine(name, cfg.num_blocks, cfg.engine_block, cfg.replay_buffer)
+                if kind == "vllm" and hgroups:
+                    e = FleetHybridEngine(name, hgroups, cfg.engine_block, [cfg.num_blocks, hcap], hchunk,
+                                          seed=cfg.seed * 1009 + j, hashless_p=cfg.hybrid_hashless_p,
+                                          report_full_p=cfg.hybrid_report_full_p,
+                                          buffer_steps=cfg.replay_buffer)
+                    # the relay is configured with the model's groups (as `kvidx relay` is from the
+                    # model's configuration); the events carry them too
+                    zmq_relay(e, VllmPublisherRelay(model, name, cfg.index_block, epoch=0,
+                                                    group_kinds=dict(enumerate(hgroups))))
+                elif kind == "vllm":
+                    if cfg.cpu_offload_blocks > 0:
+                        e = OffloadVllmEngine(name, cfg.num_blocks, cfg.engine_block, cfg.cpu_offload_blocks,
+                                              cfg.replay_buffer)
+                    else:
+                        e = OutboxVllmEngine(name, cfg.num_blocks, cfg.engine_block, cfg.replay_buffer)
                     stack.append(e.close)
                     zmq_relay(e, VllmPublisherRelay(model, name, cfg.index_block, epoch=0))
                 elif kind == "sglang":
@@ -634,11 +743,14 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         kind_of = {e.name: e.kind for es in engines.values() for e in es}
         per_engine = {k: Agreement() for k in dict.fromkeys(kinds)}
         tier_names = ["GPU"]
-        if cfg.host_tier_blocks > 0 and "trtllm" in kinds:
+        if (cfg.host_tier_blocks > 0 and "trtllm" in kinds) or (cfg.cpu_offload_blocks > 0 and "vllm" in kinds
+                                                                 and not hgroups):
             tier_names.append("CPU")
         if pools:
             tier_names.append(cfg.pool_tier)
         per_tier = {tn: Agreement() for tn in tier_names}
+        # hybrid replicas: per group kind, the group's own hit (engine) vs the answer's groups[].hit_tokens
+        per_group_kind = {k: Agreement() for k, _ in hgroups}
 
         for i, req in enumerate(requests):
             t = req.t / cfg.speed
@@ -695,6 +807,11 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
                       windows.get(win) or windows.setdefault(win, Agreement())):
                 a.add(i, n, reused, credited)
             per_engine[chosen.kind].add(i, n, reused, credited)
+            if hgroups and isinstance(eng, FleetHybridEngine):
+                ans = by_rep.get(chosen.name)
+                idx_hits = {gr["group"]: gr["hit_tokens"] for gr in ans["groups"]} if ans else {}
+                for g, (gkind, _) in enumerate(hgroups):
+                    per_group_kind[gkind].add(i, n, eng.last_group_hits.get(g, 0), idx_hits.get(g, 0))
             if len(tier_names) > 1:
                 # the credit split by the fastest tier holding each block (the answer's tier runs)
                 credited_split: dict[str, int] = {}
@@ -761,13 +878,34 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
                                  "stored_blocks": sum(p.stored_blocks for p in pe),
                                  "evicted_blocks": sum(p.removed_blocks for p in pe),
                                  "hits": sum(p.hits for p in pe), "hit_tokens": sum(p.hit_tokens for p in pe)}
+        vl = [r for es in engines.values() for r in es if r.kind == "vllm"]
+        if hgroups:
+            he = [r.engine for r in vl]
+            ms = [relays[r.name].core.mirror.stats for r in vl]
+            counters["hybrid"] = {
+                "groups": [f"{k}" + (f":{w}" if w else "") for k, w in hgroups],
+                "group_capacity": [cfg.num_blocks, hcap], "chunk_tokens": hchunk,
+                "stored_blocks_by_group": [sum(e.stored[g] for e in he) for g in range(len(hgroups))],
+                "evicted_blocks_by_group": [sum(e.removed[g] for e in he) for g in range(len(hgroups))],
+                "hashless_announced": sum(e.hashless for e in he),
+                **{f"relay_{k}": sum(m[k] for m in ms)
+                   for k in ("hashless_stored", "reannounced", "extra_copies", "remove_unknown")}}
+        if cfg.cpu_offload_blocks > 0 and not hgroups:
+            oe = [r.engine for r in vl]
+            ms = [relays[r.name].core.mirror.stats for r in vl]
+            counters["cpu_offload"] = {
+                "cpu_blocks": cfg.cpu_offload_blocks, "offloaded_blocks": sum(e.offloaded for e in oe),
+                "cpu_evicted_blocks": sum(e.cpu_evicted for e in oe),
+                "cpu_hit_blocks": sum(e.cpu_hit_blocks for e in oe),
+                "relay_placeholder_stored": sum(m["placeholder_stored"] for m in ms),
+                "relay_placeholder_unknown": sum(m["placeholder_unknown"] for m in ms)}
         if kafka_waits:
             w = np.asarray(kafka_waits) * 1000
             counters.update(kafka_wait_ms_p50=round(float(np.percentile(w, 50)), 3),
                             kafka_wait_ms_p99=round(float(np.percentile(w, 99)), 3),
                             kafka_wait_timeouts=kafka_timeouts)
         return RunResult(policy, overall, per_model, per_replica, windows, served, ttft, counters,
-                         time.perf_counter() - t_wall, per_engine, per_tier, kind_of)
+                         time.perf_counter() - t_wall, per_engine, per_tier, kind_of, per_group_kind)
     finally:
         for stop in reversed(stack):
             try:
