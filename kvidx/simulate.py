@@ -47,6 +47,7 @@ from kvidx.sim.workloads import (
     MOONCAKE_TRACE,
     TRACE_BLOCK,
     SimRequest,
+    agent_requests,
     chat_requests,
     load_trace,
     model_names,
@@ -62,6 +63,8 @@ KEYS = ("requests", "prompt_tokens", "reused_tokens", "credited_tokens", "reuse_
 def build_workload(w: dict) -> list[SimRequest]:
     if w["kind"] == "chat":
         return chat_requests(w["requests"] or 2000, w["models"], w["chat_rate"], w["seed"])
+    if w["kind"] == "agent":
+        return agent_requests(w["requests"] or 2000, w["models"], w["chat_rate"], w["seed"])
     rows = load_trace(w["trace"], w["requests"])
     return trace_requests(rows, w["block_tokens"], w["models"])
 
@@ -525,8 +528,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="a Mooncake-format trace (jsonl: timestamp ms, input_length, "
                    "output_length, hash_ids); default: the bundled mooncake_conversation_trace.jsonl")
-    w.add_argument("--workload", choices=["trace", "chat"], default="trace",
-                   help="the trace, or generated multi-turn chat with shared system prompts")
+    w.add_argument("--workload", choices=["trace", "chat", "agent"], default="trace",
+                   help="the trace, generated multi-turn chat with shared system prompts, or agent loops "
+                        "(long shared tool prompts, contexts growing by tool calls and results)")
     w.add_argument("--requests", type=int, default=None, help="use the first N requests (chat: default 2000)")
     w.add_argument("--trace-block-tokens", type=int, default=64,
                    help="tokens per trace hash id (the trace's are 512): every length is scaled by "

@@ -11,7 +11,14 @@ import pytest
 from kvidx import simulate
 from kvidx.cli import main as cli_main
 from kvidx.sim.fleet import FleetConfig, run_fleet
-from kvidx.sim.workloads import MOONCAKE_TRACE, chat_requests, load_trace, model_names, trace_requests
+from kvidx.sim.workloads import (
+    MOONCAKE_TRACE,
+    agent_requests,
+    chat_requests,
+    load_trace,
+    model_names,
+    trace_requests,
+)
 
 BT = 32  # tokens per trace hash id: small and fast
 
@@ -64,6 +71,15 @@ def test_chat_workload_multi_model_zero_delay_exact():
     s = r.overall.summary()
     assert s["recall"] == 1.0 and s["over_credit"] == 0.0 and s["reuse_rate"] > 0.3
     assert set(r.per_model) == {"model-0", "model-1"} and all(a.requests for a in r.per_model.values())
+
+
+def test_agent_loops_zero_delay_exact_and_kv_router_wins():
+    reqs = agent_requests(200, rate=50.0, seed=4, concurrent=8)
+    assert len(reqs) == 200 and any(len(r.prompt) > 3000 for r in reqs)
+    c = cfg(replicas=4, token_scale=1.0, num_blocks=2000)
+    kv = run_fleet(reqs, c, "kv").overall.summary()
+    assert kv["recall"] == 1.0 and kv["over_credit"] == 0.0
+    assert kv["reuse_rate"] > run_fleet(reqs, c, "random").overall.summary()["reuse_rate"]
 
 
 def test_drops_filled_by_replay_or_clear_the_replica(trace_reqs):

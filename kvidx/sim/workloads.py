@@ -138,3 +138,37 @@ def chat_requests(n_requests: int, models: int = 1, rate: float = 20.0, seed: in
         out.append(SimRequest(t, names[k], np.asarray(prompt, dtype=np.uint32),
                               np.asarray(output, dtype=np.uint32), len(prompt)))
     return out
+
+
+def agent_requests(n_requests: int, models: int = 1, rate: float = 20.0, seed: int = 7,
+                   agent_types: int = 4, concurrent: int = 24, steps: tuple[int, int] = (4, 16)
+                   ) -> list[SimRequest]:
+    """Generated agent loops: each agent starts from its type's long system prompt (tool
+    descriptions, shared by every agent of the type) and a task, then loops: the model's output (a
+    tool call) and the tool's result are appended and the grown context is sent again. Up to
+    `concurrent` agents interleave; Poisson arrivals at `rate` req/s."""
+    names = model_names(models)
+    rng = random.Random(seed)
+
+    def toks(lo: int, hi: int) -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))]
+
+    systems = [[toks(1000, 3000) for _ in range(agent_types)] for _ in range(models)]
+    active: list[dict] = []
+    out: list[SimRequest] = []
+    t = 0.0
+    while len(out) < n_requests:
+        while len(active) < concurrent:
+            m = rng.randrange(models)
+            active.append({"model": m, "context": systems[m][rng.randrange(agent_types)] + toks(100, 300),
+                           "left": rng.randint(*steps)})
+        agent = active[rng.randrange(len(active))]
+        call = toks(40, 120)  # the model's tool call
+        t += rng.expovariate(rate)
+        out.append(SimRequest(t, names[agent["model"]], np.asarray(agent["context"], dtype=np.uint32),
+                              np.asarray(call, dtype=np.uint32), len(agent["context"])))
+        agent["context"] = agent["context"] + call + toks(100, 800)  # + the tool's result
+        agent["left"] -= 1
+        if agent["left"] == 0 or len(agent["context"]) > 16000:
+            active.remove(agent)
+    return out
