@@ -59,10 +59,40 @@ class Figure:
         return "pass" if ok else "FAIL"
 
 
+@dataclass
+class ScalePoint:
+    """One point of a scaling series: `metric` measured at `factor` x the base load (`load` says
+    what that load is, e.g. "256 replicas x 128 blocks/batch")."""
+    bench: str
+    metric: str
+    factor: float
+    load: str
+    value: float | None
+    unit: str
+    target: str = ""
+
+
+def parse_scale(text: str | None) -> list[float]:
+    """--scale "1,2,4" -> [1.0, 2.0, 4.0]; "" or None -> [] (no scaling series)."""
+    if not text:
+        return []
+    out = sorted({float(x) for x in text.split(",") if x.strip()})
+    if any(f <= 0 for f in out):
+        raise SystemExit(f"--scale factors must be > 0: {text!r}")
+    return out
+
+
 class Figures:
     def __init__(self, bench: str):
         self.bench = bench
         self.items: list[Figure] = []
+        self.scaling: list[ScalePoint] = []
+
+    def scale(self, metric: str, factor: float, load: str, value: float | None, unit: str,
+              target: str = "") -> None:
+        self.scaling.append(ScalePoint(self.bench, metric, factor, load, value, unit, target))
+        val = "n/a" if value is None else fmt(value)
+        print(f"  SCALE {metric} @{factor:g}x ({load}): {val} {unit}", flush=True)
 
     def add(self, figure: str, measured: float | None, unit: str, target: str = "", note: str = "") -> None:
         f = Figure(self.bench, figure, measured, unit, target, note)
@@ -75,6 +105,7 @@ class Figures:
         if not path:
             return
         Path(path).write_text(json.dumps({"bench": self.bench, "figures": [asdict(f) for f in self.items],
+                                          "scaling": [asdict(x) for x in self.scaling],
                                           "extra": extra or {}}, indent=1))
 
 

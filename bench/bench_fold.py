@@ -87,6 +87,35 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
     figs.add("fold ModelShard.apply alone, block events/s", max(app), "blocks/s")
 
 
+def bench_fold_scaling(args, figs: c.Figures) -> None:
+    """decode_batch+apply at f x the base load: f x --replicas replicas (each caching --capacity
+    blocks, so the warm shard grows f x) and f x --per-batch block events per batch."""
+    for f in args.scale:
+        replicas, per_batch = round(args.replicas * f), round(args.per_batch * f)
+        warm, timed = c.batches_from_stream(replicas, args.capacity, 16, per_batch, args.scale_events)
+        n_timed = sum(map(c.block_events, timed))
+        msgs = [encode_batch(b) for b in timed]
+        del timed
+        shard = ModelShard(c.MODEL, 16)
+        for b in warm:
+            shard.apply(b, 0.0)
+        del warm
+        blocks, entries = c.shard_entries(shard)
+        snap = shard.snapshot()
+        best = 0.0
+        for _ in range(2):
+            shard = ModelShard.restore(snap)
+            c.collect()
+            t = time.perf_counter()
+            for m in msgs:
+                shard.apply(decode_batch(m), 1.0)
+            best = max(best, n_timed / (time.perf_counter() - t))
+        load = f"{replicas} replicas x {per_batch} blocks/batch, warm shard {entries / 1e6:.2f}M entries"
+        c.log(f"  scale {f:g}x: {load}: {best:,.0f} blocks/s ({n_timed:,} block events, "
+              f"{blocks:,} blocks)")
+        figs.scale("fold decode_batch+apply", f, load, best, "blocks/s", f">= {TARGET}")
+
+
 class _CapturingEngine(SimVllmEngine):
     """The simulated vLLM engine's block pool and wire format; payloads are kept, not sent."""
 
@@ -169,6 +198,8 @@ def bench_relay(args, figs: c.Figures) -> None:
                 c.log(f"  relay out: {n_index:,} index block events ({dead} orphan blocks)")
         c.log(f"  run {i + 1}: on_frame {runs[-1]:,.0f} engine blocks/s, "
               f"+encode_batch {runs_enc[-1]:,.0f}")
+    if args.profile:
+        _profile_relay(streams, args)
     ratio = n_index / n_engine if n_engine else 0
     note = f"engine block size {bs}, index block size {args.index_block_size}"
     figs.add("relay decode_payload alone, engine block events/s", max(dec), "blocks/s", "", note)
@@ -176,6 +207,30 @@ def bench_relay(args, figs: c.Figures) -> None:
              f">= {TARGET}", note)
     figs.add("relay on_frame + encode_batch, engine block events/s", max(runs_enc), "blocks/s", "",
              f"{ratio:.2f} index block events per engine block event")
+
+
+def _profile_relay(streams: list[list[tuple[int, bytes]]], args) -> None:
+    """One more on_frame pass under cProfile; the per-function table goes to --profile."""
+    import cProfile
+    import io
+    import pstats
+
+    relays = [VllmPublisherRelay(c.MODEL, f"replica-{r}", args.index_block_size, epoch=1)
+              for r in range(len(streams))]
+    frames = [[Frame(b"kv", seq, p, 0) for seq, p in s] for s in streams]
+    prof = cProfile.Profile()
+    prof.enable()
+    for relay, fs in zip(relays, frames, strict=True):
+        for f in fs:
+            relay.on_frame(f)
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(25)
+    st.sort_stats("cumulative").print_stats(25)
+    with open(args.profile, "w") as f:
+        f.write(buf.getvalue())
+    c.log(f"  relay profile (cProfile) written to {args.profile}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,13 +247,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index-block-size", type=int, default=16)
     p.add_argument("--engine-blocks", type=int, default=16384, help="KV blocks per simulated engine")
     p.add_argument("--skip-relay", action="store_true")
+    p.add_argument("--profile", help="write a cProfile table of one relay on_frame pass to this file")
+    p.add_argument("--scale", default="", help="comma-separated load factors for the scaling series "
+                   "(e.g. 1,2,4: x replicas and x block events per batch); empty: none")
+    p.add_argument("--scale-events", type=int, default=1_000_000, help="timed block events per factor")
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)
     if args.quick:
         args.events, args.capacity, args.repeat, args.relay_requests = 300_000, 2048, 1, 200
-        args.engine_blocks = 4096
+        args.engine_blocks, args.scale_events = 4096, 200_000
+    args.scale = c.parse_scale(args.scale)
     figs = c.Figures("fold")
     bench_worker_fold(args, figs)
+    if args.scale:
+        c.log(f"fold scaling: x{', x'.join(f'{f:g}' for f in args.scale)} "
+              f"({args.scale_events:,} events each)")
+        bench_fold_scaling(args, figs)
     if not args.skip_relay:
         bench_relay(args, figs)
     figs.write(args.json)

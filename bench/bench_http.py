@@ -34,8 +34,8 @@ HERE = Path(__file__).resolve().parent
 PATH = f"/v1/lookup/binary?model={c.MODEL}"
 
 
-def request_bytes(body: bytes) -> bytes:
-    head = (f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+def request_bytes(body: bytes, path: str = PATH) -> bytes:
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
             f"Content-Length: {len(body)}\r\n\r\n")
     return head.encode() + body
 
@@ -71,10 +71,10 @@ def connect(port: int) -> socket.socket:
 
 
 def generator(port: int, bodies: list[bytes], rate: float, count: int, threads: int, offset: float,
-              start_at: float, out) -> None:
+              start_at: float, out, path: str = PATH) -> None:
     """One load-generator process: `count` requests at `rate`/s (first at start_at + offset, a
     shared monotonic clock), by `threads` threads. Sends (sched lat us, service lat us, status)."""
-    reqs = [request_bytes(b) for b in bodies]
+    reqs = [request_bytes(b, path) for b in bodies]
     sched_lat = np.full(count, np.nan)
     svc_lat = np.full(count, np.nan)
     status = np.zeros(count, dtype=np.int32)
@@ -158,6 +158,42 @@ def server_histogram(port: int) -> tuple[float, float, int]:
     return (float(tot.group(1)) / n if n else float("nan")), p99, int(n)
 
 
+def open_loop(ctx, port: int, bodies: list[bytes], rate: float, duration: float, args,
+              path: str = PATH) -> dict:
+    """One open-loop run at `rate` lookups/s for `duration` s; latencies in ms."""
+    count = int(rate * duration)
+    c.log(f"open loop: {rate:,.0f} lookups/s for {duration:g}s ({count:,} requests, "
+          f"{args.procs} process(es) x {args.threads} connections{', ' + path if path != PATH else ''}) ...")
+    q = ctx.Queue()
+    start_at = time.perf_counter() + 2.0  # time for the generators to spawn
+    per = rate / args.procs
+    procs = [ctx.Process(target=generator, args=(port, bodies, per, count // args.procs,
+                                                 args.threads, k / rate, start_at, q, path))
+             for k in range(args.procs)]
+    for pr in procs:
+        pr.start()
+    res = [q.get(timeout=duration + 60) for _ in procs]
+    for pr in procs:
+        pr.join()
+    sched = np.concatenate([r[0] for r in res])
+    svc = np.concatenate([r[1] for r in res])
+    status = np.concatenate([r[2] for r in res])
+    done = ~np.isnan(sched)
+    n_ok = int(np.sum(status == 200))
+    unsent = int(np.sum(status == 0))
+    errors = int(np.sum(done & (status != 200))) + int(np.sum(status == -1))
+    # achieved: completions / (schedule span + the last one's latency)
+    span = duration + (np.nanmax(sched) / 1e6 if done.any() else 0)
+    achieved = n_ok / span
+    p50, p99, mx = c.pct(sched[done], 50, 99, 100)
+    s50, s99 = c.pct(svc[done], 50, 99)
+    c.log(f"  {n_ok:,} ok, {errors} errors, {unsent:,} not sent; achieved {achieved:,.0f}/s; "
+          f"latency from schedule p50 {p50 / 1e3:.2f} ms p99 {p99 / 1e3:.2f} ms max {mx / 1e3:.1f} ms; "
+          f"from send p50 {s50 / 1e3:.2f} ms p99 {s99 / 1e3:.2f} ms")
+    return {"count": count, "ok": n_ok, "unsent": unsent, "errors": errors, "achieved": achieved,
+            "p50": p50 / 1e3, "p99": p99 / 1e3, "max": mx / 1e3}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI-size run (a few seconds)")
@@ -167,10 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=1, help="load-generator processes")
     p.add_argument("--threads", type=int, default=16, help="connections (threads) per generator process")
     p.add_argument("--baseline", type=int, default=500, help="sequential unloaded lookups")
+    p.add_argument("--top-k", type=int, default=8, help="also run --top-k-rate with ?top_k=K "
+                   "(answers for the best K replicas only); 0: skip")
+    p.add_argument("--top-k-rate", type=float, default=2000)
+    p.add_argument("--scale", default="", help="comma-separated factors of --scale-base for the "
+                   "scaling series (e.g. 1,2,3,4); a rate also in --rates is not run twice")
+    p.add_argument("--scale-base", type=float, default=500, help="base rate of the scaling series")
+    p.add_argument("--scale-duration", type=float, default=5.0, help="seconds per scaling rate")
+    p.add_argument("--profile", help="run the server under a profiler (--profiler) "
+                   "and write its report to this file (.txt) when the server stops")
+    p.add_argument("--profiler", choices=("pyinstrument", "cprofile"), default="pyinstrument",
+                   help="with --profile: a sampling wall-clock tree, or cProfile's per-function table")
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)
     if args.quick:
-        args.blocks, args.duration, args.baseline = 100_000, 2.0, 100
+        args.blocks, args.duration, args.baseline, args.scale_duration = 100_000, 2.0, 100, 2.0
+    args.scale = c.parse_scale(args.scale)
     rates = [float(x) for x in args.rates.split(",") if x]
     figs = c.Figures("http")
 
@@ -185,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     c.log(f"starting the service on 127.0.0.1:{port} ...")
     t = time.perf_counter()
-    server = subprocess.Popen([sys.executable, str(HERE / "_http_server.py"), "--snapshot", str(snap),
-                               "--port", str(port)], cwd=str(c.ROOT))
+    cmd = [sys.executable, str(HERE / "_http_server.py"), "--snapshot", str(snap), "--port", str(port)]
+    if args.profile:
+        cmd += ["--profile", args.profile, "--profiler", args.profiler]
+    server = subprocess.Popen(cmd, cwd=str(c.ROOT))
     try:
         wait_ready(port, server)
         c.log(f"  ready in {time.perf_counter() - t:.1f}s (pid {server.pid})")
@@ -212,45 +262,43 @@ def main(argv: list[str] | None = None) -> int:
                  "lookups/s")
 
         ctx = mp.get_context("spawn")
+        scale_rates = {f: args.scale_base * f for f in args.scale}
+        done_at: dict[float, dict] = {}
         for rate in rates:
-            count = int(rate * args.duration)
-            c.log(f"open loop: {rate:,.0f} lookups/s for {args.duration:.0f}s ({count:,} requests, "
-                  f"{args.procs} process(es) x {args.threads} connections) ...")
-            q = ctx.Queue()
-            start_at = time.perf_counter() + 2.0  # time for the generators to spawn
-            per = rate / args.procs
-            procs = [ctx.Process(target=generator, args=(port, bodies, per, count // args.procs,
-                                                         args.threads, k / rate, start_at, q))
-                     for k in range(args.procs)]
-            for pr in procs:
-                pr.start()
-            res = [q.get(timeout=args.duration + 60) for _ in procs]
-            for pr in procs:
-                pr.join()
-            sched = np.concatenate([r[0] for r in res])
-            svc = np.concatenate([r[1] for r in res])
-            status = np.concatenate([r[2] for r in res])
-            done = ~np.isnan(sched)
-            n_ok = int(np.sum(status == 200))
-            unsent = int(np.sum(status == 0))
-            errors = int(np.sum(done & (status != 200))) + int(np.sum(status == -1))
-            # achieved: completions / (schedule span + the last one's latency)
-            span = args.duration + (np.nanmax(sched) / 1e6 if done.any() else 0)
-            achieved = n_ok / span
-            p50, p99, mx = c.pct(sched[done], 50, 99, 100)
-            s50, s99 = c.pct(svc[done], 50, 99)
-            c.log(f"  {n_ok:,} ok, {errors} errors, {unsent:,} not sent; achieved {achieved:,.0f}/s; "
-                  f"latency from schedule p50 {p50 / 1e3:.2f} ms p99 {p99 / 1e3:.2f} ms "
-                  f"max {mx / 1e3:.1f} ms; "
-                  f"from send p50 {s50 / 1e3:.2f} ms p99 {s99 / 1e3:.2f} ms")
+            done_at[rate] = r = open_loop(ctx, port, bodies, rate, args.duration, args)
             tag = f"@{rate:,.0f}/s"
             target = "<= 2" if rate >= 2000 else ""
-            figs.add(f"HTTP open-loop p50 {tag}", p50 / 1e3, "ms")
-            figs.add(f"HTTP open-loop p99 {tag}", p99 / 1e3, "ms", target,
+            figs.add(f"HTTP open-loop p50 {tag}", r["p50"], "ms")
+            figs.add(f"HTTP open-loop p99 {tag}", r["p99"], "ms", target,
                      "from scheduled send time (queueing included)")
-            figs.add(f"HTTP open-loop max {tag}", mx / 1e3, "ms")
-            figs.add(f"HTTP achieved rate {tag}", achieved, "lookups/s", f">= {rate * 0.98:.0f}",
-                     f"{n_ok:,} ok of {count:,}, {errors} errors, {unsent:,} not sent")
+            figs.add(f"HTTP open-loop max {tag}", r["max"], "ms")
+            figs.add(f"HTTP achieved rate {tag}", r["achieved"], "lookups/s", f">= {rate * 0.98:.0f}",
+                     f"{r['ok']:,} ok of {r['count']:,}, {r['errors']} errors, {r['unsent']:,} not sent")
+        if args.top_k:
+            r = open_loop(ctx, port, bodies, args.top_k_rate, args.duration, args,
+                          f"{PATH}&top_k={args.top_k}")
+            tag = f"@{args.top_k_rate:,.0f}/s, top_k={args.top_k}"
+            figs.add(f"HTTP open-loop p50 {tag}", r["p50"], "ms")
+            figs.add(f"HTTP open-loop p99 {tag}", r["p99"], "ms", "<= 2" if args.top_k_rate >= 2000 else "",
+                     f"the router asks for the best {args.top_k} replicas only (of 64)")
+            figs.add(f"HTTP achieved rate {tag}", r["achieved"], "lookups/s",
+                     f">= {args.top_k_rate * 0.98:.0f}", f"{r['ok']:,} ok of {r['count']:,}")
+        if scale_rates:
+            c.log(f"HTTP scaling: x{', x'.join(f'{f:g}' for f in args.scale)} of {args.scale_base:,.0f} "
+                  f"lookups/s (rates already run above are reused) ...")
+        held = []
+        for f, rate in scale_rates.items():
+            r = done_at.get(rate) or open_loop(ctx, port, bodies, rate, args.scale_duration, args)
+            ok = r["p99"] <= 2 and r["achieved"] >= 0.98 * rate
+            if ok:
+                held.append(rate)
+            load = f"{rate:,.0f} lookups/s offered"
+            figs.scale("HTTP open-loop p99", f, load, r["p99"], "ms", "<= 2")
+            figs.scale("HTTP achieved rate", f, load, r["achieved"], "lookups/s", f">= {rate * 0.98:.0f}")
+        if scale_rates:
+            tested = ", ".join(f"{x:,.0f}" for x in scale_rates.values())
+            figs.add("HTTP highest tested rate held with p99 <= 2 ms", max(held) if held else 0.0,
+                     "lookups/s", ">= 2000", f"rates tested: {tested}; 0 = none held")
         mean_h, p99_h, n_h = server_histogram(port)
         figs.add("server handler time (mean, from /metrics)", mean_h * 1e3, "ms",
                  "", f"p99 bucket <= {p99_h * 1e3:g} ms over {n_h:,} lookups; excludes uvicorn/h11")

@@ -124,7 +124,7 @@ def producer(bootstrap: str, topic: str, n_batches: int, rate: float | None, q, 
     q.put(("done", t0, t_pub, time.time(), left, sink.errors))
 
 
-def rebuild(bootstrap: str, topic: str, n_blocks: int, figs: c.Figures) -> None:
+def rebuild(bootstrap: str, topic: str, n_blocks: int, figs: c.Figures | None) -> float:
     """Write a shard's snapshot to a compacted topic (streams.snapshots) and time read_snapshots."""
     from kvidx.kafka.topics import create_topics
     from streams.snapshots import SnapshotTopic, read_snapshots, split
@@ -143,8 +143,20 @@ def rebuild(bootstrap: str, topic: str, n_blocks: int, figs: c.Figures) -> None:
     got = len(shards[c.MODEL].groups[0].any) if c.MODEL in shards else 0
     c.log(f"  snapshot {len(data) / 2**20:.1f} MiB published in {t_pub:.2f}s; read_snapshots rebuilt "
           f"{got:,} blocks in {dt:.2f}s")
-    figs.add(f"rebuild of {got:,} blocks from the compacted topic (read_snapshots)", dt, "s", "<= 10",
-             f"snapshot {len(data) / 2**20:.1f} MiB in {-(-len(data) // (512 << 10))} chunks")
+    if figs is not None:
+        figs.add(f"rebuild of {got:,} blocks from the compacted topic (read_snapshots)", dt, "s", "<= 10",
+                 f"snapshot {len(data) / 2**20:.1f} MiB in {-(-len(data) // (512 << 10))} chunks")
+    return dt
+
+
+def freshness(bootstrap: str, topic: str, rate: float, seconds: float, ctx) -> tuple[list[float], float]:
+    """(p50, p99, max) in ms of engine_ts -> applied at `rate` batches/s, and block events/s."""
+    res, _ = run(bootstrap, topic, int(rate * seconds), rate, ctx)
+    lags = np.asarray(res["lags"]) * 1e3
+    p50, p99, mx = c.pct(lags, 50, 99, 100)
+    c.log(f"  {res['n']:,} batches; engine_ts -> applied p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+          f"max {mx:.1f} ms")
+    return [p50, p99, mx], res["blocks"] / seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,10 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh-rate", type=float, default=1000, help="batches/s of the freshness run")
     p.add_argument("--fresh-seconds", type=float, default=8.0)
     p.add_argument("--rebuild-blocks", type=int, default=1_000_000, help="shard size for the rebuild")
+    p.add_argument("--scale", default="", help="comma-separated load factors for the scaling series "
+                   "(e.g. 1,2,4: x the freshness event rate, x the rebuilt shard's blocks); empty: none")
+    p.add_argument("--scale-seconds", type=float, default=3.0, help="seconds per freshness scaling rate")
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.fresh_seconds, args.rebuild_blocks = 3000, 2.0, 100_000
+        args.scale_seconds = 1.5
+    args.scale = c.parse_scale(args.scale)
     figs = c.Figures("kafka")
     ctx = mp.get_context("spawn")
 
@@ -197,12 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         n_fresh = int(args.fresh_rate * args.fresh_seconds)
         c.log(f"freshness: {n_fresh:,} batches at {args.fresh_rate:,.0f} batches/s "
               f"(~{args.fresh_rate * 64:,.0f} block events/s) ...")
-        res, done = run(bootstrap, f"{prefix}.fresh", n_fresh, args.fresh_rate, ctx)
-        lags = np.asarray(res["lags"]) * 1e3
-        p50, p99, mx = c.pct(lags, 50, 99, 100)
-        c.log(f"  {res['n']:,} batches; engine_ts -> applied p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-              f"max {mx:.1f} ms")
-        rate_blocks = res["blocks"] / args.fresh_seconds
+        (p50, p99, mx), rate_blocks = freshness(bootstrap, f"{prefix}.fresh", args.fresh_rate,
+                                                args.fresh_seconds, ctx)
         figs.add(f"freshness engine_ts -> applied p50 @{rate_blocks:,.0f} blocks/s", p50, "ms")
         figs.add(f"freshness engine_ts -> applied p99 @{rate_blocks:,.0f} blocks/s", p99, "ms", "<= 50",
                  "KafkaSink linger.ms=2, consumer fetch.wait.max.ms=10")
@@ -210,6 +223,25 @@ def main(argv: list[str] | None = None) -> int:
 
         c.log(f"rebuild: a {args.rebuild_blocks:,}-block shard through the compacted snapshot topic ...")
         rebuild(bootstrap, f"{prefix}.shards", args.rebuild_blocks, figs)
+
+        if args.scale:
+            c.log(f"scaling: freshness at x{', x'.join(f'{f:g}' for f in args.scale)} of "
+                  f"{args.fresh_rate:,.0f} batches/s ({args.scale_seconds:g}s each), rebuild at the same "
+                  f"factors of {args.rebuild_blocks:,} blocks ...")
+        for f in args.scale:
+            rate = args.fresh_rate * f
+            if f == 1:
+                lat, blocks_s = (p50, p99, mx), rate_blocks
+            else:
+                lat, blocks_s = freshness(bootstrap, f"{prefix}.fresh{f:g}", rate, args.scale_seconds, ctx)
+            figs.scale("freshness engine_ts -> applied p99", f,
+                       f"{rate:,.0f} batches/s, {blocks_s:,.0f} block events/s", lat[1], "ms", "<= 50")
+        for f in args.scale:
+            n = round(args.rebuild_blocks * f)
+            dt = (rebuild(bootstrap, f"{prefix}.shards{f:g}", n, None) if f != 1
+                  else next(x.measured for x in figs.items if x.figure.startswith("rebuild of")))
+            figs.scale("rebuild from the compacted topic (read_snapshots)", f, f"{n / 1e6:g}M blocks",
+                       dt, "s", "<= 10")
     finally:
         if kafka is not None:
             c.log("stopping LocalKafka ...")

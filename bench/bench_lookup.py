@@ -57,6 +57,43 @@ def measure_latency(ls: c.LookupShard, args, figs: c.Figures, now: float) -> Non
         figs.add(f"{labels[key]} p99", p99, "us", "<= 300" if key == "c_hash_lookup" else "")
 
 
+def _hash_lookup_pct(ls: c.LookupShard, block_size: int, iters: int) -> list[float]:
+    """(p50, p99) in us of prompt_hashes + shard.lookup over the shard's query prompts."""
+    shard, now, n_tok = ls.shard, time.time(), len(ls.prompts[0]) // 4
+
+    def op(j: int) -> None:
+        shard.lookup(prompt_hashes(ls.prompts[j], block_size), n_tok, now)
+
+    timed(op, 200, len(ls.prompts))
+    return c.pct(timed(op, iters, len(ls.prompts)), 50, 99)
+
+
+def bench_scaling(args, figs: c.Figures) -> None:
+    """At f x the base load: f x --blocks blocks over f x --replicas replicas (the query prompts hit
+    on ~0.6 of them): (c) p99, bytes per entry, snapshot restore time."""
+    for f in args.scale:
+        n_blocks, replicas = round(args.blocks * f), round(args.replicas * f)
+        ls = c.build_lookup_shard(n_blocks, replicas, args.block_size, progress=False)
+        blocks, entries = c.shard_entries(ls.shard)
+        p50, p99 = _hash_lookup_pct(ls, args.block_size, args.scale_iters)
+        per_entry = c.shard_bytes(ls.shard) / entries
+        snap = ls.shard.snapshot()
+        del ls
+        c.collect()
+        t = time.perf_counter()
+        restored = ModelShard.restore(snap)
+        t_restore = time.perf_counter() - t
+        del restored, snap
+        c.collect()
+        load = f"{blocks / 1e6:g}M blocks, {replicas} replicas, {entries / 1e6:.2f}M entries"
+        c.log(f"  scale {f:g}x: {load}: (c) p50 {p50:.0f} us p99 {p99:.0f} us; {per_entry:.1f} B/entry; "
+              f"restore {t_restore:.2f}s")
+        figs.scale("lookup (c) prompt_hashes + shard.lookup p50", f, load, p50, "us")
+        figs.scale("lookup (c) prompt_hashes + shard.lookup p99", f, load, p99, "us", "<= 300")
+        figs.scale("memory per (block, replica, tier) entry", f, load, per_entry, "bytes", "<= 64")
+        figs.scale("restore (rebuild) from a snapshot, in process", f, load, t_restore, "s", "<= 10")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI-size run (a few seconds)")
@@ -64,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--block-size", type=int, default=64, help="index block size (tokens)")
     p.add_argument("--iters", type=int, default=20000, help="timed lookups per measured operation")
+    p.add_argument("--scale", default="", help="comma-separated load factors for the scaling series "
+                   "(e.g. 1,2,4: x blocks and x replicas); empty: none")
+    p.add_argument("--scale-iters", type=int, default=3000, help="timed lookups per scaling factor")
     p.add_argument("--json", help="write the figures to this JSON file")
     args = p.parse_args(argv)
     if args.quick:
-        args.blocks, args.iters = 100_000, 500
+        args.blocks, args.iters, args.scale_iters = 100_000, 500, 300
+    args.scale = c.parse_scale(args.scale)
     figs = c.Figures("lookup")
 
     c.log(f"building a shard of {args.blocks:,} blocks over {args.replicas} replicas "
@@ -125,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     tracemalloc.stop()
     figs.add("memory per entry of a restored shard (tracemalloc)", used / entries, "bytes", "")
     del restored
+    if args.scale:
+        c.log(f"lookup scaling: x{', x'.join(f'{f:g}' for f in args.scale)} of {args.blocks:,} blocks and "
+              f"{args.replicas} replicas ...")
+        bench_scaling(args, figs)
     figs.write(args.json)
     return 0
 
