@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import msgspec
+
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
 from kvidx.core.lmcache import LmcacheChunks, LmcacheConfig, LmcacheError
 from relays.vllm_wire import (
@@ -113,7 +115,7 @@ class VllmMirror:
               now: float | None = None) -> list[Event]:
         """`now`: the engine batch's timestamp, which ages LMCache's chunks (kvidx/core/lmcache.py)."""
         out: list[Event] = []
-        events = list(events)
+        events = _merge_removals(events)
         reannounced = self._reannounced(events)
         for i, ev in enumerate(events):
             if isinstance(ev, BlockStored):
@@ -431,3 +433,23 @@ def stored_runs(canon: list[int], new_pos: list[int], parent: int, depth0: int, 
             runs.append((canon[p0:new_pos[i - 1] + 1], run_parent, depth0 + p0, engine))
             start = i
     return runs
+
+
+def _merge_removals(events: Iterable) -> list:
+    """vLLM sends one BlockRemoved per evicted block: consecutive ones of one tier and group become one
+    event, so the mirror's per-event work is paid once per run, not once per block."""
+    out: list = []
+    run: list | None = None  # the block hashes of the BlockRemoved run being merged
+    for ev in events:
+        if isinstance(ev, BlockRemoved):
+            last = out[-1] if out else None
+            if (run is not None and isinstance(last, BlockRemoved) and last.medium == ev.medium
+                    and last.group_idx == ev.group_idx):
+                run.extend(ev.block_hashes)
+                continue
+            run = list(ev.block_hashes)
+            out.append(msgspec.structs.replace(ev, block_hashes=run))
+        else:
+            run = None
+            out.append(ev)
+    return out
