@@ -268,10 +268,13 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
         # ranking by price or applying feedback needs every replica first; otherwise only the best
         # k are described at all
-        whole = rank or app.state.feedback is not None
+        feedback = app.state.feedback
+        whole = rank or (feedback is not None and bool(feedback.by_model.get(shard.model)))
         replicas = shard.lookup(hashes, n_tokens, time.time(), None if whole else top_k)
-        if app.state.feedback is not None:  # audit feedback: cap replicas whose engines reuse less
-            replicas = app.state.feedback.apply(shard.model, replicas, shard.block_size)
+        if feedback is not None:  # audit feedback: cap replicas whose engines reuse less
+            replicas = feedback.apply(shard.model, replicas, shard.block_size)
+        if top_k is not None and not rank:
+            del replicas[top_k:]  # ranked by resumable tokens: the rest need no price
         pricer = pricers.get(shard.model)
         if pricer is None:
             pricer = pricers[shard.model] = Pricer(store.config.model(shard.model).price)
