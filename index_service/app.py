@@ -272,7 +272,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         whole = rank or (feedback is not None and bool(feedback.by_model.get(shard.model)))
         replicas = shard.lookup(hashes, n_tokens, time.time(), None if whole else top_k)
         if feedback is not None:  # audit feedback: cap replicas whose engines reuse less
-            replicas = feedback.apply(shard.model, replicas, shard.block_size)
+            replicas = feedback.apply(shard.model, replicas, shard.block_size,
+                                      prefix=hashes[0] if hashes else None)
         if top_k is not None and not rank:
             del replicas[top_k:]  # ranked by resumable tokens: the rest need no price
         pricer = pricers.get(shard.model)

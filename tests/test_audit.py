@@ -22,6 +22,7 @@ from kvidx.ops.feedback import (
     FEEDBACK_VERSION,
     CreditFactor,
     FeedbackFollower,
+    FeedbackTable,
     compute_factors,
     ensure_feedback_topic,
     measure_feedback,
@@ -129,11 +130,34 @@ def test_compute_factors_rules():
     assert f["liar"].factor == 0.25 and f["ok"].factor == 1.0 and f["few"].factor == 1.0
     # credited with the previous factor: the update is multiplicative (0.25 * 0.5); capped to 0 and
     # still reused: lifted
-    prev = {("m", "liar", 0): CreditFactor(FEEDBACK_VERSION, "m", "liar", 0, 0.25, 0, 0, 0, 60, 100, 1000),
-            ("m", "zero", 0): CreditFactor(FEEDBACK_VERSION, "m", "zero", 0, 0.0, 0, 0, 0, 60, 100, 1000)}
+    prev = {("m", "liar", 0, 0): CreditFactor(FEEDBACK_VERSION, "m", "liar", 0, 0.25, 0, 0, 0, 60, 100, 1000),
+            ("m", "zero", 0, 0): CreditFactor(FEEDBACK_VERSION, "m", "zero", 0, 0.0, 0, 0, 0, 60, 100, 1000)}
     pairs = [pair(i, "liar", 80, 40) for i in range(20)] + [pair(50 + i, "zero", 0, 160) for i in range(3)]
     f = {x.replica: x for x in compute_factors(pairs, 110.0, 60.0, prev, min_requests=20)}
     assert f["liar"].factor == 0.125 and f["zero"].factor == 1.0
+
+
+def test_feedback_per_prefix_caps_only_the_prefix_the_engine_does_not_reuse():
+    def pair(i, prefix, credited, reused):
+        return (RouteDecision(ROUTES_VERSION, f"q{i}", "m", "r", 0, [prefix, i], 1000, credited, 100.0, 10.0),
+                UsageReport(USAGE_VERSION, f"q{i}", "m", "r", 0, 1000, reused, 100.0, "vllm"))
+
+    # the engine reuses what is credited for prompts under prefix 11, nothing under prefix 22 (say its
+    # state for that system prompt is evicted silently)
+    pairs = [pair(i, 11, 320, 320) for i in range(20)] + [pair(100 + i, 22, 320, 0) for i in range(20)]
+    factors = compute_factors(pairs, 110.0, 60.0, min_requests=20)
+    by_prefix = {f.prefix: f.factor for f in factors}
+    assert by_prefix == {0: 0.5, 11: 1.0, 22: 0.0}
+    table = FeedbackTable(clock=lambda: 105.0)
+    for f in factors:
+        table.put(f)
+
+    def answer():
+        return [{"replica": "r", "dp_rank": 0, "resumable_tokens": 320}]
+
+    assert table.apply("m", answer(), 16, prefix=11)[0]["resumable_tokens"] == 320  # honest prefix
+    assert table.apply("m", answer(), 16, prefix=22)[0]["resumable_tokens"] == 0
+    assert table.apply("m", answer(), 16, prefix=33)[0]["feedback_capped"]  # no evidence: the replica's
 
 
 def test_feedback_measured_on_a_simulated_lying_replica():

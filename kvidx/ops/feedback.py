@@ -4,7 +4,8 @@ An engine can keep reusing far less than the index credits on one replica: a hyb
 evicted without an event, a cache the engine cannot use, a relay publishing for the wrong replica. The
 index cannot see it from the events; the audit can (kvidx/ops/audit.py: routes joined with usage).
 
-Per (model, replica, DP rank), over the last `window` seconds of joined decisions:
+Per (model, replica, DP rank), and per prefix on it (the prompt's first canonical block: the system
+prompt or the conversation it starts), over the last `window` seconds of joined decisions:
 
     ratio  = sum(reused) / sum(credited)        (the engine's reuse per credited token)
     factor = min(1, previous_factor * ratio)    (decisions were credited with the previous factor)
@@ -17,7 +18,8 @@ leaves no cap behind.
 
 Factors go to the compacted topic `kvidx.feedback.v1` (key = model, replica, rank). A service instance
 reads it (`FeedbackFollower`, passed as `create_app(feedback=...)`) and, in every lookup answer,
-multiplies that replica's `resumable_tokens` by the factor (rounded down to the index block size),
+multiplies that replica's `resumable_tokens` by the factor of the prompt's prefix there, or, with no
+evidence for that prefix, the replica's factor (rounded down to the index block size),
 adding `"feedback_capped": true`, `"credit_factor"` and `"index_resumable_tokens"` (the uncapped
 value); replicas are re-sorted and priced with the capped value. Routers should report the capped
 value as `credited_tokens` (what they relied on): the multiplicative update above assumes it.
@@ -59,6 +61,11 @@ class CreditFactor(msgspec.Struct, array_like=True):
     window_s: float
     ts: float
     expires_at: float
+    prefix: int = 0  # the first canonical block of the prompts it covers; 0: the whole replica
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.model, self.replica, self.dp_rank, self.prefix)
 
 
 def feedback_topic(names: dict[str, str]) -> str:
@@ -71,24 +78,28 @@ def ensure_feedback_topic(bootstrap: str, names: dict[str, str]) -> str:
     return t
 
 
-def _key(model: str, replica: str, dp_rank: int) -> bytes:
-    return msgspec.msgpack.encode([model, replica, dp_rank])
+def _key(model: str, replica: str, dp_rank: int, prefix: int = 0) -> bytes:
+    return msgspec.msgpack.encode([model, replica, dp_rank, prefix])
 
 
 # ---- the computation -------------------------------------------------------------------------------
 def compute_factors(pairs: Iterable[tuple[RouteDecision, UsageReport]], now: float, window_s: float,
-                    previous: dict[tuple[str, str, int], CreditFactor] | None = None,
+                    previous: dict[tuple[str, str, int, int], CreditFactor] | None = None,
                     min_requests: int = 20, threshold: float = 0.8) -> list[CreditFactor]:
     previous = previous or {}
-    sums: dict[tuple[str, str, int], list[int]] = {}
+    sums: dict[tuple[str, str, int, int], list[int]] = {}
     for d, u in pairs:
         if not now - window_s <= d.ts <= now:
             continue
-        s = sums.setdefault((d.model, d.replica, d.dp_rank), [0, 0, 0, 0])  # credited, reused, n, n_credited
-        s[0] += d.credited_tokens
-        s[1] += u.cached_tokens
-        s[2] += 1
-        s[3] += d.credited_tokens > 0
+        keys = [(d.model, d.replica, d.dp_rank, 0)]  # the whole replica, and the prompt's prefix on it
+        if d.block_hashes:
+            keys.append((d.model, d.replica, d.dp_rank, d.block_hashes[0]))
+        for k in keys:
+            s = sums.setdefault(k, [0, 0, 0, 0])  # credited, reused, n, n_credited
+            s[0] += d.credited_tokens
+            s[1] += u.cached_tokens
+            s[2] += 1
+            s[3] += d.credited_tokens > 0
     out = []
     for key in sorted(set(sums) | {k for k, f in previous.items() if f.factor < 1 and f.expires_at > now}):
         credited, reused, n, n_credited = sums.get(key, (0, 0, 0, 0))
@@ -101,33 +112,35 @@ def compute_factors(pairs: Iterable[tuple[RouteDecision, UsageReport]], now: flo
             f = 1.0  # capped to nothing, yet the engine reuses: lift
         else:
             f = f_prev  # not enough evidence: keep
-        out.append(CreditFactor(FEEDBACK_VERSION, *key, f, credited, reused, n, window_s, now,
-                                now + 3 * window_s))
+        model, replica, rank, prefix = key
+        out.append(CreditFactor(FEEDBACK_VERSION, model, replica, rank, f, credited, reused, n, window_s,
+                                now, now + 3 * window_s, prefix))
     return out
 
 
 class FeedbackTable:
-    """(model, replica, dp_rank) -> CreditFactor; applied to lookup answers by the service."""
+    """(model, replica, dp_rank, prefix) -> CreditFactor; applied to lookup answers by the service."""
 
     def __init__(self, clock=time.time):
-        self.factors: dict[tuple[str, str, int], CreditFactor] = {}
-        self.by_model: dict[str, dict[tuple[str, int], CreditFactor]] = {}
+        self.factors: dict[tuple[str, str, int, int], CreditFactor] = {}
+        self.by_model: dict[str, dict[tuple[str, int, int], CreditFactor]] = {}
         self.clock = clock
         self.lock = threading.Lock()
         self.capped_answers = 0
 
     def put(self, f: CreditFactor) -> None:
         with self.lock:
-            self.factors[(f.model, f.replica, f.dp_rank)] = f
-            self.by_model.setdefault(f.model, {})[(f.replica, f.dp_rank)] = f
+            self.factors[f.key] = f
+            self.by_model.setdefault(f.model, {})[f.key[1:]] = f
 
-    def remove(self, key: tuple[str, str, int]) -> None:
+    def remove(self, key: tuple) -> None:
+        key = (*key, 0) if len(key) == 3 else tuple(key)  # keys written before prefixes existed
         with self.lock:
             self.factors.pop(key, None)
-            self.by_model.get(key[0], {}).pop((key[1], key[2]), None)
+            self.by_model.get(key[0], {}).pop(key[1:], None)
 
-    def apply(self, model: str, replicas: list[dict], block_size: int, now: float | None = None
-              ) -> list[dict]:
+    def apply(self, model: str, replicas: list[dict], block_size: int, now: float | None = None,
+              prefix: int | None = None) -> list[dict]:
         """Cap the resumable tokens of replicas with a factor < 1 (in place); re-sorted if any was."""
         table = self.by_model.get(model)
         if not table:
@@ -135,7 +148,10 @@ class FeedbackTable:
         now = self.clock() if now is None else now
         capped = False
         for r in replicas:
-            f = table.get((r["replica"], r["dp_rank"]))
+            # the prompt's prefix on that replica, where there is evidence for it, else the replica's
+            f = table.get((r["replica"], r["dp_rank"], prefix)) if prefix else None
+            if f is None or f.expires_at <= now:
+                f = table.get((r["replica"], r["dp_rank"], 0))
             if f is None or f.factor >= 1.0 or f.expires_at <= now:
                 continue
             orig = r["resumable_tokens"]
@@ -203,21 +219,22 @@ class FeedbackFollower(FeedbackTable):
 def publish_factors(bootstrap: str, topic: str, factors: list[CreditFactor]) -> None:
     p = Producer({**client_config(), "bootstrap.servers": bootstrap, "enable.idempotence": True})
     for f in factors:
-        p.produce(topic, key=_key(f.model, f.replica, f.dp_rank), value=msgspec.msgpack.encode(f))
+        p.produce(topic, key=_key(*f.key), value=msgspec.msgpack.encode(f))
     if p.flush(30):
         raise RuntimeError(f"credit factors to {topic} not acknowledged")
 
 
-def read_factors(bootstrap: str, topic: str) -> dict[tuple[str, str, int], CreditFactor]:
+def read_factors(bootstrap: str, topic: str) -> dict[tuple[str, str, int, int], CreditFactor]:
     from kvidx.ops.kafkalog import read_range
 
     out = {}
     for m in read_range(bootstrap, topic, None, None, "feedback-read"):
         if m.value is None:
-            out.pop(tuple(msgspec.msgpack.decode(m.key)), None)
+            key = tuple(msgspec.msgpack.decode(m.key))
+            out.pop((*key, 0) if len(key) == 3 else key, None)
             continue
         f = msgspec.msgpack.decode(m.value, type=CreditFactor)
-        out[(f.model, f.replica, f.dp_rank)] = f
+        out[f.key] = f
     return out
 
 
@@ -330,7 +347,7 @@ def simulate_lying_replica(requests: int = 3000, replicas: int = 4, liar_reuse: 
                 table.put(f)
                 if f.replica == liar and f.factor < 1 and capped_at is None:
                     capped_at = i + 1
-    f = table.factors.get(("m", liar, 0))
+    f = table.factors.get(("m", liar, 0, 0))
     return {"pairs": pairs, "liar": liar, "capped_at": capped_at, "liar_factor": f.factor if f else 1.0}
 
 
