@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from kvidx.ops.kafkalog import add_kafka_args, bootstrap_of, iso, parse_time, read_range
+from kvidx.shadow import Agreement
 from schemas.events import topic_names
 from schemas.routes import RouteDecision, decode_route
 from schemas.usage import UsageReport, decode_usage, encode_usage
@@ -36,35 +37,23 @@ from schemas.usage import UsageReport, decode_usage, encode_usage
 log = logging.getLogger("kvidx.ops.audit")
 
 
-@dataclass
-class Tally:
-    requests: int = 0
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    credited_tokens: int = 0
-    matched_tokens: int = 0  # sum(min(credited, reused))
-    over_tokens: int = 0  # sum(max(credited - reused, 0))
-    exact: int = 0
+class Tally(Agreement):
+    """The shadow audit's tally (kvidx.shadow.Agreement), keyed by no request number, plus precision
+    (the share of the credit the engine honoured) and an undefined over-credit when nothing was
+    reused but something was credited."""
 
-    def add(self, prompt: int, reused: int, credited: int) -> None:
-        self.requests += 1
-        self.prompt_tokens += prompt
-        self.reused_tokens += reused
-        self.credited_tokens += credited
-        self.matched_tokens += min(credited, reused)
-        self.over_tokens += max(credited - reused, 0)
-        self.exact += credited == reused
+    def add(self, prompt: int, reused: int, credited: int) -> None:  # type: ignore[override]
+        super().add(self.requests, prompt, reused, credited)
 
     def summary(self) -> dict:
+        s = super().summary()
         r, c = self.reused_tokens, self.credited_tokens
-        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens, "reused_tokens": r,
-                "credited_tokens": c, "over_credited_tokens": self.over_tokens,
-                "reuse_rate": round(r / self.prompt_tokens, 6) if self.prompt_tokens else 0.0,
-                "recall": round(self.matched_tokens / r, 6) if r else 1.0,
-                # nothing reused: 0 if nothing was credited either, else undefined (None)
-                "over_credit": round(self.over_tokens / r, 6) if r else (None if self.over_tokens else 0.0),
-                "precision": round(self.matched_tokens / c, 6) if c else 1.0,
-                "exact_requests": self.exact}
+        s["over_credited_tokens"] = self.over_tokens
+        # nothing reused: 0 if nothing was credited either, else undefined (None)
+        if not r:
+            s["over_credit"] = None if self.over_tokens else 0.0
+        s["precision"] = round(self.matched_tokens / c, 6) if c else 1.0
+        return s
 
 
 @dataclass
