@@ -13,15 +13,13 @@ Checks on every response:
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
 import schemathesis
-import uvicorn
+from conftest import ServerThread
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
@@ -36,31 +34,6 @@ BS = 16
 MAX_TOKENS = 4096
 EXAMPLES = 100  # per operation; the whole file runs in well under a minute
 DOCUMENTED_4XX = {400, 401, 404, 405, 413, 415, 422}
-
-
-class ServerThread:
-    """uvicorn on a free loopback port, in a thread."""
-
-    def __init__(self, app, **config):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", **config))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 15
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not start on port {self.port}")
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def seeded_store(model: str = MODEL, replicas: int = 4, prompt: list[int] | None = None) -> ShardStore:

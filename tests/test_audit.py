@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 from confluent_kafka import Producer
+from conftest import ServerThread
 from test_replay import ready, wait_for
-from test_service_http import ServerThread
 
 from index_service.app import create_app
 from index_service.follower import KafkaFollower, RoutePublisher

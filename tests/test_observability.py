@@ -11,9 +11,10 @@ import re
 from pathlib import Path
 
 import httpx
+from conftest import ServerThread
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
-from test_api_schemathesis import MODEL, ServerThread, seeded_store
+from test_api_schemathesis import MODEL, seeded_store
 
 import relays.run  # noqa: F401  (registers the relay series)
 import streams.worker as worker

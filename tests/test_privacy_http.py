@@ -18,9 +18,10 @@ import logging
 import httpx
 import numpy as np
 import pytest
+from conftest import ServerThread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_api_schemathesis import MODEL, ServerThread, seeded_store
+from test_api_schemathesis import MODEL, seeded_store
 
 from index_service.app import create_app
 from kvidx.core.hashing import prompt_hashes

@@ -7,8 +7,7 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_for
-from test_service_http import ServerThread
+from conftest import ServerThread, wait_for
 
 from index_service.app import create_app
 from index_service.follower import KafkaFollower, RoutePublisher

@@ -3,16 +3,14 @@ shard's, all three request forms agree, bad requests get the right 4xx naming th
 
 from __future__ import annotations
 
-import socket
 import struct
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
+from conftest import ServerThread
 
 from index_service.app import create_app
 from index_service.store import ShardStore
@@ -28,29 +26,6 @@ SYNTH = "synth"
 INDEX_BS = 16
 SYNTH_BS = 8
 MAX_TOKENS = 8192
-
-
-class ServerThread:
-    def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 15
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not start on port {self.port}")
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def _frames():
