@@ -165,6 +165,17 @@ def cmd_resync(args) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """In the supervised child: get SIGTERM when the supervisor dies, even by SIGKILL (Linux), so a
+    killed supervisor never leaves an orphan worker behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _supervise(what: str) -> int:
     """Run this same command as a child process and start it again when it dies (a faust worker
     exits when the broker is unreachable at start-up or for too long); SIGTERM/SIGINT stop both.
@@ -188,7 +199,8 @@ def _supervise(what: str) -> int:
     backoff = 1.0
     while True:
         started = time.monotonic()
-        child = subprocess.Popen([sys.executable, "-m", "kvidx.cli", *sys.argv[1:]], env=env)
+        child = subprocess.Popen([sys.executable, "-m", "kvidx.cli", *sys.argv[1:]], env=env,
+                                 preexec_fn=_die_with_parent)
         code = child.wait()
         if stopping:
             return 0
@@ -305,8 +317,12 @@ def cmd_shadow(args) -> int:
 def cmd_demo(args) -> int:
     from kvidx.demo import run_demo
 
-    return run_demo(replicas=args.replicas, requests=args.requests, kafka=args.kafka,
-                    bootstrap=args.bootstrap, port=args.port, keep_serving=args.serve)
+    try:
+        return run_demo(replicas=args.replicas, requests=args.requests, kafka=args.kafka,
+                        bootstrap=args.bootstrap, port=args.port, keep_serving=args.serve)
+    except KeyboardInterrupt:
+        print("[demo] stopped", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

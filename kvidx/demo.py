@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,8 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
              port: int = 0, keep_serving: bool = False, seed: int = 7) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvidx-demo-"))
     stack: list = []  # things to stop, last first
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the broker and worker it started are stopped
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         store = ShardStore(INDEX_BLOCK)
         # 1. the engines
@@ -114,7 +117,7 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
             t = threading.Thread(target=relay.run_live, args=(0.05,), daemon=True, name=f"relay-{i}")
             t.start()
             relays.append(relay)
-            stack.append(relay.close)
+            stack.append(lambda r=relay, th=t: (r.close(), th.join(5)))  # before its sink closes
         time.sleep(0.3)  # ZMQ subscriptions take a moment to reach the publishers
 
         # 4. the lookup service

@@ -71,7 +71,7 @@ class KafkaSink:
         self._produce(self.dead_letter_topic, f"{model}/{replica}".encode(), value, headers)
 
     def flush(self, timeout: float = 10.0) -> int:
-        return self.producer.flush(timeout)
+        return self.producer.flush(timeout) if self.producer is not None else 0
 
     def close(self) -> None:
         self.flush()

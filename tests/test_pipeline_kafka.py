@@ -48,7 +48,7 @@ def start_worker(bootstrap, prefix, data_dir, log_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
         [sys.executable, "-m", "kvidx.cli", "worker", "--bootstrap", bootstrap, "--topic-prefix", prefix,
-         "--data-dir", str(data_dir), "--snapshot-interval", "0.5", "--web-port", "0"],
+         "--data-dir", str(data_dir), "--snapshot-interval", "0.5", "--web-port", "0", "--no-supervise"],
         cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
