@@ -85,7 +85,10 @@ def parse_key(key: int | str) -> int:
 def decode_controller(payload: bytes) -> list[KvOp]:
     """Admit/evict operations of one controller message ([] for messages that are not about chunks).
     Raises msgspec errors or ControllerMessageError."""
-    m = _dec.decode(payload)
+    try:
+        m = _dec.decode(payload)
+    except RecursionError:  # msgspec's depth limit on deeply nested values: malformed, not a crash
+        raise msgspec.DecodeError("nested too deeply") from None
     if m.type in IGNORED_TYPES:
         return []
     if m.type == "BatchedKVOperationMsg":
