@@ -79,38 +79,14 @@ PageToken = int | tuple[int, int]
 
 
 @dataclass
-class BlockStored:
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[PageToken]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    lora_name: str | None = None
-
-
-@dataclass
-class BlockRemoved:
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-@dataclass
-class AllBlocksCleared:
-    pass
-
-
-@dataclass
 class Batch:
     ts: float
     events: list
     data_parallel_rank: int | None  # SGLang's attn_dp_rank (named as vLLM's for the shared relay)
 
 
-# ---- 0.5.22+: maps tagged by "type" ------------------------------------------------------------
-class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type"):
+# ---- 0.5.22+: maps tagged by "type"; these are also the events the mirror reads ----------------
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[PageToken]
@@ -122,18 +98,18 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type"):
     lora_name: str | None = None
 
 
-class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     block_hashes: list[int]
     medium: str | None = None
 
 
-class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
     pass
 
 
 class _BatchMap(msgspec.Struct, array_like=True):
     ts: float
-    events: list[_StoredMap | _RemovedMap | _ClearedMap]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     attn_dp_rank: int | None = None
 
 
@@ -174,17 +150,16 @@ class VersionMismatch(msgspec.ValidationError):
 def _norm(b: _BatchMap | _BatchPos) -> Batch:
     events: list = []
     for e in b.events:
-        if isinstance(e, _StoredMap):
-            events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
-                                      e.lora_id, e.medium, e.cache_salt, e.session_id, e.lora_name))
+        if isinstance(e, BlockStored | BlockRemoved | AllBlocksCleared):
+            events.append(e)
         elif isinstance(e, _StoredPos):
             events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
                                       e.lora_id, e.medium))
-        elif isinstance(e, _RemovedMap | _RemovedPos):
+        elif isinstance(e, _RemovedPos):
             events.append(BlockRemoved(e.block_hashes, e.medium))
         else:
             events.append(AllBlocksCleared())
-        hashes = e.block_hashes if not isinstance(e, _ClearedMap | _ClearedPos) else ()
+        hashes = e.block_hashes if not isinstance(e, AllBlocksCleared | _ClearedPos) else ()
         for h in hashes:
             if not -_I64 <= h < _I64:
                 raise msgspec.ValidationError(f"block hash {h} is not a signed 64-bit int")
