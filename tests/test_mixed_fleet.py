@@ -280,25 +280,9 @@ class EagleSglangEngine(SimSglangEngine):
             self.requests += 1
             return m
 
-    def cached_tokens_of(self, prompt: list[int], cache_salt: str | None = None,
-                         lora_name: str | None = None, cap: bool = True) -> int:
-        P, node, i = self.P, self.root, 0
-        key = bigrams(prompt[:len(prompt) - 1])
-        key = key[:len(key) // P * P]
-        ns = (None, cache_salt)
-        while i < len(key):
-            child = node.children.get((ns, tuple(key[i:i + P])))
-            if child is None:
-                break
-            m = 0
-            while m < len(child.key) and i + m + P <= len(key) and child.key[m:m + P] == key[i + m:i + m + P]:
-                m += P
-            i += m
-            if m < len(child.key):
-                break
-            node = child
-        return i
-
+    def _match_key(self, prompt: list[int], cap: bool = True) -> list:
+        key = bigrams(prompt[:len(prompt) - 1])  # EAGLE: n - 1 tokens are n - 2 pairs
+        return key[:len(key) // self.P * self.P]
 
 def _feed(eng: SimSglangEngine, relay: SglangPublisherRelay, shard: ModelShard, start: int = 0) -> int:
     for seq, ts, payload in eng.published[start:]:

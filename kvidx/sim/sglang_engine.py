@@ -385,13 +385,17 @@ class SimSglangEngine:
             self._queue.append({"type": "AllBlocksCleared"})
             self.flush()
 
+    def _match_key(self, prompt: list[int], cap: bool = True) -> list:
+        """The radix key a prompt is matched with: its tokens below the last one, whole pages."""
+        n = len(prompt) - 1 if cap else len(prompt)
+        return list(prompt[:n // self.P * self.P])
+
     def cached_tokens_of(self, prompt: list[int], cache_salt: str | None = None,
                          lora_name: str | None = None, cap: bool = True) -> int:
         """What the engine would reuse for `prompt` now (no side effect on the published state); with
         `cap=False` the whole cached prefix, the last prompt token included."""
         ns = (lora_id_of(lora_name) if lora_name else None, cache_salt)
-        n = len(prompt) - 1 if cap else len(prompt)
-        P, node, i, key = self.P, self.root, 0, list(prompt[:n // self.P * self.P])
+        P, node, i, key = self.P, self.root, 0, self._match_key(prompt, cap)
         while i < len(key):
             child = node.children.get((ns, tuple(key[i:i + P])))
             if child is None:
