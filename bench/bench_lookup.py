@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CI-size run (a few seconds)")
     p.add_argument("--blocks", type=int, default=1_000_000, help="distinct blocks in the shard")
     p.add_argument("--replicas", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=64, help="index block size (tokens)")
+    # --index-block-size as everywhere else; --block-size is its old spelling, still accepted
+    p.add_argument("--index-block-size", "--block-size", dest="block_size", type=int, default=64,
+                   help="index block size (tokens)")
     p.add_argument("--iters", type=int, default=20000, help="timed lookups per measured operation")
     p.add_argument("--scale", default="", help="comma-separated load factors for the scaling series "
                    "(e.g. 1,2,4: x blocks and x replicas); empty: none")

@@ -326,10 +326,11 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvidx.clihelp import DeprecatedAlias, add_common_options, finish, version
+
     p = argparse.ArgumentParser(prog="kvidx", description="A fleet-wide KV-cache index for LLM serving.")
-    p.add_argument("--log-level", default=os.environ.get("KVIDX_LOG_LEVEL", "INFO"))
-    p.add_argument("--kafka-config", help="JSON file of librdkafka settings for every Kafka client "
-                   "(TLS, SASL ...; or set $KVIDX_KAFKA_CONFIG)")
+    p.add_argument("--version", action="version", version=f"kvidx {version()}")
+    add_common_options(p, top=True)  # and on every subcommand, by finish() below
     sub = p.add_subparsers(dest="command", required=True)
 
     from kvidx.kafka import add_cli
@@ -359,9 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Subscribe to an engine's KV-cache events (or play a recording), "
                                    "re-hash blocks canonically and publish versioned batches to Kafka.")
     common(r, shards=False)
-    r.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    r.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+                   help="the engine whose events are relayed")
     r.add_argument("--url", help="trtllm: trtllm-serve's base URL (its POST /kv_cache_events is polled)")
-    r.add_argument("--block-size", type=int, help="trtllm: the engine's tokens per block")
+    # dest block_size: the name the relay code reads; --block-size is its old, deprecated spelling
+    r.add_argument("--engine-block-size", dest="block_size", type=int, metavar="N",
+                   help="trtllm: the engine's tokens per block")
+    r.add_argument("--block-size", dest="block_size", type=int, action=DeprecatedAlias,
+                   new="--engine-block-size")
     r.add_argument("--engine-version", help="the engine's release (checked against the versions the "
                    "adapter was verified with; default: the newest checked)")
     r.add_argument("--model", required=True, help="model name the events belong to (Kafka key)")
@@ -399,13 +405,20 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Publish a resync request on the control topic: the matching relays "
                                     "clear their replica in the index and replay their mirror, paced.")
     rs.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
-    rs.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""))
+    rs.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
+                    help="prefix of every topic name (several deployments on one cluster)")
     rs.add_argument("--model", default="*", help="model, or * for all")
     rs.add_argument("--replica", default="*", help="replica, or * for all of the model")
     rs.add_argument("--reason", default="operator", help="recorded in the relays' logs")
     rs.set_defaults(func=cmd_resync)
 
-    w = sub.add_parser("worker", help="run a stream worker (faust) folding events into RocksDB shards")
+    w = sub.add_parser("worker", help="run a stream worker (faust) folding events into RocksDB shards",
+                       description="Consume the events topic, fold each model's batches into its shard "
+                                   "(RocksDB under --data-dir) and publish compacted shard snapshots, "
+                                   "from which lookup services start. Offsets are committed only once a "
+                                   "snapshot holds the events, so a crash loses nothing; several workers "
+                                   "share the partitions. By default a supervisor restarts the worker "
+                                   "when it exits (e.g. the broker was unreachable for too long).")
     common(w)
     w.add_argument("--data-dir", default="var/worker", help="RocksDB and faust state")
     w.add_argument("--snapshot-interval", type=float, default=2.0, help="seconds between shard snapshots")
@@ -418,10 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run faust in this process (default: a supervisor restarts it when it dies)")
     w.set_defaults(func=cmd_worker)
 
-    s = sub.add_parser("serve", help="run the lookup service (FastAPI), fed from Kafka")
+    s = sub.add_parser("serve", help="run the lookup service (FastAPI), fed from Kafka",
+                       description="Serve the lookup API (POST /v1/lookup, /v1/rank, /v1/routes, "
+                                   "/v1/usage; GET /healthz, /metrics, /docs). The instance is a read "
+                                   "replica: it rebuilds its shards from the workers' snapshot topic, "
+                                   "then follows the events topic itself; /healthz answers 503 until the "
+                                   "shards are rebuilt. Any number of instances answer alike.")
     common(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8080, help="HTTP port")
     s.add_argument("--auth-token-file", help="require `Authorization: Bearer <token>` on /v1/ "
                    "(the token read from this file; or set $KVIDX_API_TOKEN)")
     s.add_argument("--max-tokens", type=int, default=1_000_000, help="largest prompt a lookup accepts")
@@ -450,15 +468,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Simulated vLLM replicas publish real vLLM-format events over ZMQ; "
                                    "relays, shards and the HTTP service run in process (or over Kafka "
                                    "with --kafka); prints lookups and the shadow agreement.")
-    d.add_argument("--replicas", type=int, default=3)
-    d.add_argument("--requests", type=int, default=300)
+    d.add_argument("--replicas", type=int, default=3, help="simulated vLLM replicas")
+    d.add_argument("--requests", type=int, default=300, help="requests routed through the index")
     d.add_argument("--kafka", action="store_true", help="go through Kafka (starts a local broker "
                    "unless --bootstrap or $KAFKA_BOOTSTRAP_SERVERS is given)")
-    d.add_argument("--bootstrap")
+    d.add_argument("--bootstrap", help="with --kafka: the Kafka bootstrap servers to use")
     d.add_argument("--port", type=int, default=0, help="HTTP port of the service (0: any free port)")
     d.add_argument("--serve", action="store_true", help="keep serving lookups after the demo")
     d.set_defaults(func=cmd_demo)
-    return p
+    return finish(p)  # one help formatter and the common options on every subcommand
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kvidx.clihelp import HelpFormatter
 from kvidx.shadow import Agreement
 from kvidx.sim.fleet import ENGINES, POLICIES, POOL_TIERS, FleetConfig, RunResult, hybrid_spec, run_fleet
 from kvidx.sim.workloads import (
@@ -524,7 +525,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                     "model/replica, over time) and how a KV-aware router compares with random, "
                     "round-robin and least-loaded routing; per engine and per tier (host tier, shared "
                     "pools).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="a Mooncake-format trace (jsonl: timestamp ms, input_length, "
                    "output_length, hash_ids); default: the bundled mooncake_conversation_trace.jsonl")
@@ -538,7 +539,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--speed", type=float, default=1.0,
                    help="time compression: arrivals come SPEED times faster")
     w.add_argument("--chat-rate", type=float, default=20.0, help="chat workload: requests/s (Poisson)")
-    w.add_argument("--seed", type=int, default=7)
+    w.add_argument("--seed", type=int, default=7,
+                   help="random seed (generated workloads, delays, drops, random routing)")
     f = p.add_argument_group("fleet")
     f.add_argument("--models", type=int, default=1, help="models (trace requests spread by prefix)")
     f.add_argument("--replicas", type=int, default=8, help="replicas per model")
@@ -562,7 +564,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--hybrid-chunk-tokens", type=int, default=2048, help="swa: the scheduler's prefill chunk")
     f.add_argument("--cpu-offload-blocks", type=int, default=0, help="vLLM offloading connector: CPU blocks "
                    "per vLLM replica (blocks evicted from the GPU move there, LRU; CPU hits are reused)")
-    f.add_argument("--engine-block-size", type=int, default=16)
+    f.add_argument("--engine-block-size", type=int, default=16,
+                   help="the simulated engines' tokens per block")
     f.add_argument("--index-block-size", type=int, default=16, help="must divide the engine block size")
     f.add_argument("--cache-tokens", type=int, default=1_000_000,
                    help="KV cache per replica, in workload tokens (before --trace-block-tokens scaling)")

@@ -416,5 +416,5 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true", help="compute and print, do not publish")
     p.add_argument("--simulate", type=int, metavar="N", help="no Kafka: measure the feedback on a simulated "
                    "fleet with one replica that silently drops its state, N requests")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON objects")
     p.set_defaults(func=cmd_feedback)
