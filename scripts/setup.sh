@@ -9,6 +9,8 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+# setuptools tells every editable install, as a warning, to beware of folders named like a package:
+# an FYI (its InformationOnly class), not a problem; real warnings and errors still show
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/kvidx kafka fetch >/dev/null
 echo "setup: done (.venv ready, Kafka jars cached)" >&2
