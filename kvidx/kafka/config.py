@@ -19,6 +19,28 @@ ENV = "KVIDX_KAFKA_CONFIG"
 _CLIENT_LOG = logging.getLogger("kvidx.kafka.client")
 
 
+class _BenignAtDebug(logging.Filter):
+    """librdkafka lines that are part of a normal start, logged by it as warnings, become DEBUG.
+
+    An idempotent producer's first request to a broker asks for a producer id; a broker that has just
+    started (or moved its transaction coordinator) answers "Coordinator load in progress" and the
+    producer retries by itself: "GETPID ... Failed to acquire idempotence PID ...: retrying". If the
+    broker never answers, the produced messages time out and the sink logs each delivery failure as an
+    error, so nothing real is hidden. Every other line keeps librdkafka's level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # confluent-kafka logs as logger.log(level, "%s [%s] %s", facility, client name, message)
+        args = record.args if isinstance(record.args, tuple) else ()
+        if (record.levelno > logging.DEBUG and len(args) == 3 and args[0] == "GETPID"
+                and str(args[2]).rstrip().endswith("retrying")):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return _CLIENT_LOG.isEnabledFor(logging.DEBUG)  # its level was checked as a warning's
+        return True
+
+
+_CLIENT_LOG.addFilter(_BenignAtDebug())
+
+
 def client_config() -> dict[str, Any]:
     """The settings every confluent-kafka client of the index starts from."""
     return {"logger": _CLIENT_LOG, **_user_config()}
