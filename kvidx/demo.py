@@ -136,6 +136,11 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
             except OSError:
                 pass
             time.sleep(0.1)
+        # the router starts once the index knows every replica (their relays' start batches are
+        # applied; through Kafka that takes a moment): before that the model is unknown and the
+        # first lookup would be a 404
+        while time.monotonic() < deadline and not all(_known(store, f"replica-{j}") for j in range(replicas)):
+            time.sleep(0.01)
         say(f"lookup service on {base} (POST /v1/lookup, /v1/lookup/binary; GET /healthz, /metrics)")
 
         # 5. a router: lookup, route to the best replica, serve, compare
@@ -195,6 +200,12 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
             except Exception:  # best effort: keep stopping the rest
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _known(store: ShardStore, replica: str) -> bool:
+    """Whether the index has applied anything of the replica (at least its relay's start)."""
+    shard = store.shards.get(MODEL)
+    return shard is not None and (replica, 0) in shard.replicas
 
 
 def _applied_seq(store: ShardStore, replica: str) -> int:
