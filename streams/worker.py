@@ -157,11 +157,15 @@ class ShardWorker:
         for model in sorted(self.dirty):
             shard = self.shards[model]
             t0 = time.perf_counter()
-            shard.snapshot_id += 1
-            items = split(model, shard.snapshot(), shard.snapshot_id, shard.blocks_applied)
+            # the id (and so the slot) moves on only once the topic has the snapshot: a retry after a
+            # failed publish rewrites the same slot, never the one the current manifest points to
+            sid = shard.snapshot_id + 1
+            items = split(model, shard.snapshot(), sid, shard.blocks_applied)
             # the compacted topic is the durable copy; the local RocksDB only speeds up a restart
             # here, so a full or failing disk is reported and survived, not fatal
             self.topic.publish(items, self.partition_of[model])
+            shard.snapshot_id = sid
+            self.dirty.discard(model)
             try:
                 self.local.save(items)
             except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exceptions on I/O errors
@@ -171,7 +175,6 @@ class ShardWorker:
             for gid, g in shard.groups.items():
                 INDEXED.labels(model, str(gid)).set(len(g.any))
             n += 1
-        self.dirty.clear()
         return n
 
     def dead_letter(self, raw: bytes, reason: str, detail: str) -> None:
@@ -219,8 +222,10 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
     async def fold(stream):
         streams.append(stream)
         # acks are manual: an event is acknowledged only once a snapshot holds it, so committed
-        # offsets never run ahead of what a restarted worker can rebuild
-        async for events in stream.noack().take_events(5000, within=0.05):
+        # offsets never run ahead of what a restarted worker can rebuild. Not `take_events`: it
+        # acknowledges each batch itself when the next one is asked for (a kill before the next
+        # snapshot then lost every event folded since the last one).
+        async for events in stream.noack().noack_take(5000, within=0.05):
             for ev in events:
                 worker.fold(ev.value, ev.message.partition, ev.message.offset)
             pending.extend(events)
@@ -237,8 +242,12 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
         if not pending:
             return
         done = list(pending)
-        pending.clear()
-        worker.snapshot_dirty()
+        try:
+            worker.snapshot_dirty()
+        except Exception as e:  # noqa: BLE001 - broker down, topic gone ...: keep the events unacked
+            log.error("event=snapshot_failed error=%s retry_in_s=%.1f", str(e)[:200], snapshot_interval)
+            return
+        del pending[:len(done)]  # events folded meanwhile are not in this snapshot
         for ev in done:
             await streams[0].ack(ev)
 
