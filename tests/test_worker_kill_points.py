@@ -113,7 +113,7 @@ def test_worker_killed_at_random_points_loses_nothing(kafka_bootstrap, topics, t
                 data_dir = tmp_path / f"w{k}"
             w = start_worker(kafka_bootstrap, topics["prefix"], data_dir, log)
             time.sleep(rng.uniform(0.5, 7.0))
-            assert w.poll() is None, f"worker {k} died by itself:\n{open(tmp_path / 'workers.log').read()[-3000:]}"
+            assert w.poll() is None, f"worker {k} died:\n{(tmp_path / 'workers.log').read_text()[-3000:]}"
             w.send_signal(signal.SIGKILL)
             w.wait()
         producer.join(120)
@@ -125,7 +125,7 @@ def test_worker_killed_at_random_points_loses_nothing(kafka_bootstrap, topics, t
         deadline = time.monotonic() + 120
         shards = {}
         while time.monotonic() < deadline:
-            assert w.poll() is None, f"last worker died:\n{open(tmp_path / 'workers.log').read()[-3000:]}"
+            assert w.poll() is None, f"last worker died:\n{(tmp_path / 'workers.log').read_text()[-3000:]}"
             shards = read_snapshots(kafka_bootstrap, topics["snapshots"])
             if all(m in shards and sum(st.batches for st in shards[m].replicas.values()) >= n
                    for m, n in want_batches.items()):
