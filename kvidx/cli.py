@@ -10,9 +10,12 @@ import signal
 import sys
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+def _logging(level: str, command: str | None = None) -> None:
+    from kvidx import logfmt
+
+    logfmt.configure(level)
+    if command == "worker":  # faust sets up logging again when it starts: in the same format
+        logfmt.use_in_faust()
 
 
 def _bootstrap(args) -> str:
@@ -481,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _logging(args.log_level)
+    _logging(args.log_level, args.command)
     if args.kafka_config:
         from kvidx.kafka.config import load_file
         load_file(args.kafka_config)
