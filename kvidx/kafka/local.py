@@ -7,15 +7,23 @@ The broker jars are resolved from Maven Central with ``mvn dependency:copy-depen
 Python API::
 
     kafka = LocalKafka()
-    bootstrap = kafka.start(data_dir)   # "127.0.0.1:<port>"
+    bootstrap = kafka.start(data_dir)   # "127.0.0.1:<port>"; formats data_dir unless it holds a broker's data
     ...
-    kafka.stop()
+    kafka.stop()                        # the data dir is left in place
 
 CLI (registered into ``kvidx`` by :func:`add_cli`)::
 
-    kvidx kafka up [--state-dir DIR]     # start detached, write DIR/kafka.json
+    kvidx kafka up [--state-dir DIR]     # start detached (or restart on its data), write DIR/kafka.json
     kvidx kafka status [--state-dir DIR]
-    kvidx kafka down [--state-dir DIR]   # stop and delete the data dir
+    kvidx kafka down [--state-dir DIR]   # stop; topics and messages are kept for the next `up`
+    kvidx kafka reset [--state-dir DIR] [--yes]   # stop and delete all topics and messages
+
+The state dir is one per user, whatever the working directory: ``$KVIDX_STATE_DIR/kafka`` if set,
+else ``${XDG_STATE_HOME:-~/.local/state}/kvidx/kafka``. A broker that died (kill -9, OOM, reboot)
+comes back from ``up`` with its data, on its previous ports when they are free. Kafka 4.1 (KRaft,
+formatted with ``--standalone``) starts fine with a controller port other than the one it was
+formatted with, so a taken controller port just gets replaced; a taken broker port too, with one line
+saying so (clients then need the new address).
 
 Everything binds to 127.0.0.1 only. Needs ``java`` (17+) and, on first use, ``mvn``.
 """
@@ -26,6 +34,7 @@ import argparse
 import base64
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -37,15 +46,20 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
 LOG4J_CONFIG = HERE / "log4j2.yaml"
-DEFAULT_STATE_DIR = Path("var/kafka")
 STATE_FILE = "kafka.json"
+LOCK_FILE = ".lock"
+DATA_SUBDIR = "data"
 MARKER = ".kvidx-jars-complete"
+JAVA_HINT = (
+    "install a JDK 17+ (e.g. `apt-get install openjdk-17-jre-headless` or `brew install openjdk@17`) "
+    "or set JAVA_HOME to one"
+)
 
 JVM_OPTS = [
     "-Xms256m",
@@ -60,6 +74,23 @@ JVM_OPTS = [
 Log = Callable[[str], None]
 
 
+class KafkaError(RuntimeError):
+    """A launcher failure. The first line of the message says what went wrong on its own (the CLI
+    prints only that); ``log_file`` is the broker log to read for more, if there is one."""
+
+    def __init__(self, msg: str, log_file: Path | None = None) -> None:
+        super().__init__(msg)
+        self.log_file = log_file
+
+
+class KafkaTimeout(KafkaError, TimeoutError):
+    """The broker did not serve in time (still a TimeoutError, as before)."""
+
+
+class NoBrokerState(KafkaError):
+    """The state dir holds no broker (no kafka.json, no data): probably the wrong dir."""
+
+
 def _default_log(msg: str) -> None:
     print(f"[kafka] {msg}", file=sys.stderr, flush=True)
 
@@ -68,7 +99,7 @@ def kafka_version() -> str:
     """The Kafka version pinned in pom.xml."""
     m = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", POM.read_text())
     if not m:
-        raise RuntimeError(f"no <kafka.version> in {POM}")
+        raise KafkaError(f"no <kafka.version> in {POM}")
     return m.group(1).strip()
 
 
@@ -77,6 +108,25 @@ def kafka_home() -> Path:
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "kvidx" / f"kafka-{kafka_version()}"
+
+
+def default_state_dir() -> Path:
+    """``$KVIDX_STATE_DIR/kafka``, else ``${XDG_STATE_HOME:-~/.local/state}/kvidx/kafka``.
+
+    One per user and independent of the working directory, so status/down/reset from anywhere find
+    the broker that `up` started.
+    """
+    env = os.environ.get("KVIDX_STATE_DIR")
+    if env:
+        return Path(env).expanduser().resolve() / "kafka"
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    # The XDG spec says to ignore a relative value (it would make the dir cwd-dependent again).
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state"
+    return base / "kvidx" / "kafka"
+
+
+def _state_dir(state_dir: str | os.PathLike | None) -> Path:
+    return Path(state_dir).expanduser().resolve() if state_dir else default_state_dir()
 
 
 def _pom_digest() -> str:
@@ -107,9 +157,10 @@ def ensure_jars(log: Log = _default_log) -> Path:
 def _fetch_jars(home: Path, libs: Path, marker: Path, digest: str, log: Log) -> None:
     mvn = shutil.which("mvn")
     if not mvn:
-        raise RuntimeError(
-            "Maven ('mvn') is needed once to fetch the Kafka jars; install it or set "
-            "KVIDX_KAFKA_HOME to a dir whose libs/ has them (plus a marker file)"
+        raise KafkaError(
+            f"Maven ('mvn') not found on PATH; it is needed once to fetch the Kafka jars into {libs}: "
+            "install it (e.g. `apt-get install maven`) or set KVIDX_KAFKA_HOME to a jar cache that "
+            "`kvidx kafka fetch` filled elsewhere"
         )
     log(f"fetching Kafka {kafka_version()} jars into {libs} (one-time) ...")
     t0 = time.monotonic()
@@ -127,7 +178,9 @@ def _fetch_jars(home: Path, libs: Path, marker: Path, digest: str, log: Log) -> 
     ]
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"mvn failed ({res.returncode}):\n{res.stdout[-4000:]}")
+        errors = [ln for ln in res.stdout.splitlines() if ln.startswith("[ERROR]")]
+        first = errors[0] if errors else (res.stdout.strip().splitlines() or ["(no output)"])[-1]
+        raise KafkaError(f"mvn failed (exit {res.returncode}): {_shorten(first)}\n{res.stdout[-4000:]}")
     shutil.rmtree(libs, ignore_errors=True)
     tmp.rename(libs)
     marker.write_text(digest + "\n")
@@ -136,12 +189,15 @@ def _fetch_jars(home: Path, libs: Path, marker: Path, digest: str, log: Log) -> 
 
 def _java() -> str:
     java_home = os.environ.get("JAVA_HOME")
-    if java_home and (Path(java_home) / "bin" / "java").exists():
-        return str(Path(java_home) / "bin" / "java")
+    if java_home:
+        java = Path(java_home) / "bin" / "java"
+        if java.is_file() and os.access(java, os.X_OK):
+            return str(java)
     java = shutil.which("java")
-    if not java:
-        raise RuntimeError("'java' (17+) not found on PATH")
-    return java
+    if java:
+        return java
+    where = f"not in JAVA_HOME={java_home}/bin nor on PATH" if java_home else "not on PATH, JAVA_HOME unset"
+    raise KafkaError(f"java (17+) not found ({where}): {JAVA_HINT}")
 
 
 def free_ports(n: int) -> list[int]:
@@ -156,6 +212,51 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def port_free(port: int) -> bool:
+    """Could the broker listen on 127.0.0.1:``port`` now?
+
+    With SO_REUSEADDR like the JVM, so the old broker's TIME_WAIT connections do not count as taken.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+        except OSError:
+            return False
+    return True
+
+
+def port_owner(port: int) -> str:
+    """Best effort 'pid N (name)' of whoever listens on ``port`` (Linux /proc; own processes only)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if inodes:
+        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+            with contextlib.suppress(OSError):
+                for fd in fd_dir.iterdir():
+                    with contextlib.suppress(OSError):
+                        if os.readlink(fd) in inodes:
+                            pid = fd_dir.parent.name
+                            comm = (fd_dir.parent / "comm").read_text().strip()
+                            return f"pid {pid} ({comm})"
+    return "another process"
+
+
+def _pick_ports(port: int | None, controller_port: int | None) -> tuple[int, int]:
+    """The given ports, with None replaced by free ones distinct from the given ones."""
+    free = [p for p in free_ports(4) if p not in (port, controller_port)]
+    return port or free[0], controller_port or free[1]
 
 
 def random_cluster_id() -> str:
@@ -194,6 +295,7 @@ def server_properties(data_dir: Path, port: int, controller_port: int) -> str:
         "share.coordinator.state.topic.min.isr": "1",
         "share.coordinator.state.topic.num.partitions": "1",
         "group.initial.rebalance.delay.ms": "0",
+        "group.min.session.timeout.ms": "500",  # tests fail workers over in seconds
         "num.network.threads": "2",
         "num.io.threads": "4",
         "log.retention.hours": "168",
@@ -202,13 +304,76 @@ def server_properties(data_dir: Path, port: int, controller_port: int) -> str:
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
 
-def _log_tail(path: Path, n: int = 40) -> str:
+def _listener_ports(props_file: Path) -> tuple[int | None, int | None]:
+    """(broker port, controller port) from a server.properties written by server_properties()."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        text = props_file.read_text()
+    except OSError:
+        return None, None
+    m = re.search(r"^listeners=(.*)$", text, re.M)
+    found = dict(re.findall(r"(PLAINTEXT|CONTROLLER)://[^:,]*:(\d+)", m.group(1))) if m else {}
+    port, ctl = found.get("PLAINTEXT"), found.get("CONTROLLER")
+    return (int(port) if port else None), (int(ctl) if ctl else None)
+
+
+def is_formatted(data_dir: Path) -> bool:
+    """True if ``data_dir`` already holds a formatted KRaft log dir (a broker's topics)."""
+    return (Path(data_dir) / "kraft-logs" / "meta.properties").is_file()
+
+
+def _log_tail(path: Path, n: int = 40, offset: int = 0) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return "(no log)"
     lines = [ln for ln in lines if not ln.lstrip().startswith(("at ", "... "))]  # drop stack frames
     return "\n".join(lines[-n:]) or "(empty)"
+
+
+_ERRORISH = re.compile(r"\b(ERROR|FATAL)\b|Exception\b|Error\b")
+_EXCEPTION = re.compile(r"^(Caused by: )?[a-zA-Z_][\w.$]*(Exception|Error)\b:?\s*(.*)$")
+
+
+def _shorten(line: str, n: int = 300) -> str:
+    line = " ".join(line.split())
+    return line if len(line) <= n else line[: n - 3] + "..."
+
+
+def _cause(logs: dict[Path, int]) -> str:
+    """The most telling error line the broker wrote since the given offsets ('' if none).
+
+    That is the root cause of the first exception (Java wraps causes, and the generic "Fatal error
+    during startup" ERROR line says nothing), or the outer one if it only repeats it with more detail
+    ("failed to bind to 127.0.0.1:N: Address already in use" beats "BindException: Address ...").
+    """
+    chain: list[tuple[str, str]] = []  # (line, message) of the first exception and its causes
+    first = ""
+    for path, offset in logs.items():
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        for ln in lines:
+            s = ln.strip()
+            m = _EXCEPTION.match(s)
+            if m and chain and not m.group(1):
+                break  # a new top-level exception: the first chain is complete
+            if m:
+                chain.append((s.removeprefix("Caused by: "), m.group(3)))
+            elif not first and _ERRORISH.search(s) and not s.startswith(("at ", "...")):
+                first = s
+        if chain:
+            break
+    if not chain:
+        return _shorten(first)
+    line, msg = chain[-1]
+    if len(chain) > 1 and msg and msg in chain[-2][1]:
+        line = chain[-2][0]
+    return _shorten(line)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -226,13 +391,16 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _is_kafka_pid(pid: int) -> bool:
-    """Guard against PID reuse: only signal a process whose cmdline looks like our broker."""
+def _is_broker_pid(pid: int, props_file: Path | None = None) -> bool:
+    """Guard against PID reuse: only a live process whose cmdline is a Kafka broker (on ``props_file``,
+    if given) counts, so a stale state file never makes us signal some other process or broker."""
+    if not _pid_alive(pid):
+        return False
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return _pid_alive(pid)  # no /proc (macOS): trust the state file
-    return b"kafka.Kafka" in cmdline
+        return True  # no /proc (macOS): trust the state file
+    return b"kafka.Kafka" in cmdline and (props_file is None or str(props_file).encode() in cmdline)
 
 
 def _terminate_pid(pid: int, timeout: float = 20.0, wait: Callable[[float], bool] | None = None) -> None:
@@ -281,8 +449,8 @@ def _port_open(port: int) -> bool:
 class LocalKafka:
     """One KRaft broker+controller JVM on 127.0.0.1.
 
-    ``start(data_dir)`` formats ``data_dir`` (which should be empty or absent), starts the
-    broker in its own session and returns the bootstrap string once it serves.
+    ``start(data_dir)`` formats ``data_dir`` if it holds no broker data yet (else starts on its
+    topics), starts the broker in its own session and returns the bootstrap string once it serves.
     ``stop()`` terminates it (SIGTERM, SIGKILL after 20 s). The data dir is left in place.
     """
 
@@ -296,38 +464,51 @@ class LocalKafka:
         self.bootstrap: str | None = None
         self.data_dir: Path | None = None
         self.log_file: Path | None = None
+        self._log_offsets: dict[Path, int] = {}
 
-    def start(self, data_dir: str | os.PathLike) -> str:
+    def start(
+        self, data_dir: str | os.PathLike, port: int | None = None, controller_port: int | None = None
+    ) -> str:
+        """Start on ``data_dir``, return "127.0.0.1:<port>"; a port left None gets a free one."""
         if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError(f"already running (pid {self.proc.pid})")
+            raise KafkaError(f"already running (pid {self.proc.pid})")
         t0 = time.monotonic()
+        java = _java()  # before the jars: a missing java needs no Maven run to report
         libs = ensure_jars(self.log)
         data = Path(data_dir).resolve()
         data.mkdir(parents=True, exist_ok=True)
         self.data_dir = data
-        self.port, self.controller_port = free_ports(2)
+        self.port, self.controller_port = _pick_ports(port, controller_port)
         self.bootstrap = f"127.0.0.1:{self.port}"
         props = data / "server.properties"
+        # Rewritten on every start: the ports may differ, and config changes in code apply.
         props.write_text(server_properties(data, self.port, self.controller_port))
         self.log_file = data / "kafka.out"
-        java = _java()
-        cp = str(libs / "*")
-        sysprops = [f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", f"-Dkafka.logs.dir={data}"]
+        if is_formatted(data):
+            # Formatting again would fail (or, forced, lose the cluster id): start on the data as is.
+            self.log(f"starting on the existing data in {data / 'kraft-logs'} (topics and messages kept)")
+        else:
+            self._format(java, libs, props)
+        self._spawn(t0)
+        return self.bootstrap
 
+    def _format(self, java: str, libs: Path, props: Path) -> None:
+        assert self.data_dir is not None
+        data = self.data_dir
         self.log(f"formatting KRaft storage in {data / 'kraft-logs'} ...")
-        cluster_id = random_cluster_id()
+        sysprops = [f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", f"-Dkafka.logs.dir={data}"]
         fmt = subprocess.run(
             [
                 java,
                 *JVM_OPTS,
                 *sysprops,
                 "-cp",
-                cp,
+                str(libs / "*"),
                 "kafka.tools.StorageTool",
                 "format",
                 "--standalone",
                 "-t",
-                cluster_id,
+                random_cluster_id(),
                 "-c",
                 str(props),
             ],
@@ -336,16 +517,17 @@ class LocalKafka:
             text=True,
         )
         if fmt.returncode != 0:
-            raise RuntimeError(f"kafka storage format failed ({fmt.returncode}):\n{fmt.stdout[-4000:]}")
-
-        self._spawn(t0)
-        return self.bootstrap
+            lines = fmt.stdout.strip().splitlines() or ["(no output)"]
+            raise KafkaError(
+                f"kafka storage format of {data} failed (exit {fmt.returncode}): {_shorten(lines[-1])}\n"
+                f"{fmt.stdout[-4000:]}"
+            )
 
     def restart(self, down_s: float = 0.0) -> str:
         """Stop the broker and start it again on the same ports and data (a broker restart as
         clients see it); `down_s` keeps it down that long."""
         if self.data_dir is None:
-            raise RuntimeError("restart() needs a broker started with start()")
+            raise KafkaError("restart() needs a broker started with start()")
         self.stop()
         time.sleep(down_s)
         self._spawn(time.monotonic())
@@ -355,6 +537,9 @@ class LocalKafka:
         assert self.data_dir is not None and self.log_file is not None
         cp = str(ensure_jars(self.log) / "*")
         sysprops = [f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", f"-Dkafka.logs.dir={self.data_dir}"]
+        # The logs are appended to across starts: remember where this start's lines begin.
+        self._log_offsets = {p: (p.stat().st_size if p.exists() else 0)
+                             for p in (self.data_dir / "server.log", self.log_file)}
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(
                 [_java(), *JVM_OPTS, *sysprops, "-cp", cp, "kafka.Kafka",
@@ -375,22 +560,30 @@ class LocalKafka:
         took = time.monotonic() - t0
         self.log(f"started at {self.bootstrap} (pid {self.pid}, {took:.1f}s, logs in {self.data_dir})")
 
+    def _tails(self) -> str:
+        return "\n".join(f"tail of {p}:\n{_log_tail(p, offset=off)}" for p, off in self._log_offsets.items())
+
     def _wait_serving(self, t0: float) -> None:
         assert self.proc is not None and self.port is not None and self.bootstrap is not None
+        assert self.data_dir is not None
+        server_log = self.data_dir / "server.log"
         deadline = t0 + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"Kafka exited with code {self.proc.returncode} during start-up; "
-                    f"tail of {self.log_file}:\n{_log_tail(self.log_file)}\n"
-                    f"tail of server.log:\n{_log_tail(self.data_dir / 'server.log')}"
+                cause = _cause(self._log_offsets) or "no error in its logs"
+                code = self.proc.returncode
+                raise KafkaError(
+                    f"Kafka exited with code {code} during start-up: {cause}\n{self._tails()}",
+                    log_file=server_log,
                 )
             if _port_open(self.port) and _serving(self.bootstrap, timeout=2.0):
                 return
             time.sleep(0.1)
-        raise TimeoutError(
-            f"Kafka not serving at {self.bootstrap} after {self.start_timeout:.0f}s; "
-            f"tail of server.log:\n{_log_tail(self.data_dir / 'server.log')}"
+        cause = _cause(self._log_offsets)
+        raise KafkaTimeout(
+            f"Kafka not serving at {self.bootstrap} after {self.start_timeout:.0f}s"
+            f"{': ' + cause if cause else ''}\n{self._tails()}",
+            log_file=server_log,
         )
 
     def stop(self, timeout: float = 20.0) -> None:
@@ -425,92 +618,185 @@ class LocalKafka:
 # ---- detached broker managed through a state dir (CLI) -------------------------------------
 
 
-def _state_path(state_dir: str | os.PathLike) -> Path:
-    return Path(state_dir) / STATE_FILE
-
-
-def _read_state(state_dir: str | os.PathLike) -> dict | None:
-    p = _state_path(state_dir)
+def _read_state(state_dir: Path) -> dict | None:
     try:
-        return json.loads(p.read_text())
+        st = json.loads((state_dir / STATE_FILE).read_text())
     except (OSError, ValueError):
         return None
+    return st if isinstance(st, dict) else None
 
 
-def up(state_dir: str | os.PathLike = DEFAULT_STATE_DIR, log: Log = _default_log) -> dict:
+def _write_state(state_dir: Path, st: dict) -> None:
+    tmp = state_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(st, indent=2) + "\n")
+    tmp.replace(state_dir / STATE_FILE)
+
+
+def _has_state(state_dir: Path) -> bool:
+    return (state_dir / STATE_FILE).exists() or (state_dir / DATA_SUBDIR).exists()
+
+
+def _no_state(state_dir: Path) -> NoBrokerState:
+    return NoBrokerState(
+        f"no broker state in {state_dir} (no {STATE_FILE}, no {DATA_SUBDIR}/); pass --state-dir DIR or set "
+        "KVIDX_STATE_DIR to where `kvidx kafka up` ran"
+    )
+
+
+@contextlib.contextmanager
+def _locked(state_dir: Path) -> Iterator[None]:
+    """Serialize up/down/reset on one state dir (a second `up` waits, then finds the broker running)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / LOCK_FILE, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _running_pid(state_dir: Path, st: dict | None) -> int | None:
+    """The pid of the state's broker if that broker still runs."""
+    if not st or not isinstance(st.get("pid"), int):
+        return None
+    props = Path(st.get("data_dir") or state_dir / DATA_SUBDIR) / "server.properties"
+    return st["pid"] if _is_broker_pid(st["pid"], props) else None
+
+
+def up(state_dir: str | os.PathLike | None = None, log: Log = _default_log) -> dict:
     """Start a detached broker whose data lives in ``<state_dir>/data``; idempotent.
 
+    A broker that stopped or died restarts on its data (topics and messages kept) and on its previous
+    ports if they are free; a taken port is replaced by a free one and logged in one line.
     Returns the state dict also written to ``<state_dir>/kafka.json``:
     ``{"pid", "bootstrap", "port", "controller_port", "data_dir", "log", "version", "started_at"}``.
     """
-    state_dir = Path(state_dir).resolve()
-    st = _read_state(state_dir)
-    if st and _pid_alive(st["pid"]) and _is_kafka_pid(st["pid"]):
-        log(f"already running at {st['bootstrap']} (pid {st['pid']})")
+    sd = _state_dir(state_dir)
+    _java()  # fail in one line before anything else happens
+    with _locked(sd):
+        st = _read_state(sd)
+        if _running_pid(sd, st):
+            assert st is not None
+            log(f"already running at {st['bootstrap']} (pid {st['pid']}, data {st['data_dir']})")
+            return st
+        data = sd / DATA_SUBDIR
+        old_port, old_ctl = _listener_ports(data / "server.properties")
+        if st:  # kafka.json is what clients were told; server.properties is the fallback
+            old_port, old_ctl = st.get("port") or old_port, st.get("controller_port") or old_ctl
+        port = old_port if old_port and port_free(old_port) else None
+        # A new controller port is fine: tried with Kafka 4.1.1 (formatted --standalone, also after
+        # kill -9, several times in a row), the single voter elects itself and serves on its data.
+        ctl = old_ctl if old_ctl and port_free(old_ctl) else None
+        taken = {p: port_owner(p) for p in (old_port, old_ctl) if p and p not in (port, ctl)}
+        k = LocalKafka(log=log)
+        bootstrap = k.start(data, port=port, controller_port=ctl)
+        if old_ctl and k.controller_port != old_ctl:
+            log(f"controller port {old_ctl} is taken by {taken[old_ctl]}; now on {k.controller_port}")
+        if old_port and k.port != old_port:
+            log(f"broker port {old_port} is taken by {taken[old_port]}; moved to {bootstrap}: "
+                f"export KAFKA_BOOTSTRAP_SERVERS={bootstrap}")
+        st = {
+            "pid": k.pid,
+            "bootstrap": bootstrap,
+            "port": k.port,
+            "controller_port": k.controller_port,
+            "data_dir": str(data),
+            "log": str(data / "server.log"),
+            "version": kafka_version(),
+            "started_at": time.time(),
+        }
+        _write_state(sd, st)
+        k.detach()
         return st
-    data = state_dir / "data"
-    if data.exists():  # stale data from a crashed/killed broker: start fresh
-        shutil.rmtree(data)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    k = LocalKafka(log=log)
-    bootstrap = k.start(data)
-    st = {
-        "pid": k.pid,
-        "bootstrap": bootstrap,
-        "port": k.port,
-        "controller_port": k.controller_port,
-        "data_dir": str(data),
-        "log": str(data / "server.log"),
-        "version": kafka_version(),
-        "started_at": time.time(),
-    }
-    tmp = _state_path(state_dir).with_suffix(".tmp")
-    tmp.write_text(json.dumps(st, indent=2) + "\n")
-    tmp.replace(_state_path(state_dir))
-    k.detach()
-    return st
 
 
-def down(state_dir: str | os.PathLike = DEFAULT_STATE_DIR, log: Log = _default_log) -> bool:
-    """Stop the broker recorded in ``<state_dir>/kafka.json`` and delete its data dir.
+def _stop(sd: Path, st: dict | None, log: Log) -> bool:
+    """Stop the state's broker if it runs and record it as stopped; True if it was running."""
+    pid = _running_pid(sd, st)
+    if pid:
+        log(f"stopping pid {pid} ...")
+        _terminate_pid(pid, timeout=20.0)
+    elif st and isinstance(st.get("pid"), int) and _pid_alive(st["pid"]):
+        log(f"pid {st['pid']} is not this broker any more; not signalling it")
+    if st and st.get("pid") is not None:
+        _write_state(sd, {**st, "pid": None, "stopped_at": time.time()})
+    return pid is not None
 
-    Returns True if a running broker was stopped.
+
+def down(state_dir: str | os.PathLike | None = None, log: Log = _default_log) -> bool:
+    """Stop the broker recorded in ``<state_dir>/kafka.json``; its data stays for the next `up`
+    (:func:`reset` deletes it). Returns True if a running broker was stopped.
+
+    Raises :class:`NoBrokerState` if the dir holds no broker at all (likely the wrong dir).
     """
-    state_dir = Path(state_dir).resolve()
-    st = _read_state(state_dir)
-    stopped = False
-    if st and _pid_alive(st["pid"]):
-        if _is_kafka_pid(st["pid"]):
-            log(f"stopping pid {st['pid']} ...")
-            _terminate_pid(st["pid"], timeout=20.0)
-            stopped = True
-        else:
-            log(f"pid {st['pid']} is not a Kafka broker any more; not signalling it")
-    elif st:
-        log("not running (stale state file)")
-    else:
-        log(f"no broker state in {state_dir}")
-    data = Path(st["data_dir"]) if st else state_dir / "data"
-    shutil.rmtree(data, ignore_errors=True)
-    _state_path(state_dir).unlink(missing_ok=True)
-    if stopped:
-        log("stopped")
+    sd = _state_dir(state_dir)
+    if not _has_state(sd):
+        raise _no_state(sd)
+    with _locked(sd):
+        stopped = _stop(sd, _read_state(sd), log)
+    data = sd / DATA_SUBDIR
+    log(f"{'stopped' if stopped else 'not running'}; data kept in {data} "
+        "(`kvidx kafka up` restarts on it, `kvidx kafka reset` deletes it)")
     return stopped
 
 
-def status(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> dict:
-    """``{"running": bool, "serving": bool, ...state}``; running=False when there is no state."""
-    st = _read_state(Path(state_dir).resolve())
-    if not st:
-        return {"running": False, "serving": False}
-    running = _pid_alive(st["pid"]) and _is_kafka_pid(st["pid"])
+def reset(state_dir: str | os.PathLike | None = None, log: Log = _default_log) -> Path:
+    """Stop the broker if it runs and delete all its topics and messages (its data dir and
+    kafka.json); the next `up` starts an empty broker. Returns the deleted data dir.
+
+    Raises :class:`NoBrokerState` if there is nothing to delete.
+    """
+    sd = _state_dir(state_dir)
+    if not _has_state(sd):
+        raise _no_state(sd)
+    with _locked(sd):
+        st = _read_state(sd)
+        _stop(sd, st, log)
+        data = sd / DATA_SUBDIR
+        shutil.rmtree(data, ignore_errors=True)
+        (sd / STATE_FILE).unlink(missing_ok=True)
+    log(f"deleted {data}")
+    return data
+
+
+def status(state_dir: str | os.PathLike | None = None) -> dict:
+    """``{"running": bool, "serving": bool, "state_dir": str, ...state}``; running=False when there is
+    no state or its broker is not running."""
+    sd = _state_dir(state_dir)
+    st = _read_state(sd) or {}
+    running = _running_pid(sd, st) is not None
     serving = running and _port_open(st["port"]) and _serving(st["bootstrap"], timeout=3.0)
-    return {**st, "running": running, "serving": serving}
+    return {**st, "state_dir": str(sd), "has_data": (sd / DATA_SUBDIR).exists(),
+            "running": running, "serving": serving}
 
 
 # ---- CLI --------------------------------------------------------------------------------------
 
 
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    msg = lines[0] if lines else type(e).__name__
+    log_file = getattr(e, "log_file", None)
+    if log_file is not None and Path(log_file).exists():
+        msg += f" (broker log: {log_file})"
+    return f"error: {msg}"
+
+
+def _cli(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Launcher failures become one `error: ...` line on stderr and exit 1, never a traceback."""
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (RuntimeError, OSError) as e:  # OSError covers TimeoutError, PermissionError, ...
+            print(_one_line(e), file=sys.stderr, flush=True)
+            return 1
+        except KeyboardInterrupt:  # LocalKafka stops a half-started broker itself
+            print("kafka: interrupted", file=sys.stderr, flush=True)
+            return 130
+
+    return run
+
+
+@_cli
 def _cmd_up(args: argparse.Namespace) -> int:
     st = up(args.state_dir)
     print(st["bootstrap"])
@@ -518,20 +804,48 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+@_cli
 def _cmd_fetch(args: argparse.Namespace) -> int:
     print(ensure_jars())
     return 0
 
 
+@_cli
 def _cmd_down(args: argparse.Namespace) -> int:
     down(args.state_dir)
     return 0
 
 
+@_cli
+def _cmd_reset(args: argparse.Namespace) -> int:
+    sd = _state_dir(args.state_dir)
+    if not _has_state(sd):
+        raise _no_state(sd)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print(f"error: reset deletes all topics and messages of the broker at {sd / DATA_SUBDIR}; "
+                  "no terminal to confirm on: pass --yes", file=sys.stderr)
+            return 2
+        # The prompt goes to stderr (stdout stays for output), like input() does without readline.
+        print(f"delete all topics and messages of the broker at {sd / DATA_SUBDIR}? [y/N] ",
+              end="", file=sys.stderr, flush=True)
+        answer = sys.stdin.readline()  # "" at EOF: no
+        if answer.strip().lower() not in ("y", "yes"):
+            print("kafka: nothing deleted", file=sys.stderr)
+            return 1
+    reset(sd)
+    return 0
+
+
+@_cli
 def _cmd_status(args: argparse.Namespace) -> int:
     st = status(args.state_dir)
     if not st["running"]:
-        print("kafka: not running")
+        where = f"state dir {st['state_dir']}"
+        if st["has_data"]:
+            print(f"kafka: not running ({where}; data kept, `kvidx kafka up` restarts it)")
+        else:
+            print(f"kafka: not running ({where}: no broker there)")
         return 1
     state = "serving" if st["serving"] else "running, NOT serving"
     print(f"kafka: {state} at {st['bootstrap']} (pid {st['pid']}, data {st['data_dir']})")
@@ -540,14 +854,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kafka {fetch,up,down,status}``. Each leaf sets ``func(args) -> int`` (exit code)."""
+    """Register ``kafka {fetch,up,down,status,reset}``. Each leaf sets ``func(args) -> int`` (exit code)."""
     p = subparsers.add_parser(
         "kafka",
         help="run a local single-node Kafka broker (no Docker)",
         description="Run a real single-node Kafka broker (KRaft) on 127.0.0.1 with java; the jars "
-        "are fetched once with Maven into ~/.cache/kvidx (override: KVIDX_KAFKA_HOME).",
+        "are fetched once with Maven into ~/.cache/kvidx (override: KVIDX_KAFKA_HOME). Its topics "
+        "and messages survive `down`, crashes and reboots; only `reset` deletes them.",
     )
-    sub = p.add_subparsers(dest="kafka_cmd", metavar="{fetch,up,down,status}", required=True)
+    sub = p.add_subparsers(dest="kafka_cmd", metavar="{fetch,up,down,status,reset}", required=True)
     sp = sub.add_parser("fetch", help="fetch the Kafka jars with Maven (once; cached)",
                         description="Download Apache Kafka's jars from Maven Central into the cache "
                         "(~/.cache/kvidx, or $KVIDX_KAFKA_HOME) and print where they are.")
@@ -557,23 +872,27 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         sp.add_argument(
             "--state-dir",
             type=Path,
-            default=DEFAULT_STATE_DIR,
+            default=None,
             metavar="DIR",
-            help=f"where kafka.json and the broker data live (default: ./{DEFAULT_STATE_DIR})",
+            help="where kafka.json and the broker's data live (default: $KVIDX_STATE_DIR/kafka if "
+            "set, else ${XDG_STATE_HOME:-~/.local/state}/kvidx/kafka)",
         )
 
     sp = sub.add_parser(
         "up",
-        help="start the broker in the background (idempotent)",
-        description="Start a detached broker, wait until it serves, print the "
-        "bootstrap servers and an export line for KAFKA_BOOTSTRAP_SERVERS.",
+        help="start the broker in the background (idempotent; keeps its data)",
+        description="Start a detached broker, wait until it serves, print the bootstrap servers and "
+        "an export line for KAFKA_BOOTSTRAP_SERVERS. A broker that was stopped or died restarts on "
+        "its topics and messages, on its previous ports if they are free.",
     )
     state_arg(sp)
     sp.set_defaults(func=_cmd_up)
     sp = sub.add_parser(
         "down",
-        help="stop the broker and delete its data",
-        description="Stop the broker (SIGTERM, SIGKILL after 20 s) and delete its data dir.",
+        help="stop the broker (its topics and messages are kept)",
+        description="Stop the broker (SIGTERM, SIGKILL after 20 s). Its data stays: the next `up` "
+        "finds every topic and message again; `reset` deletes them. Exit 1 if the state dir holds "
+        "no broker.",
     )
     state_arg(sp)
     sp.set_defaults(func=_cmd_down)
@@ -584,4 +903,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     state_arg(sp)
     sp.set_defaults(func=_cmd_status)
+    sp = sub.add_parser(
+        "reset",
+        help="stop the broker and delete all its topics and messages",
+        description="Stop the broker if it runs and delete its data dir, after asking on the "
+        "terminal. Without a terminal it refuses (exit 2) unless --yes is given.",
+    )
+    state_arg(sp)
+    sp.add_argument("--yes", action="store_true", help="delete without asking")
+    sp.set_defaults(func=_cmd_reset)
     return p
