@@ -32,6 +32,9 @@ GET /healthz     200 {"status": "ok", "ready": true, "models": n, "batches_appli
 GET /v1/models   {"models": [{"model", "block_size", "replicas", "groups", "blocks_applied",
                  "freshness": {...summary over replicas...}}]}
 GET /metrics     Prometheus text (index_service.metrics).
+GET /openapi.json, /docs, /redoc: the API with every answer's schema (index_service.responses); the
+                 docs pages' assets are served from here. Every error, FastAPI's own 404/405
+                 included, is {"error": "..."}.
 
 Handlers are thin on purpose (this is the routers' hot path): the body is decoded with msgspec, token
 ids are packed to bytes in C (array) and hashed per block, never looped over per token in Python.
@@ -49,9 +52,13 @@ from collections import deque
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi_offline import FastAPIOffline
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from index_service.metrics import ServiceMetrics
+from index_service.responses import COMPONENTS, errors, ok
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.price import Pricer
@@ -138,6 +145,44 @@ def _json(obj: object, status: int = 200) -> Response:
     return Response(_encode(obj), status_code=status, media_type=JSON)
 
 
+def _one_error_shape(app: FastAPI) -> None:
+    """The errors FastAPI and Starlette raise themselves (no such path, wrong method, a validation
+    FastAPI would do) answer {"error": "..."} like the handlers' own, not {"detail": ...}."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        where = f"{request.method} {request.url.path[:200]}"
+        if exc.status_code == 404:
+            error = f"no such path: {where} (the API is listed at /docs and /openapi.json)"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow") or "?"
+            error = f"method not allowed: {where} (allowed: {allowed})"
+        else:
+            error = f"{exc.detail} ({where})"
+        r = _json({"error": error}, exc.status_code)
+        r.headers.update(exc.headers or {})  # 405's Allow
+        return r
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+        return _json({"error": f"invalid request: {problems[:1000]}"}, 422)
+
+
+def _document_responses(app: FastAPI) -> None:
+    """The answers' schemas (index_service.responses) in the OpenAPI document's components, which the
+    routes' `responses=` refer to."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _pack(token_ids: list[int]) -> bytes:
     try:
         a = array(_U32_CODE, token_ids)
@@ -213,7 +258,12 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     object whose `apply(model, replicas, block_size)` caps the credit of replicas whose engines reuse
     less than the index credits (kvidx.ops.feedback.FeedbackFollower). Both may be set later on
     `app.state`."""
-    app = FastAPI(title="kvidx lookup service", version="1")
+    # /docs and /redoc with their JavaScript and CSS served by the service itself (fastapi-offline
+    # ships them): the default pages load them from a CDN, which a cluster without internet lacks
+    app: FastAPI = FastAPIOffline(title="kvidx lookup service", version="1")
+    _one_error_shape(app)
+    _document_responses(app)
+    auth = (401,) if auth_token else ()  # documented only where it can happen
     app.state.publish_usage = publish_usage
     app.state.usage_recent = deque(maxlen=10_000)
     app.state.feedback = feedback
@@ -361,21 +411,28 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         except Exception as e:  # noqa: BLE001 - every failure becomes a JSON error response
             return rejected(form, e, model)
 
-    @app.post("/v1/lookup", response_class=Response, openapi_extra={"requestBody": {
-        "required": True, "content": {JSON: {"schema": _REQUEST_SCHEMA}}}})
+    lookup_responses = {**ok("LookupAnswer", "replicas by resumable tokens, best first"),
+                        **errors(400, *auth, 404, 413, 422)}
+
+    @app.post("/v1/lookup", response_class=Response, responses=lookup_responses, openapi_extra={
+        "requestBody": {"required": True, "content": {JSON: {"schema": _REQUEST_SCHEMA}}}})
     async def lookup(request: Request) -> Response:
         """Prompt lookup, JSON form: token_ids (hashed here) or block_hashes + prompt_tokens. Replicas
         by resumable tokens, best first, each with its prefix price."""
         return await json_lookup(request, "json", rank=False)
 
     @app.post("/v1/rank", response_class=Response, openapi_extra={"requestBody": {
-        "required": True, "content": {JSON: {"schema": _REQUEST_SCHEMA}}}})
+        "required": True, "content": {JSON: {"schema": _REQUEST_SCHEMA}}}},
+              responses={**ok("LookupAnswer", "replicas by prefix price, cheapest first"),
+                         **errors(400, *auth, 404, 413, 422)})
     async def rank(request: Request) -> Response:
         """The lookup ranked by prefix price (queue + load from tiers + prefill left), cheapest first."""
         return await json_lookup(request, "rank", rank=True)
 
     @app.post("/v1/routes", response_class=Response, status_code=202, openapi_extra={"requestBody": {
-        "required": True, "content": {JSON: {"schema": _ROUTE_SCHEMA}}}})
+        "required": True, "content": {JSON: {"schema": _ROUTE_SCHEMA}}}},
+              responses={**ok("RouteAccepted", "the decision is recorded (pending credit)", 202),
+                         **errors(400, *auth, 404, 413, 422)})
     async def routes(request: Request) -> Response:
         """Record a routing decision: the prompt counts as cached on that replica, for every router
         of every instance, until the engine's events confirm it or ttl_s passes."""
@@ -410,7 +467,9 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
             return rejected("routes", e, model)
 
     @app.post("/v1/usage", response_class=Response, status_code=202, openapi_extra={"requestBody": {
-        "required": True, "content": {JSON: {"schema": _USAGE_SCHEMA}}}})
+        "required": True, "content": {JSON: {"schema": _USAGE_SCHEMA}}}},
+              responses={**ok("UsageAccepted", "the report is recorded", 202),
+                         **errors(400, *auth, 413, 422)})
     async def usage(request: Request) -> Response:
         """Record what an engine reused for a routed request (the router forwards the engine's
         usage.prompt_tokens_details.cached_tokens): the audit joins it with the routing decision."""
@@ -443,16 +502,17 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         except Exception as e:  # noqa: BLE001
             return rejected("usage", e, model)
 
-    @app.post("/v1/lookup/binary", response_class=Response, openapi_extra={"parameters": [
-        {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}},
-        {"name": "lora_name", "in": "query", "required": False, "schema": {"type": "string"}},
-        {"name": "cache_salt", "in": "query", "required": False, "schema": {"type": "string"}},
-        {"name": "top_k", "in": "query", "required": False,
-         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_TOP_K}},
-    ], "requestBody": {
-        "required": True, "content": {"application/octet-stream": {
-            "schema": {"type": "string", "format": "binary",
-                       "description": "token ids as packed little-endian uint32"}}}}})
+    @app.post("/v1/lookup/binary", response_class=Response, responses=lookup_responses, openapi_extra={
+        "parameters": [
+            {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}},
+            {"name": "lora_name", "in": "query", "required": False, "schema": {"type": "string"}},
+            {"name": "cache_salt", "in": "query", "required": False, "schema": {"type": "string"}},
+            {"name": "top_k", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_TOP_K}},
+        ], "requestBody": {
+            "required": True, "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary",
+                           "description": "token ids as packed little-endian uint32"}}}}})
     async def lookup_binary(request: Request) -> Response:
         """Prompt lookup, binary form: ?model=NAME[&lora_name=..][&cache_salt=..], body = packed
         little-endian uint32 token ids."""
@@ -484,14 +544,19 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         except Exception as e:  # noqa: BLE001
             return rejected("binary", e, model)
 
-    @app.get("/healthz", response_class=Response)
+    @app.get("/healthz", response_class=Response, responses={
+        **ok("Health", "ready: the shards are rebuilt"),
+        **ok("Health", "not ready: the shards are being rebuilt", 503)})
     async def healthz() -> Response:
         ready = bool(store.ready)
-        return _json({"status": "ok" if ready else "not_ready", "ready": ready,
-                      "models": len(store.shards), "batches_applied": store.batches_applied},
-                     200 if ready else 503)
+        body = {"status": "ok" if ready else "not_ready", "ready": ready,
+                "models": len(store.shards), "batches_applied": store.batches_applied}
+        if not ready and getattr(store, "not_ready_reason", None):
+            body["reason"] = store.not_ready_reason  # e.g. which broker address does not answer
+        return _json(body, 200 if ready else 503)
 
-    @app.get("/v1/models", response_class=Response)
+    @app.get("/v1/models", response_class=Response, responses={**ok("Models", "the models indexed"),
+                                                                 **errors(*auth)})
     async def models() -> Response:
         now = time.time()
         out = []
@@ -501,7 +566,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
                             "freshness": _freshness(shard, now)})
         return _json({"models": out})
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
