@@ -549,9 +549,11 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         **ok("Health", "not ready: the shards are being rebuilt", 503)})
     async def healthz() -> Response:
         ready = bool(store.ready)
-        return _json({"status": "ok" if ready else "not_ready", "ready": ready,
-                      "models": len(store.shards), "batches_applied": store.batches_applied},
-                     200 if ready else 503)
+        body = {"status": "ok" if ready else "not_ready", "ready": ready,
+                "models": len(store.shards), "batches_applied": store.batches_applied}
+        if not ready and getattr(store, "not_ready_reason", None):
+            body["reason"] = store.not_ready_reason  # e.g. which broker address does not answer
+        return _json(body, 200 if ready else 503)
 
     @app.get("/v1/models", response_class=Response, responses={**ok("Models", "the models indexed"),
                                                                  **errors(*auth)})

@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from index_service.store import ShardStore
 from kvidx.kafka.config import client_config
+from kvidx.kafka.reach import message, wait_for_broker
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
 from schemas.routes import RouteDecision, decode_route, encode_route
 from streams.snapshots import read_snapshots, watermarks
@@ -30,8 +32,13 @@ log = logging.getLogger("kvidx.service")
 class KafkaFollower:
     def __init__(self, store: ShardStore, bootstrap: str, events_topic: str = EVENTS_TOPIC,
                  snapshot_topic: str = SNAPSHOTS_TOPIC, routes_topic: str | None = None,
-                 routes_lookback_s: float = 600.0):
+                 routes_lookback_s: float = 600.0, prepare: Callable[[], None] | None = None,
+                 status_every_s: float = 30.0):
+        """`prepare()` runs once the broker answers, before anything is read (e.g. creating the
+        topics). Until then the follower logs one line per attempt and /healthz says why it waits."""
         self.store = store
+        self.prepare = prepare
+        self.status_every_s = status_every_s
         self.bootstrap = bootstrap
         self.events_topic = events_topic
         self.snapshot_topic = snapshot_topic
@@ -57,7 +64,21 @@ class KafkaFollower:
             self.error = e
             log.exception("event=follower_failed")
 
+    def _wait_for_broker(self) -> bool:
+        def waiting(why: str) -> None:
+            self.store.not_ready_reason = message(self.bootstrap, why)
+
+        self.store.not_ready_reason = f"connecting to Kafka at {self.bootstrap}"
+        if not wait_for_broker(self.bootstrap, log, self.stop_event, on_attempt=waiting):
+            return False
+        if self.prepare is not None:
+            self.prepare()
+        self.store.not_ready_reason = "rebuilding the shards from the snapshot topic and the events topic"
+        return True
+
     def _follow(self) -> None:
+        if not self._wait_for_broker():
+            return
         t0 = time.monotonic()
         shards = read_snapshots(self.bootstrap, self.snapshot_topic)
         starts: dict[int, int] = {}
@@ -86,11 +107,17 @@ class KafkaFollower:
             if not ends:
                 self._ready(t0)
             lag_at = 0.0
+            status_at = time.monotonic() + self.status_every_s
             while not self.stop_event.is_set():
                 now = time.monotonic()
                 if now >= lag_at:  # consumer lag, from the watermarks the fetches already returned
                     lag_at = now + 1.0
                     self.store.consumer_lag = self._lag(c, parts)
+                if now >= status_at:
+                    status_at = now + self.status_every_s
+                    log.info("event=service_status ready=%s models=%d batches_applied=%d "
+                             "routes_applied=%d consumer_lag=%d", self.store.ready, len(self.store.shards),
+                             self.store.batches_applied, self.store.routes_applied, self.store.consumer_lag)
                 first = c.poll(0.05)  # wake on the first message, then take what is there
                 msgs = [first, *c.consume(2000, 0)] if first is not None else []
                 for msg in msgs:
@@ -152,6 +179,7 @@ class KafkaFollower:
 
     def _ready(self, t0: float) -> None:
         self.store.ready = True
+        self.store.not_ready_reason = None
         log.info("event=caught_up seconds=%.3f batches=%d", time.monotonic() - t0,
                  self.store.batches_applied)
 

@@ -19,11 +19,10 @@ def _logging(level: str, command: str | None = None) -> None:
 
 
 def _bootstrap(args) -> str:
-    b = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not b:
-        sys.exit("error: no Kafka cluster: pass --bootstrap HOST:PORT or set KAFKA_BOOTSTRAP_SERVERS "
-                 "(`kvidx kafka up` starts a local broker)")
-    return b
+    """The cluster of a one-shot command: named and answering, or exit with one line."""
+    from kvidx.ops.kafkalog import bootstrap_of
+
+    return bootstrap_of(args)
 
 
 def _relay_factory(args):
@@ -53,37 +52,65 @@ def _relay_factory(args):
 DEFAULT_VLLM_VERSION = "0.32.0"  # the newest release the vLLM adapter was checked against
 
 
+def _check_relay_inputs(args) -> None:
+    """Everything a relay can check before it touches the broker, each failure one line."""
+    from relays.inputs import ENGINE_RECORDING, InputError, check_file, check_recording_engine
+
+    try:
+        if args.play:
+            check_file(args.play, ENGINE_RECORDING[args.engine], "--play")
+            if args.engine != "trtllm":
+                check_recording_engine(args.play, args.engine)
+        elif args.engine == "trtllm" and not args.url:
+            raise InputError("--url http://host:port (trtllm-serve) or --play events.jsonl is required")
+        elif args.engine != "trtllm" and not args.endpoint:
+            raise InputError("--endpoint (the engine's KV-events endpoint) or --play FILE is required")
+    except InputError as e:
+        sys.exit(f"error: {e}")
+
+
 def cmd_relay(args) -> int:
+    import threading
+
+    from kvidx.kafka.reach import require_broker, resolve_bootstrap, wait_for_broker
     from relays.run import Relay
     from relays.sinks import KafkaSink
     from relays.zmq_source import ZmqSource
 
+    log = logging.getLogger("kvidx.relay")
+    _check_relay_inputs(args)
+    factory = None
     if args.engine != "trtllm":
         try:
             factory = _relay_factory(args)
             factory(args.model, "check", args.index_block_size)  # an unknown engine version fails here
         except ValueError as e:
             sys.exit(f"error: {e}")
+    bootstrap = resolve_bootstrap(args.bootstrap)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if args.play:
+        require_broker(bootstrap)  # a one-shot command: exit at once
+    else:
+        log.info("event=waiting_for_broker bootstrap=%s", bootstrap)
+        if not wait_for_broker(bootstrap, log, stop):  # a service: retry, one line per attempt
+            return 0
     from kvidx.kafka.topics import ensure_topics
     from schemas.events import topic_names
     t = topic_names(args.topic_prefix)
-    ensure_topics(_bootstrap(args), t)
-    sink = KafkaSink(_bootstrap(args), t["events"], t["dead_letters"])
+    ensure_topics(bootstrap, t)
+    sink = KafkaSink(bootstrap, t["events"], t["dead_letters"])
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, addr=args.metrics_host)
     if args.engine == "trtllm":
-        return _relay_trtllm(args, sink)
+        return _relay_trtllm(args, sink, stop)
     if args.play:
         from relays.run import play_recording
         n = play_recording(args.play, args.model, sink, args.index_block_size, args.replica, args.dp_rank,
                            relay_factory=factory)
         print(json.dumps({"played_frames": n, "delivery_errors": sink.errors}))
         return 0 if sink.errors == 0 else 1
-    if not args.endpoint:
-        sys.exit("error: --endpoint (the engine's KV-events endpoint) or --play FILE is required")
-    import threading
-
     from relays.control import ControlListener
     from relays.vllm_dp import dp_endpoints
 
@@ -97,18 +124,18 @@ def cmd_relay(args) -> int:
         controller = args.lmcache_controller_endpoint if len(ranks) == 1 else None
         relays.append(Relay(core, sink, ZmqSource(ep, rep, bind=args.bind, controller_endpoint=controller),
                             record_to=args.record if len(ranks) == 1 else None,
-                            resync_blocks_per_s=args.resync_blocks_per_s, resync_jitter_s=args.resync_jitter))
+                            resync_blocks_per_s=args.resync_blocks_per_s, resync_jitter_s=args.resync_jitter,
+                            status_every_s=args.status_interval))
 
     def resync_all():
         for r in relays:
             r.request_resync()
 
-    control = ControlListener(_bootstrap(args), t["control"], args.model, replica, resync_all).start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    control = ControlListener(bootstrap, t["control"], args.model, replica, resync_all).start()
     signal.signal(signal.SIGUSR1, lambda *_: resync_all())
-    logging.getLogger("kvidx.relay").info("event=relay_start model=%s replica=%s endpoint=%s ranks=%d",
-                                          args.model, replica, args.endpoint, len(relays))
+    log.info("event=relay_start model=%s replica=%s endpoint=%s ranks=%d kafka=%s waiting_for=%r", args.model,
+             replica, args.endpoint, len(relays), bootstrap, "the engine's KV events (a status line follows "
+             f"every {args.status_interval:g}s)")
     threads = []
     for r in relays:
         r.start_fresh()
@@ -130,10 +157,8 @@ def cmd_relay(args) -> int:
     return 0
 
 
-def _relay_trtllm(args, sink) -> int:
+def _relay_trtllm(args, sink, stop) -> int:
     """TensorRT-LLM's pull API: poll trtllm-serve's POST /kv_cache_events (or play polls)."""
-    import threading
-
     from relays import trtllm_relay
 
     if args.play:
@@ -142,16 +167,12 @@ def _relay_trtllm(args, sink) -> int:
         sink.flush()
         print(json.dumps({"played_polls": n, "delivery_errors": sink.errors}))
         return 0 if sink.errors == 0 else 1
-    if not args.url:
-        sys.exit("error: --url http://host:port (trtllm-serve) or --play events.jsonl is required")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         trtllm_relay.run_relay(args.url, args.model, sink, args.index_block_size, block_size=args.block_size,
                                record_to=args.record, stop=stop)
     except KeyboardInterrupt:
         pass
-    except ValueError as e:  # an engine version this adapter was not checked against
+    except (ValueError, RuntimeError) as e:  # an engine version this adapter was not checked against
         sys.exit(f"error: {e}")
     finally:
         sink.flush()
@@ -179,60 +200,152 @@ def _die_with_parent() -> None:
         pass
 
 
+EX_CONFIG = 78  # sysexits.h: a configuration error; the supervisor stops instead of restarting
+
+
 def _supervise(what: str) -> int:
     """Run this same command as a child process and start it again when it dies (a faust worker
-    exits when the broker is unreachable at start-up or for too long); SIGTERM/SIGINT stop both.
+    exits when the broker goes away for too long); SIGTERM/SIGINT stop both within seconds. A child
+    that exits with EX_CONFIG (data dir in use, port taken ...) has said why: restarting cannot help.
     A crash loses nothing: events are acknowledged only once a snapshot holds them."""
     import subprocess
+    import threading
     import time
 
     log = logging.getLogger("kvidx.supervisor")
     env = dict(os.environ, KVIDX_SUPERVISED="1")
-    stopping = False
+    stopping = threading.Event()
     child: subprocess.Popen | None = None
 
     def stop(signum, _frame):
-        nonlocal stopping
-        stopping = True
+        stopping.set()
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     backoff = 1.0
-    while True:
+    while not stopping.is_set():
         started = time.monotonic()
         child = subprocess.Popen([sys.executable, "-m", "kvidx.cli", *sys.argv[1:]], env=env,
                                  preexec_fn=_die_with_parent)
-        code = child.wait()
-        if stopping:
+        while True:
+            try:
+                code = child.wait(0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if stopping.is_set() and _stop_child(child, log):
+                    code = child.returncode
+                    break
+        if stopping.is_set():
             return 0
+        if code == EX_CONFIG:
+            log.error("event=supervisor_stop what=%s reason=configuration_error (see the line above)", what)
+            return 2
         if time.monotonic() - started > 60:
             backoff = 1.0
         log.warning("event=child_exited what=%s code=%s restart_in_s=%.1f", what, code, backoff)
-        time.sleep(backoff)
+        if stopping.wait(backoff):  # a SIGTERM during the back-off ends it at once
+            return 0
         backoff = min(backoff * 2, 30.0)
+    return 0
+
+
+def _stop_child(child, log, grace_s: float = 5.0) -> bool:
+    """After SIGTERM was passed on: wait up to grace_s, then SIGKILL (nothing acknowledged is lost by
+    a kill: the events after the last snapshot are redelivered)."""
+    import subprocess
+
+    try:
+        child.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        log.warning("event=child_kill reason=did_not_stop_in_s=%g", grace_s)
+        child.kill()
+        child.wait()
+    return True
+
+
+def _config_error(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(EX_CONFIG)
 
 
 def cmd_worker(args) -> int:
+    from kvidx.kafka.reach import resolve_bootstrap
+
+    b = resolve_bootstrap(args.bootstrap)  # a missing address is a configuration error: before anything
+    for port, opt in ((args.web_port, "--web-port"), (args.metrics_port, "--metrics-port")):
+        if port and _port_in_use("127.0.0.1" if opt == "--web-port" else args.metrics_host, port):
+            _config_error(f"port {port} is in use (another worker?): pass {opt} N (--web-port 0 turns "
+                          "faust's web server off)")
     if not args.no_supervise and not os.environ.get("KVIDX_SUPERVISED"):
         return _supervise("worker")
     import faust
 
+    from kvidx.kafka.reach import wait_for_broker
     from kvidx.kafka.topics import ensure_topics
     from schemas.events import topic_names
     from streams.worker import create_app
+
+    log = logging.getLogger("kvidx.streams")
+    stop = _stop_on_sigterm()
+    log.info("event=worker_start kafka=%s data_dir=%s", b, args.data_dir)
+    if not wait_for_broker(b, log, stop):
+        return 0
     t = topic_names(args.topic_prefix)
-    ensure_topics(_bootstrap(args), t)
-    app, worker = create_app(_bootstrap(args), args.data_dir, app_id=args.topic_prefix + "kvidx-worker",
-                             events_topic=t["events"], snapshot_topic=t["snapshots"],
-                             dead_letter_topic=t["dead_letters"], snapshot_interval=args.snapshot_interval,
-                             block_size=args.index_block_size, metrics_port=args.metrics_port,
-                             metrics_host=args.metrics_host,
-                             unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
-                             web_port=args.web_port, session_timeout=args.session_timeout)
+    ensure_topics(b, t)
+    try:
+        app, worker = create_app(
+            b, args.data_dir, app_id=args.topic_prefix + "kvidx-worker", events_topic=t["events"],
+            snapshot_topic=t["snapshots"], dead_letter_topic=t["dead_letters"],
+            snapshot_interval=args.snapshot_interval, block_size=args.index_block_size,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            unreported_eviction_kinds=tuple(args.unreported_eviction_kinds), web_port=args.web_port,
+            session_timeout=args.session_timeout)
+    except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exceptions
+        text = str(e).lower()
+        if "lock" in text:
+            _config_error(f"--data-dir {args.data_dir} is in use by another worker (its RocksDB LOCK is "
+                          "held): give each worker its own --data-dir")
+        if "address already in use" in text:
+            _config_error(f"--metrics-port {args.metrics_port} is in use: pass another port")
+        raise
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # faust installs its own handlers
+    log.info("event=worker_waiting_for topic=%s group=%s", t["events"], args.topic_prefix + "kvidx-worker")
     faust.Worker(app, loglevel=args.log_level.lower()).execute_from_commandline()
     return 0
+
+
+def _stop_on_sigterm():
+    """An Event set by SIGTERM (for the waits before a service has started)."""
+    import threading
+
+    ev = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: ev.set())
+    return ev
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _read_token(path: str) -> str:
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as e:
+        sys.exit(f"error: --auth-token-file {path}: {e.strerror or e}")
+    if not token:
+        sys.exit(f"error: --auth-token-file {path}: the file is empty")
+    return token
 
 
 def cmd_serve(args) -> int:
@@ -242,40 +355,55 @@ def cmd_serve(args) -> int:
     from index_service.follower import KafkaFollower, RoutePublisher
     from index_service.store import ShardStore
     from kvidx.config import load_config
+    from kvidx.kafka.reach import resolve_bootstrap
     from kvidx.kafka.topics import ensure_topics
-    from schemas.events import topic_names
-
-    t = topic_names(args.topic_prefix)
-    ensure_topics(_bootstrap(args), t)
-    token = os.environ.get("KVIDX_API_TOKEN")
-    if args.auth_token_file:
-        with open(args.auth_token_file) as f:
-            token = f.read().strip()
-    store = ShardStore(args.index_block_size, config=load_config(args.config),
-                       unreported_eviction_kinds=tuple(args.unreported_eviction_kinds) or None)
     from kvidx.ops.audit import UsagePublisher
     from kvidx.ops.feedback import FeedbackFollower, ensure_feedback_topic
+    from schemas.events import topic_names
 
-    b = _bootstrap(args)
+    log = logging.getLogger("kvidx.service")
+    b = resolve_bootstrap(args.bootstrap)
+    token = _read_token(args.auth_token_file) if args.auth_token_file else os.environ.get("KVIDX_API_TOKEN")
+    if _port_in_use(args.host, args.port):
+        sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
+    t = topic_names(args.topic_prefix)
+    store = ShardStore(args.index_block_size, config=load_config(args.config),
+                       unreported_eviction_kinds=tuple(args.unreported_eviction_kinds) or None)
     store.publish_route = RoutePublisher(b, t["routes"])
-    follower = KafkaFollower(store, b, t["events"], t["snapshots"], t["routes"]).start()
-    feedback = FeedbackFollower(b, ensure_feedback_topic(b, t)).start()
+    feedback: list[FeedbackFollower] = []
+
+    def prepare() -> None:  # once the broker answers: the topics, then the feedback follower
+        ensure_topics(b, t)
+        f = FeedbackFollower(b, ensure_feedback_topic(b, t)).start()
+        feedback.append(f)
+        app.state.feedback = f
+
+    follower = KafkaFollower(store, b, t["events"], t["snapshots"], t["routes"], prepare=prepare)
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
-                     publish_usage=UsagePublisher(b, t["usage"]), feedback=feedback)
+                     publish_usage=UsagePublisher(b, t["usage"]))
+    follower.start()
+    log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
+             "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
-        feedback.stop()
+        for f in feedback:
+            f.stop()
         follower.stop()
     return 0
 
 
 def cmd_shadow(args) -> int:
     from kvidx.shadow import run_shadow
+    from relays.inputs import ENGINE_RECORDING, InputError, check_file, check_recording_engine
 
-    for path in (args.recording, args.requests):
-        if not os.path.exists(path):
-            sys.exit(f"error: no such file: {path}")
+    try:  # a missing file, a requests log as the recording, another engine's recording: one line each
+        check_file(args.recording, ENGINE_RECORDING[args.engine], "--recording")
+        check_file(args.requests, "requests", "--requests")
+        if args.engine != "trtllm":
+            check_recording_engine(args.recording, args.engine)
+    except InputError as e:
+        sys.exit(f"error: {e}")
     dead_letters = None
     if args.engine == "trtllm":
         from kvidx.shadow_trtllm import run_shadow as run_shadow_trtllm
@@ -402,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resync-jitter", type=float, default=5.0, metavar="S",
                    help="a replay starts at a random time within S seconds (relays asked together "
                         "do not send together)")
+    r.add_argument("--status-interval", type=float, default=30.0, metavar="S",
+                   help="log a one-line status (engine messages, batches, last event age, batches "
+                        "waiting for Kafka) every S seconds")
     r.set_defaults(func=cmd_relay)
 
     rs = sub.add_parser("resync", help="ask relays to replay their mirrors (shallowest blocks first)",
@@ -482,8 +613,28 @@ def build_parser() -> argparse.ArgumentParser:
     return finish(p)  # one help formatter and the common options on every subcommand
 
 
+_TIME_OPTIONS = ("--from", "--to", "--until", "--since")
+
+
+def _relative_times(argv: list[str]) -> list[str]:
+    """`--from -1d` as the README writes it: argparse takes a value starting with "-" for an option
+    unless it is a number, so a relative time is joined to its option (`--from=-1d`)."""
+    from kvidx.ops.kafkalog import is_relative_time
+
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _TIME_OPTIONS and i + 1 < len(argv) and is_relative_time(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_relative_times(sys.argv[1:] if argv is None else argv))
     _logging(args.log_level, args.command)
     if args.kafka_config:
         from kvidx.kafka.config import load_file

@@ -42,15 +42,18 @@ class Agreement:
             self.mismatches.append({"i": i, "prompt_tokens": prompt, "reused": reused, "credited": credited})
 
     def summary(self) -> dict:
+        """Token-weighted agreement; with no requests at all every ratio is None (nothing was
+        measured: 1.0 would read as perfect agreement)."""
         r = self.reused_tokens
+        none = self.requests == 0
         return {
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": r,
             "credited_tokens": self.credited_tokens,
-            "reuse_rate": round(r / self.prompt_tokens, 6) if self.prompt_tokens else 0.0,
-            "recall": round(self.matched_tokens / r, 6) if r else 1.0,
-            "over_credit": round(self.over_tokens / r, 6) if r else 0.0,
+            "reuse_rate": None if none else round(r / self.prompt_tokens, 6) if self.prompt_tokens else 0.0,
+            "recall": None if none else round(self.matched_tokens / r, 6) if r else 1.0,
+            "over_credit": None if none else round(self.over_tokens / r, 6) if r else 0.0,
             "exact_requests": self.exact,
         }
 

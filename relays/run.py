@@ -29,10 +29,16 @@ GAPS = Counter("kvidx_relay_gaps_total", "Sequence gaps, by outcome", ["replica"
 class Relay:
     def __init__(self, core: VllmPublisherRelay, sink: Sink, source: ZmqSource | None = None,
                  record_to: str | Path | None = None, resync_blocks_per_s: float = 50_000,
-                 resync_jitter_s: float = 5.0):
+                 resync_jitter_s: float = 5.0, status_every_s: float = 30.0):
         self.core = core
         self.sink = sink
         self.source = source
+        # a periodic one-line status (info): a relay pointed at a dead endpoint says so, not nothing
+        self.status_every_s = status_every_s
+        self._status_at = time.monotonic() + status_every_s
+        self.batches_published = 0
+        self.dead_letters = 0
+        self.last_frame_at: float | None = None  # wall clock of the last engine message
         self.recorder = Recorder(record_to) if record_to else None
         self.stop_event = threading.Event()
         # mirror replays on request, spread out: a random start within the jitter (so that relays
@@ -77,6 +83,7 @@ class Relay:
             return
         if self.recorder:
             self.recorder.write(frame)
+        self.last_frame_at = time.time()
         FRAMES.labels(self.core.replica).inc()
         out = self.core.on_frame(frame)
         if out.gap is not None:
@@ -107,11 +114,15 @@ class Relay:
         rep = self.core.replica
         for dl in out.dead:
             DEAD.labels(rep, dl.reason).inc()
+            if dl.reason == "wrong_engine" and self.dead_letters == 0:
+                log.error("event=wrong_engine replica=%s detail=%r", rep, dl.detail)
             log.warning("event=dead_letter replica=%s reason=%s seq=%d bytes=%d", rep, dl.reason,
                         dl.frame.seq, len(dl.frame.payload))
             self.sink.dead_letter(dl, self.core.model, rep)
+            self.dead_letters += 1
         for b in out.batches:
             self.sink.publish(b)
+            self.batches_published += 1
             BATCHES.labels(rep).inc()
             for ev in b.events:
                 hashes = getattr(ev, "hashes", ())
@@ -135,11 +146,28 @@ class Relay:
             if self.stop_event.is_set():
                 break
             self.resync_tick()
+            self.status_tick()
             if frame is None:
                 self.sink.flush(0)
                 continue
             self.handle(frame)
         self.sink.flush()
+
+    def status_tick(self, now: float | None = None) -> None:
+        """Broker health (the sink's) on every turn; the relay's status line every status_every_s."""
+        check = getattr(self.sink, "check_health", None)
+        if check is not None:
+            check()
+        now = time.monotonic() if now is None else now
+        if now < self._status_at:
+            return
+        self._status_at = now + self.status_every_s
+        age = f"{time.time() - self.last_frame_at:.1f}" if self.last_frame_at is not None else "none"
+        waiting = getattr(self.sink, "waiting", lambda: 0)()
+        log.info("event=relay_status replica=%s endpoint=%s frames=%d batches=%d dead_letters=%d "
+                 "last_event_age_s=%s kafka_waiting=%d", self.core.replica,
+                 self.source.endpoint if self.source else "", self.core.counters["frames"],
+                 self.batches_published, self.dead_letters, age, waiting)
 
     def play(self, path: str | Path, realtime: bool = False, speed: float = 1.0) -> int:
         """Feed a recording instead of a live socket; with `realtime`, keep its timing."""

@@ -30,6 +30,8 @@ __all__ = ["SglangPublisherRelay", "make_relay", "SUPPORTED_VERSIONS", "DEFAULT_
 
 
 class SglangPublisherRelay(VllmPublisherRelay):
+    engine = "sglang"
+
     def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
                  engine_version: str = DEFAULT_VERSION, epoch: int | None = None):
         self.encoding, self.hash_kind = check_version(engine_version)

@@ -8,6 +8,7 @@ dead-letter topic with the reason in headers and the message with its token ids 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 from confluent_kafka import KafkaException, Producer
@@ -26,12 +27,24 @@ class Sink(Protocol):
     def flush(self, timeout: float = 10.0) -> int: ...
 
 
+STALL_S = 3.0  # batches waiting this long with none delivered: the broker does not answer
+STALL_REPEAT_S = 15.0
+
+
 class KafkaSink:
     def __init__(self, bootstrap: str, events_topic: str = EVENTS_TOPIC,
                  dead_letter_topic: str = DEAD_LETTER_TOPIC, **config):
+        self.bootstrap = bootstrap
         self.events_topic = events_topic
         self.dead_letter_topic = dead_letter_topic
         self.errors = 0
+        self.delivered = 0
+        # broker health as the relay sees it (check_health): when progress was last seen, since when
+        # batches have been waiting without any delivery, and when that was last said
+        self._progress_at = time.monotonic()
+        self._progress_mark = 0
+        self._stalled_since: float | None = None
+        self._stall_said_at = 0.0
         self.producer = Producer({
             "bootstrap.servers": bootstrap,
             "enable.idempotence": True,  # implies acks=all and ordered, duplicate-free retries
@@ -45,6 +58,36 @@ class KafkaSink:
         if err is not None:
             self.errors += 1
             log.error("event=delivery_failed topic=%s error=%s", msg.topic(), err)
+        else:
+            self.delivered += 1
+
+    def waiting(self) -> int:
+        """Messages handed to the producer and not yet acknowledged by the broker."""
+        return len(self.producer) if self.producer is not None else 0
+
+    def check_health(self, now: float | None = None) -> None:
+        """Say within seconds that the broker does not answer (librdkafka keeps the batches and retries;
+        nothing is lost, but without this it says nothing for a minute, then something misleading),
+        and say so again once the waiting batches are delivered."""
+        now = time.monotonic() if now is None else now
+        waiting = self.waiting()
+        if self.delivered != self._progress_mark or waiting == 0:
+            self._progress_mark, self._progress_at = self.delivered, now
+            if self._stalled_since is not None and waiting == 0:
+                log.info("event=broker_back bootstrap=%s after_s=%.1f delivered_total=%d", self.bootstrap,
+                         now - self._stalled_since, self.delivered)
+                self._stalled_since = None
+            return
+        if now - self._progress_at < STALL_S:
+            return
+        if self._stalled_since is None:
+            self._stalled_since = self._progress_at
+        elif now - self._stall_said_at < STALL_REPEAT_S:
+            return
+        self._stall_said_at = now
+        log.warning("event=broker_not_answering bootstrap=%s waiting_batches=%d for_s=%.1f "
+                    "hint=%r", self.bootstrap, waiting, now - self._stalled_since,
+                    "batches are kept and retried; check the broker at that address")
 
     def _produce(self, topic: str, key: bytes, value: bytes, headers=None) -> None:
         while True:

@@ -272,7 +272,19 @@ def run_relay(url: str, model: str, sink, index_block_size: int, block_size: int
     """`kvidx relay --engine trtllm --url http://host:port`: check the version, then poll until
     `stop` (a threading.Event) is set."""
     source = source or TrtllmHttpSource(url)
-    version = source.check_version()
+    attempt = 0
+    while True:  # the engine may start after its relay: say so once per attempt, keep trying
+        try:
+            version = source.check_version()
+            break
+        except (urllib.error.URLError, TimeoutError, OSError, ValueError, KeyError) as e:
+            attempt += 1  # (an UnsupportedVersion is no such error: it ends the relay)
+            log.error("event=engine_unreachable url=%s attempt=%d retry_in_s=5 reason=%r", url, attempt,
+                      str(getattr(e, "reason", e))[:200])
+            if stop is not None and stop.wait(5.0):
+                return TrtllmPollRelay(model, url, index_block_size, block_size)
+            if stop is None:
+                time.sleep(5.0)
     log.info("event=relay_start engine=trtllm version=%s url=%s model=%s", version, url, model)
     core = TrtllmPollRelay(model, url, index_block_size, block_size)
     recorder = PollRecorder(record_to) if record_to else None
@@ -290,6 +302,9 @@ def run_relay(url: str, model: str, sink, index_block_size: int, block_size: int
                     recorder.write(recv_ns, json.loads(body))
                 _emit(sink, core, core.on_poll_body(body, recv_ns))
                 sink.flush(0)
+            check = getattr(sink, "check_health", None)
+            if check is not None:
+                check()
             time.sleep(interval_s)
     finally:
         sink.flush()

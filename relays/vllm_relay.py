@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvidx.core.mirror import MirrorError, VllmMirror
+from relays.inputs import wrong_engine
 from relays.vllm_wire import check_engine_version, decode_payload
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, ReplicaCleared
 
 MAX_PAYLOAD = 64 << 20  # a larger frame is not an engine batch
+SNIFF_FRAMES = 20  # the first frames of a stream are checked for another engine's fields
 
 
 @dataclass
@@ -50,6 +52,8 @@ class RelayOutput:
 
 
 class VllmPublisherRelay:
+    engine = "vllm"  # the engine whose stream this relay reads (another engine's is a dead letter)
+
     def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
                  epoch: int | None = None, group_kinds: dict[int, tuple[str, int | None]] | None = None,
                  engine_version: str | None = None, **mirror_options):
@@ -68,6 +72,7 @@ class VllmPublisherRelay:
         self.next_seq: int | None = None
         self.counters: dict[str, int] = {"frames": 0, "duplicates": 0, "gaps": 0, "restarts": 0}
         self.resync_part = 0  # mirror-replay parts sent (EventBatch.part), increasing for ever
+        self.wrong_engine: str | None = None  # why the stream is another engine's, once seen
 
     def on_frame(self, frame: Frame, check_gap: bool = True) -> RelayOutput:
         out = RelayOutput()
@@ -90,6 +95,12 @@ class VllmPublisherRelay:
         if len(frame.payload) > MAX_PAYLOAD:
             self._skip(frame)
             out.dead.append(DeadLetter("oversized", f"{len(frame.payload)} bytes", frame))
+            return out
+        if self.wrong_engine is None and self.counters["frames"] <= SNIFF_FRAMES:
+            self.wrong_engine = wrong_engine(frame.payload, self.engine)
+        if self.wrong_engine is not None:  # never folded as this engine's: it may decode, misread
+            self._skip(frame)
+            out.dead.append(DeadLetter("wrong_engine", self.wrong_engine, frame))
             return out
         try:
             batch = self.decode(frame.payload)

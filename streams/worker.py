@@ -94,6 +94,8 @@ class ShardWorker:
         self.dirty: set[str] = set()
         self._topic_cache: dict[int, dict[str, ModelShard]] = {}  # partition -> its snapshots, at load
         self._dlq: Producer | None = None
+        self.batches_folded = 0
+        self.last_snapshot_at: float | None = None
 
     def shard(self, model: str, partition: int) -> ModelShard:
         s = self.shards.get(model)
@@ -128,6 +130,7 @@ class ShardWorker:
         now = time.time() if now is None else now
         shard = self.shard(batch.model, partition)
         applied = shard.apply(batch, now)
+        self.batches_folded += 1
         shard.events_offset = max(shard.events_offset, offset + 1)
         APPLIED.labels(batch.model, "applied" if applied else "duplicate").inc()
         if applied:
@@ -175,6 +178,7 @@ class ShardWorker:
             for gid, g in shard.groups.items():
                 INDEXED.labels(model, str(gid)).set(len(g.any))
             n += 1
+        self.last_snapshot_at = time.time()
         return n
 
     def dead_letter(self, raw: bytes, reason: str, detail: str) -> None:
@@ -196,8 +200,8 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
                dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0,
                block_size: int = 16, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                unreported_eviction_kinds: tuple[str, ...] = (),
-               web_port: int = 6066, partitions: int = 4, session_timeout: float = 30.0
-               ) -> tuple[faust.App, ShardWorker]:
+               web_port: int = 6066, partitions: int = 4, session_timeout: float = 30.0,
+               status_interval: float = 30.0) -> tuple[faust.App, ShardWorker]:
     """`session_timeout`: how long a dead worker keeps its partitions before the group gives them to
     the others (they then rebuild the shards from the compacted topic and carry on)."""
     app = faust.App(
@@ -236,6 +240,13 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
         worker.revoke(mine)
         # their events will be redelivered to the new owner: never ack them from here
         pending[:] = [ev for ev in pending if ev.message.partition not in mine]
+
+    @app.timer(interval=status_interval)
+    async def status():
+        age = (f"{time.time() - worker.last_snapshot_at:.1f}" if worker.last_snapshot_at is not None
+               else "none")
+        log.info("event=worker_status models=%d batches_folded=%d unacked_events=%d last_snapshot_age_s=%s",
+                 len(worker.shards), worker.batches_folded, len(pending), age)
 
     @app.timer(interval=snapshot_interval)
     async def snapshot():

@@ -9,6 +9,14 @@ from kvidx.kafka.config import client_config
 EVENTS_RETENTION_MS = 7 * 24 * 3600 * 1000  # the events topic is the history for replay and audit
 
 
+def partition_for(key: bytes, partitions: int) -> int:
+    """The partition the relays' producer puts a key in: librdkafka's default partitioner
+    (consistent_random) is CRC-32 of the key modulo the partition count."""
+    import zlib
+
+    return zlib.crc32(key) % partitions
+
+
 def create_topics(
     bootstrap: str,
     names: Iterable[str],

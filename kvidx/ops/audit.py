@@ -50,9 +50,9 @@ class Tally(Agreement):
         r, c = self.reused_tokens, self.credited_tokens
         s["over_credited_tokens"] = self.over_tokens
         # nothing reused: 0 if nothing was credited either, else undefined (None)
-        if not r:
+        if not r and self.requests:
             s["over_credit"] = None if self.over_tokens else 0.0
-        s["precision"] = round(self.matched_tokens / c, 6) if c else 1.0
+        s["precision"] = None if not self.requests else round(self.matched_tokens / c, 6) if c else 1.0
         return s
 
 
@@ -283,6 +283,11 @@ def cmd_audit(args) -> int:
         sys.exit("error: --from must be before --to")
     j = read_joined(bootstrap_of(args), names, t_from, t_to, args.grace)
     report = audit(j, t_from, t_to, args.window)
+    if not report["overall"]["requests"]:  # not silent: nothing was measured, no ratio is 1.0
+        u = report["unmatched"]
+        print(f"warning: no request between {iso(t_from)} and {iso(t_to)} has both a routing decision "
+              f"({names['routes']}) and a usage report ({names['usage']}): {u['routes']} decisions and "
+              f"{u['usages']} usage reports unmatched; nothing to audit", file=sys.stderr)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

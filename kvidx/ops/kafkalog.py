@@ -23,6 +23,11 @@ _REL = re.compile(r"^-(\d+(?:\.\d+)?)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+def is_relative_time(text: str) -> bool:
+    """`-15m`, `-2h`, `-1d`, `-30s`: a time back from now."""
+    return _REL.match(text.strip()) is not None
+
+
 def parse_time(text: str, now: float | None = None) -> float:
     """Seconds since the epoch from epoch seconds (`1764500000.5`), ISO 8601 (`2025-11-30T12:00:00Z`,
     `2025-11-30T13:00:00+01:00`; without a zone: UTC), `now`, or a time back from now (`-15m`, `-2h`,
@@ -223,11 +228,11 @@ def add_kafka_args(p) -> None:
 
 
 def bootstrap_of(args) -> str:
-    import os
+    """The cluster of a one-shot command: named and answering, or exit with one line."""
+    from kvidx.kafka.reach import require_broker, resolve_bootstrap
 
-    b = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not b:
-        sys.exit("error: no Kafka cluster: pass --bootstrap HOST:PORT or set KAFKA_BOOTSTRAP_SERVERS")
+    b = resolve_bootstrap(args.bootstrap)
+    require_broker(b)
     return b
 
 

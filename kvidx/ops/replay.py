@@ -45,7 +45,7 @@ from confluent_kafka import Producer
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config
-from kvidx.kafka.topics import EVENTS_RETENTION_MS, create_topics
+from kvidx.kafka.topics import EVENTS_RETENTION_MS, create_topics, partition_for
 from kvidx.ops.kafkalog import (
     Progress,
     add_kafka_args,
@@ -188,6 +188,7 @@ class Replay:
     seconds: float = 0.0
     last_event_ts: float | None = None
     earliest_exact_ts: float | None = None
+    models_seen: set[str] = field(default_factory=set)  # other models' keys met (a few, for errors)
     checkpoint: Checkpoint | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -223,15 +224,15 @@ def replay(bootstrap: str, names: dict[str, str], model: str, until: float | Non
         lows = {p: watermarks(c, topic, p)[0] for p in parts}
         if at_offset is not None:
             p, off = at_offset
-            if p is None:
-                known = {cp.events_partition for cp in cps}
-                if len(parts) == 1:
-                    p = parts[0]
-                elif len(known) == 1:
-                    p = known.pop()
-                else:
-                    raise ValueError(f"{topic} has {len(parts)} partitions: "
-                                     "give --at-offset PARTITION:OFFSET")
+            if p is None:  # the partition the relays' producer puts the model's key in
+                p = partition_for(key, len(parts))
+            if p not in lows:
+                raise ValueError(f"{topic} has no partition {p} (its partitions: 0-{max(parts)})")
+            hi = watermarks(c, topic, p)[1]
+            if not lows[p] <= off <= hi:
+                raise ValueError(f"offset {off} is outside partition {p} of {topic} (its offsets: "
+                                 f"{lows[p]}..{hi}; model {model} is in partition "
+                                 f"{partition_for(key, len(parts))})")
             stops = {p: off}
         else:
             stops = offsets_after(c, topic, parts, until)
@@ -279,6 +280,8 @@ def replay(bootstrap: str, names: dict[str, str], model: str, until: float | Non
         for m in read(c, topic, starts, stops, on_progress=on_progress, timeout_s=3600):
             if m.key != key:
                 result.other_models += 1
+                if len(result.models_seen) < 20 and m.key is not None:
+                    result.models_seen.add(m.key.decode(errors="replace"))
                 continue
             while ri < len(routes) and routes[ri][0] <= m.ts:
                 _add_route(shard, routes[ri][1])
@@ -296,10 +299,39 @@ def replay(bootstrap: str, names: dict[str, str], model: str, until: float | Non
         for _, d in routes[ri:]:
             _add_route(shard, d)
         result.routes_applied = len(routes)
+        if result.batches == 0 and cp is None:
+            _explain_empty(c, topic, key, parts, stops, result)
     finally:
         c.close()
     result.seconds = time.monotonic() - t0
     return result
+
+
+class NoSuchModel(LookupError):
+    pass
+
+
+def _explain_empty(c, topic: str, key: bytes, parts: list[int], stops: dict[int, int], r: Replay) -> None:
+    """A replay that folded nothing says why, never just "0 batches": the model is not in the topic
+    at all (an error), or its first event comes after the moment asked for (a warning naming it)."""
+    p = partition_for(key, len(parts))
+    ends = {p: watermarks(c, topic, p)[1]}
+    first = None
+    for m in read(c, topic, {p: min(stops.get(p, 0), ends[p])}, ends, timeout_s=60):
+        if m.key == key:
+            first = m
+            break
+    if first is None:
+        seen = sorted(r.models_seen) or ["none"]
+        raise NoSuchModel(f"no events of model {r.model!r} in {topic} (models seen before the moment: "
+                          f"{', '.join(seen)}{', ...' if len(seen) >= 20 else ''})")
+    if p not in stops:
+        r.warnings.append(f"model {r.model!r} is in partition {p} of {topic}, not in the one asked for "
+                          f"({', '.join(map(str, stops))}): 0 batches folded")
+        return
+    r.warnings.append(f"the moment asked for ({iso(r.at) if r.at else 'offset ' + str(stops[p])}) is before "
+                      f"the model's first event in {topic}: {iso(first.ts)} (Kafka time, when the relay "
+                      "published it; a played recording keeps its engine clock in the events, not here)")
 
 
 def _add_route(shard: ModelShard, d) -> None:
@@ -345,7 +377,7 @@ def load_prompts(path: str | Path) -> list[dict]:
         if isinstance(p, list):
             p = {"token_ids": p}
         if not isinstance(p, dict) or not isinstance(p.get("token_ids"), list) or not p["token_ids"]:
-            raise ValueError(f"{path}: prompt {i} has no token_ids")
+            raise ValueError(f"prompt {i} has no token_ids")
         out.append({"name": p.get("name", str(i)), "token_ids": p["token_ids"],
                     "lora_name": p.get("lora_name"), "cache_salt": p.get("cache_salt")})
     return out
@@ -364,9 +396,13 @@ def state_summary(r: Replay) -> list[dict]:
     """Per replica at the replayed moment: live blocks per group, epoch/seq, last engine event."""
     out = []
     for st in sorted(r.shard.replicas.values(), key=lambda s: (s.replica, s.dp_rank)):
+        # "last event": when it was published (the clock --until reads); the engine's own clock
+        # beside it (a played recording keeps the time it was recorded at)
         out.append({"replica": st.replica, "dp_rank": st.dp_rank, "blocks": st.blocks,
                     "group_blocks": dict(st.group_blocks), "epoch": st.epoch, "seq": st.seq,
-                    "seq_gaps": st.seq_gaps, "last_event_iso": iso(st.engine_ts) if st.batches else None})
+                    "seq_gaps": st.seq_gaps, "last_event_iso": iso(st.applied_ts) if st.batches else None,
+                    "last_event_engine_iso": (iso(st.engine_ts) if st.batches
+                                              and abs(st.engine_ts - st.applied_ts) > 1.0 else None)})
     return out
 
 
@@ -497,14 +533,22 @@ def cmd_replay(args) -> int:
         m = cfg.model(args.model)
         kw["block_size"] = m.index_block_size
         kw["unreported_eviction_kinds"] = tuple(m.unreported_eviction_kinds)
+    prompts = None
+    if args.prompts:  # read before the replay: a missing or bad file fails at once
+        try:
+            prompts = load_prompts(args.prompts)
+        except OSError as e:
+            sys.exit(f"error: --prompts {args.prompts}: {e.strerror or e}")
+        except ValueError as e:  # not JSON, or not prompts
+            sys.exit(f"error: --prompts {args.prompts}: {e}")
     try:
         r = replay(b, names, args.model, parse_time(args.until) if args.until else None,
                    _at_offset(args.at_offset) if args.at_offset else None, **kw)
-    except ValueError as e:
+    except (ValueError, NoSuchModel) as e:
         sys.exit(f"error: {e}")
     out = {"replay": r.summary(), "replicas": state_summary(r)}
-    if args.prompts:
-        out["lookups"] = lookup_prompts(r, load_prompts(args.prompts))
+    if prompts is not None:
+        out["lookups"] = lookup_prompts(r, prompts)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -515,8 +559,9 @@ def cmd_replay(args) -> int:
     for w in s["warnings"]:
         print(f"warning: {w}")
     for x in out["replicas"]:
+        engine = f" (engine clock {x['last_event_engine_iso']})" if x["last_event_engine_iso"] else ""
         print(f"  {x['replica']} rank {x['dp_rank']}: {x['blocks']} blocks, epoch {x['epoch']} "
-              f"seq {x['seq']}, last event {x['last_event_iso']}")
+              f"seq {x['seq']}, last event published {x['last_event_iso']}{engine}")
     for lk in out.get("lookups", []):
         print(f"prompt {lk['name']} ({lk['prompt_tokens']} tokens):")
         for a in lk["replicas"]:

@@ -1,0 +1,124 @@
+"""What an input file or stream is, told before it is used: a missing file, a requests log given as a
+recording, or a recording of another engine than the one asked for gets one line that names it.
+
+Without these checks a missing file raised after the topics were created, a requests log raised a
+ValueError traceback, and a vLLM recording shadowed as TensorRT-LLM reported recall 0.0 without a
+word. Nothing here prints or keeps token ids: only a line's keys and event field names are read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+# what a file's first line holds, by kind
+KINDS = {
+    "frames": "a recording of engine ZMQ frames (frames.jsonl: vLLM, SGLang, LMCache)",
+    "polls": "a recording of TensorRT-LLM /kv_cache_events polls (events.jsonl)",
+    "requests": "a requests log (requests.jsonl: prompts and the engine's cached_tokens)",
+}
+# the recording kind each engine reads
+ENGINE_RECORDING = {"vllm": "frames", "sglang": "frames", "lmcache": "frames", "trtllm": "polls"}
+
+# BlockStored fields vLLM (0.32: always sent) has and SGLang never sends, and SGLang's own
+_VLLM_ONLY = frozenset({"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"})
+_SGLANG_ONLY = frozenset({"cache_salt", "session_id"})
+
+
+class InputError(ValueError):
+    """An input the command cannot use; its message is the one line to show."""
+
+
+def file_kind(path: str | Path) -> str:
+    """"frames", "polls", "requests" or "unknown", from the first non-empty line's keys."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                break
+        else:
+            return "empty"
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return "unknown"
+    if not isinstance(d, dict):
+        return "unknown"
+    if "payload_b64" in d:
+        return "frames"
+    if "prompt_token_ids" in d or "cached_tokens" in d:
+        return "requests"
+    if "events" in d and "recv_ns" in d:
+        return "polls"
+    return "unknown"
+
+
+def check_file(path: str | Path | None, want: str, option: str) -> None:
+    """Raise InputError unless `path` exists and is a file of kind `want`."""
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{option} {path}: no such file")
+    if p.is_dir():
+        raise InputError(f"{option} {path}: is a directory, not a file")
+    kind = file_kind(p)
+    if kind == want:
+        return
+    if kind == "empty":
+        raise InputError(f"{option} {path}: the file is empty")
+    what = KINDS.get(kind, "not a file kvidx reads")
+    hint = ""
+    if want == "frames" and kind == "polls":
+        hint = " (use --engine trtllm)"
+    elif want == "polls" and kind == "frames":
+        hint = " (use --engine vllm, sglang or lmcache)"
+    elif kind == "requests":
+        hint = " (the recording is the frames.jsonl or events.jsonl beside it)"
+    raise InputError(f"{option} {path}: this is {what}, not {KINDS[want]}{hint}")
+
+
+def sniff_engine(payload: bytes) -> str | None:
+    """"vllm" or "sglang" when a ZMQ event payload carries fields only that engine sends; None when
+    it cannot tell (positional encodings, removals only, not msgpack)."""
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        return None
+    for ev in batch[1]:
+        if isinstance(ev, dict) and ev.get("type") == "BlockStored":
+            keys = ev.keys()
+            if _VLLM_ONLY & keys:
+                return "vllm"
+            if _SGLANG_ONLY & keys:
+                return "sglang"
+            if any(isinstance(h, int) and h < 0 for h in ev.get("block_hashes") or ()):
+                return "sglang"  # signed int64 page hashes; vLLM's are unsigned or bytes
+    return None
+
+
+def wrong_engine(payload: bytes, engine: str) -> str | None:
+    """A one-line reason when `payload` is plainly another engine's than `engine` (vllm, sglang,
+    lmcache: LMCache's stores come through vLLM), else None."""
+    seen = sniff_engine(payload)
+    family = "vllm" if engine == "lmcache" else engine
+    if seen is None or seen == family:
+        return None
+    why = ("its BlockStored events carry vLLM's group_idx/kv_cache_spec_kind/extra_keys"
+           if seen == "vllm" else "its BlockStored events carry SGLang's signed page hashes or fields")
+    return f"this is a {seen} stream ({why}), not {engine}: use --engine {seen}"
+
+
+def check_recording_engine(path: str | Path, engine: str, frames: int = 50) -> None:
+    """Raise InputError when the first frames of a recording are plainly another engine's."""
+    from relays.recording import read_frames
+
+    for i, f in enumerate(read_frames(path)):
+        why = wrong_engine(f.payload, engine)
+        if why is not None:
+            raise InputError(f"{path}: {why}")
+        if i >= frames:
+            return
