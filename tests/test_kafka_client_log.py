@@ -32,3 +32,11 @@ def test_real_problems_keep_their_level(caplog):
         _log(logging.ERROR, "FAIL", "127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed")
         _log(logging.WARNING, "GETPID", "[thrd:main]: Failed to acquire idempotence PID: fatal error")
     assert [r.levelname for r in caplog.records if r.name == LOG.name] == ["ERROR", "WARNING"]
+
+
+def test_broker_version_guess_of_a_hung_broker_is_debug(caplog):
+    # a hung broker times out ApiVersionRequest; the relay's broker_not_answering line says it instead
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        _log(logging.ERROR, "FAIL", "127.0.0.1:9092/1: ApiVersionRequest failed: Local: Timed out: "
+             "probably due to broker version < 0.10 (see api.version.request configuration)")
+    assert [r for r in caplog.records if r.name == LOG.name] == []

@@ -31,8 +31,11 @@ class _BenignAtDebug(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         # confluent-kafka logs as logger.log(level, "%s [%s] %s", facility, client name, message)
         args = record.args if isinstance(record.args, tuple) else ()
-        if (record.levelno > logging.DEBUG and len(args) == 3 and args[0] == "GETPID"
-                and str(args[2]).rstrip().endswith("retrying")):
+        if record.levelno > logging.DEBUG and len(args) == 3 and (
+                (args[0] == "GETPID" and str(args[2]).rstrip().endswith("retrying"))
+                # a hung broker times out the version request and librdkafka guesses an ancient
+                # broker; the relay's own broker_not_answering line says what is really wrong
+                or "probably due to broker version < 0.10" in str(args[2])):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return _CLIENT_LOG.isEnabledFor(logging.DEBUG)  # its level was checked as a warning's
         return True

@@ -504,6 +504,14 @@ def _at_offset(text: str) -> tuple[int | None, int]:
 def cmd_replay(args) -> int:
     from kvidx.config import load_config
 
+    prompts = None
+    if args.prompts:  # read before anything else: a missing or bad file fails at once
+        try:
+            prompts = load_prompts(args.prompts)
+        except OSError as e:
+            sys.exit(f"error: --prompts {args.prompts}: {e.strerror or e}")
+        except ValueError as e:  # not JSON, or not prompts
+            sys.exit(f"error: --prompts {args.prompts}: {e}")
     b = bootstrap_of(args)
     names = topic_names(args.topic_prefix)
     cfg = load_config(args.config) if args.config else None
@@ -533,14 +541,6 @@ def cmd_replay(args) -> int:
         m = cfg.model(args.model)
         kw["block_size"] = m.index_block_size
         kw["unreported_eviction_kinds"] = tuple(m.unreported_eviction_kinds)
-    prompts = None
-    if args.prompts:  # read before the replay: a missing or bad file fails at once
-        try:
-            prompts = load_prompts(args.prompts)
-        except OSError as e:
-            sys.exit(f"error: --prompts {args.prompts}: {e.strerror or e}")
-        except ValueError as e:  # not JSON, or not prompts
-            sys.exit(f"error: --prompts {args.prompts}: {e}")
     try:
         r = replay(b, names, args.model, parse_time(args.until) if args.until else None,
                    _at_offset(args.at_offset) if args.at_offset else None, **kw)
