@@ -145,7 +145,7 @@ def test_serve_healthz_says_why_it_is_not_ready():
     (["relay", "--model", "m", "--play", REQUESTS], REQUESTS),
     (["replay", "--model", "m", "--until", "now", "--prompts", "/nonexistent/p.json"], "/nonexistent/p.json"),
     (["serve", "--auth-token-file", "/nonexistent/token"], "/nonexistent/token"),
-    (["shadow", "--recording", "/nonexistent/frames.jsonl", "--requests", REQUESTS], "/nonexistent/frames.jsonl"),
+    (["shadow", "--recording", "/nonexistent/f.jsonl", "--requests", REQUESTS], "/nonexistent/f.jsonl"),
     (["shadow", "--recording", FRAMES, "--requests", "/nonexistent/r.jsonl"], "/nonexistent/r.jsonl"),
     (["shadow", "--engine", "trtllm", "--recording", FRAMES, "--requests", REQUESTS], FRAMES),
     (["shadow", "--engine", "sglang", "--recording", FRAMES, "--requests", REQUESTS], FRAMES),

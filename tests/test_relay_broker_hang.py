@@ -31,7 +31,8 @@ def test_hung_broker_is_reported_and_nothing_is_lost(tmp_path, caplog):
     engine = SimVllmEngine(num_blocks=40, block_size=32, endpoint="tcp://127.0.0.1:*",
                            replay_endpoint="tcp://127.0.0.1:*")
     sink = KafkaSink(bootstrap, names["events"], names["dead_letters"])
-    relay = Relay(VllmPublisherRelay("sim", "sim-0", 16), sink, ZmqSource(engine.endpoint, engine.replay_endpoint))
+    relay = Relay(VllmPublisherRelay("sim", "sim-0", 16), sink,
+                  ZmqSource(engine.endpoint, engine.replay_endpoint))
     relay.start_fresh()
     thread = threading.Thread(target=relay.run_live, args=(0.05,), daemon=True)
     caplog.set_level(logging.INFO, logger="kvidx")
@@ -58,9 +59,8 @@ def test_hung_broker_is_reported_and_nothing_is_lost(tmp_path, caplog):
         assert sink.errors == 0
         assert "probably due to broker version" not in caplog.text  # librdkafka's misleading guess
     finally:
-        with_cont = broker.pid
         try:
-            os.kill(with_cont, signal.SIGCONT)
+            os.kill(broker.pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
         relay.close()
