@@ -53,10 +53,11 @@ def ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def bootstrap_of(res: subprocess.CompletedProcess) -> str:
-    """`up` prints the bootstrap, then the export line."""
+    """`up` prints a comment naming the bootstrap, then the export line (shell-ready)."""
     lines = res.stdout.splitlines()
-    assert lines[1] == f"export KAFKA_BOOTSTRAP_SERVERS={lines[0]}", res.stdout
-    return lines[0]
+    bootstrap = lines[0].removeprefix("# kafka serving at ")
+    assert lines[1] == f"export KAFKA_BOOTSTRAP_SERVERS={bootstrap}", res.stdout
+    return bootstrap
 
 
 def state_of(kafka_dir: Path) -> dict:

@@ -799,7 +799,8 @@ def _cli(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
 @_cli
 def _cmd_up(args: argparse.Namespace) -> int:
     st = up(args.state_dir)
-    print(st["bootstrap"])
+    # shell-ready: a comment, then the export (`eval "$(kvidx kafka up)"` sets the variable)
+    print(f"# kafka serving at {st['bootstrap']}")
     print(f"export KAFKA_BOOTSTRAP_SERVERS={st['bootstrap']}")
     return 0
 
@@ -848,7 +849,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"kafka: not running ({where}: no broker there)")
         return 1
     state = "serving" if st["serving"] else "running, NOT serving"
-    print(f"kafka: {state} at {st['bootstrap']} (pid {st['pid']}, data {st['data_dir']})")
+    print(f"# kafka: {state} at {st['bootstrap']} (pid {st['pid']}, data {st['data_dir']})")
     print(f"export KAFKA_BOOTSTRAP_SERVERS={st['bootstrap']}")
     return 0 if st["serving"] else 2
 

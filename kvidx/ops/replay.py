@@ -366,8 +366,15 @@ def _earliest_exact(c, topic: str, cps: list[Checkpoint], lows: dict[int, int]) 
 # ---- answers ---------------------------------------------------------------------------------------
 def load_prompts(path: str | Path) -> list[dict]:
     """Prompts as token ids: a JSON list of token ids, a list of such lists, or objects
-    {"token_ids": [...], "lora_name": ..., "cache_salt": ..., "name": ...} (one or a list)."""
-    raw = json.loads(Path(path).read_text())
+    {"token_ids": [...], "lora_name": ..., "cache_salt": ..., "name": ...} (one or a list), or a
+    requests log (JSON lines with `prompt_token_ids`, as tests/fixtures/*/requests.jsonl)."""
+    text = Path(path).read_text()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError:  # JSON lines: a requests log
+        raw = [json.loads(line) for line in text.splitlines() if line.strip()]
+        raw = [{"token_ids": r.get("prompt_token_ids", r.get("token_ids")), "name": str(r.get("i", i))}
+               if isinstance(r, dict) else r for i, r in enumerate(raw)]
     if isinstance(raw, dict):
         raw = [raw]
     if raw and all(isinstance(t, int) for t in raw):
