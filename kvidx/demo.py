@@ -87,6 +87,9 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
                 broker = LocalKafka(log=lambda m: say(f"kafka: {m}"))
                 bootstrap = broker.start(tmp / "kafka")
                 stack.append(broker.stop)
+            else:
+                from kvidx.kafka.reach import require_broker
+                require_broker(bootstrap)  # a given cluster that does not answer: one line, exit 1
             prefix = f"demo{int(time.time())}."
             names = topic_names(prefix)
             from kvidx.kafka.topics import ensure_topics

@@ -390,6 +390,9 @@ def run(args: argparse.Namespace) -> dict:
                 broker = LocalKafka(log=lambda m: say(f"kafka: {m}"))
                 bootstrap = broker.start(tmp / "kafka")
                 stack.append(broker.stop)
+            else:
+                from kvidx.kafka.reach import require_broker
+                require_broker(bootstrap)  # a given cluster that does not answer: one line, exit 1
             prefix = args.topic_prefix or f"sim{time.time_ns()}."
             ensure_topics(bootstrap, topic_names(prefix))
             say(f"Kafka at {bootstrap}, topics {topic_names(prefix)['events']} ...: the kv run's events go "

@@ -87,6 +87,8 @@ ONE_SHOT_UNREACHABLE = [
     ["audit", "--from", "-1d"],
     ["feedback"],
     ["resync", "--model", "m"],
+    ["demo", "--kafka"],
+    ["simulate", "--kafka"],
 ]
 
 
@@ -197,3 +199,17 @@ def test_worker_configuration_errors_stop_the_supervisor(kafka_bootstrap, tmp_pa
         out = run(["worker", "--bootstrap", kafka_bootstrap, "--data-dir", str(tmp_path / "w2"),
                    "--web-port", str(port)])
         assert f"port {port} is in use" in out and "--web-port" in out, out
+
+
+@pytest.mark.kafka
+def test_relay_at_a_dead_engine_says_what_it_waits_for(kafka_bootstrap):
+    r = Running(["relay", "--model", "m", "--endpoint", "tcp://127.0.0.1:1", "--bootstrap", kafka_bootstrap,
+                 "--topic-prefix", "deadengine.", "--status-interval", "1"])
+    try:
+        start = r.wait_line("event=relay_start", "tcp://127.0.0.1:1")
+        assert "waiting_for" in start
+        status = r.wait_line("event=relay_status", "frames=0")
+        assert "last_event_age_s=none" in status and "tcp://127.0.0.1:1" in status
+    finally:
+        r.stop()
+    assert "Traceback" not in r.output()

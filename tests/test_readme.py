@@ -62,8 +62,8 @@ def test_every_other_bash_block_runs_as_written(block, tmp_path):
             (tmp_path / name).symlink_to(ROOT / name)
     env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
     env.update(KVIDX_STATE_DIR=str(tmp_path / "state"), PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
