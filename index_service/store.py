@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvidx.config import Config
+from kvidx.config import Config, ShardSettings
 from kvidx.core.shard import ModelShard
 from schemas.events import EventBatch
 from schemas.routes import RouteDecision
@@ -22,10 +22,9 @@ class ShardStore:
 
     def __init__(self, index_block_size: int | None = None, block_sizes: dict[str, int] | None = None,
                  unreported_eviction_kinds: tuple[str, ...] | None = None, config: Config | None = None):
-        self.config = config or Config()
-        self.default_block_size = index_block_size
-        self.unreported_eviction_kinds = unreported_eviction_kinds
-        self.block_sizes = block_sizes or {}
+        self.settings = ShardSettings(config or Config(), index_block_size, block_sizes or {},
+                                      unreported_eviction_kinds)
+        self.config = self.settings.config
         self.shards: dict[str, ModelShard] = {}
         self.lock = threading.Lock()
         self.batches_applied = 0
@@ -37,29 +36,12 @@ class ShardStore:
         self._seen_routes: OrderedDict[str, None] = OrderedDict()
 
     def block_size(self, model: str) -> int:
-        if model in self.block_sizes:
-            return self.block_sizes[model]
-        if self.default_block_size is not None and model not in self.config.models:
-            return self.default_block_size
-        return self.config.model(model).index_block_size
-
-    def _configure(self, shard: ModelShard) -> ModelShard:
-        kinds = self.unreported_eviction_kinds
-        if kinds is None:
-            kinds = tuple(self.config.model(shard.model).unreported_eviction_kinds)
-        if kinds:
-            shard.unreported_eviction_kinds = frozenset(kinds)
-        tiers = self.config.model(shard.model).unreported_eviction_tiers
-        if tiers:
-            shard.unreported_eviction_tiers = frozenset(tiers)
-        if self.config.pools:
-            shard.set_pools(self.config.pool_readers())
-        return shard
+        return self.settings.block_size(model)
 
     def shard(self, model: str) -> ModelShard:
         s = self.shards.get(model)
         if s is None:
-            s = self.shards[model] = self._configure(ModelShard(model, self.block_size(model)))
+            s = self.shards[model] = self.settings.new_shard(model)
         return s
 
     def apply(self, batch: EventBatch, now: float | None = None) -> bool:
@@ -68,7 +50,7 @@ class ShardStore:
             return self.shard(batch.model).apply(batch, time.time() if now is None else now)
 
     def put(self, shard: ModelShard) -> None:
-        self._configure(shard)
+        self.settings.configure(shard)
         with self.lock:
             self.shards[shard.model] = shard
 

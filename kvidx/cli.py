@@ -79,6 +79,9 @@ def cmd_relay(args) -> int:
 
     log = logging.getLogger("kvidx.relay")
     _check_relay_inputs(args)
+    if args.index_block_size is None:  # the same source the worker and the service read
+        from kvidx.config import load_config
+        args.index_block_size = load_config(args.config).model(args.model).index_block_size
     factory = None
     if args.engine != "trtllm":
         try:
@@ -200,6 +203,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def _shard_settings(args):
+    """How shards are made, for every command that folds events: --config, with --index-block-size for
+    the models it leaves out and --unreported-eviction-kinds over its own."""
+    from kvidx.config import ShardSettings, load_config
+
+    return ShardSettings(load_config(getattr(args, "config", None)), args.index_block_size, {},
+                         tuple(args.unreported_eviction_kinds) or None)
+
+
 EX_CONFIG = 78  # sysexits.h: a configuration error; the supervisor stops instead of restarting
 
 
@@ -298,9 +310,8 @@ def cmd_worker(args) -> int:
         app, worker = create_app(
             b, args.data_dir, app_id=args.topic_prefix + "kvidx-worker", events_topic=t["events"],
             snapshot_topic=t["snapshots"], dead_letter_topic=t["dead_letters"],
-            snapshot_interval=args.snapshot_interval, block_size=args.index_block_size,
-            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-            unreported_eviction_kinds=tuple(args.unreported_eviction_kinds), web_port=args.web_port,
+            snapshot_interval=args.snapshot_interval, settings=_shard_settings(args),
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host, web_port=args.web_port,
             session_timeout=args.session_timeout)
     except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exceptions
         text = str(e).lower()
@@ -354,7 +365,6 @@ def cmd_serve(args) -> int:
     from index_service.app import create_app
     from index_service.follower import KafkaFollower, RoutePublisher
     from index_service.store import ShardStore
-    from kvidx.config import load_config
     from kvidx.kafka.reach import resolve_bootstrap
     from kvidx.kafka.topics import ensure_topics
     from kvidx.ops.audit import UsagePublisher
@@ -367,8 +377,9 @@ def cmd_serve(args) -> int:
     if _port_in_use(args.host, args.port):
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
     t = topic_names(args.topic_prefix)
-    store = ShardStore(args.index_block_size, config=load_config(args.config),
-                       unreported_eviction_kinds=tuple(args.unreported_eviction_kinds) or None)
+    settings = _shard_settings(args)
+    store = ShardStore(settings.index_block_size, config=settings.config,
+                       unreported_eviction_kinds=settings.unreported_eviction_kinds)
     store.publish_route = RoutePublisher(b, t["routes"])
     feedback: list[FeedbackFollower] = []
 
@@ -397,6 +408,7 @@ def cmd_shadow(args) -> int:
     from kvidx.shadow import run_shadow
     from relays.inputs import ENGINE_RECORDING, InputError, check_file, check_recording_engine
 
+    args.index_block_size = args.index_block_size or 16
     try:  # a missing file, a requests log as the recording, another engine's recording: one line each
         check_file(args.recording, ENGINE_RECORDING[args.engine], "--recording")
         check_file(args.requests, "requests", "--requests")
@@ -480,8 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
             sp.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
                             help="prefix of every topic name (several deployments on one cluster)")
-        sp.add_argument("--index-block-size", type=int, default=16,
-                        help="tokens per canonical index block; must divide every engine's block size")
+        sp.add_argument("--index-block-size", type=int, default=None, metavar="N",
+                        help="tokens per canonical index block; must divide every engine's block size "
+                             "(default: the model's in --config, else 16)")
         if shards:
             sp.add_argument("--unreported-eviction-kinds", nargs="*", default=[], metavar="KIND",
                             help="KV-cache group kinds whose evictions engines do not report (e.g. "
@@ -555,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "when it exits (e.g. the broker was unreachable for too long).")
     common(w)
     w.add_argument("--data-dir", default="var/worker", help="RocksDB and faust state")
+    w.add_argument("--config", help="deployment configuration (.toml or .json), the same file `serve` "
+                   "reads: per-model index block size, eviction kinds, pools; see kvidx/config.py")
     w.add_argument("--snapshot-interval", type=float, default=2.0, help="seconds between shard snapshots")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
     w.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics server")

@@ -29,15 +29,16 @@ A load rate of 0 means free (the tier is where the engine computes from: GPU).
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
+from kvidx.core.price import PriceConfig
+from kvidx.core.shard import ModelShard
 
-class PriceConfig(msgspec.Struct, forbid_unknown_fields=True):
-    recompute_tokens_per_s: float = 8000.0
-    load_tokens_per_s: dict[str, float] = msgspec.field(default_factory=lambda: {
-        "GPU": 0.0, "CPU": 150_000.0, "DISK": 40_000.0, "NODE_SHARED": 100_000.0, "POOL": 25_000.0})
+__all__ = ["Config", "GroupConfig", "ModelConfig", "PoolConfig", "PriceConfig", "ShardSettings",
+           "load_config"]
 
 
 class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -87,3 +88,40 @@ def load_config(path: str | Path | None) -> Config:
         return msgspec.convert(raw, Config, strict=False)  # TOML keys are strings: groups 0, 1 ...
     except (OSError, tomllib.TOMLDecodeError, msgspec.DecodeError, msgspec.ValidationError) as e:
         raise SystemExit(f"error: bad configuration {p}: {e}") from None
+
+
+@dataclass
+class ShardSettings:
+    """How a model's shard is made, from one source for every process that folds events (the worker
+    that writes the snapshots, every service instance that rebuilds from them, a replay): the
+    deployment configuration, with the command line's overrides. Without it the worker built every
+    shard with the default index block size while the service used the configured one."""
+
+    config: Config = field(default_factory=Config)
+    index_block_size: int | None = None  # --index-block-size: for models the configuration leaves out
+    block_sizes: dict[str, int] = field(default_factory=dict)  # explicit per model (tests, simulator)
+    unreported_eviction_kinds: tuple[str, ...] | None = None  # overrides the configuration's
+
+    def block_size(self, model: str) -> int:
+        if model in self.block_sizes:
+            return self.block_sizes[model]
+        if self.index_block_size is not None and model not in self.config.models:
+            return self.index_block_size
+        return self.config.model(model).index_block_size
+
+    def configure(self, shard: ModelShard) -> ModelShard:
+        """Settings a snapshot does not carry (they belong to the deployment): applied on every load."""
+        kinds = self.unreported_eviction_kinds
+        if kinds is None:
+            kinds = tuple(self.config.model(shard.model).unreported_eviction_kinds)
+        if kinds:
+            shard.unreported_eviction_kinds = frozenset(kinds)
+        tiers = self.config.model(shard.model).unreported_eviction_tiers
+        if tiers:
+            shard.unreported_eviction_tiers = frozenset(tiers)
+        if self.config.pools:
+            shard.set_pools(self.config.pool_readers())
+        return shard
+
+    def new_shard(self, model: str) -> ModelShard:
+        return self.configure(ModelShard(model, self.block_size(model)))

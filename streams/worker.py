@@ -26,6 +26,7 @@ from confluent_kafka import Producer
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from kvidx.config import ShardSettings
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config, faust_credentials
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
@@ -79,16 +80,15 @@ class ShardWorker:
     """The fold-and-snapshot state machine, independent of faust so it can be tested directly."""
 
     def __init__(self, bootstrap: str, data_dir: str | Path, snapshot_topic: str = SNAPSHOTS_TOPIC,
-                 dead_letter_topic: str = DEAD_LETTER_TOPIC, block_size: int = 16,
-                 block_sizes: dict[str, int] | None = None, unreported_eviction_kinds: tuple[str, ...] = ()):
+                 dead_letter_topic: str = DEAD_LETTER_TOPIC, settings: ShardSettings | None = None):
+        """`settings`: how shards are made (the deployment configuration: per-model index block size,
+        eviction kinds, pools), the same the service instances use."""
         self.bootstrap = bootstrap
         self.local = LocalStore(Path(data_dir) / "shards")
         self.topic = SnapshotTopic(bootstrap, snapshot_topic)
         self.snapshot_topic = snapshot_topic
         self.dead_letter_topic = dead_letter_topic
-        self.block_size = block_size
-        self.block_sizes = block_sizes or {}
-        self.unreported_eviction_kinds = unreported_eviction_kinds
+        self.settings = settings or ShardSettings(index_block_size=16)
         self.shards: dict[str, ModelShard] = {}
         self.partition_of: dict[str, int] = {}
         self.dirty: set[str] = set()
@@ -112,9 +112,13 @@ class ShardWorker:
             if remote is not None and (local is None or remote.snapshot_id > local.snapshot_id):
                 s, source = remote, "snapshot_topic"
             if s is None:
-                s = ModelShard(model, self.block_sizes.get(model, self.block_size),
-                               self.unreported_eviction_kinds)
-                source = "new"
+                s, source = self.settings.new_shard(model), "new"
+            else:
+                self.settings.configure(s)
+            if s.block_size != self.settings.block_size(model):
+                log.warning("event=block_size_changed model=%s snapshot=%d configured=%d: the snapshot "
+                            "keeps its own (the relays hash with theirs)", model, s.block_size,
+                            self.settings.block_size(model))
             log.info("event=shard_loaded model=%s source=%s blocks_applied=%d", model, source,
                      s.blocks_applied)
             self.shards[model] = s
@@ -198,10 +202,9 @@ class ShardWorker:
 def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-worker",
                events_topic: str = EVENTS_TOPIC, snapshot_topic: str = SNAPSHOTS_TOPIC,
                dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0,
-               block_size: int = 16, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-               unreported_eviction_kinds: tuple[str, ...] = (),
-               web_port: int = 6066, partitions: int = 4, session_timeout: float = 30.0,
-               status_interval: float = 30.0) -> tuple[faust.App, ShardWorker]:
+               settings: ShardSettings | None = None, metrics_port: int | None = None,
+               metrics_host: str = "127.0.0.1", web_port: int = 6066, partitions: int = 4,
+               session_timeout: float = 30.0, status_interval: float = 30.0) -> tuple[faust.App, ShardWorker]:
     """`session_timeout`: how long a dead worker keeps its partitions before the group gives them to
     the others (they then rebuild the shards from the compacted topic and carry on)."""
     app = faust.App(
@@ -213,8 +216,7 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
         broker_heartbeat_interval=max(0.5, session_timeout / 10),
         broker_commit_interval=1.0, stream_buffer_maxsize=20_000,
     )
-    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, block_size=block_size,
-                         unreported_eviction_kinds=unreported_eviction_kinds)
+    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, settings=settings)
     CONSUMER_LAG.app, CONSUMER_LAG.topic = app, events_topic
     topic = app.topic(events_topic, key_type=bytes, value_type=bytes, value_serializer="raw",
                       key_serializer="raw")

@@ -2,13 +2,21 @@
 busy replica with a pool hit on an idle one.
 
 total = queue (prefill of the requests routed to it and not yet confirmed) + loading the cached part
-from its tiers + recomputing the rest. Seconds, from per-model rates (kvidx.config.PriceConfig).
+from its tiers + recomputing the rest. Seconds, from per-model rates (PriceConfig, read from the
+deployment configuration by kvidx.config).
 Computed for every replica of every lookup: kept to a few operations per replica.
 """
 
 from __future__ import annotations
 
-from kvidx.config import PriceConfig
+import msgspec
+
+
+class PriceConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A model's rates: how fast a replica prefills, and loads cached tokens from each tier."""
+    recompute_tokens_per_s: float = 8000.0
+    load_tokens_per_s: dict[str, float] = msgspec.field(default_factory=lambda: {
+        "GPU": 0.0, "CPU": 150_000.0, "DISK": 40_000.0, "NODE_SHARED": 100_000.0, "POOL": 25_000.0})
 
 
 class Pricer:

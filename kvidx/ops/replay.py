@@ -42,6 +42,7 @@ from pathlib import Path
 import msgspec
 from confluent_kafka import Producer
 
+from kvidx.config import ShardSettings
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config
@@ -205,8 +206,8 @@ class Replay:
 
 
 def replay(bootstrap: str, names: dict[str, str], model: str, until: float | None = None,
-           at_offset: tuple[int | None, int] | None = None, *, block_size: int = 16,
-           unreported_eviction_kinds: tuple[str, ...] = (), use_checkpoints: bool = True,
+           at_offset: tuple[int | None, int] | None = None, *, settings: ShardSettings | None = None,
+           use_checkpoints: bool = True,
            pending: bool = True, routes_lookback_s: float = 600.0,
            exclude_routes: frozenset[str] = frozenset(),
            progress: bool | None = None) -> Replay:
@@ -246,7 +247,7 @@ def replay(bootstrap: str, names: dict[str, str], model: str, until: float | Non
             stops = {cp.events_partition: stops[cp.events_partition]}
             exact, start = True, "checkpoint"
         else:
-            shard = ModelShard(model, block_size, unreported_eviction_kinds)
+            shard = (settings or ShardSettings()).new_shard(model)
             starts = {p: lows[p] for p in stops}
             exact, start = all(lows[p] == 0 for p in stops), "beginning"
         at = until
@@ -521,13 +522,12 @@ def cmd_replay(args) -> int:
             sys.exit(f"error: --prompts {args.prompts}: {e}")
     b = bootstrap_of(args)
     names = topic_names(args.topic_prefix)
-    cfg = load_config(args.config) if args.config else None
-    kw = dict(block_size=args.index_block_size, use_checkpoints=not args.no_checkpoints,
+    # shards are made as the worker and the service make them (one configuration source)
+    settings = ShardSettings(load_config(args.config), args.index_block_size)
+    kw = dict(settings=settings, use_checkpoints=not args.no_checkpoints,
               pending=not args.no_pending, routes_lookback_s=args.routes_lookback,
               progress=False if args.json and not sys.stderr.isatty() else None)
     if args.request_id:
-        if cfg is not None and args.model:
-            kw["block_size"] = cfg.model(args.model).index_block_size
         try:
             out = explain(b, names, args.request_id, args.model,
                           parse_time(args.since) if args.since else None, **kw)
@@ -544,10 +544,6 @@ def cmd_replay(args) -> int:
         sys.exit("error: --model is required (or --request-id to explain a routing decision)")
     if (args.until is None) == (args.at_offset is None):
         sys.exit("error: give --until TIME or --at-offset [PARTITION:]OFFSET")
-    if cfg is not None:
-        m = cfg.model(args.model)
-        kw["block_size"] = m.index_block_size
-        kw["unreported_eviction_kinds"] = tuple(m.unreported_eviction_kinds)
     try:
         r = replay(b, names, args.model, parse_time(args.until) if args.until else None,
                    _at_offset(args.at_offset) if args.at_offset else None, **kw)
@@ -610,7 +606,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--request-id", help="explain this routing decision (found in the routes topic)")
     p.add_argument("--since", help="with --request-id: search the routes topic from this time on")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--index-block-size", type=int, default=16, help="for a replay without a checkpoint")
+    p.add_argument("--index-block-size", type=int, default=None, metavar="N",
+                   help="for a replay without a checkpoint (default: the model's in --config, else 16)")
     p.add_argument("--config", help="deployment configuration (per-model block size, eviction kinds)")
     p.add_argument("--no-checkpoints", action="store_true", help="fold from the oldest retained event")
     p.add_argument("--no-pending", action="store_true", help="leave routing decisions (pending credit) out")
