@@ -20,6 +20,7 @@ import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from index_service.store import ShardStore
+from kvidx.core.shard import SnapshotFormatError
 from kvidx.kafka.config import client_config
 from kvidx.kafka.reach import message, wait_for_broker
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
@@ -60,6 +61,10 @@ class KafkaFollower:
     def _run(self) -> None:
         try:
             self._follow()
+        except SnapshotFormatError as e:  # refused, never misread: one line, and /healthz says why
+            self.error = e
+            self.store.not_ready_reason = str(e)
+            log.error("event=follower_stopped reason=%r", str(e))
         except BaseException as e:  # surfaced through /healthz
             self.error = e
             log.exception("event=follower_failed")

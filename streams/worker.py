@@ -17,6 +17,7 @@ silently.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 from prometheus_client.core import GaugeMetricFamily
 
 from kvidx.config import ShardSettings
-from kvidx.core.shard import ModelShard
+from kvidx.core.shard import ModelShard, SnapshotFormatError
 from kvidx.kafka.config import client_config, faust_credentials
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
 from streams.snapshots import LocalStore, SnapshotTopic, read_snapshots, split
@@ -100,29 +101,39 @@ class ShardWorker:
     def shard(self, model: str, partition: int) -> ModelShard:
         s = self.shards.get(model)
         if s is None:
-            # The local copy may be older than the compacted topic's (another worker owned the model
-            # meanwhile): take the newer snapshot. Snapshot ids grow across owners: a worker goes on
-            # from the id it loaded.
-            local = self.local.load(model)
-            if partition not in self._topic_cache:  # one read of the partition for all its models
-                self._topic_cache[partition] = read_snapshots(self.bootstrap, self.snapshot_topic,
-                                                              [partition])
-            remote = self._topic_cache[partition].pop(model, None)
-            s, source = local, "rocksdb"
-            if remote is not None and (local is None or remote.snapshot_id > local.snapshot_id):
-                s, source = remote, "snapshot_topic"
-            if s is None:
-                s, source = self.settings.new_shard(model), "new"
-            else:
-                self.settings.configure(s)
-            if s.block_size != self.settings.block_size(model):
-                log.warning("event=block_size_changed model=%s snapshot=%d configured=%d: the snapshot "
-                            "keeps its own (the relays hash with theirs)", model, s.block_size,
-                            self.settings.block_size(model))
-            log.info("event=shard_loaded model=%s source=%s blocks_applied=%d", model, source,
-                     s.blocks_applied)
-            self.shards[model] = s
+            try:
+                s = self._load(model, partition)
+            except SnapshotFormatError as e:  # refused, never misread; nothing is acknowledged
+                log.error("event=worker_stopped reason=%r", str(e))
+                logging.shutdown()
+                os._exit(78)  # EX_CONFIG: the supervisor stops instead of restarting into the same wall
         self.partition_of[model] = partition
+        return s
+
+    def _load(self, model: str, partition: int) -> ModelShard:
+        """The model's newest snapshot (local RocksDB or the compacted topic), else a new shard."""
+        # The local copy may be older than the compacted topic's (another worker owned the model
+        # meanwhile): take the newer snapshot. Snapshot ids grow across owners: a worker goes on
+        # from the id it loaded.
+        local = self.local.load(model)
+        if partition not in self._topic_cache:  # one read of the partition for all its models
+            self._topic_cache[partition] = read_snapshots(self.bootstrap, self.snapshot_topic,
+                                                          [partition])
+        remote = self._topic_cache[partition].pop(model, None)
+        s, source = local, "rocksdb"
+        if remote is not None and (local is None or remote.snapshot_id > local.snapshot_id):
+            s, source = remote, "snapshot_topic"
+        if s is None:
+            s, source = self.settings.new_shard(model), "new"
+        else:
+            self.settings.configure(s)
+        if s.block_size != self.settings.block_size(model):
+            log.warning("event=block_size_changed model=%s snapshot=%d configured=%d: the snapshot "
+                        "keeps its own (the relays hash with theirs)", model, s.block_size,
+                        self.settings.block_size(model))
+        log.info("event=shard_loaded model=%s source=%s blocks_applied=%d", model, source,
+                 s.blocks_applied)
+        self.shards[model] = s
         return s
 
     def fold(self, raw: bytes, partition: int, offset: int = -1, now: float | None = None) -> None:

@@ -24,8 +24,8 @@ SIZES = {"small-blocks": 16, "big-blocks": 32}  # the recording's engine block i
 
 
 def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "kvidx.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120, **kw)
+    return subprocess.run([sys.executable, "-m", "kvidx.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120, **kw)
 
 
 def answers(shard, prompts, bs=None):

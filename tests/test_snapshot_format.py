@@ -1,0 +1,80 @@
+"""Snapshots are versioned and store tiers by name: a format-1 snapshot (tiers by position) still loads
+as it was written, a tier inserted into the speed order later cannot shift what a snapshot means,
+and a snapshot of a newer format or of an unknown tier is refused with a clear message, never
+misread."""
+
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+import kvidx.core.shard as shard_mod
+from kvidx.core.shard import SNAPSHOT_FORMAT, V1_TIERS, ModelShard, SnapshotFormatError, _pack_masks
+from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
+
+HASHES = list(range(1000, 1010))
+
+
+def tiered_shard() -> ModelShard:
+    s = ModelShard("m", 16)
+    events = [BlocksStored("GPU", 0, HASHES[:4], None, 0), BlocksStored("CPU", 0, HASHES[4:7], None, 0),
+              BlocksStored("DISK", 0, HASHES[7:], None, 0)]
+    s.apply(EventBatch(v=SCHEMA_VERSION, model="m", replica="r0", dp_rank=0, epoch=1, seq=0, engine_ts=1.0,
+                       relay_ts=1.0, block_size=16, events=events), 1.0)
+    return s
+
+
+def tiers_of(s: ModelShard) -> list:
+    return [a["tiers"] for a in s.lookup(HASHES, 16 * len(HASHES), time.time())]
+
+
+def v1_bytes(s: ModelShard) -> bytes:
+    """What format 1 wrote: no format field, tiers by their position in the speed order."""
+    groups = {}
+    for gid, g in s.groups.items():
+        tiers = {}
+        for tid, d in g.tiers.items():
+            keys = np.fromiter(d.keys(), dtype=np.uint64, count=len(d))
+            tiers[V1_TIERS.index(shard_mod.TIERS[tid])] = (keys.tobytes(),
+                                                           _pack_masks(d.values(), len(d), len(s.by_slot)))
+        groups[gid] = (g.kind, g.window, tiers)
+    return msgspec.msgpack.encode({"model": s.model, "block_size": s.block_size,
+                                   "replicas": [st for st in s.by_slot if st is not None], "groups": groups,
+                                   "blocks_applied": s.blocks_applied, "events_offset": s.events_offset,
+                                   "unreported_eviction_kinds": []})
+
+
+def test_snapshots_store_tiers_by_name():
+    raw = msgspec.msgpack.decode(tiered_shard().snapshot())
+    assert raw["format"] == SNAPSHOT_FORMAT
+    assert sorted(raw["groups"][0][2]) == ["CPU", "DISK", "GPU"]
+
+
+def test_format_1_loads_as_written():
+    s = tiered_shard()
+    want = tiers_of(s)
+    assert [t["tier"] for t in want[0]] == ["GPU", "CPU", "DISK"]
+    assert tiers_of(ModelShard.restore(v1_bytes(s))) == want
+    assert tiers_of(ModelShard.restore(s.snapshot())) == want
+
+
+def test_a_tier_inserted_into_the_speed_order_does_not_shift_a_snapshot(monkeypatch):
+    s = tiered_shard()
+    want = tiers_of(s)
+    data = s.snapshot()
+    old_v1 = v1_bytes(s)
+    new_order = ("HBM", *shard_mod.TIERS)  # a faster tier added in front: every id moves by one
+    monkeypatch.setattr(shard_mod, "TIERS", new_order)
+    monkeypatch.setattr(shard_mod, "TIER_IDS", {t: i for i, t in enumerate(new_order)})
+    assert tiers_of(ModelShard.restore(data)) == want
+    assert tiers_of(ModelShard.restore(old_v1)) == want
+
+
+def test_newer_formats_and_unknown_tiers_are_refused():
+    raw = msgspec.msgpack.decode(tiered_shard().snapshot())
+    with pytest.raises(SnapshotFormatError, match="format 3.*upgrade kvidx"):
+        ModelShard.restore(msgspec.msgpack.encode({**raw, "format": 3}))
+    raw["groups"][0][2]["HBM"] = raw["groups"][0][2].pop("GPU")
+    with pytest.raises(SnapshotFormatError, match="tier 'HBM'"):
+        ModelShard.restore(msgspec.msgpack.encode(raw))
