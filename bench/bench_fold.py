@@ -5,7 +5,7 @@
    index blocks) -> decode_batch -> ModelShard.apply, after a warm-up that fills the caches (so the
    timed part runs on a full shard with steady-state evictions). Also decode alone and apply alone.
 2. Relay: vLLM 0.32 wire payloads (token ids, engine block size --engine-block-size) produced by the
-   simulated engine's block pool from the same trace -> relays.vllm_wire.decode_payload alone, and
+   simulated engine's block pool from the same trace -> kvidx.engines.vllm.wire.decode_payload alone, and
    VllmPublisherRelay.on_frame (decode + mirror + canonical re-hash), and on_frame + encode_batch.
 
 Target (DESIGN.md): ingest >= 250k block events/s (relay decode -> Kafka -> fold -> shard).
@@ -22,9 +22,10 @@ import _common as c
 import numpy as np
 
 from kvidx.core.shard import ModelShard
+from kvidx.engines.contract import Frame
+from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.wire import BlockRemoved, BlockStored, decode_payload
 from kvidx.sim.vllm_engine import SimVllmEngine
-from relays.vllm_relay import Frame, VllmPublisherRelay
-from relays.vllm_wire import BlockRemoved, BlockStored, decode_payload
 from schemas.events import decode_batch, encode_batch
 
 TARGET = 250_000

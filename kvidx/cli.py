@@ -28,13 +28,13 @@ def _bootstrap(args) -> str:
 def _relay_factory(args):
     """model, replica, index block size, dp rank -> the relay logic of the engine named by --engine."""
     if args.engine == "sglang":
-        from relays.sglang_relay import DEFAULT_VERSION, make_relay
+        from kvidx.engines.sglang.relay import DEFAULT_VERSION, make_relay
 
         version = args.engine_version or DEFAULT_VERSION
         return lambda m, r, ibs, rank=None: make_relay(m, r, ibs, rank, engine_version=version)
     from kvidx.config import load_config
-    from kvidx.core.lmcache import LmcacheConfig
-    from relays.vllm_relay import VllmPublisherRelay
+    from kvidx.engines.lmcache.chunks import LmcacheConfig
+    from kvidx.engines.vllm.relay import VllmPublisherRelay
 
     options = {
         "group_kinds": load_config(getattr(args, "config", None)).model(args.model).group_kinds(),
@@ -114,8 +114,8 @@ def cmd_relay(args) -> int:
                            relay_factory=factory)
         print(json.dumps({"played_frames": n, "delivery_errors": sink.errors}))
         return 0 if sink.errors == 0 else 1
+    from kvidx.engines.vllm.dp import dp_endpoints
     from relays.control import ControlListener
-    from relays.vllm_dp import dp_endpoints
 
     replica = args.replica or args.endpoint
     relays = []
@@ -423,7 +423,7 @@ def cmd_shadow(args) -> int:
                                                 index_block_size=args.index_block_size)
         dead_letters = relay.counters["dead"]
     elif args.engine == "sglang":
-        from relays.sglang_relay import DEFAULT_VERSION, run_shadow_sglang
+        from kvidx.engines.sglang.relay import DEFAULT_VERSION, run_shadow_sglang
         try:
             agreement, index = run_shadow_sglang(args.recording, args.requests,
                                                  index_block_size=args.index_block_size,

@@ -28,11 +28,11 @@ import uvicorn
 from index_service.app import create_app
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink, StoreSink
-from relays.vllm_relay import VllmPublisherRelay
 from relays.zmq_source import ZmqSource
 
 MODEL = "demo-llama"

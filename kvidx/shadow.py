@@ -14,8 +14,9 @@ from pathlib import Path
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.engines.contract import Frame
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from relays.recording import read_frames
-from relays.vllm_relay import Frame, VllmPublisherRelay
 
 
 @dataclass

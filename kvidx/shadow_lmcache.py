@@ -3,7 +3,7 @@ running the LMCache connector (frames.jsonl: vLLM's own GPU events plus LMCache'
 by vLLM with medium "cpu"), against its request log (requests.jsonl, `cached_tokens` = what the
 engine reused: its GPU prefix hit or LMCache's hit, the larger).
 
-The relay is vLLM's (VllmPublisherRelay) with LMCache's options (kvidx.core.lmcache.LmcacheConfig):
+The relay is vLLM's (VllmPublisherRelay) with LMCache's options (kvidx.engines.lmcache.chunks.LmcacheConfig):
 LMCache's evictions are not re-published, so its chunks are kept `ttl_s` seconds of engine time after
 their last store (and at most `capacity_blocks` index blocks): a credit that relies on them is an
 upper bound. The summary counts the requests whose credit needed the LMCache tier
@@ -18,10 +18,10 @@ from pathlib import Path
 import msgspec
 
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.lmcache import LmcacheConfig
+from kvidx.engines.lmcache.chunks import LmcacheConfig
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement, InProcessIndex, load_requests, shadow
 from relays.recording import read_frames
-from relays.vllm_relay import VllmPublisherRelay
 
 
 def run_shadow_lmcache(recording: str | Path, requests: str | Path, index_block_size: int = 16,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.engines.trtllm.relay import TrtllmPollRelay, read_polls
 from kvidx.shadow import Agreement, load_requests
-from relays.trtllm_relay import TrtllmPollRelay, read_polls
 
 
 def shadow(polls: list[tuple[int, list, str | None]], requests: list[dict], model: str = "model",

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import msgspec
-
 # what a file's first line holds, by kind
 KINDS = {
     "frames": "a recording of engine ZMQ frames (frames.jsonl: vLLM, SGLang, LMCache)",
@@ -22,9 +20,6 @@ KINDS = {
 # the recording kind each engine reads
 ENGINE_RECORDING = {"vllm": "frames", "sglang": "frames", "lmcache": "frames", "trtllm": "polls"}
 
-# BlockStored fields vLLM (0.32: always sent) has and SGLang never sends, and SGLang's own
-_VLLM_ONLY = frozenset({"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"})
-_SGLANG_ONLY = frozenset({"cache_salt", "session_id"})
 
 
 class InputError(ValueError):
@@ -79,41 +74,9 @@ def check_file(path: str | Path | None, want: str, option: str) -> None:
     raise InputError(f"{option} {path}: this is {what}, not {KINDS[want]}{hint}")
 
 
-def sniff_engine(payload: bytes) -> str | None:
-    """"vllm" or "sglang" when a ZMQ event payload carries fields only that engine sends; None when
-    it cannot tell (positional encodings, removals only, not msgpack)."""
-    try:
-        batch = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-        return None
-    for ev in batch[1]:
-        if isinstance(ev, dict) and ev.get("type") == "BlockStored":
-            keys = ev.keys()
-            if _VLLM_ONLY & keys:
-                return "vllm"
-            if _SGLANG_ONLY & keys:
-                return "sglang"
-            if any(isinstance(h, int) and h < 0 for h in ev.get("block_hashes") or ()):
-                return "sglang"  # signed int64 page hashes; vLLM's are unsigned or bytes
-    return None
-
-
-def wrong_engine(payload: bytes, engine: str) -> str | None:
-    """A one-line reason when `payload` is plainly another engine's than `engine` (vllm, sglang,
-    lmcache: LMCache's stores come through vLLM), else None."""
-    seen = sniff_engine(payload)
-    family = "vllm" if engine == "lmcache" else engine
-    if seen is None or seen == family:
-        return None
-    why = ("its BlockStored events carry vLLM's group_idx/kv_cache_spec_kind/extra_keys"
-           if seen == "vllm" else "its BlockStored events carry SGLang's signed page hashes or fields")
-    return f"this is a {seen} stream ({why}), not {engine}: use --engine {seen}"
-
-
 def check_recording_engine(path: str | Path, engine: str, frames: int = 50) -> None:
     """Raise InputError when the first frames of a recording are plainly another engine's."""
+    from kvidx.engines.sniff import wrong_engine
     from relays.recording import read_frames
 
     for i, f in enumerate(read_frames(path)):

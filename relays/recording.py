@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from relays.vllm_relay import Frame
+from kvidx.engines.contract import Frame
 
 
 def frame_to_line(frame: Frame) -> str:

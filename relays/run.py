@@ -10,9 +10,10 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
+from kvidx.engines.contract import Frame, RelayOutput
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from relays.recording import Recorder, read_frames
 from relays.sinks import Sink
-from relays.vllm_relay import Frame, RelayOutput, VllmPublisherRelay
 from relays.zmq_source import ZmqSource
 from schemas.events import ReplicaCleared
 
@@ -77,7 +78,7 @@ class Relay:
     def handle(self, frame: Frame) -> None:
         if frame.src == "lmcache":  # LMCache controller admit/evict: same mirror, same thread
             if self._lmcache is None:
-                from relays.lmcache_wire import LmcacheControllerRelay
+                from kvidx.engines.lmcache.controller import LmcacheControllerRelay
                 self._lmcache = LmcacheControllerRelay(self.core)
             self._emit(self._lmcache.on_message(frame.payload, frame.recv_ns))
             return

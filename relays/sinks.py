@@ -13,9 +13,9 @@ from typing import Protocol
 
 from confluent_kafka import KafkaException, Producer
 
+from kvidx.engines.contract import DeadLetter
 from kvidx.kafka.config import client_config
 from relays.redact import redact
-from relays.vllm_relay import DeadLetter
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, EventBatch, encode_batch
 
 log = logging.getLogger("kvidx.relay")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import zmq
 
-from relays.vllm_relay import Frame
+from kvidx.engines.contract import Frame
 
 END_SEQ = -1
 

@@ -5,7 +5,7 @@ import pytest
 import kvidx.config  # noqa: E402
 from index_service.store import ShardStore
 from kvidx.config import load_config
-from relays.vllm_relay import VllmPublisherRelay
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 
 EXAMPLE = open(kvidx.config.__file__).read().split("```toml")[1].split("```")[0]
 

@@ -16,12 +16,12 @@ from test_pipeline_kafka import wait_snapshots
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.kafka.local import LocalKafka
 from kvidx.kafka.topics import ensure_topics
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink
-from relays.vllm_relay import VllmPublisherRelay
 from relays.zmq_source import ZmqSource
 from schemas.events import topic_names
 

@@ -35,9 +35,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvidx.core.shard import ModelShard
+from kvidx.engines.contract import MAX_PAYLOAD, Frame
+from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.wire import decode_payload
 from relays.recording import read_frames
-from relays.vllm_relay import MAX_PAYLOAD, Frame, VllmPublisherRelay
-from relays.vllm_wire import decode_payload
 from schemas.events import EventBatch, decode_batch, encode_batch
 from schemas.routes import RouteDecision, decode_route, encode_route
 
@@ -326,7 +327,7 @@ def test_hostile_headers_allocate_little():
 
 
 def test_oversized_frame_rejected_before_decoding(monkeypatch):
-    import relays.vllm_relay as vr
+    import kvidx.engines.vllm.relay as vr
 
     def boom(_):
         raise AssertionError("an oversized frame was decoded")

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from test_fuzz import FAST, _paths, _replace, byte_level, mutated
 
 from kvidx.core.shard import ModelShard
+from kvidx.engines.contract import Frame
+from kvidx.engines.lmcache.controller import LmcacheControllerRelay
+from kvidx.engines.sglang.relay import SglangPublisherRelay
+from kvidx.engines.trtllm.relay import TrtllmPollRelay
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.sim.sglang_engine import SimSglangEngine
 from kvidx.sim.trtllm_engine import SimTrtllmEngine
-from relays.lmcache_wire import LmcacheControllerRelay
-from relays.sglang_relay import SglangPublisherRelay
-from relays.trtllm_relay import TrtllmPollRelay
-from relays.vllm_relay import Frame, VllmPublisherRelay
 from schemas.events import decode_batch, encode_batch
 
 sys.path.insert(0, str(FIXTURES / "vllm-variants"))

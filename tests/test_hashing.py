@@ -7,8 +7,8 @@ import random
 import numpy as np
 
 from kvidx.core.hashing import ROOT_SEED, chain, namespace_seed, pack_tokens, prompt_hashes
-from kvidx.core.mirror import VllmMirror
-from relays.vllm_wire import BlockStored
+from kvidx.engines.vllm.mirror import VllmMirror
+from kvidx.engines.vllm.wire import BlockStored
 from schemas.events import BlocksStored
 
 

@@ -8,10 +8,10 @@ import pytest
 from conftest import FIXTURES
 
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.mirror import VllmMirror
 from kvidx.core.shard import ModelShard
+from kvidx.engines.vllm.mirror import VllmMirror
+from kvidx.engines.vllm.wire import BlockStored
 from kvidx.shadow import run_shadow
-from relays.vllm_wire import BlockStored
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 
 rng = random.Random(9)

@@ -23,8 +23,8 @@ import msgspec
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.sim.hybrid_engine import HybridEngine, WBatch, WRemoved, WStored, _enc
-from relays.vllm_relay import VllmPublisherRelay
 
 
 # ---- vLLM 0.32's wire structs (kvidx/sim/hybrid_engine.py) -------------------------------------

@@ -1,4 +1,5 @@
-"""LMCache (kvidx/core/lmcache.py, relays/lmcache_wire.py): stores re-published through vLLM placed by
+"""LMCache (kvidx/engines/lmcache/chunks.py, kvidx/engines/lmcache/controller.py): stores
+re-published through vLLM placed by
 tokens (never by their parent), upper-bound tier with TTL and capacity, the controller's admit/evict
 messages, bad input, and the generated conformance stream of tests/fixtures/lmcache-0.5.6/."""
 
@@ -12,13 +13,14 @@ import pytest
 from conftest import FIXTURES
 
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.lmcache import LmcacheConfig, location_tier, mark_upper_bound
-from kvidx.core.mirror import VllmMirror
 from kvidx.core.shard import ModelShard
-from relays.lmcache_wire import LmcacheControllerRelay, decode_controller, parse_key
+from kvidx.engines.contract import Frame
+from kvidx.engines.lmcache.chunks import LmcacheConfig, location_tier, mark_upper_bound
+from kvidx.engines.lmcache.controller import LmcacheControllerRelay, decode_controller, parse_key
+from kvidx.engines.vllm.mirror import VllmMirror
+from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.wire import decode_payload, is_lmcache_store
 from relays.recording import read_frames
-from relays.vllm_relay import Frame, VllmPublisherRelay
-from relays.vllm_wire import decode_payload, is_lmcache_store
 from schemas.events import BlocksRemoved, BlocksStored
 
 LM = FIXTURES / "lmcache-0.5.6"

@@ -12,10 +12,10 @@ from conftest import FIXTURES, wait_for
 
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.lmcache import LmcacheConfig
+from kvidx.engines.lmcache.chunks import LmcacheConfig
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from relays.run import Relay
 from relays.sinks import StoreSink
-from relays.vllm_relay import VllmPublisherRelay
 from relays.zmq_source import ZmqSource
 from schemas.events import TIER_IDS
 

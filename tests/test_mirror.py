@@ -1,4 +1,5 @@
-"""The relay's mirror of a vLLM engine cache (kvidx/core/mirror.py): engine events -> canonical events."""
+"""The relay's mirror of a vLLM engine cache (kvidx/engines/vllm/mirror.py): engine events ->
+canonical events."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 from conftest import GEMMA
 
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.mirror import MirrorError, VllmMirror, normalize_tier
+from kvidx.engines.common import MirrorError, normalize_tier
+from kvidx.engines.vllm.mirror import VllmMirror
+from kvidx.engines.vllm.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
 from relays.recording import read_frames
-from relays.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 
 rng = random.Random(7)

@@ -29,12 +29,13 @@ import pytest
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.engines.contract import Frame
+from kvidx.engines.sglang.relay import SglangPublisherRelay
+from kvidx.engines.trtllm.relay import TrtllmPollRelay
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.sim.sglang_engine import SimSglangEngine
 from kvidx.sim.trtllm_engine import SimTrtllmEngine
 from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, workload_requests
-from relays.sglang_relay import SglangPublisherRelay
-from relays.trtllm_relay import TrtllmPollRelay
-from relays.vllm_relay import Frame, VllmPublisherRelay
 
 IBS = 16
 MODEL = "mixed-model"
@@ -201,7 +202,7 @@ def _check_figures(res: dict, n: int) -> None:
             # credited at send time = the engine's reuse rounded down to the index block, except the
             # requests whose own onboarding evicted part of their prefix (self_evicted, host tier)
             assert s["self_evicted"] <= s["requests"] // 20, (name, s)
-            # the relay's take-over guess (kvidx/core/trtllm_mirror.py: a partially matched leaf is
+            # the relay's take-over guess (kvidx/engines/trtllm/mirror.py: a partially matched leaf is
             # taken over without a `removed`; the mirror retracts every sibling tied for the longest
             # common prefix, the engine takes only the first) can retract a block the engine kept:
             # rare, and on the safe side (under-credit, never over)

@@ -12,11 +12,12 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from conftest import LLAMA
 
+from kvidx.engines.contract import Frame
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import load_requests
 from relays.recording import read_frames
 from relays.run import Relay
 from relays.sinks import KafkaSink
-from relays.vllm_relay import Frame, VllmPublisherRelay
 from streams.worker import ShardWorker
 
 pytestmark = pytest.mark.kafka

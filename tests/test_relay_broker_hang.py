@@ -11,12 +11,12 @@ import time
 import pytest
 from conftest import wait_for
 
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.kafka.local import LocalKafka
 from kvidx.kafka.topics import ensure_topics
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink
-from relays.vllm_relay import VllmPublisherRelay
 from relays.zmq_source import ZmqSource
 from schemas.events import decode_batch, topic_names
 

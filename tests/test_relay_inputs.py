@@ -3,10 +3,11 @@ be misread); every frame of it is a dead letter `wrong_engine` naming the engine
 
 from conftest import FIXTURES, LLAMA
 
-from relays.inputs import file_kind, sniff_engine
+from kvidx.engines.sglang.relay import make_relay
+from kvidx.engines.sniff import sniff_engine
+from kvidx.engines.vllm.relay import VllmPublisherRelay
+from relays.inputs import file_kind
 from relays.recording import read_frames
-from relays.sglang_relay import make_relay
-from relays.vllm_relay import VllmPublisherRelay
 
 
 def test_vllm_recordings_are_vllm_and_never_sglang():
@@ -24,7 +25,7 @@ def test_an_sglang_relay_dead_letters_a_whole_vllm_stream():
         dead += sum(dl.reason == "wrong_engine" for dl in out.dead)
         batches += len(out.batches)
     assert dead == len(frames) and batches == 0  # beyond the sniffed first frames too
-    assert "use --engine vllm" in relay.wrong_engine
+    assert "use --engine vllm" in relay.wrong_engine_reason
 
 
 def test_a_vllm_relay_takes_its_own_stream():
@@ -32,7 +33,7 @@ def test_a_vllm_relay_takes_its_own_stream():
     for f in read_frames(LLAMA / "frames.jsonl"):
         out = relay.on_frame(f, check_gap=False)
         assert not [d for d in out.dead if d.reason == "wrong_engine"]
-    assert relay.wrong_engine is None
+    assert relay.wrong_engine_reason is None
 
 
 def test_file_kinds():

@@ -12,10 +12,10 @@ from conftest import wait_for
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.run import GAPS, Relay
 from relays.sinks import KafkaSink
-from relays.vllm_relay import VllmPublisherRelay
 from relays.zmq_source import ZmqSource
 
 pytestmark = pytest.mark.kafka

@@ -9,11 +9,12 @@ from confluent_kafka import Consumer
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.engines.contract import Frame
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.control import ControlListener, send_resync
 from relays.run import Relay
 from relays.sinks import KafkaSink
-from relays.vllm_relay import Frame, VllmPublisherRelay
 from relays.zmq_source import ZmqSource
 from schemas.events import BlocksStored, ReplicaCleared, decode_batch
 

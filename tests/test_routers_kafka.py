@@ -13,10 +13,10 @@ from index_service.app import create_app
 from index_service.follower import KafkaFollower, RoutePublisher
 from index_service.store import ShardStore
 from kvidx.config import Config, PoolConfig
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink
-from relays.vllm_relay import VllmPublisherRelay
 from relays.zmq_source import ZmqSource
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 

@@ -19,15 +19,12 @@ import msgspec
 import pytest
 
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.mirror import MirrorError
-from kvidx.core.sglang_mirror import SglangMirror
 from kvidx.core.shard import ModelShard
-from kvidx.shadow import shadow
-from kvidx.sim.sglang_engine import SimSglangEngine
-from kvidx.sim.vllm_engine import workload_requests
-from relays.recording import frame_to_line
-from relays.sglang_relay import SglangPublisherRelay, make_relay, run_shadow_sglang
-from relays.sglang_wire import (
+from kvidx.engines.common import MirrorError
+from kvidx.engines.contract import Frame
+from kvidx.engines.sglang.mirror import SglangMirror
+from kvidx.engines.sglang.relay import SglangPublisherRelay, make_relay, run_shadow_sglang
+from kvidx.engines.sglang.wire import (
     PY_EMPTY_TUPLE_HASH,
     SUPPORTED_VERSIONS,
     AllBlocksCleared,
@@ -37,7 +34,10 @@ from relays.sglang_wire import (
     VersionMismatch,
     decode_payload,
 )
-from relays.vllm_relay import Frame
+from kvidx.shadow import shadow
+from kvidx.sim.sglang_engine import SimSglangEngine
+from kvidx.sim.vllm_engine import workload_requests
+from relays.recording import frame_to_line
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 
 FIXTURES = Path(__file__).parent / "fixtures"

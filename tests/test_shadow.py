@@ -1,4 +1,4 @@
-"""The relay's frame logic (relays/vllm_relay.py) and the shadow audit (kvidx/shadow.py): what the
+"""The relay's frame logic (kvidx/engines/contract.py) and the shadow audit (kvidx/shadow.py): what the
 index credits vs what the engine reused, on a real vLLM recording and on the simulated engine."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from conftest import LLAMA
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.engines.contract import Frame
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import InProcessIndex, run_shadow
 from kvidx.sim import SimVllmEngine, workload_requests
-from relays.vllm_relay import Frame, VllmPublisherRelay
 from schemas.events import BlocksStored
 
 enc = msgspec.msgpack.encode

@@ -3,7 +3,7 @@ engine running LMCache 0.5.6 (tests/fixtures/lmcache-0.5.6 holds a frames stream
 so the recording is generated here).
 
 How the recording is made (the serialization rules are those of tests/fixtures/vllm-variants/
-engine_wire.py and kvidx/core/lmcache.py, with their citations):
+engine_wire.py and kvidx/engines/lmcache/chunks.py, with their citations):
 - vLLM's own GPU events: the simulated vLLM 0.32 engine (kvidx/sim/vllm_engine.py: sha256 block
   hashes, LRU block pool, one BlockRemoved per evicted block), engine block 32, a small pool so that
   GPU evictions are frequent;
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
+from kvidx.engines.contract import Frame
 from kvidx.shadow_lmcache import run_shadow_lmcache
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.recording import frame_to_line
-from relays.vllm_relay import Frame
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES / "vllm-variants"))
@@ -97,7 +97,7 @@ def test_shadow_lmcache_on_a_generated_recording(tmp_path, save_unfull):
     assert extra["upper_bound_requests"] >= counts["lmcache_wins"], extra
     # Over-credit, never under: (1) a short last chunk (save_unfull_chunk) is keyed by LMCache on the
     # prefix up to ITS end, so only a prompt ending at that token hits it, while the relay indexes the
-    # chunk's full index blocks (kvidx/core/lmcache.py); (2) without short chunks, 12 of 400 requests
+    # chunk's full index blocks (engines/lmcache/chunks.py); (2) without short chunks, 12 of 400 requests
     # are still over-credited by one engine block (cause not yet pinned down; see the report).
     assert s["exact_requests"] >= (385 if not save_unfull else 340), ag.mismatches
     assert s["over_credit"] < 0.03, s

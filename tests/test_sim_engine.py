@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import zmq
 
+from kvidx.engines.vllm.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
 from kvidx.sim import SimVllmEngine, workload, workload_requests
-from relays.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
 
 B = 16
 END = (-1).to_bytes(8, "big", signed=True)

@@ -15,11 +15,9 @@ import pytest
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
-from kvidx.core.trtllm_mirror import TrtllmMirror
-from kvidx.shadow_trtllm import run_shadow
-from kvidx.sim.trtllm_engine import SimTrtllmEngine, block_key_hash, record
-from relays.trtllm_relay import TrtllmPollRelay, play_recording, read_polls
-from relays.trtllm_wire import (
+from kvidx.engines.trtllm.mirror import TrtllmMirror
+from kvidx.engines.trtllm.relay import TrtllmPollRelay, play_recording, read_polls
+from kvidx.engines.trtllm.wire import (
     Removed,
     Stored,
     UnsupportedVersion,
@@ -28,6 +26,8 @@ from relays.trtllm_wire import (
     decode_event,
     split_poll,
 )
+from kvidx.shadow_trtllm import run_shadow
+from kvidx.sim.trtllm_engine import SimTrtllmEngine, block_key_hash, record
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 
 FIX = Path(__file__).parent / "fixtures" / "trtllm-1.2"

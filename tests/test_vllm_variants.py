@@ -1,4 +1,4 @@
-"""vLLM variants (kvidx/core/mirror.py, relays/vllm_wire.py, relays/vllm_dp.py): version check, DP
+"""vLLM variants (kvidx/engines/vllm/mirror.py, wire.py, dp.py): version check, DP
 ranks, LoRA / multimodal / cache-salt extra keys, offloading-connector CPU placeholders, one canonical
 hash for every engine hash function and block size, speculative-decoding bigram pages, and the
 generated conformance stream of tests/fixtures/vllm-variants/."""
@@ -14,13 +14,14 @@ import pytest
 from conftest import FIXTURES
 
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.mirror import VllmMirror
 from kvidx.core.shard import ModelShard
 from kvidx.core.spec_decode import SpecDecodeError, unpair_tokens
+from kvidx.engines.contract import Frame
+from kvidx.engines.vllm.dp import build_dp_relays, dp_endpoints, offset_endpoint
+from kvidx.engines.vllm.mirror import VllmMirror
+from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.wire import UnsupportedEngineVersion, check_engine_version, decode_payload
 from relays.recording import read_frames
-from relays.vllm_dp import build_dp_relays, dp_endpoints, offset_endpoint
-from relays.vllm_relay import Frame, VllmPublisherRelay
-from relays.vllm_wire import UnsupportedEngineVersion, check_engine_version, decode_payload
 from schemas.events import BlocksRemoved, BlocksStored
 
 VARIANTS = FIXTURES / "vllm-variants"

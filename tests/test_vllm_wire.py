@@ -1,4 +1,4 @@
-"""vLLM KV-event wire decoding (relays/vllm_wire.py): 0.32 tagged maps, older positional arrays."""
+"""vLLM KV-event wire decoding (kvidx/engines/vllm/wire.py): 0.32 tagged maps, older positional arrays."""
 
 from __future__ import annotations
 
@@ -8,9 +8,15 @@ import msgspec
 import pytest
 from conftest import GEMMA, LLAMA
 
+from kvidx.engines.vllm.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_payload,
+    fold_engine_hash,
+)
 from kvidx.sim import chain_digests, external_hash, none_hash
 from relays.recording import read_frames
-from relays.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload, fold_engine_hash
 
 enc = msgspec.msgpack.encode
 BIG = 17229991920652456757  # a real hash from the llama fixture, >= 2**63

@@ -72,7 +72,7 @@ def test_killed_worker_hands_its_models_over(kafka_bootstrap, topics, tmp_path):
     want = InProcessIndex("x", 16)
     frames = [(f, "llama") for f in read_frames(LLAMA / "frames.jsonl")]
     frames += [(f, "gemma") for f in read_frames(GEMMA / "frames.jsonl")]
-    from relays.vllm_relay import VllmPublisherRelay
+    from kvidx.engines.vllm.relay import VllmPublisherRelay
     relays = {"llama": VllmPublisherRelay("x", "llama", 16), "gemma": VllmPublisherRelay("x", "gemma", 16)}
     for name, relay in relays.items():
         for f in sorted((f for f, n in frames if n == name), key=lambda f: f.recv_ns):

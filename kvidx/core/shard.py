@@ -471,7 +471,7 @@ class ModelShard:
             cached = min(hits.get(slot, 0) * ibs, n_tokens)
             step = ebs
             if st.unit == 1 and not cons:
-                # token-granular partial reuse (TensorRT-LLM, kvidx/core/trtllm_mirror.py): the engine
+                # token-granular partial reuse (TensorRT-LLM, kvidx/engines/trtllm/mirror.py): the engine
                 # resumes inside any block, so the hit below the last token counts at index granularity
                 top = resumable(cached, n_tokens, ibs)
             elif fine_ok and st.unit > 1 and st.unit < ebs and ebs % st.unit == 0 and fa is not None:

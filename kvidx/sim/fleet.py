@@ -69,6 +69,10 @@ import numpy as np
 from index_service.store import ShardStore
 from kvidx.config import Config, PoolConfig
 from kvidx.core.hashing import prompt_hashes
+from kvidx.engines.contract import Frame
+from kvidx.engines.sglang.relay import SglangPublisherRelay
+from kvidx.engines.trtllm.relay import TrtllmPollRelay
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
 from kvidx.sim.hybrid_engine import FleetHybridEngine
 from kvidx.sim.sglang_engine import SimSglangEngine
@@ -76,9 +80,6 @@ from kvidx.sim.trtllm_engine import SimTrtllmEngine
 from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, external_hash
 from kvidx.sim.workloads import SimRequest
 from relays.run import Relay
-from relays.sglang_relay import SglangPublisherRelay
-from relays.trtllm_relay import TrtllmPollRelay
-from relays.vllm_relay import Frame, VllmPublisherRelay
 from schemas.events import EventBatch, ReplicaCleared
 
 POLICIES = ("kv", "random", "round_robin", "least_loaded")

@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 
 import msgspec
 
-from relays.vllm_relay import Frame
+from kvidx.engines.contract import Frame
 
 
 # ---- vLLM 0.32's wire structs (vllm/distributed/kv_events.py): tagged maps, defaults omitted ----------

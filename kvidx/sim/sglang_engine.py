@@ -1,6 +1,6 @@
 """A simulated SGLang engine replica: a radix cache with leaf-only eviction, publishing SGLang's real
 KV-event wire format over ZMQ PUB + a replay ROUTER, by the serialization rules of the version it
-imitates (checked in the released wheels; see relays/sglang_wire.py for the line references):
+imitates (checked in the released wheels; see kvidx/engines/sglang/wire.py for the line references):
 
 * Radix tree (mem_cache/radix_cache.py): keys page-aligned; children keyed by (namespace, first
   page), the namespace being (extra_key, cache_salt) (a LoRA adapter's id is appended to extra_key,
@@ -45,7 +45,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from relays.sglang_wire import check_version
+from kvidx.engines.sglang.wire import check_version
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _NS_TAG = b"sglang-kv-event-namespace-v1"  # kv_events.py 0.5.23 l. 307-310

@@ -1,7 +1,18 @@
-"""The vLLM relay's logic, free of sockets and brokers: frames in, versioned event batches out.
+"""The engine adapter contract: what every engine adapter provides and guarantees, and the one
+sequenced relay every ZMQ-publishing engine's relay logic is built on.
 
-Per publisher (one engine replica or one DP rank): decode the payload, check the sequence number,
-update the mirror, and wrap the canonical events in an `EventBatch`. Sequence handling:
+An adapter (kvidx/engines/<name>/, registered in kvidx.engines) provides:
+- its wire decoding (`wire.py`: structs and decoding only) and the versions it was checked against;
+- its mirror rules (`mirror.py`: eviction semantics, hash folding, tiers, speculative-decoding keys,
+  partial blocks), pure: decoded engine events in, canonical schema events out;
+- its relay logic (`relay.py`) and the source it is fed from (ZMQ PUB + replay, HTTP polling, a
+  controller feed, recordings), and the recording kind `kvidx shadow` and `relay --play` read.
+Every adapter guarantees: canonical keys (kvidx.core.hashing, the same for every engine), batches in
+the engine's order, and bad input as a dead letter with a reason (never an exception, never folded).
+
+`SequencedRelay` is the engine-neutral part, free of sockets and brokers: frames in, versioned event
+batches out. Per publisher (one engine replica or one DP rank): decode the payload, check the sequence
+number, update the mirror, and wrap the canonical events in an `EventBatch`. Sequence handling:
 - a frame whose seq was already seen (the replay endpoint repeats published batches) is dropped;
 - a jump ahead is a gap: the caller asks the engine's replay endpoint for the missing batches and
   feeds them in; if they cannot be had, `gap_unfilled` publishes ReplicaCleared (a warm replica seen
@@ -17,9 +28,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvidx.core.mirror import MirrorError, VllmMirror
-from relays.inputs import wrong_engine
-from relays.vllm_wire import check_engine_version, decode_payload
+from kvidx.engines.common import MirrorError
+from kvidx.engines.sniff import wrong_engine
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, ReplicaCleared
 
 MAX_PAYLOAD = 64 << 20  # a larger frame is not an engine batch
@@ -51,28 +61,25 @@ class RelayOutput:
     gap: tuple[int, int] | None = None  # (first missing seq, seq received) when a gap is detected
 
 
-class VllmPublisherRelay:
-    engine = "vllm"  # the engine whose stream this relay reads (another engine's is a dead letter)
+class SequencedRelay:
+    """The relay logic of one publisher of a ZMQ-publishing engine. A subclass sets `engine` (its
+    registry name), builds `self.mirror` (the engine's mirror: `apply(events, now)`, `clear()`,
+    `block_size`, `live`, `memo`, `group_kinds`) before or after calling this __init__, and
+    implements `decode(payload)` (the engine's wire decoding, raising msgspec errors on bad input)."""
+
+    engine = ""  # the engine whose stream this relay reads (another engine's is a dead letter)
 
     def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
-                 epoch: int | None = None, group_kinds: dict[int, tuple[str, int | None]] | None = None,
-                 engine_version: str | None = None, **mirror_options):
-        """`engine_version`: the engine's vLLM release, checked against the pinned ones at start-up
-        (relays.vllm_wire.check_engine_version raises UnsupportedEngineVersion); `mirror_options`
-        go to VllmMirror (cpu_chunk_blocks, lmcache)."""
-        if engine_version is not None:
-            check_engine_version(engine_version)
-        self.engine_version = engine_version
+                 epoch: int | None = None):
         self.model = model
         self.replica = replica
         self.dp_rank = dp_rank
-        self.mirror = VllmMirror(index_block_size, group_kinds=group_kinds, **mirror_options)
         # epochs order a replica's batches across relay restarts: start from the wall clock (ms)
         self.epoch = epoch if epoch is not None else int(time.time() * 1000)
         self.next_seq: int | None = None
         self.counters: dict[str, int] = {"frames": 0, "duplicates": 0, "gaps": 0, "restarts": 0}
         self.resync_part = 0  # mirror-replay parts sent (EventBatch.part), increasing for ever
-        self.wrong_engine: str | None = None  # why the stream is another engine's, once seen
+        self.wrong_engine_reason: str | None = None  # why the stream is another engine's, once seen
 
     def on_frame(self, frame: Frame, check_gap: bool = True) -> RelayOutput:
         out = RelayOutput()
@@ -96,11 +103,11 @@ class VllmPublisherRelay:
             self._skip(frame)
             out.dead.append(DeadLetter("oversized", f"{len(frame.payload)} bytes", frame))
             return out
-        if self.wrong_engine is None and self.counters["frames"] <= SNIFF_FRAMES:
-            self.wrong_engine = wrong_engine(frame.payload, self.engine)
-        if self.wrong_engine is not None:  # never folded as this engine's: it may decode, misread
+        if self.wrong_engine_reason is None and self.counters["frames"] <= SNIFF_FRAMES:
+            self.wrong_engine_reason = wrong_engine(frame.payload, self.engine)
+        if self.wrong_engine_reason is not None:  # never folded as this engine's: it may decode, misread
             self._skip(frame)
-            out.dead.append(DeadLetter("wrong_engine", self.wrong_engine, frame))
+            out.dead.append(DeadLetter("wrong_engine", self.wrong_engine_reason, frame))
             return out
         try:
             batch = self.decode(frame.payload)
@@ -121,8 +128,8 @@ class VllmPublisherRelay:
         return out
 
     def decode(self, payload: bytes):
-        """The engine batch in a payload (other engines' relays override this)."""
-        return decode_payload(payload)
+        """The engine batch in a payload: `.ts`, `.events`, `.data_parallel_rank`."""
+        raise NotImplementedError
 
     def gap_unfilled(self, frame: Frame) -> RelayOutput:
         """The replay endpoint could not return the missing batches: forget the replica's state and

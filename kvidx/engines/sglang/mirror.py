@@ -45,9 +45,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from kvidx.core.mirror import MirrorError, normalize_tier, stored_runs
 from kvidx.core.spec_decode import SpecDecodeError, is_bigram_page, unpair_tokens
-from relays.sglang_wire import AllBlocksCleared, BlockRemoved, BlockStored, u64
+from kvidx.engines.common import MirrorError, normalize_tier, stored_runs
+from kvidx.engines.sglang.wire import AllBlocksCleared, BlockRemoved, BlockStored, u64
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
 
 GROUP = 0  # SGLang's radix cache is one KV-cache group (full attention)

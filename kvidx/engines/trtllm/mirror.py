@@ -52,8 +52,8 @@ import os
 from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from kvidx.core.mirror import MirrorError
-from relays.trtllm_wire import PRIMARY, Created, Removed, Stored, Updated, check_hash
+from kvidx.engines.common import MirrorError
+from kvidx.engines.trtllm.wire import PRIMARY, Created, Removed, Stored, Updated, check_hash
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
 
 TOKEN_GRANULAR = 1  # BlocksStored.block_size marking an engine that resumes inside any block

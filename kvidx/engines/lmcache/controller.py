@@ -10,9 +10,9 @@ Formats read in LMCache's source (msgspec msgpack, `MsgBase(msgspec.Struct, tag=
 - BatchedKVOperationMsg {instance_id, worker_id, location, operations: [{op_type: "admit"|"evict",
   key: int, seq_num: int}]} (newest).
 `location` names the storage backend (e.g. "LocalCPUBackend", "LocalDiskBackend"): its tier comes from
-kvidx.core.lmcache.location_tier. Keys are LMCache's chunk hashes: they are matched to the chunks the
-relay placed from LMCache's stores re-published through vLLM (which carry tokens); an unknown key is
-counted, never guessed. Other controller messages (register, heartbeat ...) are ignored.
+kvidx.engines.lmcache.chunks.location_tier. Keys are LMCache's chunk hashes: they are matched to
+the chunks the relay placed from LMCache's stores re-published through vLLM (which carry tokens); an
+unknown key is counted, never guessed. Other controller messages (register, heartbeat ...) are ignored.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from relays.vllm_relay import DeadLetter, Frame, RelayOutput, VllmPublisherRelay
+from kvidx.engines.contract import DeadLetter, Frame, RelayOutput
+from kvidx.engines.vllm.relay import VllmPublisherRelay
 from schemas.events import SCHEMA_VERSION, EventBatch
 
 MAX_CONTROLLER_MSG = 1 << 20

@@ -35,7 +35,7 @@ It turns the engine's events into canonical index events by vLLM's rules (vllm/v
   blocks) and placed in their tier; a chunk of several blocks (`cpu_chunk_blocks`) is walked back
   through the engine parents. Self-describing ones carry tokens and are placed like any store;
 - LMCache's stores re-published through vLLM (a medium vLLM never uses, e.g. "cpu") go to
-  kvidx/core/lmcache.py: placed by tokens, in an upper-bound tier with a TTL / capacity;
+  kvidx/engines/lmcache/chunks.py: placed by tokens, in an upper-bound tier with a TTL / capacity;
 - AllBlocksCleared drops everything the replica held.
 The mirror is pure: no I/O, no clocks. It is fed decoded engine batches and returns schema events.
 """
@@ -47,8 +47,10 @@ from collections.abc import Iterable
 import msgspec
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from kvidx.core.lmcache import LmcacheChunks, LmcacheConfig, LmcacheError
-from relays.vllm_wire import (
+from kvidx.core.shard import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
+from kvidx.engines.common import MirrorError, normalize_tier, stored_runs
+from kvidx.engines.lmcache.chunks import LmcacheChunks, LmcacheConfig, LmcacheError
+from kvidx.engines.vllm.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -57,27 +59,6 @@ from relays.vllm_wire import (
     is_lmcache_store,
 )
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
-
-FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
-WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
-STATE_KINDS = frozenset({"mamba"})
-
-
-class MirrorError(ValueError):
-    """An engine event that cannot be applied (its reason names a dead-letter counter)."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-def normalize_tier(medium: str | None) -> str:
-    m = (medium or "GPU").upper()
-    if m in ("CPU", "CPU_PINNED", "HOST", "CPU_TIER"):
-        return "CPU"
-    if m in ("DISK", "LOCAL_DISK", "SSD", "STORAGE"):  # vLLM's MEDIUM_STORAGE (offloading to files)
-        return "DISK"
-    return m
 
 
 class VllmMirror:
@@ -113,7 +94,7 @@ class VllmMirror:
 
     def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
               now: float | None = None) -> list[Event]:
-        """`now`: the engine batch's timestamp, which ages LMCache's chunks (kvidx/core/lmcache.py)."""
+        """`now`: the engine batch's timestamp, which ages LMCache's chunks (engines/lmcache/chunks.py)."""
         out: list[Event] = []
         events = _merge_removals(events)
         reannounced = self._reannounced(events)
@@ -416,23 +397,6 @@ def _index_block_extras(extra_keys: list | None, lora_name: str | None, skip: in
             out[pos] = [*(cur or []), key]
             any_key = True
     return out if any_key else None
-
-
-def stored_runs(canon: list[int], new_pos: list[int], parent: int, depth0: int, engine_new: list[int]
-                ) -> list[tuple[list[int], int | None, int, list[int]]]:
-    """The newly cached index blocks (positions `new_pos` in `canon`, chained from `parent` at depth
-    `depth0`) as contiguous runs: (hashes, parent of the first or None at the root, depth, engine
-    hashes (all on the first run)) — one BlocksStored each."""
-    runs = []
-    start = 0
-    for i in range(1, len(new_pos) + 1):
-        if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
-            p0 = new_pos[start]
-            run_parent = canon[p0 - 1] if p0 else (None if depth0 == 0 else parent)
-            engine = engine_new if start == 0 else []
-            runs.append((canon[p0:new_pos[i - 1] + 1], run_parent, depth0 + p0, engine))
-            start = i
-    return runs
 
 
 def _merge_removals(events: Iterable) -> list:

@@ -35,7 +35,7 @@
    wire format (`[ts, [event], attention_dp_rank]`, one event per message, map events
    BlockStored/BlockRemoved/AllBlocksCleared, 3 frames with an 8-byte big-endian sequence), hashes
    converted to *signed* int64 (`_to_signed_i64`), `block_size` = tokens_per_block, partial blocks
-   and their removals suppressed, only the largest attention window. relays/vllm_wire.py decodes it
+   and their removals suppressed, only the largest attention window. kvidx/engines/vllm/wire.py decodes it
    as is (`fold_engine_hash` masks signed hashes back to u64): use `zmq_publisher_relay` below.
 """
 
@@ -153,5 +153,5 @@ def check_hash(h: int) -> int:
 def zmq_publisher_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None = None):
     """The relay core for TensorRT-LLM's vLLM-format ZMQ publisher: vLLM's own (same wire format;
     full blocks only, so no partial-block credit on this path)."""
-    from relays.vllm_relay import VllmPublisherRelay
+    from kvidx.engines.vllm.relay import VllmPublisherRelay
     return VllmPublisherRelay(model, replica, index_block_size, dp_rank)

@@ -1,4 +1,4 @@
-"""The SGLang relay's logic: frames in, versioned event batches out (VllmPublisherRelay's sequence,
+"""The SGLang relay's logic: frames in, versioned event batches out (the sequenced relay's sequence,
 gap, restart and dead-letter handling, with SGLang's decoder and mirror).
 
 SGLang's publisher is the same ZMQ PUB (3 frames: topic, 8-byte big-endian seq from 0, msgpack
@@ -14,8 +14,9 @@ version's is a dead letter with reason "version_mismatch".
 
 from __future__ import annotations
 
-from kvidx.core.sglang_mirror import SglangMirror
-from relays.sglang_wire import (
+from kvidx.engines.contract import Frame, RelayOutput, SequencedRelay
+from kvidx.engines.sglang.mirror import SglangMirror
+from kvidx.engines.sglang.wire import (
     DEFAULT_VERSION,
     PY_EMPTY_TUPLE_HASH,
     SUPPORTED_VERSIONS,
@@ -23,22 +24,21 @@ from relays.sglang_wire import (
     check_version,
     decode_payload,
 )
-from relays.vllm_relay import Frame, RelayOutput, VllmPublisherRelay
 
 __all__ = ["SglangPublisherRelay", "make_relay", "SUPPORTED_VERSIONS", "DEFAULT_VERSION",
            "UnsupportedEngineVersion"]
 
 
-class SglangPublisherRelay(VllmPublisherRelay):
+class SglangPublisherRelay(SequencedRelay):
     engine = "sglang"
 
     def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
                  engine_version: str = DEFAULT_VERSION, epoch: int | None = None):
         self.encoding, self.hash_kind = check_version(engine_version)
-        super().__init__(model, replica, index_block_size, dp_rank, epoch)
         self.engine_version = engine_version
         roots = (PY_EMPTY_TUPLE_HASH,) if self.hash_kind == "py_tuple_hash" else ()
         self.mirror = SglangMirror(index_block_size, root_parents=roots)
+        super().__init__(model, replica, index_block_size, dp_rank, epoch)
         self.counters["version_mismatch"] = 0
 
     def decode(self, payload: bytes):

@@ -57,7 +57,7 @@ def check_engine_version(version: str | None) -> VllmVersion:
             f"vLLM {version!r} is not a version this relay was checked against (supported: "
             + ", ".join(f"{k}.x" for k in ENGINE_VERSIONS)
             + "); its KV-event format may differ: check vllm/distributed/kv_events.py of that release, "
-            "add it to relays/vllm_wire.py ENGINE_VERSIONS with a fixture, or run a supported release")
+            "add it to kvidx/engines/vllm/wire.py ENGINE_VERSIONS with a fixture, or run a supported release")
     return spec
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]  # hashed as uint32: others are malformed
 

@@ -2,7 +2,7 @@
 and turns the engine's events into versioned event batches.
 
 - Start-up: `GET /version` (trtllm-serve, openai_server.py `version`) must name a pinned series
-  (relays/trtllm_wire.py SUPPORTED_VERSIONS): an unknown version is a clear error, not a guess.
+  (kvidx/engines/trtllm/wire.py SUPPORTED_VERSIONS): an unknown version is a clear error, not a guess.
 - A poll returns the events drained since the last one (a JSON list). Events are split per
   attention-DP rank (rank 0 gathers every rank's events; each event names its rank), and each rank
   is its own (replica, dp_rank) in the index with its own mirror and event-id sequence.
@@ -32,9 +32,10 @@ from pathlib import Path
 
 import msgspec
 
-from kvidx.core.mirror import MirrorError
-from kvidx.core.trtllm_mirror import TrtllmMirror
-from relays.trtllm_wire import (
+from kvidx.engines.common import MirrorError
+from kvidx.engines.contract import DeadLetter, Frame, RelayOutput
+from kvidx.engines.trtllm.mirror import TrtllmMirror
+from kvidx.engines.trtllm.wire import (
     BUGGY_UPDATED_SERIALIZER,
     Created,
     Event,
@@ -42,7 +43,6 @@ from relays.trtllm_wire import (
     decode_event,
     split_poll,
 )
-from relays.vllm_relay import DeadLetter, Frame, RelayOutput
 from schemas.events import SCHEMA_VERSION, EventBatch, ReplicaCleared
 
 log = logging.getLogger("kvidx.relay")

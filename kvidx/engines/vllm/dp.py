@@ -6,10 +6,10 @@ its own cache and its own AllBlocksCleared (published by a rank only with its ne
 
 from __future__ import annotations
 
+from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.wire import check_engine_version
 from relays.run import Relay
 from relays.sinks import Sink
-from relays.vllm_relay import VllmPublisherRelay
-from relays.vllm_wire import check_engine_version
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
