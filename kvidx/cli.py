@@ -25,45 +25,49 @@ def _bootstrap(args) -> str:
     return bootstrap_of(args)
 
 
+def _relay_options(args):
+    """The --engine's relay options from the command line and --config."""
+    from kvidx.config import load_config
+    from kvidx.engines import RelayOptions
+    from kvidx.engines.lmcache.chunks import LmcacheConfig
+
+    extra: dict = {"cpu_chunk_blocks": args.cpu_chunk_blocks}
+    if args.engine in ("vllm", "lmcache"):  # LMCache rides on vLLM's publisher
+        # with the controller's admit/evict messages, LMCache's evictions are known: no TTL, no bound
+        extra["lmcache"] = (LmcacheConfig(ttl_s=None, evictions_reported=True)
+                            if getattr(args, "lmcache_controller_endpoint", None) else
+                            LmcacheConfig(ttl_s=args.lmcache_ttl or None,
+                                          capacity_blocks=args.lmcache_capacity_blocks))
+    else:
+        extra = {}
+    groups = load_config(getattr(args, "config", None)).model(args.model).group_kinds()
+    return RelayOptions(engine_version=args.engine_version, group_kinds=groups,
+                        engine_block_size=args.block_size, extra=extra)
+
+
 def _relay_factory(args):
     """model, replica, index block size, dp rank -> the relay logic of the engine named by --engine."""
-    if args.engine == "sglang":
-        from kvidx.engines.sglang.relay import DEFAULT_VERSION, make_relay
+    from kvidx import engines
 
-        version = args.engine_version or DEFAULT_VERSION
-        return lambda m, r, ibs, rank=None: make_relay(m, r, ibs, rank, engine_version=version)
-    from kvidx.config import load_config
-    from kvidx.engines.lmcache.chunks import LmcacheConfig
-    from kvidx.engines.vllm.relay import VllmPublisherRelay
-
-    options = {
-        "group_kinds": load_config(getattr(args, "config", None)).model(args.model).group_kinds(),
-        "engine_version": args.engine_version or DEFAULT_VLLM_VERSION,
-        "cpu_chunk_blocks": args.cpu_chunk_blocks,
-        # with the controller's admit/evict messages, LMCache's evictions are known: no TTL, no bound
-        "lmcache": (LmcacheConfig(ttl_s=None, evictions_reported=True)
-                    if getattr(args, "lmcache_controller_endpoint", None) else
-                    LmcacheConfig(ttl_s=args.lmcache_ttl or None,
-                                  capacity_blocks=args.lmcache_capacity_blocks)),
-    }
-    return lambda m, r, ibs, rank=None: VllmPublisherRelay(m, r, ibs, rank, **options)
-
-
-DEFAULT_VLLM_VERSION = "0.32.0"  # the newest release the vLLM adapter was checked against
+    adapter, opts = engines.get(args.engine), _relay_options(args)
+    return lambda m, r, ibs, rank=None: adapter.make_relay(m, r, ibs, rank, opts)
 
 
 def _check_relay_inputs(args) -> None:
     """Everything a relay can check before it touches the broker, each failure one line."""
-    from relays.inputs import ENGINE_RECORDING, InputError, check_file, check_recording_engine
+    from kvidx import engines
+    from relays.inputs import InputError, check_file, check_recording_engine
 
+    adapter = engines.get(args.engine)
     try:
         if args.play:
-            check_file(args.play, ENGINE_RECORDING[args.engine], "--play")
-            if args.engine != "trtllm":
+            check_file(args.play, adapter.recording, "--play")
+            if adapter.recording == "frames":
                 check_recording_engine(args.play, args.engine)
-        elif args.engine == "trtllm" and not args.url:
-            raise InputError("--url http://host:port (trtllm-serve) or --play events.jsonl is required")
-        elif args.engine != "trtllm" and not args.endpoint:
+        elif adapter.live == "http" and not args.url:
+            raise InputError(f"--url http://host:port ({args.engine}'s HTTP endpoint) or --play FILE is "
+                             "required")
+        elif adapter.live == "zmq" and not args.endpoint:
             raise InputError("--endpoint (the engine's KV-events endpoint) or --play FILE is required")
     except InputError as e:
         sys.exit(f"error: {e}")
@@ -82,8 +86,11 @@ def cmd_relay(args) -> int:
     if args.index_block_size is None:  # the same source the worker and the service read
         from kvidx.config import load_config
         args.index_block_size = load_config(args.config).model(args.model).index_block_size
+    from kvidx import engines
+
+    adapter = engines.get(args.engine)
     factory = None
-    if args.engine != "trtllm":
+    if adapter.make_relay is not None:
         try:
             factory = _relay_factory(args)
             factory(args.model, "check", args.index_block_size)  # an unknown engine version fails here
@@ -106,8 +113,8 @@ def cmd_relay(args) -> int:
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, addr=args.metrics_host)
-    if args.engine == "trtllm":
-        return _relay_trtllm(args, sink, stop)
+    if adapter.live == "http":
+        return _relay_http(adapter, args, sink, stop)
     if args.play:
         from relays.run import play_recording
         n = play_recording(args.play, args.model, sink, args.index_block_size, args.replica, args.dp_rank,
@@ -160,19 +167,17 @@ def cmd_relay(args) -> int:
     return 0
 
 
-def _relay_trtllm(args, sink, stop) -> int:
-    """TensorRT-LLM's pull API: poll trtllm-serve's POST /kv_cache_events (or play polls)."""
-    from relays import trtllm_relay
-
+def _relay_http(adapter, args, sink, stop) -> int:
+    """An engine relayed by polling its HTTP API (TensorRT-LLM's POST /kv_cache_events), or a
+    recording of polls."""
+    opts = _relay_options(args)
     if args.play:
-        n = trtllm_relay.play_recording(args.play, args.model, sink, args.index_block_size,
-                                        replica=args.replica or "trtllm", block_size=args.block_size)
+        n = adapter.play_polls(args.play, args.model, sink, args.index_block_size, args.replica, opts)
         sink.flush()
         print(json.dumps({"played_polls": n, "delivery_errors": sink.errors}))
         return 0 if sink.errors == 0 else 1
     try:
-        trtllm_relay.run_relay(args.url, args.model, sink, args.index_block_size, block_size=args.block_size,
-                               record_to=args.record, stop=stop)
+        adapter.poll_live(args.url, args.model, sink, args.index_block_size, opts, args.record, stop)
     except KeyboardInterrupt:
         pass
     except (ValueError, RuntimeError) as e:  # an engine version this adapter was not checked against
@@ -405,53 +410,32 @@ def cmd_serve(args) -> int:
 
 
 def cmd_shadow(args) -> int:
-    from kvidx.shadow import run_shadow
-    from relays.inputs import ENGINE_RECORDING, InputError, check_file, check_recording_engine
+    from kvidx import engines
+    from kvidx.shadow import run_shadow_engine
+    from relays.inputs import InputError, check_file, check_recording_engine
 
+    adapter = engines.get(args.engine)
     args.index_block_size = args.index_block_size or 16
     try:  # a missing file, a requests log as the recording, another engine's recording: one line each
-        check_file(args.recording, ENGINE_RECORDING[args.engine], "--recording")
+        check_file(args.recording, adapter.recording, "--recording")
         check_file(args.requests, "requests", "--requests")
-        if args.engine != "trtllm":
+        if adapter.recording == "frames":
             check_recording_engine(args.recording, args.engine)
-    except InputError as e:
-        sys.exit(f"error: {e}")
-    dead_letters = None
-    if args.engine == "trtllm":
-        from kvidx.shadow_trtllm import run_shadow as run_shadow_trtllm
-        agreement, _, relay = run_shadow_trtllm(args.recording, args.requests,
-                                                index_block_size=args.index_block_size)
-        dead_letters = relay.counters["dead"]
-    elif args.engine == "sglang":
-        from kvidx.engines.sglang.relay import DEFAULT_VERSION, run_shadow_sglang
-        try:
-            agreement, index = run_shadow_sglang(args.recording, args.requests,
-                                                 index_block_size=args.index_block_size,
-                                                 engine_version=args.engine_version or DEFAULT_VERSION,
-                                                 pending_ttl=args.pending_ttl)
-        except ValueError as e:
-            sys.exit(f"error: {e}")
-    elif args.engine == "lmcache":  # vLLM + LMCache: LMCache's re-published "cpu" stores as upper bounds
-        from kvidx.shadow_lmcache import run_shadow_lmcache
-        agreement, index, lmcache_stats = run_shadow_lmcache(args.recording, args.requests,
-                                                             index_block_size=args.index_block_size,
-                                                             pending_ttl=args.pending_ttl)
-    else:
-        agreement, index = run_shadow(args.recording, args.requests, index_block_size=args.index_block_size,
+        result, _ = run_shadow_engine(args.engine, args.recording, args.requests,
+                                      index_block_size=args.index_block_size,
+                                      options=engines.RelayOptions(engine_version=args.engine_version),
                                       unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
                                       pending_ttl=args.pending_ttl)
-    summary = agreement.summary()
-    if args.engine == "lmcache":
-        summary.update(lmcache_stats)
+    except (InputError, ValueError) as e:  # ValueError: an engine version its adapter was not checked with
+        sys.exit(f"error: {e}")
+    summary = {**result.agreement.summary(), **result.extra}
     if args.json:
         print(json.dumps(summary))
     else:
         for k, v in summary.items():
             print(f"{k:>16}: {v}")
-        if dead_letters is None:
-            dead_letters = index.dead_letters
-        print(f"{'dead_letters':>16}: {dead_letters}")
-        for m in agreement.mismatches[:10]:
+        print(f"{'dead_letters':>16}: {result.dead_letters}")
+        for m in result.agreement.mismatches[:10]:
             print(f"  mismatch: request {m['i']}: engine reused {m['reused']}, index credited {m['credited']}"
                   f" of {m['prompt_tokens']} tokens")
     return 0
@@ -469,8 +453,10 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvidx import engines
     from kvidx.clihelp import DeprecatedAlias, add_common_options, finish, version
 
+    engine_names = engines.names()  # every --engine takes its choices from the registry
     p = argparse.ArgumentParser(prog="kvidx", description="A fleet-wide KV-cache index for LLM serving.")
     p.add_argument("--version", action="version", version=f"kvidx {version()}")
     add_common_options(p, top=True)  # and on every subcommand, by finish() below
@@ -504,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Subscribe to an engine's KV-cache events (or play a recording), "
                                    "re-hash blocks canonically and publish versioned batches to Kafka.")
     common(r, shards=False)
-    r.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+    r.add_argument("--engine", default="vllm", choices=engine_names,
                    help="the engine whose events are relayed")
     r.add_argument("--url", help="trtllm: trtllm-serve's base URL (its POST /kv_cache_events is polled)")
     # dest block_size: the name the relay code reads; --block-size is its old, deprecated spelling
@@ -601,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "prints how the index's credit agrees with the engine's own "
                                     "cached_tokens for every request of the request log.")
     common(sh, kafka=False)
-    sh.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm", "lmcache"],
+    sh.add_argument("--engine", default="vllm", choices=engine_names,
                     help="trtllm reads a recording of polls (events.jsonl); use --index-block-size 1 "
                          "there for token-exact partial-block credit")
     sh.add_argument("--engine-version", help="the engine's release (default: the newest checked)")

@@ -1,5 +1,7 @@
 """Shadow audit: replay a recorded engine stream through the relay and fold code, and compare what
 the index would have credited each request at its send time with what the engine really reused.
+One loop for every engine (`replay_requests`); each engine's adapter only turns its recording into
+batches (kvidx.engines: `EngineAdapter.replay`).
 
 recall = sum(min(credited, reused)) / sum(reused); over_credit = sum(max(credited - reused, 0)) /
 sum(reused). The request log holds prompt token ids (read here, never stored or logged).
@@ -8,15 +10,17 @@ sum(reused). The request log holds prompt token ids (read here, never stored or 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
-from kvidx.engines.contract import Frame
-from kvidx.engines.vllm.relay import VllmPublisherRelay
-from relays.recording import read_frames
+from kvidx.engines import RelayOptions, ShadowResult
+from kvidx.engines import get as get_engine
+from kvidx.engines.contract import Frame, PublisherRelays, SequencedRelay
+from kvidx.engines.recording import read_frames
+from schemas.events import EventBatch
 
 
 @dataclass
@@ -64,27 +68,26 @@ class InProcessIndex:
     path runs, minus the broker."""
 
     def __init__(self, model: str, index_block_size: int, unreported_eviction_kinds: tuple[str, ...] = (),
-                 relay_factory: Callable[[str, str, int], VllmPublisherRelay] | None = None):
+                 relay_factory: Callable[[str, str, int], SequencedRelay] | None = None):
         """`relay_factory(model, endpoint, index_block_size)` builds a publisher's relay (another
-        engine's adapter); by default a VllmPublisherRelay."""
+        engine's adapter); by default vLLM's."""
         self.model = model
         self.shard = ModelShard(model, index_block_size, unreported_eviction_kinds)
-        self.relays: dict[str, VllmPublisherRelay] = {}
-        self.dead_letters = 0
-        self.relay_factory = relay_factory
+        if relay_factory is None:
+            from kvidx.engines.vllm.relay import VllmPublisherRelay
+
+            def relay_factory(m: str, ep: str, ibs: int) -> SequencedRelay:
+                return VllmPublisherRelay(m, ep, ibs, epoch=0)
+        self.publishers = PublisherRelays(lambda ep: relay_factory(model, ep, index_block_size))
+        self.relays = self.publishers.relays
+
+    @property
+    def dead_letters(self) -> int:
+        return self.publishers.dead_letters
 
     def feed(self, frame: Frame) -> None:
-        relay = self.relays.get(frame.endpoint)
-        if relay is None:
-            relay = self.relays[frame.endpoint] = (
-                self.relay_factory(self.model, frame.endpoint, self.shard.block_size) if self.relay_factory
-                else VllmPublisherRelay(self.model, frame.endpoint, self.shard.block_size, epoch=0))
-        out = relay.on_frame(frame)
-        if out.gap is not None:  # a recording cannot be asked for the missing batches
-            out = relay.gap_unfilled(frame)
-        self.dead_letters += len(out.dead)
         now = frame.recv_ns / 1e9
-        for b in out.batches:
+        for b in self.publishers.batches(frame):
             self.shard.apply(b, now)
 
 
@@ -102,34 +105,73 @@ def load_requests(path: str | Path) -> list[dict]:
     return reqs
 
 
-def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",
-           index_block_size: int = 16, unreported_eviction_kinds: tuple[str, ...] = (),
-           pending_ttl: float = 0.0, relay_factory: Callable | None = None
-           ) -> tuple[Agreement, InProcessIndex]:
-    """`relay_factory`: see InProcessIndex (None: vLLM). With `pending_ttl` > 0, every request, once
-    credited, is recorded as a routing decision: its prompt counts as cached on its replica until the
-    engine's events confirm it or the TTL passes
-    (what routers get from POST /v1/routes)."""
-    index = InProcessIndex(model, index_block_size, unreported_eviction_kinds, relay_factory)
-    ordered = sorted(frames, key=lambda f: f.recv_ns)
-    agreement = Agreement()
-    k = 0
+def replay_requests(batches: Iterable[tuple[int, Callable[[], list[EventBatch]]]], requests: list[dict],
+                    fold: Callable[[int, EventBatch], None]) -> Iterator[dict]:
+    """The shadow loop, once for every engine: the requests that succeeded, in send order, each
+    yielded once every engine message received (recv_ns) at or before its send time went through
+    its relay and the relay's batches were folded."""
+    it = iter(batches)
+    nxt = next(it, None)
     for r in requests:
         if r.get("status", 200) != 200:
             continue
         t_ns = int(r["t_send"] * 1e9)
-        while k < len(ordered) and ordered[k].recv_ns <= t_ns:
-            index.feed(ordered[k])
-            k += 1
+        while nxt is not None and nxt[0] <= t_ns:
+            for b in nxt[1]():
+                fold(nxt[0], b)
+            nxt = next(it, None)
+        yield r
+
+
+def shadow_batches(batches, requests: list[dict], shard: ModelShard, pending_ttl: float = 0.0,
+                   replica: str | None = None) -> Agreement:
+    """Fold `batches` (a kvidx.engines.Batches) into `shard` and tally each request's credit on its
+    replica (`replica` for all of them, else the request's own, else the recording's first). With
+    `pending_ttl` > 0, every request, once credited, is recorded as a routing decision: its prompt
+    counts as cached on its replica until the engine's events confirm it or the TTL passes (what
+    routers get from POST /v1/routes)."""
+    agreement = Agreement()
+    bs = shard.block_size
+    for r in replay_requests(batches, requests, lambda t_ns, b: shard.apply(b, t_ns / 1e9)):
         tokens = r["prompt_token_ids"]
-        hashes = prompt_hashes(tokens, index_block_size, r.get("lora"), r.get("cache_salt"))
-        credited = index.shard.credited(hashes, len(tokens), r.get("replica"), r.get("dp_rank"),
-                                        now=r["t_send"])
-        if pending_ttl > 0 and r.get("replica", "") is not None:
-            replica = r.get("replica") or next(iter(index.relays), "")
-            index.shard.add_pending(replica, r.get("dp_rank") or 0, hashes, len(tokens), credited,
-                                    r["t_send"] + pending_ttl)
+        hashes = prompt_hashes(tokens, bs, r.get("lora"), r.get("cache_salt"))
+        to = replica if replica is not None else r.get("replica")
+        credited = shard.credited(hashes, len(tokens), to, r.get("dp_rank"), now=r["t_send"])
+        if pending_ttl > 0 and r.get("replica", "") is not None:  # an explicit null: not routed
+            shard.add_pending(to or batches.default_replica(), r.get("dp_rank") or 0, hashes, len(tokens),
+                              credited, r["t_send"] + pending_ttl)
         agreement.add(r.get("i", agreement.requests), len(tokens), int(r["cached_tokens"]), credited)
+    return agreement
+
+
+def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, model: str = "model",
+                      index_block_size: int = 16, options: RelayOptions | None = None,
+                      unreported_eviction_kinds: tuple[str, ...] = (), pending_ttl: float = 0.0
+                      ) -> tuple[ShadowResult, ModelShard]:
+    """`kvidx shadow --engine E`: the engine's recording through its adapter and the one loop."""
+    adapter = get_engine(engine)
+    options = options or RelayOptions()
+    batches = adapter.replay(recording, model, index_block_size, options)
+    shard = ModelShard(model, index_block_size, unreported_eviction_kinds)
+    reqs = load_requests(requests)
+    agreement = shadow_batches(batches, reqs, shard, pending_ttl, adapter.shadow_defaults.get("replica"))
+    extra = batches.extra()
+    if adapter.shadow_extra is not None:
+        extra.update(adapter.shadow_extra(recording, reqs, model, index_block_size, options))
+    return ShadowResult(agreement, batches.dead_letters(), extra, batches.relays), shard
+
+
+def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",
+           index_block_size: int = 16, unreported_eviction_kinds: tuple[str, ...] = (),
+           pending_ttl: float = 0.0, relay_factory: Callable | None = None
+           ) -> tuple[Agreement, InProcessIndex]:
+    """The shadow audit of ZMQ frames with `relay_factory(model, endpoint, index_block_size)`'s relays
+    (None: vLLM's)."""
+    from kvidx.engines.contract import zmq_replay
+
+    index = InProcessIndex(model, index_block_size, unreported_eviction_kinds, relay_factory)
+    agreement = shadow_batches(zmq_replay(frames, publishers=index.publishers), requests, index.shard,
+                               pending_ttl)
     return agreement, index
 
 

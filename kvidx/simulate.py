@@ -293,9 +293,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.engine_block_size % args.index_block_size:
         raise SystemExit("error: --index-block-size must divide --engine-block-size")
     engines = tuple(k.strip() for k in args.engines.split(",") if k.strip())
+    from kvidx import engines as registry
+
     for k in engines:
-        if k not in ENGINES:
-            raise SystemExit(f"error: unknown engine {k!r} (known: {', '.join(ENGINES)})")
+        if k not in registry.names():
+            raise SystemExit(f"error: unknown engine {k!r} (registered: {', '.join(registry.names())})")
+        if k not in ENGINES:  # registered, but the fleet simulator has no simulated engine of it yet
+            raise SystemExit(f"error: engine {k!r} has no simulated engine (simulated: {', '.join(ENGINES)})")
     if not engines:
         raise SystemExit("error: --engines names no engine")
     if args.host_tier_blocks and "trtllm" not in engines:
@@ -547,8 +551,12 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     f = p.add_argument_group("fleet")
     f.add_argument("--models", type=int, default=1, help="models (trace requests spread by prefix)")
     f.add_argument("--replicas", type=int, default=8, help="replicas per model")
-    f.add_argument("--engines", default="vllm", help="engine kinds, comma-separated (vllm, sglang, trtllm): "
-                   "a model's replicas are assigned to them round-robin")
+    from kvidx import engines as registry
+
+    f.add_argument("--engines", default="vllm", metavar="E[,E...]",
+                   help=f"engine kinds, comma-separated, of {', '.join(registry.names())} (simulated: "
+                        f"{', '.join(e for e in registry.names() if registry.get(e).sim)}): a model's "
+                        "replicas are assigned to them round-robin")
     f.add_argument("--sglang-version", default="0.5.23", help="the SGLang release whose wire format the "
                    "SGLang replicas publish")
     f.add_argument("--host-tier-blocks", type=int, default=0, help="TensorRT-LLM: host-tier (secondary) "

@@ -76,8 +76,8 @@ def check_file(path: str | Path | None, want: str, option: str) -> None:
 
 def check_recording_engine(path: str | Path, engine: str, frames: int = 50) -> None:
     """Raise InputError when the first frames of a recording are plainly another engine's."""
+    from kvidx.engines.recording import read_frames
     from kvidx.engines.sniff import wrong_engine
-    from relays.recording import read_frames
 
     for i, f in enumerate(read_frames(path)):
         why = wrong_engine(f.payload, engine)

@@ -11,8 +11,8 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from kvidx.engines.contract import Frame, RelayOutput
+from kvidx.engines.recording import Recorder, read_frames
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from relays.recording import Recorder, read_frames
 from relays.sinks import Sink
 from relays.zmq_source import ZmqSource
 from schemas.events import ReplicaCleared

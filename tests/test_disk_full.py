@@ -7,8 +7,8 @@ import pytest
 from conftest import LLAMA
 from test_pipeline_kafka import answers, expected_shard, prompts
 
+from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from relays.recording import read_frames
 from schemas.events import encode_batch
 from streams.snapshots import LocalStore, read_snapshots
 from streams.worker import LOCAL_ERRORS, ShardWorker

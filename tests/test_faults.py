@@ -154,7 +154,7 @@ def test_worker_killed_mid_burst_loses_nothing(kafka_bootstrap, topics, tmp_path
     from conftest import LLAMA
     from test_pipeline_kafka import answers, expected_shard, prompts, start_worker
 
-    from relays.recording import read_frames
+    from kvidx.engines.recording import read_frames
     from relays.run import play_recording
 
     sink = KafkaSink(kafka_bootstrap, topics["events"], topics["dead_letters"])

@@ -36,9 +36,9 @@ from hypothesis import strategies as st
 
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import MAX_PAYLOAD, Frame
+from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.wire import decode_payload
-from relays.recording import read_frames
 from schemas.events import EventBatch, decode_batch, encode_batch
 from schemas.routes import RouteDecision, decode_route, encode_route
 

@@ -17,10 +17,10 @@ from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.lmcache.chunks import LmcacheConfig, location_tier, mark_upper_bound
 from kvidx.engines.lmcache.controller import LmcacheControllerRelay, decode_controller, parse_key
+from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.mirror import VllmMirror
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.wire import decode_payload, is_lmcache_store
-from relays.recording import read_frames
 from schemas.events import BlocksRemoved, BlocksStored
 
 LM = FIXTURES / "lmcache-0.5.6"

@@ -10,9 +10,9 @@ from conftest import GEMMA
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.common import MirrorError, normalize_tier
+from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.mirror import VllmMirror
 from kvidx.engines.vllm.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
-from relays.recording import read_frames
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 
 rng = random.Random(7)

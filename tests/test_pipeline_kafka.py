@@ -14,8 +14,8 @@ from conftest import GEMMA, LLAMA, ROOT
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
+from kvidx.engines.recording import read_frames
 from kvidx.shadow import InProcessIndex, load_requests
-from relays.recording import read_frames
 from relays.run import play_recording
 from relays.sinks import KafkaSink
 from streams.snapshots import read_snapshots

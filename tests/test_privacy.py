@@ -13,9 +13,9 @@ from confluent_kafka import Consumer, TopicPartition
 from conftest import LLAMA
 
 from kvidx.engines.contract import Frame
+from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import load_requests
-from relays.recording import read_frames
 from relays.run import Relay
 from relays.sinks import KafkaSink
 from streams.worker import ShardWorker

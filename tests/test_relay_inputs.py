@@ -3,11 +3,11 @@ be misread); every frame of it is a dead letter `wrong_engine` naming the engine
 
 from conftest import FIXTURES, LLAMA
 
+from kvidx.engines.recording import read_frames
 from kvidx.engines.sglang.relay import make_relay
 from kvidx.engines.sniff import sniff_engine
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from relays.inputs import file_kind
-from relays.recording import read_frames
 
 
 def test_vllm_recordings_are_vllm_and_never_sglang():

@@ -15,8 +15,8 @@ from conftest import ServerThread
 from index_service.app import create_app
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
+from kvidx.engines.recording import read_frames
 from kvidx.shadow import InProcessIndex, load_requests
-from relays.recording import read_frames
 from schemas.events import BlocksStored, EventBatch
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-0.32" / "llama_c4"

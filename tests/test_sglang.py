@@ -20,10 +20,12 @@ import pytest
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.engines import RelayOptions
 from kvidx.engines.common import MirrorError
 from kvidx.engines.contract import Frame
+from kvidx.engines.recording import frame_to_line
 from kvidx.engines.sglang.mirror import SglangMirror
-from kvidx.engines.sglang.relay import SglangPublisherRelay, make_relay, run_shadow_sglang
+from kvidx.engines.sglang.relay import SglangPublisherRelay, make_relay
 from kvidx.engines.sglang.wire import (
     PY_EMPTY_TUPLE_HASH,
     SUPPORTED_VERSIONS,
@@ -34,10 +36,9 @@ from kvidx.engines.sglang.wire import (
     VersionMismatch,
     decode_payload,
 )
-from kvidx.shadow import shadow
+from kvidx.shadow import run_shadow_engine, shadow
 from kvidx.sim.sglang_engine import SimSglangEngine
 from kvidx.sim.vllm_engine import workload_requests
-from relays.recording import frame_to_line
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -439,15 +440,16 @@ def test_shadow_small_pages_credit_whole_index_blocks(version, P):
     assert s["recall"] > 0.85
 
 
-def test_run_shadow_sglang_on_a_recording(tmp_path):
+def test_shadow_engine_sglang_on_a_recording(tmp_path):
     _eng, frames, reqs = _recording("0.5.23", 16, n=60)
     rec, rq = tmp_path / "frames.jsonl", tmp_path / "requests.jsonl"
     rec.write_text("".join(frame_to_line(f) + "\n" for f in frames))
     rq.write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    ag, _ = run_shadow_sglang(str(rec), str(rq), index_block_size=16, engine_version="0.5.23")
-    assert ag.summary()["exact_requests"] == 60
+    res, _ = run_shadow_engine("sglang", rec, rq, index_block_size=16,
+                               options=RelayOptions(engine_version="0.5.23"))
+    assert res.agreement.summary()["exact_requests"] == 60
     with pytest.raises(UnsupportedEngineVersion):
-        run_shadow_sglang(str(rec), str(rq), engine_version="0.7")
+        run_shadow_engine("sglang", rec, rq, options=RelayOptions(engine_version="0.7"))
 
 
 if __name__ == "__main__" and "--regen" in sys.argv:

@@ -1,5 +1,5 @@
-"""`kvidx shadow --engine lmcache` (kvidx/shadow_lmcache.py) on a generated recording of a vLLM 0.32
-engine running LMCache 0.5.6 (tests/fixtures/lmcache-0.5.6 holds a frames stream but no request log,
+"""`kvidx shadow --engine lmcache` (kvidx/engines/lmcache/adapter.py) on a generated recording of a
+vLLM 0.32 engine running LMCache 0.5.6 (tests/fixtures/lmcache-0.5.6 holds a frames stream but no request log,
 so the recording is generated here).
 
 How the recording is made (the serialization rules are those of tests/fixtures/vllm-variants/
@@ -28,10 +28,12 @@ from pathlib import Path
 
 import pytest
 
+from kvidx.engines import RelayOptions
 from kvidx.engines.contract import Frame
-from kvidx.shadow_lmcache import run_shadow_lmcache
+from kvidx.engines.lmcache.chunks import LmcacheConfig
+from kvidx.engines.recording import frame_to_line
+from kvidx.shadow import run_shadow_engine
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
-from relays.recording import frame_to_line
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES / "vllm-variants"))
@@ -90,9 +92,10 @@ def make_recording(out: Path, n_requests: int = 400, seed: int = 8, save_unfull:
 def test_shadow_lmcache_on_a_generated_recording(tmp_path, save_unfull):
     counts = make_recording(tmp_path, save_unfull=save_unfull)
     assert counts["lmcache_wins"] > 20 and counts["gpu_wins"] > 20 and counts["gpu_removed"] > 100
-    ag, index, extra = run_shadow_lmcache(tmp_path / "frames.jsonl", tmp_path / "requests.jsonl")
+    res, _ = run_shadow_engine("lmcache", tmp_path / "frames.jsonl", tmp_path / "requests.jsonl")
+    ag, extra = res.agreement, res.extra
     s = ag.summary()
-    assert s["requests"] == 400 and index.dead_letters == 0 and s["recall"] == 1.0, s
+    assert s["requests"] == 400 and res.dead_letters == 0 and s["recall"] == 1.0, s
     assert extra["lmcache_stored"] > 100 and extra["lmcache_orphans"] == 0
     assert extra["upper_bound_requests"] >= counts["lmcache_wins"], extra
     # Over-credit, never under: (1) a short last chunk (save_unfull_chunk) is keyed by LMCache on the
@@ -104,8 +107,9 @@ def test_shadow_lmcache_on_a_generated_recording(tmp_path, save_unfull):
     assert all(0 < m["credited"] - m["reused"] < CHUNK for m in ag.mismatches), ag.mismatches
 
     # with LMCache's chunks aged out at once, the index misses the LMCache hits
-    ag0, _, _ = run_shadow_lmcache(tmp_path / "frames.jsonl", tmp_path / "requests.jsonl", ttl_s=1e-9)
-    assert ag0.summary()["recall"] < 1.0
+    res0, _ = run_shadow_engine("lmcache", tmp_path / "frames.jsonl", tmp_path / "requests.jsonl",
+                                options=RelayOptions(extra={"lmcache": LmcacheConfig(ttl_s=1e-9)}))
+    assert res0.agreement.summary()["recall"] < 1.0
 
 
 def test_cli_shadow_engine_lmcache(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.engines import RelayOptions
 from kvidx.engines.trtllm.mirror import TrtllmMirror
 from kvidx.engines.trtllm.relay import TrtllmPollRelay, play_recording, read_polls
 from kvidx.engines.trtllm.wire import (
@@ -26,12 +27,19 @@ from kvidx.engines.trtllm.wire import (
     decode_event,
     split_poll,
 )
-from kvidx.shadow_trtllm import run_shadow
+from kvidx.shadow import run_shadow_engine
 from kvidx.sim.trtllm_engine import SimTrtllmEngine, block_key_hash, record
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 
 FIX = Path(__file__).parent / "fixtures" / "trtllm-1.2"
 B = 32
+
+
+def run_shadow(events, requests, index_block_size=16, engine_block=None):
+    """`kvidx shadow --engine trtllm` as a call: (agreement, shard, the relay)."""
+    res, shard = run_shadow_engine("trtllm", events, requests, index_block_size=index_block_size,
+                                   options=RelayOptions(engine_block_size=engine_block))
+    return res.agreement, shard, res.relays["trtllm"]
 
 
 def chat(seed: int, n_conv: int = 12, turns: int = 5) -> list[tuple[list[int], list[int]]]:
@@ -220,7 +228,7 @@ def _generate(case: str, host: int) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     eng = SimTrtllmEngine(num_blocks=48, host_blocks=host, block_size=B, window_size=4096, version="1.2.0")
     record(eng, chat(7, n_conv=10, turns=5), str(d / "events.jsonl"), str(d / "requests.jsonl"), t0=1.75e9)
-    ag, shard, relay = run_shadow(d / "events.jsonl", d / "requests.jsonl", index_block_size=1, block_size=B)
+    ag, shard, relay = run_shadow(d / "events.jsonl", d / "requests.jsonl", 1, engine_block=B)
     m = relay.ranks[0].mirror
     credited = [mm for mm in _credits(d)]
     exp = {"engine_stats": eng.stats, "mirror_live_blocks": m.live_blocks(), "mirror_stats": m.stats,
@@ -253,7 +261,7 @@ def test_conformance_fixture(case, host):
         (FIX / "README.md").write_text(FIXTURE_README)
     exp = json.loads((FIX / case / "expected.json").read_text())
     ag, shard, relay = run_shadow(FIX / case / "events.jsonl", FIX / case / "requests.jsonl",
-                                  index_block_size=1, block_size=B)
+                                  index_block_size=1, engine_block=B)
     m = relay.ranks[0].mirror
     assert m.live_blocks() == exp["mirror_live_blocks"] and m.stats == exp["mirror_stats"]
     assert _credits(FIX / case) == exp["credited"]

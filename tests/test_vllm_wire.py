@@ -8,6 +8,7 @@ import msgspec
 import pytest
 from conftest import GEMMA, LLAMA
 
+from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -16,7 +17,6 @@ from kvidx.engines.vllm.wire import (
     fold_engine_hash,
 )
 from kvidx.sim import chain_digests, external_hash, none_hash
-from relays.recording import read_frames
 
 enc = msgspec.msgpack.encode
 BIG = 17229991920652456757  # a real hash from the llama fixture, >= 2**63

@@ -15,8 +15,8 @@ from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.config import load_config
 from kvidx.core.hashing import prompt_hashes
+from kvidx.engines.recording import read_frames
 from kvidx.shadow import InProcessIndex, load_requests
-from relays.recording import read_frames
 from streams.snapshots import read_snapshots
 
 pytestmark = pytest.mark.kafka

@@ -12,8 +12,8 @@ import pytest
 from conftest import GEMMA, LLAMA, ROOT
 from test_pipeline_kafka import answers, prompts
 
+from kvidx.engines.recording import read_frames
 from kvidx.shadow import InProcessIndex
-from relays.recording import read_frames
 from relays.run import play_recording
 from relays.sinks import KafkaSink
 from streams.snapshots import read_snapshots

@@ -1,0 +1,116 @@
+"""The engine registry: engine name -> its adapter (kvidx/engines/<name>/adapter.py).
+
+Every command that takes `--engine` (relay, shadow) or `--engines` (simulate) takes its choices from
+here, so they accept the same names, and an unknown name is an error listing the registered ones.
+The contract an adapter fulfils is in kvidx/engines/contract.py; adding an engine is a folder, its
+registration below, its tests and its fixtures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.events import EventBatch
+
+
+@dataclass
+class RelayOptions:
+    """What a relay needs to know about its engine beyond model, replica and index block size."""
+    engine_version: str | None = None  # None: the adapter's newest checked release
+    # KV-cache groups the engine's events leave unnamed (from --config)
+    group_kinds: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    engine_block_size: int | None = None  # engines whose events do not carry it (TensorRT-LLM polls)
+    extra: dict[str, Any] = field(default_factory=dict)  # adapter-specific (vLLM: cpu_chunk_blocks, lmcache)
+
+
+@dataclass(frozen=True)
+class ShadowResult:
+    agreement: Any  # kvidx.shadow.Agreement
+    dead_letters: int
+    extra: dict  # the adapter's own figures (LMCache's chunk counters ...)
+    relays: dict = field(default_factory=dict)  # publisher -> its relay logic, as the replay left it
+
+
+@dataclass(frozen=True)
+class EngineAdapter:
+    name: str
+    summary: str
+    versions: tuple[str, ...]  # the releases (or series) the adapter was checked against
+    default_version: str | None  # what a relay assumes without --engine-version (None: asks the engine)
+    recording: str  # what `relay --play` and `shadow` read: "frames" (ZMQ frames.jsonl) or "polls"
+    live: str  # how a relay reaches the engine: "zmq" (PUB + replay ROUTER) or "http" (polling)
+    # ZMQ engines: (model, replica, index_block_size, dp_rank, options) -> a SequencedRelay
+    make_relay: Callable[..., Any] | None
+    # the relay's batches of a recording, in time order: (receive time in ns, batch); `.dead_letters`
+    # and `.extra()` on the returned object once consumed
+    replay: Callable[..., Any]
+    conformance: tuple[str, ...] = ()  # fixture folders (tests/fixtures/...) of its checked formats
+    sim: str | None = None  # the fleet simulator's engine kind for it, if there is one
+    shadow_defaults: dict = field(default_factory=dict)  # e.g. the replica name polls are credited to
+    # more shadow figures of this engine: (recording, requests, model, index_block_size, options) -> dict
+    shadow_extra: Callable[..., dict] | None = None
+    # HTTP engines: publish a recording of polls (path, model, sink, index_block_size, replica, options)
+    # -> polls, and poll a live engine (url, model, sink, index_block_size, options, record_to, stop)
+    play_polls: Callable[..., int] | None = None
+    poll_live: Callable[..., Any] | None = None
+
+    def check_version(self, version: str | None) -> None:
+        """Raise ValueError naming the checked releases for a version this adapter was not checked
+        against (each adapter's wire module has the rule)."""
+        if self.make_relay is not None:
+            self.make_relay("check", "check", 16, None, RelayOptions(engine_version=version))
+
+
+class Batches:
+    """An adapter's replay of a recording: iterate for (recv_ns, step) in receive order, where
+    `step()` feeds that engine message to its relay and returns the EventBatches it made. A message
+    reaches the relay only when its step is called, so a consumer that stops at a time leaves the
+    relays exactly as they were then."""
+
+    def __init__(self, it: Iterator[tuple[int, Callable[[], list[EventBatch]]]], dead: Callable[[], int],
+                 extra: Callable[[], dict] = dict, default_replica: Callable[[], str] = str,
+                 relays: dict | None = None):
+        self._it = it
+        self.dead_letters = dead  # malformed engine messages met so far
+        self.extra = extra  # adapter-specific counters, once consumed
+        self.default_replica = default_replica  # who a request without "replica" was sent to
+        self.relays = relays if relays is not None else {}  # endpoint -> relay logic, as met
+
+    def __iter__(self):
+        return self._it
+
+
+_REGISTRY: dict[str, EngineAdapter] = {}
+
+
+def register(adapter: EngineAdapter) -> EngineAdapter:
+    if adapter.name in _REGISTRY:
+        raise ValueError(f"engine {adapter.name!r} is registered already")
+    _REGISTRY[adapter.name] = adapter
+    return adapter
+
+
+def get(name: str) -> EngineAdapter:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r} (registered: {', '.join(names())})") from None
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def _register_builtin() -> None:
+    from kvidx.engines.lmcache.adapter import ADAPTER as lmcache
+    from kvidx.engines.sglang.adapter import ADAPTER as sglang
+    from kvidx.engines.trtllm.adapter import ADAPTER as trtllm
+    from kvidx.engines.vllm.adapter import ADAPTER as vllm
+
+    for a in (vllm, sglang, trtllm, lmcache):
+        register(a)
+
+
+_register_builtin()

@@ -188,3 +188,38 @@ class SequencedRelay:
                              seq=self.next_seq - 1 if self.next_seq is not None else -1,
                              engine_ts=now, relay_ts=now, block_size=self.mirror.block_size,
                              events=events, part=self.resync_part)
+
+
+class PublisherRelays:
+    """One relay per publisher endpoint of a ZMQ engine, made on its first frame: the frame -> batches
+    step every in-process consumer of recorded or live frames shares (shadow, demo, tests)."""
+
+    def __init__(self, make_relay):
+        self.make_relay = make_relay  # endpoint -> SequencedRelay
+        self.relays: dict[str, SequencedRelay] = {}
+        self.dead_letters = 0
+
+    def batches(self, frame: Frame) -> list[EventBatch]:
+        relay = self.relays.get(frame.endpoint)
+        if relay is None:
+            relay = self.relays[frame.endpoint] = self.make_relay(frame.endpoint)
+        out = relay.on_frame(frame)
+        if out.gap is not None:  # a recording cannot be asked for the missing batches
+            out = relay.gap_unfilled(frame)
+        self.dead_letters += len(out.dead)
+        return out.batches
+
+
+def zmq_replay(frames, make_relay=None, publishers: PublisherRelays | None = None):
+    """The batches a ZMQ engine's relays (`make_relay(endpoint)`, or given `publishers`) make of
+    recorded frames, in receive order: what `kvidx shadow` folds (a kvidx.engines.Batches)."""
+    from kvidx.engines import Batches
+
+    pub = publishers or PublisherRelays(make_relay)
+
+    def gen():  # a frame reaches its relay only when the consumer folds that far (see Batches)
+        for f in sorted(frames, key=lambda f: f.recv_ns):
+            yield f.recv_ns, lambda f=f: pub.batches(f)
+
+    return Batches(gen(), dead=lambda: pub.dead_letters, default_replica=lambda: next(iter(pub.relays), ""),
+                   relays=pub.relays)

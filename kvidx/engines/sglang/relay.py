@@ -58,19 +58,3 @@ def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | N
     """What `kvidx relay --engine sglang` builds: raises UnsupportedEngineVersion (a ValueError whose
     message lists the checked versions) for a version this adapter was not checked against."""
     return SglangPublisherRelay(model, replica, index_block_size, dp_rank, engine_version, epoch)
-
-
-def run_shadow_sglang(recording: str, requests: str, model: str = "model", index_block_size: int = 16,
-                      engine_version: str = DEFAULT_VERSION, pending_ttl: float = 0.0):
-    """`kvidx shadow --engine sglang`: the shadow audit (kvidx.shadow) of a recording of SGLang
-    publishers (frames.jsonl) against its request log; returns (Agreement, InProcessIndex)."""
-    from kvidx.shadow import load_requests, shadow
-    from relays.recording import read_frames
-
-    check_version(engine_version)
-
-    def factory(m: str, endpoint: str, ibs: int) -> SglangPublisherRelay:
-        return SglangPublisherRelay(m, endpoint, ibs, engine_version=engine_version, epoch=0)
-
-    return shadow(read_frames(recording), load_requests(requests), model, index_block_size,
-                  pending_ttl=pending_ttl, relay_factory=factory)

@@ -1,0 +1,77 @@
+"""LMCache behind vLLM (lmcache/v1/cache_engine.py, vLLM's LMCache connector): LMCache's stores come
+re-published through vLLM's publisher, placed by their tokens in an upper-bound tier with a TTL and a
+capacity, or exactly with the controller's admit/evict feed (--lmcache-controller-endpoint)."""
+
+from __future__ import annotations
+
+from kvidx.engines import EngineAdapter, RelayOptions
+from kvidx.engines.vllm.adapter import DEFAULT_VERSION
+
+
+def _options(opts: RelayOptions) -> dict:
+    from kvidx.engines.lmcache.chunks import LmcacheConfig
+
+    extra = dict(opts.extra)
+    extra.setdefault("lmcache", LmcacheConfig(ttl_s=300.0))
+    return extra
+
+
+def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None, opts: RelayOptions):
+    from kvidx.engines.vllm.relay import VllmPublisherRelay
+
+    return VllmPublisherRelay(model, replica, index_block_size, dp_rank, group_kinds=opts.group_kinds or None,
+                              engine_version=opts.engine_version or DEFAULT_VERSION, **_options(opts))
+
+
+def replay(recording, model: str, index_block_size: int, opts: RelayOptions):
+    from kvidx.engines.contract import zmq_replay
+    from kvidx.engines.recording import read_frames
+    from kvidx.engines.vllm.relay import VllmPublisherRelay
+
+    extra = _options(opts)
+    batches = zmq_replay(read_frames(recording), lambda ep: VllmPublisherRelay(
+        model, ep, index_block_size, epoch=0, **extra))
+
+    def stats() -> dict:
+        out: dict = {}
+        for relay in batches.relays.values():
+            for k, v in relay.mirror.lmcache.stats.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    batches.extra = stats
+    return batches
+
+
+def upper_bound_requests(recording, requests: list[dict], model: str, index_block_size: int,
+                         opts: RelayOptions) -> dict:
+    """How many requests' credit needed LMCache's tier: credited with every tier > credited without it
+    (a second shard fed the same batches minus that tier)."""
+    import msgspec
+
+    from kvidx.core.hashing import prompt_hashes
+    from kvidx.core.shard import ModelShard
+    from kvidx.shadow import replay_requests
+    from schemas.events import BlocksRemoved, BlocksStored
+
+    tier = _options(opts)["lmcache"].tier
+    full, without = ModelShard(model, index_block_size), ModelShard(model, index_block_size)
+
+    def fold(t_ns: int, b) -> None:
+        full.apply(b, t_ns / 1e9)
+        evs = [e for e in b.events if not (isinstance(e, BlocksStored | BlocksRemoved) and e.tier == tier)]
+        without.apply(msgspec.structs.replace(b, events=evs), t_ns / 1e9)
+
+    n = 0
+    for r in replay_requests(replay(recording, model, index_block_size, opts), requests, fold):
+        tokens = r["prompt_token_ids"]
+        hashes = prompt_hashes(tokens, index_block_size, r.get("lora"), r.get("cache_salt"))
+        n += (full.credited(hashes, len(tokens), r.get("replica"), r.get("dp_rank"))
+              > without.credited(hashes, len(tokens), r.get("replica"), r.get("dp_rank")))
+    return {"upper_bound_requests": n}
+
+
+ADAPTER = EngineAdapter(
+    name="lmcache", summary="LMCache's chunks re-published through vLLM (upper bound) or its controller",
+    versions=("0.5.6",), default_version="0.5.6", recording="frames", live="zmq", make_relay=make_relay,
+    replay=replay, conformance=("lmcache-0.5.6",), shadow_extra=upper_bound_requests)
