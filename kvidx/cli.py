@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_options(p, top=True)  # and on every subcommand, by finish() below
     sub = p.add_subparsers(dest="command", required=True)
 
-    from kvidx.kafka import add_cli
+    from kvidx.kafka.commands import add_cli
     from kvidx.ops.audit import add_cli as add_audit_cli
     from kvidx.ops.feedback import add_cli as add_feedback_cli
     from kvidx.ops.replay import add_cli as add_replay_cli

@@ -212,3 +212,26 @@ def play_recording(path: str | Path, model: str, sink: Sink, index_block_size: i
             relay.handle(f)
     sink.flush()
     return sum(len(v) for v in by_endpoint.values())
+
+
+def build_dp_relays(model: str, replica: str, endpoint: str, replay_endpoint: str | None, dp_size: int,
+                    sink: Sink, index_block_size: int, engine_version: str, bind: bool = False,
+                    source_factory=None, **relay_options) -> list[Relay]:
+    """One Relay (ZMQ source + relay core) per DP rank, all publishing as `replica` with dp_rank set.
+    The engine version is checked once, before any socket is opened. `source_factory(endpoint,
+    replay_endpoint, bind)` builds the frame source (default: relays.zmq_source.ZmqSource)."""
+    from kvidx.engines.vllm.dp import dp_endpoints
+    from kvidx.engines.vllm.wire import check_engine_version
+
+    check_engine_version(engine_version)
+    if source_factory is None:
+        from relays.zmq_source import ZmqSource
+
+        def source_factory(ep, rep, b):
+            return ZmqSource(ep, rep, bind=b)
+    relays = []
+    for rank, (ep, rep) in enumerate(dp_endpoints(endpoint, replay_endpoint, dp_size)):
+        core = VllmPublisherRelay(model, replica, index_block_size, dp_rank=rank,
+                                  engine_version=engine_version, **relay_options)
+        relays.append(Relay(core, sink, source_factory(ep, rep, bind)))
+    return relays

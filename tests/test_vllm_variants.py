@@ -18,10 +18,11 @@ from kvidx.core.shard import ModelShard
 from kvidx.core.spec_decode import SpecDecodeError, unpair_tokens
 from kvidx.engines.contract import Frame
 from kvidx.engines.recording import read_frames
-from kvidx.engines.vllm.dp import build_dp_relays, dp_endpoints, offset_endpoint
+from kvidx.engines.vllm.dp import dp_endpoints, offset_endpoint
 from kvidx.engines.vllm.mirror import VllmMirror
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.wire import UnsupportedEngineVersion, check_engine_version, decode_payload
+from relays.run import build_dp_relays
 from schemas.events import BlocksRemoved, BlocksStored
 
 VARIANTS = FIXTURES / "vllm-variants"

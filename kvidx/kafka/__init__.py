@@ -1,16 +1,3 @@
-"""Local single-node Kafka broker for development and tests (see kvidx.kafka.local)."""
-
-from kvidx.kafka.local import (
-    KafkaError,
-    LocalKafka,
-    add_cli,
-    default_state_dir,
-    down,
-    ensure_jars,
-    reset,
-    status,
-    up,
-)
-
-__all__ = ["KafkaError", "LocalKafka", "add_cli", "default_state_dir", "down", "ensure_jars", "reset",
-           "status", "up"]
+"""Kafka for kvidx: client settings (config.py), topic creation (topics.py), the one broker check
+(reach.py), and a local single-node broker for development and tests (local.py, `kvidx kafka ...`
+through commands.py). Nothing is imported here: production commands never load the launcher."""

@@ -6,11 +6,6 @@ its own cache and its own AllBlocksCleared (published by a rank only with its ne
 
 from __future__ import annotations
 
-from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.engines.vllm.wire import check_engine_version
-from relays.run import Relay
-from relays.sinks import Sink
-
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     """vLLM's rule for a rank's endpoint (offset_endpoint_port)."""
@@ -31,23 +26,3 @@ def dp_endpoints(endpoint: str, replay_endpoint: str | None, dp_size: int) -> li
     if dp_size < 1:
         raise ValueError(f"--dp-size must be >= 1, got {dp_size}")
     return [(offset_endpoint(endpoint, r), offset_endpoint(replay_endpoint, r)) for r in range(dp_size)]
-
-
-def build_dp_relays(model: str, replica: str, endpoint: str, replay_endpoint: str | None, dp_size: int,
-                    sink: Sink, index_block_size: int, engine_version: str, bind: bool = False,
-                    source_factory=None, **relay_options) -> list[Relay]:
-    """One Relay (ZMQ source + relay core) per DP rank, all publishing as `replica` with dp_rank set.
-    The engine version is checked once, before any socket is opened. `source_factory(endpoint,
-    replay_endpoint, bind)` builds the frame source (default: relays.zmq_source.ZmqSource)."""
-    check_engine_version(engine_version)
-    if source_factory is None:
-        from relays.zmq_source import ZmqSource
-
-        def source_factory(ep, rep, b):
-            return ZmqSource(ep, rep, bind=b)
-    relays = []
-    for rank, (ep, rep) in enumerate(dp_endpoints(endpoint, replay_endpoint, dp_size)):
-        core = VllmPublisherRelay(model, replica, index_block_size, dp_rank=rank,
-                                  engine_version=engine_version, **relay_options)
-        relays.append(Relay(core, sink, source_factory(ep, rep, bind)))
-    return relays
