@@ -12,7 +12,6 @@ through any instance counts as pending credit on every instance.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPar
 
 from index_service.store import ShardStore
 from kvidx.core.shard import SnapshotFormatError
+from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
 from kvidx.kafka.reach import message, wait_for_broker
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
@@ -30,7 +30,9 @@ from streams.snapshots import read_snapshots, watermarks
 log = logging.getLogger("kvidx.service")
 
 
-class KafkaFollower:
+class KafkaFollower(Background):
+    thread_name = "kafka-follower"
+
     def __init__(self, store: ShardStore, bootstrap: str, events_topic: str = EVENTS_TOPIC,
                  snapshot_topic: str = SNAPSHOTS_TOPIC, routes_topic: str | None = None,
                  routes_lookback_s: float = 600.0, prepare: Callable[[], None] | None = None,
@@ -45,28 +47,17 @@ class KafkaFollower:
         self.snapshot_topic = snapshot_topic
         self.routes_topic = routes_topic
         self.routes_lookback_s = routes_lookback_s
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="kafka-follower", daemon=True)
         self.undecodable = 0
-        self.error: BaseException | None = None
+        super().__init__()
 
-    def start(self) -> KafkaFollower:
-        self.thread.start()
-        return self
+    def run(self) -> None:
+        self._follow()
 
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.thread.join(10)
-
-    def _run(self) -> None:
-        try:
-            self._follow()
-        except SnapshotFormatError as e:  # refused, never misread: one line, and /healthz says why
-            self.error = e
+    def failed(self, e: BaseException) -> None:
+        if isinstance(e, SnapshotFormatError):  # refused, never misread: one line, and /healthz says why
             self.store.not_ready_reason = str(e)
             log.error("event=follower_stopped reason=%r", str(e))
-        except BaseException as e:  # surfaced through /healthz
-            self.error = e
+        else:  # surfaced through /healthz
             log.exception("event=follower_failed")
 
     def _wait_for_broker(self) -> bool:

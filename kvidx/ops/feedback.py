@@ -38,6 +38,7 @@ from collections.abc import Iterable
 import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Producer, TopicPartition
 
+from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
 from kvidx.kafka.topics import create_topics
 from kvidx.ops.kafkalog import add_kafka_args, bootstrap_of, consumer, partitions, topic_prefix
@@ -168,52 +169,40 @@ class FeedbackTable:
         return replicas
 
 
-class FeedbackFollower(FeedbackTable):
+class FeedbackFollower(FeedbackTable, Background):
     """A FeedbackTable kept current from the compacted feedback topic (read from its beginning)."""
 
+    thread_name = "kvidx-feedback"
+
     def __init__(self, bootstrap: str, topic: str):
-        super().__init__()
+        FeedbackTable.__init__(self)
+        Background.__init__(self)
         self.bootstrap = bootstrap
         self.topic = topic
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="kvidx-feedback", daemon=True)
-        self.error: BaseException | None = None
         self.applied = 0
 
-    def start(self) -> FeedbackFollower:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.thread.join(10)
-
-    def _run(self) -> None:
+    def run(self) -> None:
+        c = consumer(self.bootstrap, "feedback", **{"fetch.wait.max.ms": 50})
         try:
-            c = consumer(self.bootstrap, "feedback", **{"fetch.wait.max.ms": 50})
-            try:
-                parts = partitions(c, self.topic, timeout_s=60)
-                c.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in parts])
-                while not self.stop_event.is_set():
-                    for m in c.consume(500, 0.2):
-                        if m.error():
-                            continue
-                        if m.value() is None:
-                            try:
-                                self.remove(tuple(msgspec.msgpack.decode(m.key())))
-                            except (msgspec.DecodeError, TypeError):
-                                pass
-                            continue
+            parts = partitions(c, self.topic, timeout_s=60)
+            c.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in parts])
+            while not self.stop_event.is_set():
+                for m in c.consume(500, 0.2):
+                    if m.error():
+                        continue
+                    if m.value() is None:
                         try:
-                            self.put(msgspec.msgpack.decode(m.value(), type=CreditFactor))
-                            self.applied += 1
-                        except (msgspec.DecodeError, msgspec.ValidationError):
-                            log.warning("event=feedback_undecodable offset=%d", m.offset())
-            finally:
-                c.close()
-        except BaseException as e:
-            self.error = e
-            log.exception("event=feedback_follower_failed")
+                            self.remove(tuple(msgspec.msgpack.decode(m.key())))
+                        except (msgspec.DecodeError, TypeError):
+                            pass
+                        continue
+                    try:
+                        self.put(msgspec.msgpack.decode(m.value(), type=CreditFactor))
+                        self.applied += 1
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        log.warning("event=feedback_undecodable offset=%d", m.offset())
+        finally:
+            c.close()
 
 
 def publish_factors(bootstrap: str, topic: str, factors: list[CreditFactor]) -> None:

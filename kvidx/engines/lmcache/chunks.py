@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
+from kvidx.engines.common import hold, release, stored_runs
 from schemas.events import BlocksRemoved, BlocksStored, Event
 
 _xxh = xxhash.xxh3_64_intdigest
@@ -200,21 +201,10 @@ class LmcacheChunks:
         self.live[lk] = [sub, exp]
         self.stats["lmcache_stored"] += 1
         self.tier_blocks[tier] = self.tier_blocks.get(tier, 0) + len(sub)
-        new_pos = []
-        for i, c in enumerate(sub):
-            rk = (c, tier, 0)
-            r = self.refs.get(rk, 0)
-            self.refs[rk] = r + 1
-            if not r:
-                new_pos.append(i)
-        start = 0
-        for i in range(1, len(new_pos) + 1):
-            if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
-                p0 = new_pos[start]
-                run_parent = sub[p0 - 1] if p0 else (None if depth0 == 0 else parent)
-                out.append(BlocksStored(tier, 0, list(sub[p0:new_pos[i - 1] + 1]), run_parent, depth0 + p0,
-                                        [key] if start == 0 else []))
-                start = i
+        new_pos: list[int] = []
+        hold(self.refs, sub, tier, 0, 0, new_pos)
+        for hashes, run_parent, depth, engine in stored_runs(list(sub), new_pos, parent, depth0, [key]):
+            out.append(BlocksStored(tier, 0, hashes, run_parent, depth, engine))
         cap = self.cfg.capacity_blocks
         if cap is not None:
             while self.tier_blocks.get(tier, 0) > cap:
@@ -228,15 +218,8 @@ class LmcacheChunks:
         sub, _ = self.live.pop(lk)
         tier = lk[1]
         self.tier_blocks[tier] -= len(sub)
-        gone = []
-        for c in sub:
-            rk = (c, tier, 0)
-            r = self.refs.get(rk, 0) - 1
-            if r > 0:
-                self.refs[rk] = r
-            else:
-                self.refs.pop(rk, None)
-                gone.append(c)
+        gone: list[int] = []
+        release(self.refs, sub, tier, 0, gone)
         if gone:
             out.append(BlocksRemoved(tier, 0, gone, [lk[0]]))
 

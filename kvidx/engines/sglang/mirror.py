@@ -46,9 +46,16 @@ from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
 from kvidx.core.spec_decode import SpecDecodeError, is_bigram_page, unpair_tokens
-from kvidx.engines.common import MirrorError, normalize_tier, stored_runs
+from kvidx.engines.common import (
+    MirrorError,
+    engine_cache_reset,
+    hold,
+    normalize_tier,
+    release,
+    stored_runs,
+)
 from kvidx.engines.sglang.wire import AllBlocksCleared, BlockRemoved, BlockStored, u64
-from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
+from schemas.events import BlocksRemoved, BlocksStored, Event
 
 GROUP = 0  # SGLang's radix cache is one KV-cache group (full attention)
 
@@ -84,9 +91,7 @@ class SglangMirror:
             elif isinstance(ev, BlockRemoved):
                 self._removed(ev, out)
             else:
-                self.clear()
-                self.stats["cleared"] += 1
-                out.append(ReplicaCleared("engine_cache_reset"))
+                engine_cache_reset(self, out)
         return out
 
     def _stored(self, ev: BlockStored, out: list[Event]) -> None:
@@ -158,12 +163,7 @@ class SglangMirror:
                 entry[1] = sub
                 entry[2].append(sub)
                 self.stats["extra_copies"] += 1
-            for i, c in enumerate(sub):
-                rkey = (c, tier, GROUP)
-                r = refs.get(rkey, 0)
-                refs[rkey] = r + 1
-                if not r:
-                    new_pos.append(first + i)
+            hold(refs, sub, tier, GROUP, first, new_pos)
         for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, seed, depth_blocks, engine_new):
             out.append(BlocksStored(tier, GROUP, hashes, run_parent, depth, engine))
 
@@ -185,14 +185,7 @@ class SglangMirror:
                 del self.live[key]
                 self.stats["removed"] += 1
                 engine.append(u64(eh))
-            for c in sub:
-                rkey = (c, tier, GROUP)
-                r = self.refs[rkey] - 1
-                if r:
-                    self.refs[rkey] = r
-                else:
-                    del self.refs[rkey]
-                    hashes.append(c)
+            release(self.refs, sub, tier, GROUP, hashes)
         if hashes or engine:
             out.append(BlocksRemoved(tier, GROUP, hashes, engine))
 

@@ -48,7 +48,14 @@ import msgspec
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
 from kvidx.core.shard import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
-from kvidx.engines.common import MirrorError, normalize_tier, stored_runs
+from kvidx.engines.common import (
+    MirrorError,
+    engine_cache_reset,
+    hold,
+    normalize_tier,
+    release,
+    stored_runs,
+)
 from kvidx.engines.lmcache.chunks import LmcacheChunks, LmcacheConfig, LmcacheError
 from kvidx.engines.vllm.wire import (
     AllBlocksCleared,
@@ -58,7 +65,7 @@ from kvidx.engines.vllm.wire import (
     fold_engine_hash,
     is_lmcache_store,
 )
-from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
+from schemas.events import BlocksRemoved, BlocksStored, Event
 
 
 class VllmMirror:
@@ -115,9 +122,7 @@ class VllmMirror:
             elif isinstance(ev, BlockRemoved):
                 self._removed(ev, out)
             else:
-                self.clear()
-                self.stats["cleared"] += 1
-                out.append(ReplicaCleared("engine_cache_reset"))
+                engine_cache_reset(self, out)
         if self.lmcache.live:
             self.lmcache.expire(now, out)
         return out
@@ -253,12 +258,7 @@ class VllmMirror:
             self.live[key] = [1, sub]
             self.stats["stored"] += 1
             engine_new.append(fold_engine_hash(eh))
-            for i, c in enumerate(sub):
-                rkey = (c, tier, group)
-                r = refs.get(rkey, 0)
-                refs[rkey] = r + 1
-                if not r:
-                    new_pos.append(first + i)
+            hold(refs, sub, tier, group, first, new_pos)
         for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, parent, depth0, engine_new):
             out.append(BlocksStored(tier, group, hashes, run_parent, depth, engine, kind,
                                     ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
@@ -292,21 +292,12 @@ class VllmMirror:
                 continue
             self.live[key] = [1, sub]
             self.stats["placeholder_stored"] += 1
-            new_pos = []
-            for i, c in enumerate(sub):
-                rkey = (c, tier, group)
-                r = self.refs.get(rkey, 0)
-                self.refs[rkey] = r + 1
-                if not r:
-                    new_pos.append(i)
-            start = 0
-            for i in range(1, len(new_pos) + 1):
-                if i == len(new_pos) or new_pos[i] != new_pos[i - 1] + 1:
-                    p0 = new_pos[start]  # (a placeholder does not name its chunk's parent: None)
-                    out.append(BlocksStored(tier, group, list(sub[p0:new_pos[i - 1] + 1]),
-                                            sub[p0 - 1] if p0 else None, depth0 + p0,
-                                            [fold_engine_hash(eh)] if start == 0 else [], kind, window))
-                    start = i
+            new_pos: list[int] = []
+            hold(self.refs, sub, tier, group, 0, new_pos)
+            # (a placeholder does not name its chunk's parent: None)
+            for hashes, run_parent, depth, engine in stored_runs(list(sub), new_pos, None, depth0,
+                                                                 [fold_engine_hash(eh)]):
+                out.append(BlocksStored(tier, group, hashes, run_parent, depth, engine, kind, window))
 
     def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:
         tier = normalize_tier(ev.medium)
@@ -325,14 +316,7 @@ class VllmMirror:
             del self.live[key]
             self.stats["removed"] += 1
             engine.append(fold_engine_hash(eh))
-            for c in entry[1]:
-                rkey = (c, tier, group)
-                r = self.refs[rkey] - 1
-                if r:
-                    self.refs[rkey] = r
-                else:
-                    del self.refs[rkey]
-                    hashes.append(c)
+            release(self.refs, entry[1], tier, group, hashes)
         if hashes:
             out.append(BlocksRemoved(tier, group, hashes, engine))
 
