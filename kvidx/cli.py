@@ -77,9 +77,7 @@ def cmd_relay(args) -> int:
     import threading
 
     from kvidx.kafka.reach import require_broker, resolve_bootstrap, wait_for_broker
-    from relays.run import Relay
     from relays.sinks import KafkaSink
-    from relays.zmq_source import ZmqSource
 
     log = logging.getLogger("kvidx.relay")
     _check_relay_inputs(args)
@@ -121,50 +119,14 @@ def cmd_relay(args) -> int:
                            relay_factory=factory)
         print(json.dumps({"played_frames": n, "delivery_errors": sink.errors}))
         return 0 if sink.errors == 0 else 1
-    from kvidx.engines.vllm.dp import dp_endpoints
-    from relays.control import ControlListener
+    from relays.process import LiveRelaySettings, run_live
 
-    replica = args.replica or args.endpoint
-    relays = []
-    # data parallelism: one publisher per rank, on the base port + rank (vLLM's rule)
-    ranks = (list(enumerate(dp_endpoints(args.endpoint, args.replay_endpoint, args.dp_size)))
-             if args.dp_size > 1 else [(args.dp_rank, (args.endpoint, args.replay_endpoint))])
-    for rank, (ep, rep) in ranks:
-        core = factory(args.model, replica, args.index_block_size, rank)
-        controller = args.lmcache_controller_endpoint if len(ranks) == 1 else None
-        relays.append(Relay(core, sink, ZmqSource(ep, rep, bind=args.bind, controller_endpoint=controller),
-                            record_to=args.record if len(ranks) == 1 else None,
-                            resync_blocks_per_s=args.resync_blocks_per_s, resync_jitter_s=args.resync_jitter,
-                            status_every_s=args.status_interval))
-
-    def resync_all():
-        for r in relays:
-            r.request_resync()
-
-    control = ControlListener(bootstrap, t["control"], args.model, replica, resync_all).start()
-    signal.signal(signal.SIGUSR1, lambda *_: resync_all())
-    log.info("event=relay_start model=%s replica=%s endpoint=%s ranks=%d kafka=%s waiting_for=%r", args.model,
-             replica, args.endpoint, len(relays), bootstrap, "the engine's KV events (a status line follows "
-             f"every {args.status_interval:g}s)")
-    threads = []
-    for r in relays:
-        r.start_fresh()
-        th = threading.Thread(target=r.run_live, daemon=True, name=f"relay-{r.core.dp_rank}")
-        th.start()
-        threads.append(th)
-    try:
-        while not stop.is_set() and any(th.is_alive() for th in threads):
-            stop.wait(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        control.stop()
-        for r in relays:
-            r.close()
-        for th in threads:
-            th.join(5)
-        sink.flush()
-    return 0
+    settings = LiveRelaySettings(
+        args.model, args.replica or args.endpoint, args.endpoint, args.replay_endpoint, args.dp_size,
+        args.dp_rank, args.bind, args.lmcache_controller_endpoint, args.record, args.resync_blocks_per_s,
+        args.resync_jitter, args.status_interval)
+    return run_live(settings, lambda m, r, rank: factory(m, r, args.index_block_size, rank), sink, bootstrap,
+                    t["control"], stop)
 
 
 def _relay_http(adapter, args, sink, stop) -> int:
