@@ -414,44 +414,29 @@ def cmd_demo(args) -> int:
         return 130
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvidx import engines
-    from kvidx.clihelp import DeprecatedAlias, add_common_options, finish, version
+def _common(sp, kafka=True, shards=True):
+    """Options every folding or Kafka command shares."""
+    if kafka:
+        sp.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+        sp.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
+                        help="prefix of every topic name (several deployments on one cluster)")
+    sp.add_argument("--index-block-size", type=int, default=None, metavar="N",
+                    help="tokens per canonical index block; must divide every engine's block size "
+                         "(default: the model's in --config, else 16)")
+    if shards:
+        sp.add_argument("--unreported-eviction-kinds", nargs="*", default=[], metavar="KIND",
+                        help="KV-cache group kinds whose evictions engines do not report (e.g. "
+                             "mamba): credit relying on them is flagged as an upper bound")
 
-    engine_names = engines.names()  # every --engine takes its choices from the registry
-    p = argparse.ArgumentParser(prog="kvidx", description="A fleet-wide KV-cache index for LLM serving.")
-    p.add_argument("--version", action="version", version=f"kvidx {version()}")
-    add_common_options(p, top=True)  # and on every subcommand, by finish() below
-    sub = p.add_subparsers(dest="command", required=True)
 
-    from kvidx.kafka.commands import add_cli
-    from kvidx.ops.audit import add_cli as add_audit_cli
-    from kvidx.ops.feedback import add_cli as add_feedback_cli
-    from kvidx.ops.replay import add_cli as add_replay_cli
-    from kvidx.simulate import add_cli as add_simulate_cli
-    add_cli(sub)
-    add_simulate_cli(sub)
-    add_replay_cli(sub)  # replay + checkpoint
-    add_audit_cli(sub)
-    add_feedback_cli(sub)
-
-    def common(sp, kafka=True, shards=True):
-        if kafka:
-            sp.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
-            sp.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
-                            help="prefix of every topic name (several deployments on one cluster)")
-        sp.add_argument("--index-block-size", type=int, default=None, metavar="N",
-                        help="tokens per canonical index block; must divide every engine's block size "
-                             "(default: the model's in --config, else 16)")
-        if shards:
-            sp.add_argument("--unreported-eviction-kinds", nargs="*", default=[], metavar="KIND",
-                            help="KV-cache group kinds whose evictions engines do not report (e.g. "
-                                 "mamba): credit relying on them is flagged as an upper bound")
+def _add_relay(sub, engine_names) -> None:
+    """`kvidx relay`."""
+    from kvidx.clihelp import DeprecatedAlias
 
     r = sub.add_parser("relay", help="relay one engine's KV events to Kafka",
                        description="Subscribe to an engine's KV-cache events (or play a recording), "
                                    "re-hash blocks canonically and publish versioned batches to Kafka.")
-    common(r, shards=False)
+    _common(r, shards=False)
     r.add_argument("--engine", default="vllm", choices=engine_names,
                    help="the engine whose events are relayed")
     r.add_argument("--url", help="trtllm: trtllm-serve's base URL (its POST /kv_cache_events is polled)")
@@ -496,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "waiting for Kafka) every S seconds")
     r.set_defaults(func=cmd_relay)
 
+
+def _add_resync(sub) -> None:
+    """`kvidx resync`."""
     rs = sub.add_parser("resync", help="ask relays to replay their mirrors (shallowest blocks first)",
                         description="Publish a resync request on the control topic: the matching relays "
                                     "clear their replica in the index and replay their mirror, paced.")
@@ -507,6 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--reason", default="operator", help="recorded in the relays' logs")
     rs.set_defaults(func=cmd_resync)
 
+
+def _add_worker(sub) -> None:
+    """`kvidx worker`."""
     w = sub.add_parser("worker", help="run a stream worker (faust) folding events into RocksDB shards",
                        description="Consume the events topic, fold each model's batches into its shard "
                                    "(RocksDB under --data-dir) and publish compacted shard snapshots, "
@@ -514,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "snapshot holds the events, so a crash loses nothing; several workers "
                                    "share the partitions. By default a supervisor restarts the worker "
                                    "when it exits (e.g. the broker was unreachable for too long).")
-    common(w)
+    _common(w)
     w.add_argument("--data-dir", default="var/worker", help="RocksDB and faust state")
     w.add_argument("--config", help="deployment configuration (.toml or .json), the same file `serve` "
                    "reads: per-model index block size, eviction kinds, pools; see kvidx/config.py")
@@ -528,13 +519,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run faust in this process (default: a supervisor restarts it when it dies)")
     w.set_defaults(func=cmd_worker)
 
+
+def _add_serve(sub) -> None:
+    """`kvidx serve`."""
     s = sub.add_parser("serve", help="run the lookup service (FastAPI), fed from Kafka",
                        description="Serve the lookup API (POST /v1/lookup, /v1/rank, /v1/routes, "
                                    "/v1/usage; GET /healthz, /metrics, /docs). The instance is a read "
                                    "replica: it rebuilds its shards from the workers' snapshot topic, "
                                    "then follows the events topic itself; /healthz answers 503 until the "
                                    "shards are rebuilt. Any number of instances answer alike.")
-    common(s)
+    _common(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")
     s.add_argument("--auth-token-file", help="require `Authorization: Bearer <token>` on /v1/ "
@@ -544,11 +538,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "prices, pools; see kvidx/config.py")
     s.set_defaults(func=cmd_serve)
 
+
+def _add_shadow(sub, engine_names) -> None:
+    """`kvidx shadow`."""
     sh = sub.add_parser("shadow", help="replay a recording and compare credited with reused tokens",
                         description="Replays a recorded engine stream through the relay and fold code and "
                                     "prints how the index's credit agrees with the engine's own "
                                     "cached_tokens for every request of the request log.")
-    common(sh, kafka=False)
+    _common(sh, kafka=False)
     sh.add_argument("--engine", default="vllm", choices=engine_names,
                     help="trtllm reads a recording of polls (events.jsonl); use --index-block-size 1 "
                          "there for token-exact partial-block credit")
@@ -561,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "routers do with POST /v1/routes; 0: the index alone")
     sh.set_defaults(func=cmd_shadow)
 
+
+def _add_demo(sub) -> None:
+    """`kvidx demo`."""
     d = sub.add_parser("demo", help="run the whole pipeline on this machine",
                        description="Simulated vLLM replicas publish real vLLM-format events over ZMQ; "
                                    "relays, shards and the HTTP service run in process (or over Kafka "
@@ -573,6 +573,34 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=0, help="HTTP port of the service (0: any free port)")
     d.add_argument("--serve", action="store_true", help="keep serving lookups after the demo")
     d.set_defaults(func=cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvidx import engines
+    from kvidx.clihelp import add_common_options, finish, version
+
+    engine_names = engines.names()  # every --engine takes its choices from the registry
+    p = argparse.ArgumentParser(prog="kvidx", description="A fleet-wide KV-cache index for LLM serving.")
+    p.add_argument("--version", action="version", version=f"kvidx {version()}")
+    add_common_options(p, top=True)  # and on every subcommand, by finish() below
+    sub = p.add_subparsers(dest="command", required=True)
+
+    from kvidx.kafka.commands import add_cli
+    from kvidx.ops.audit import add_cli as add_audit_cli
+    from kvidx.ops.feedback import add_cli as add_feedback_cli
+    from kvidx.ops.replay import add_cli as add_replay_cli
+    from kvidx.simulate import add_cli as add_simulate_cli
+    add_cli(sub)
+    add_simulate_cli(sub)
+    add_replay_cli(sub)  # replay + checkpoint
+    add_audit_cli(sub)
+    add_feedback_cli(sub)
+    _add_relay(sub, engine_names)
+    _add_resync(sub)
+    _add_worker(sub)
+    _add_serve(sub)
+    _add_shadow(sub, engine_names)
+    _add_demo(sub)
     return finish(p)  # one help formatter and the common options on every subcommand
 
 
