@@ -132,14 +132,17 @@ def cmd_relay(args) -> int:
 def _relay_http(adapter, args, sink, stop) -> int:
     """An engine relayed by polling its HTTP API (TensorRT-LLM's POST /kv_cache_events), or a
     recording of polls."""
+    from relays import poller
+
     opts = _relay_options(args)
     if args.play:
-        n = adapter.play_polls(args.play, args.model, sink, args.index_block_size, args.replica, opts)
+        n = poller.play(adapter, args.play, args.model, sink, args.index_block_size, args.replica, opts)
         sink.flush()
         print(json.dumps({"played_polls": n, "delivery_errors": sink.errors}))
         return 0 if sink.errors == 0 else 1
     try:
-        adapter.poll_live(args.url, args.model, sink, args.index_block_size, opts, args.record, stop)
+        poller.run(adapter, args.url, args.model, sink, args.index_block_size, opts, args.record, stop,
+                   status_every_s=args.status_interval)
     except KeyboardInterrupt:
         pass
     except (ValueError, RuntimeError) as e:  # an engine version this adapter was not checked against

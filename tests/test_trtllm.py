@@ -17,7 +17,7 @@ from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
 from kvidx.engines.trtllm.mirror import TrtllmMirror
-from kvidx.engines.trtllm.relay import TrtllmPollRelay, play_recording, read_polls
+from kvidx.engines.trtllm.relay import TrtllmPollRelay, read_polls
 from kvidx.engines.trtllm.wire import (
     Removed,
     Stored,
@@ -324,6 +324,9 @@ def test_play_recording_through_a_sink(tmp_path):
             return 0
 
     sink = ListSink()
-    n = play_recording(ev, "m", sink, 8, block_size=8)
+    from kvidx import engines
+    from relays import poller
+
+    n = poller.play(engines.get("trtllm"), ev, "m", sink, 8, None, engines.RelayOptions(engine_block_size=8))
     assert n == len(list(read_polls(ev))) and not sink.dead
     assert any(isinstance(e, BlocksStored) and e.block_size == 1 for b in sink.batches for e in b.events)

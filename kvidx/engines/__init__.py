@@ -51,10 +51,12 @@ class EngineAdapter:
     shadow_defaults: dict = field(default_factory=dict)  # e.g. the replica name polls are credited to
     # more shadow figures of this engine: (recording, requests, model, index_block_size, options) -> dict
     shadow_extra: Callable[..., dict] | None = None
-    # HTTP engines: publish a recording of polls (path, model, sink, index_block_size, replica, options)
-    # -> polls, and poll a live engine (url, model, sink, index_block_size, options, record_to, stop)
-    play_polls: Callable[..., int] | None = None
-    poll_live: Callable[..., Any] | None = None
+    # HTTP engines (relays/poller.py runs them): the relay logic (model, replica, index_block_size,
+    # options, epoch=None), the engine's poll source (url), and the recording format of polls
+    make_poll_relay: Callable[..., Any] | None = None
+    http_source: Callable[[str], Any] | None = None
+    read_polls: Callable[..., Any] | None = None
+    poll_recorder: Callable[..., Any] | None = None
 
     def check_version(self, version: str | None) -> None:
         """Raise ValueError naming the checked releases for a version this adapter was not checked
@@ -105,11 +107,12 @@ def names() -> tuple[str, ...]:
 
 def _register_builtin() -> None:
     from kvidx.engines.lmcache.adapter import ADAPTER as lmcache
+    from kvidx.engines.mooncake.adapter import ADAPTER as mooncake
     from kvidx.engines.sglang.adapter import ADAPTER as sglang
     from kvidx.engines.trtllm.adapter import ADAPTER as trtllm
     from kvidx.engines.vllm.adapter import ADAPTER as vllm
 
-    for a in (vllm, sglang, trtllm, lmcache):
+    for a in (vllm, sglang, trtllm, lmcache, mooncake):
         register(a)
 
 

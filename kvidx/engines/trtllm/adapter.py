@@ -25,22 +25,34 @@ def replay(recording, model: str, index_block_size: int, opts: RelayOptions) -> 
                    relays={REPLICA: relay})
 
 
-def play_polls(path, model: str, sink, index_block_size: int, replica: str | None, opts: RelayOptions) -> int:
-    from kvidx.engines.trtllm.relay import play_recording
+def make_poll_relay(model: str, replica: str, index_block_size: int, opts: RelayOptions,
+                    epoch: int | None = None):
+    from kvidx.engines.trtllm.relay import TrtllmPollRelay
 
-    return play_recording(path, model, sink, index_block_size, replica=replica or REPLICA,
-                          block_size=opts.engine_block_size)
+    return TrtllmPollRelay(model, replica, index_block_size, opts.engine_block_size, epoch=epoch)
 
 
-def poll_live(url: str, model: str, sink, index_block_size: int, opts: RelayOptions, record_to, stop):
-    from kvidx.engines.trtllm.relay import run_relay
+def http_source(url: str):
+    from kvidx.engines.trtllm.relay import TrtllmHttpSource
 
-    return run_relay(url, model, sink, index_block_size, block_size=opts.engine_block_size,
-                     record_to=record_to, stop=stop)
+    return TrtllmHttpSource(url)
+
+
+def read_polls(path):
+    from kvidx.engines.trtllm.relay import read_polls as read
+
+    return read(path)
+
+
+def poll_recorder(path):
+    from kvidx.engines.trtllm.relay import PollRecorder
+
+    return PollRecorder(path)
 
 
 ADAPTER = EngineAdapter(
     name="trtllm", summary="TensorRT-LLM 0.20-1.3 KV events pulled from trtllm-serve (HTTP)",
     versions=SUPPORTED_VERSIONS, default_version=None, recording="polls", live="http", make_relay=None,
     replay=replay, conformance=("trtllm-1.2",), sim="trtllm", shadow_defaults={"replica": REPLICA},
-    play_polls=play_polls, poll_live=poll_live)
+    make_poll_relay=make_poll_relay, http_source=http_source, read_polls=read_polls,
+    poll_recorder=poll_recorder)
