@@ -1,0 +1,177 @@
+"""The query pipeline of the lookup service, without HTTP: a prompt (token ids, packed bytes or block
+hashes) -> its shard and canonical block hashes -> the shard's lookup (pending routed credit included)
+-> audit feedback caps -> prefix price -> rank -> top_k -> the answer as a plain dict. The HTTP
+handlers (index_service.lookup_routes, routing_routes) only read the body and encode what this
+returns; the demo and the simulator can call it directly.
+
+This is the routers' hot path: nothing here loops over tokens in Python, and per replica there is only
+the price (and the feedback cap where the audit set one).
+"""
+
+from __future__ import annotations
+
+import time
+
+from index_service.store import ShardStore
+from index_service.wire import (
+    MAX_TOP_K,
+    LookupRequest,
+    Reject,
+    RouteRequest,
+    UsageRequest,
+    check_hashes,
+    pack_tokens,
+)
+from kvidx.core.hashing import prompt_hashes
+from kvidx.core.price import Pricer
+from kvidx.core.shard import ModelShard
+from schemas.routes import ROUTES_VERSION, RouteDecision
+from schemas.usage import USAGE_VERSION, UsageReport
+
+MAX_MODELS_LISTED = 10  # in the 404 for an unknown model
+
+
+def _by_price(answer: dict) -> float:
+    return answer["price"]["total_s"]
+
+
+class QueryPipeline:
+    """Lookups and routing decisions against one store. Every method raises Reject (status, message)
+    for a request it refuses; `max_tokens` bounds a prompt's length."""
+
+    def __init__(self, store: ShardStore, max_tokens: int = 1_000_000):
+        self.store = store
+        self.max_tokens = max_tokens
+        self.pricers: dict[str, Pricer] = {}  # per model, from the configuration
+
+    def shard(self, model: str) -> ModelShard:
+        shard = self.store.shards.get(model)
+        if shard is None:
+            known = sorted(self.store.shards)
+            listed = ", ".join(repr(m) for m in known[:MAX_MODELS_LISTED]) or "none"
+            more = f" (and {len(known) - MAX_MODELS_LISTED} more)" if len(known) > MAX_MODELS_LISTED else ""
+            raise Reject(404, f"unknown model {model[:200]!r}: known models are {listed}{more}")
+        return shard
+
+    def prompt(self, req: LookupRequest | RouteRequest) -> tuple[ModelShard, list[int], int]:
+        """The shard, canonical block hashes and prompt length of a JSON request's prompt."""
+        if req.token_ids is not None:
+            if req.block_hashes is not None:
+                raise Reject(422, "give either token_ids or block_hashes (+ prompt_tokens), not both")
+            return self._token_prompt(req)
+        if req.block_hashes is not None:
+            return self._hashes_prompt(req)
+        raise Reject(422, "give token_ids, or block_hashes and prompt_tokens")
+
+    def _token_prompt(self, req: LookupRequest | RouteRequest) -> tuple[ModelShard, list[int], int]:
+        n = len(req.token_ids)
+        if n == 0:
+            raise Reject(422, "token_ids is empty: a prompt has at least one token")
+        if n > self.max_tokens:
+            raise Reject(413, f"token_ids has {n} tokens, more than max_tokens={self.max_tokens}")
+        if req.prompt_tokens is not None and req.prompt_tokens != n:
+            raise Reject(422, f"prompt_tokens={req.prompt_tokens} differs from the {n} token_ids")
+        packed = pack_tokens(req.token_ids)
+        shard = self.shard(req.model)
+        return shard, prompt_hashes(packed, shard.block_size, req.lora_name, req.cache_salt), n
+
+    def _hashes_prompt(self, req: LookupRequest | RouteRequest) -> tuple[ModelShard, list[int], int]:
+        n = req.prompt_tokens
+        if n is None:
+            raise Reject(422, "block_hashes needs prompt_tokens (the prompt's length in tokens)")
+        if n <= 0:
+            raise Reject(422, f"prompt_tokens must be positive, got {n}")
+        if n > self.max_tokens:
+            raise Reject(413, f"prompt_tokens={n} is more than max_tokens={self.max_tokens}")
+        shard = self.shard(req.model)
+        hashes = req.block_hashes
+        check_hashes(hashes)
+        bs = shard.block_size
+        if len(hashes) > n // bs:
+            raise Reject(422, f"block_hashes has {len(hashes)} hashes but prompt_tokens={n} holds "
+                              f"only {n // bs} full blocks of {bs} tokens")
+        return shard, hashes, n
+
+    def binary_prompt(self, model: str, body: bytes, lora_name: str | None = None,
+                      cache_salt: str | None = None) -> tuple[ModelShard, list[int], int]:
+        """The shard, canonical block hashes and length of a prompt given as packed little-endian
+        uint32 token ids (hashed as they are: no per-token work)."""
+        if len(body) % 4:
+            raise Reject(400, f"binary body is {len(body)} bytes, not a multiple of 4: token ids "
+                              "are packed little-endian uint32")
+        if not body:
+            raise Reject(422, "binary body is empty: a prompt has at least one token")
+        shard = self.shard(model)
+        return shard, prompt_hashes(body, shard.block_size, lora_name, cache_salt), len(body) // 4
+
+    def pricer(self, model: str) -> Pricer:
+        pricer = self.pricers.get(model)
+        if pricer is None:
+            pricer = self.pricers[model] = Pricer(self.store.config.model(model).price)
+        return pricer
+
+    def answer(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
+               top_k: int | None = None, feedback=None) -> dict:
+        """{"model", "prompt_tokens", "block_size", "replicas"}: replicas by resumable tokens (`rank`: by
+        prefix price), each priced, the best `top_k` only if given. `feedback`: an object whose
+        `apply(model, replicas, block_size, prefix=)` caps replicas (kvidx.ops.feedback)."""
+        if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
+            raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
+        # ranking by price or applying feedback needs every replica first; otherwise only the best
+        # k are described at all
+        whole = rank or (feedback is not None and bool(feedback.by_model.get(shard.model)))
+        replicas = shard.lookup(hashes, n_tokens, time.time(), None if whole else top_k)
+        if feedback is not None:  # audit feedback: cap replicas whose engines reuse less
+            replicas = feedback.apply(shard.model, replicas, shard.block_size,
+                                      prefix=hashes[0] if hashes else None)
+        if top_k is not None and not rank:
+            del replicas[top_k:]  # ranked by resumable tokens: the rest need no price
+        pricer = self.pricer(shard.model)
+        for r in replicas:
+            r["price"] = pricer(r, n_tokens)
+        if rank:
+            replicas.sort(key=_by_price)
+        if top_k is not None:
+            del replicas[top_k:]
+        return {"model": shard.model, "prompt_tokens": n_tokens, "block_size": shard.block_size,
+                "replicas": replicas}
+
+    def lookup(self, req: LookupRequest, rank: bool = False, feedback=None) -> dict:
+        """A JSON lookup request (token_ids or block_hashes + prompt_tokens) answered."""
+        shard, hashes, n = self.prompt(req)
+        return self.answer(shard, hashes, n, rank, req.top_k, feedback)
+
+    def route(self, req: RouteRequest) -> tuple[RouteDecision, bool]:
+        """Record a routing decision as pending credit on its replica (published when the store has
+        a publisher); False with it if the request id was applied already."""
+        if not req.request_id or not req.replica:
+            raise Reject(422, "request_id and replica must not be empty")
+        ttl = self.store.config.pending_ttl_s if req.ttl_s is None else req.ttl_s
+        if not 0 < ttl <= 3600:
+            raise Reject(422, f"ttl_s must be in (0, 3600], got {ttl}")
+        if req.dp_rank < 0 or req.credited_tokens < 0:
+            raise Reject(422, "dp_rank and credited_tokens must not be negative")
+        shard, hashes, n = self.prompt(req)
+        if (req.replica, req.dp_rank) not in shard.replicas:
+            # a relay announces its replica when it starts: an unknown name is a router's mistake,
+            # and must not become a slot in every answer
+            raise Reject(422, f"unknown replica {req.replica[:200]!r} (dp_rank {req.dp_rank}) for model "
+                              f"{req.model!r}: the index has no events from it")
+        d = RouteDecision(ROUTES_VERSION, req.request_id[:200], req.model, req.replica[:500], req.dp_rank,
+                          list(hashes), n, req.credited_tokens, time.time(), ttl, req.router[:200])
+        applied = self.store.apply_route(d)
+        if applied and self.store.publish_route is not None:
+            self.store.publish_route(d)
+        return d, applied
+
+
+def usage_report(req: UsageRequest) -> UsageReport:
+    """What an engine reused for a routed request, checked and bounded, as the audit's report."""
+    if not req.request_id or not req.replica or not req.model:
+        raise Reject(422, "request_id, model and replica must not be empty")
+    if req.prompt_tokens <= 0 or req.dp_rank < 0 or not 0 <= req.cached_tokens <= req.prompt_tokens:
+        raise Reject(422, "need prompt_tokens > 0, dp_rank >= 0 and "
+                          "0 <= cached_tokens <= prompt_tokens")
+    return UsageReport(USAGE_VERSION, req.request_id[:200], req.model[:500], req.replica[:500], req.dp_rank,
+                       req.prompt_tokens, req.cached_tokens, time.time(), req.engine[:100],
+                       req.tier[:20], req.router[:200])

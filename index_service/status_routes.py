@@ -1,0 +1,60 @@
+"""The read-only routes: GET /healthz (readiness, open to probes), GET /v1/models (the models indexed,
+with a freshness summary) and GET /metrics (Prometheus text, open to scrapers)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from index_service.context import ServiceContext, json_response
+from index_service.responses import errors, ok
+from kvidx.core.shard import ModelShard
+
+
+def freshness(shard: ModelShard, now: float) -> dict:
+    """How recent the shard's engine events are, summarized over its replicas."""
+    states = list(shard.replicas.values())
+    live = [st for st in states if st.batches]
+    ages = [(now - st.engine_ts) * 1000 for st in live]
+    lags = [(st.applied_ts - st.engine_ts) * 1000 for st in live]
+    return {
+        "replicas_never_applied": len(states) - len(live),
+        "last_event_age_ms_min": round(min(ages), 3) if ages else None,
+        "last_event_age_ms_max": round(max(ages), 3) if ages else None,
+        "apply_lag_ms_max": round(max(lags), 3) if lags else None,
+        "seq_gaps": sum(st.seq_gaps for st in states),
+        "duplicates": sum(st.duplicates for st in states),
+    }
+
+
+def add_status_routes(app: FastAPI, ctx: ServiceContext, auth: tuple[int, ...]) -> None:
+    store, metrics = ctx.store, ctx.metrics
+
+    @app.get("/healthz", response_class=Response, responses={
+        **ok("Health", "ready: the shards are rebuilt"),
+        **ok("Health", "not ready: the shards are being rebuilt", 503)})
+    async def healthz() -> Response:
+        ready = bool(store.ready)
+        body = {"status": "ok" if ready else "not_ready", "ready": ready,
+                "models": len(store.shards), "batches_applied": store.batches_applied}
+        if not ready and getattr(store, "not_ready_reason", None):
+            body["reason"] = store.not_ready_reason  # e.g. which broker address does not answer
+        return json_response(body, 200 if ready else 503)
+
+    @app.get("/v1/models", response_class=Response, responses={**ok("Models", "the models indexed"),
+                                                                 **errors(*auth)})
+    async def models() -> Response:
+        now = time.time()
+        out = []
+        with store.lock:  # stats iterate the shards' dicts: not while a batch is folded
+            for model, shard in sorted(store.shards.items()):
+                out.append({"model": model, "block_size": shard.block_size, **shard.stats(),
+                            "freshness": freshness(shard, now)})
+        return json_response({"models": out})
+
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,110 @@
+"""What the lookup service is asked: the request bodies as msgspec structs (with their decoders and the
+JSON schemas the OpenAPI document shows), the error a request is refused with, and the C-speed range
+checks of token ids and block hashes. No HTTP here: the query pipeline uses these too."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+
+import msgspec
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+MAX_TOP_K = 4096
+
+# Token ids as packed little-endian uint32, converted in C (array range-checks every id).
+_U32_CODE = next(c for c in ("I", "L") if array(c).itemsize == 4)
+_SWAP = sys.byteorder != "little"
+
+
+class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    # Range-checked in C by array("I") / array("Q"): a msgspec constraint per item costs more (and
+    # msgspec bounds cannot express u64).
+    token_ids: list[int] | None = None
+    block_hashes: list[int] | None = None
+    prompt_tokens: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    top_k: int | None = None  # only the best k replicas (by resumable tokens; /v1/rank: by price)
+
+
+class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A routing decision: the prompt (as in a lookup), where it went, and what the index credited."""
+    request_id: str
+    model: str
+    replica: str
+    dp_rank: int = 0
+    credited_tokens: int = 0
+    ttl_s: float | None = None
+    router: str = ""
+    token_ids: list[int] | None = None
+    block_hashes: list[int] | None = None
+    prompt_tokens: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class UsageRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """What an engine reused for a routed request (vLLM: usage.prompt_tokens_details.cached_tokens)."""
+    request_id: str
+    model: str
+    replica: str
+    prompt_tokens: int
+    cached_tokens: int
+    dp_rank: int = 0
+    engine: str = ""
+    tier: str = ""
+    router: str = ""
+
+
+LOOKUP_DECODER = msgspec.json.Decoder(LookupRequest)
+ROUTE_DECODER = msgspec.json.Decoder(RouteRequest)
+USAGE_DECODER = msgspec.json.Decoder(UsageRequest)
+# The bodies' schemas inline (no $ref), for the routes' requestBody in the OpenAPI document
+USAGE_SCHEMA = msgspec.json.schema_components([UsageRequest])[1]["UsageRequest"]
+LOOKUP_SCHEMA = msgspec.json.schema_components([LookupRequest])[1]["LookupRequest"]
+ROUTE_SCHEMA = msgspec.json.schema_components([RouteRequest])[1]["RouteRequest"]
+
+
+class Reject(Exception):
+    """A request refused: the HTTP status and the message (naming the field) the client gets."""
+
+    def __init__(self, status: int, error: str):
+        super().__init__(error)
+        self.status = status
+        self.error = error
+
+
+def decode(decoder: msgspec.json.Decoder, body: bytes):
+    """The body as the decoder's struct; 422 for a wrong field, 400 for bytes that are not JSON."""
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as e:
+        raise Reject(422, f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise Reject(400, f"invalid JSON: {e}") from None
+
+
+def pack_tokens(token_ids: list[int]) -> bytes:
+    """Token ids as packed little-endian uint32 (what prompt_hashes hashes), range-checked in C."""
+    try:
+        a = array(_U32_CODE, token_ids)
+    except (OverflowError, TypeError):
+        i = next((i for i, t in enumerate(token_ids) if not 0 <= t <= U32_MAX), None)
+        raise Reject(422, f"token_ids[{i}] is out of range: token ids are uint32 (0..{U32_MAX})"
+                     ) from None
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def check_hashes(hashes: list[int]) -> None:
+    """Every block hash a uint64 (checked in C); 422 naming the first that is not."""
+    try:
+        array("Q", hashes)
+    except (OverflowError, TypeError):
+        i = next((i for i, h in enumerate(hashes) if not 0 <= h <= U64_MAX), None)
+        raise Reject(422, f"block_hashes[{i}] is out of range: hashes are uint64 (0..{U64_MAX})"
+                     ) from None
