@@ -19,7 +19,7 @@ import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from index_service.store import ShardStore
-from kvidx.core.shard import SnapshotFormatError
+from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
 from kvidx.kafka.reach import message, wait_for_broker

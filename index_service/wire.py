@@ -93,7 +93,7 @@ def pack_tokens(token_ids: list[int]) -> bytes:
         a = array(_U32_CODE, token_ids)
     except (OverflowError, TypeError):
         i = next((i for i, t in enumerate(token_ids) if not 0 <= t <= U32_MAX), None)
-        raise Reject(422, f"token_ids[{i}] is out of range: token ids are uint32 (0..{U32_MAX})"
+        raise Reject(422, f"token_ids[{i}] is out of range: token ids are uint32 (0 to 2^32-1)"
                      ) from None
     if _SWAP:
         a.byteswap()
@@ -106,5 +106,5 @@ def check_hashes(hashes: list[int]) -> None:
         array("Q", hashes)
     except (OverflowError, TypeError):
         i = next((i for i, h in enumerate(hashes) if not 0 <= h <= U64_MAX), None)
-        raise Reject(422, f"block_hashes[{i}] is out of range: hashes are uint64 (0..{U64_MAX})"
+        raise Reject(422, f"block_hashes[{i}] is out of range: hashes are uint64 (0 to 2^64-1)"
                      ) from None

@@ -28,7 +28,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 from prometheus_client.core import GaugeMetricFamily
 
 from kvidx.config import ShardSettings
-from kvidx.core.shard import ModelShard, SnapshotFormatError
+from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.config import client_config, faust_credentials
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
 from streams.snapshots import LocalStore, SnapshotTopic, read_snapshots, split

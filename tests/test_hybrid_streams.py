@@ -179,7 +179,7 @@ def test_counts_fold_and_snapshot_keep_group_state():
 
 
 def test_window_and_matches_naive():
-    from kvidx.core.shard import _window_and
+    from kvidx.core.walk import _window_and
 
     rng = random.Random(7)
     for _ in range(300):

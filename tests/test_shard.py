@@ -7,7 +7,8 @@ import random
 import pytest
 
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.shard import ModelShard, resumable
+from kvidx.core.shard import ModelShard
+from kvidx.core.walk import resumable
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 rng = random.Random(3)

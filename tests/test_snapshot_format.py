@@ -9,9 +9,11 @@ import msgspec
 import numpy as np
 import pytest
 
-import kvidx.core.shard as shard_mod
-from kvidx.core.shard import SNAPSHOT_FORMAT, V1_TIERS, ModelShard, SnapshotFormatError, _pack_masks
-from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
+import kvidx.core.snapshot as snapshot_mod
+import kvidx.core.walk as walk_mod
+from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import SNAPSHOT_FORMAT, V1_TIERS, SnapshotFormatError, _pack_masks
+from schemas.events import SCHEMA_VERSION, TIERS, BlocksStored, EventBatch
 
 HASHES = list(range(1000, 1010))
 
@@ -36,7 +38,7 @@ def v1_bytes(s: ModelShard) -> bytes:
         tiers = {}
         for tid, d in g.tiers.items():
             keys = np.fromiter(d.keys(), dtype=np.uint64, count=len(d))
-            tiers[V1_TIERS.index(shard_mod.TIERS[tid])] = (keys.tobytes(),
+            tiers[V1_TIERS.index(TIERS[tid])] = (keys.tobytes(),
                                                            _pack_masks(d.values(), len(d), len(s.by_slot)))
         groups[gid] = (g.kind, g.window, tiers)
     return msgspec.msgpack.encode({"model": s.model, "block_size": s.block_size,
@@ -64,9 +66,10 @@ def test_a_tier_inserted_into_the_speed_order_does_not_shift_a_snapshot(monkeypa
     want = tiers_of(s)
     data = s.snapshot()
     old_v1 = v1_bytes(s)
-    new_order = ("HBM", *shard_mod.TIERS)  # a faster tier added in front: every id moves by one
-    monkeypatch.setattr(shard_mod, "TIERS", new_order)
-    monkeypatch.setattr(shard_mod, "TIER_IDS", {t: i for i, t in enumerate(new_order)})
+    new_order = ("HBM", *TIERS)  # a faster tier added in front: every id moves by one
+    for mod in (walk_mod, snapshot_mod):
+        monkeypatch.setattr(mod, "TIERS", new_order)
+    monkeypatch.setattr(snapshot_mod, "TIER_IDS", {t: i for i, t in enumerate(new_order)})
     assert tiers_of(ModelShard.restore(data)) == want
     assert tiers_of(ModelShard.restore(old_v1)) == want
 

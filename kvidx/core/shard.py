@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import msgspec
-import numpy as np
 
+from kvidx.core.masks import shared_mask, slot_bit
 from kvidx.core.pending import PendingCredits
+from kvidx.core.snapshot import ShardSnapshot
+from kvidx.core.walk import FULL_KINDS, ShardWalk
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 
@@ -62,12 +64,7 @@ class GroupIndex:
         return d
 
 
-FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
-WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
-STATE_KINDS = frozenset({"mamba"})
-
-
-class ModelShard:
+class ModelShard(ShardWalk, ShardSnapshot):
     def __init__(self, model: str, block_size: int, unreported_eviction_kinds: Iterable[str] = ()):
         self.model = model
         self.block_size = block_size  # the index block size (tokens per canonical hash)
@@ -145,7 +142,7 @@ class ModelShard:
         st = self.replica(replica, dp_rank)
         fa = self._lookup_group(None)
         if fa is not None:  # blocks the replica already holds are the index's, not pending: an
-            bit = _bit(st.slot)  # eviction of one must show at once
+            bit = slot_bit(st.slot)  # eviction of one must show at once
             held = fa.any.get
             hashes = [h for h in hashes if not held(h, 0) & bit]
         self.pending.add(st.slot, hashes, expires, max(0, n_tokens - credited))
@@ -158,7 +155,7 @@ class ModelShard:
             return False
         if batch.epoch == st.epoch and batch.seq > st.seq + 1:
             st.seq_gaps += batch.seq - st.seq - 1
-        bit = _bit(st.slot)
+        bit = slot_bit(st.slot)
         for ev in batch.events:
             if isinstance(ev, BlocksStored):
                 self._store(ev, bit, st)
@@ -222,13 +219,13 @@ class ModelShard:
             gone += 1
             m &= clear
             if m:
-                d[h] = _shared(m)
+                d[h] = shared_mask(m)
             else:
                 del d[h]
             if others and not any(o.get(h, 0) & bit for o in others):
                 a = g.any.get(h, 0) & clear  # retract only when the last tier drops it
                 if a:
-                    g.any[h] = _shared(a)
+                    g.any[h] = shared_mask(a)
                 else:
                     g.any.pop(h, None)
         st.blocks -= gone
@@ -253,327 +250,7 @@ class ModelShard:
         st.blocks = 0
         st.group_blocks = {}
 
-    # ---- lookup -----------------------------------------------------------------------------
-    def prefix_blocks(self, hashes: list[int], group: int | None = None, pending: bool = False
-                      ) -> dict[int, int]:
-        """slot -> number of leading blocks it holds (in any tier, or in a pool it reads) in `group`
-        (default: the first full-attention group); with `pending`, pending credit counts too. Slots
-        that hold nothing are left out."""
-        g = self._lookup_group(group)
-        if g is None or not hashes:
-            return {}
-        get = g.any.get
-        pool_mask = self._pools()[0] if self.pool_readers else 0
-        pend = self.pending.masks if pending else None
-        if pool_mask or pend:
-            get = self._overlay_get(get, pool_mask, pend)
-        return _walk(get, hashes)
 
-    def _overlay_get(self, get, pool_mask: int, pend: dict[int, int] | None):
-        """A mask getter where a pool's bit also lights its readers', and pending credit adds in."""
-        readers = self._pools()[1] if pool_mask else {}
-        cache: dict[int, int] = {}
-
-        def expand(m: int) -> int:
-            p = m & pool_mask
-            if p:
-                e = cache.get(p)
-                if e is None:
-                    e = 0
-                    for b in _bits(p):
-                        e |= readers.get(1 << b, 0)
-                    cache[p] = e
-                m |= e
-            return m
-
-        if pend:
-            pget = pend.get
-            return lambda h, default=0: expand(get(h, 0)) | pget(h, 0)
-        return lambda h, default=0: expand(get(h, 0))
-
-
-    def _lookup_group(self, group: int | None) -> GroupIndex | None:
-        if group is not None:
-            return self.groups.get(group)
-        for gid in sorted(self.groups):
-            if self.groups[gid].kind in FULL_KINDS:
-                return self.groups[gid]
-        return next(iter(self.groups.values()), None)
-
-    def tier_runs(self, hashes: list[int], slot: int, n_blocks: int, group: int | None = None
-                  ) -> list[tuple[str, int]]:
-        """The hit prefix of one slot split into runs by the fastest tier holding each block:
-        [(tier, tokens), ...] in prompt order."""
-        g = self._lookup_group(group)
-        if g is None or n_blocks == 0:
-            return []
-        if len(g.tiers) == 1 and not self.pool_readers:
-            (tid,) = g.tiers
-            return [(TIERS[tid], n_blocks * self.block_size)]
-        bit = 1 << slot
-        if self.pool_readers:  # the pools this slot reads hold blocks for it, in their own tier
-            for pool_bit, readers in self._pools()[1].items():
-                if readers & (1 << slot):
-                    bit |= pool_bit
-        order = sorted(g.tiers.items())
-        runs: list[tuple[str, int]] = []
-        for h in hashes[:n_blocks]:
-            tier = next((TIERS[t] for t, d in order if d.get(h, 0) & bit), TIERS[-1])
-            if runs and runs[-1][0] == tier:
-                runs[-1] = (tier, runs[-1][1] + self.block_size)
-            else:
-                runs.append((tier, self.block_size))
-        return runs
-
-    def lookup(self, hashes: list[int], n_tokens: int, now: float, top_k: int | None = None) -> list[dict]:
-        """Per replica and DP rank: tokens cached along the prefix (by tier), the tokens the engine
-        can resume from, and how fresh the view is. Sorted by resumable tokens, best first; with
-        `top_k`, only the best k are described (the others cost nothing beyond the prefix walk).
-
-        Hybrid models add why the resumable hit can be shorter than the cached full-attention prefix:
-        `full_attention_hit_tokens` (what the full-attention groups alone would resume), per group
-        its kind, its own hit within the full-attention hit, and its memory (`blocks`: the replica's
-        live entries in the group; `prompt_blocks`: this prompt's index blocks it holds, hybrid models
-        only); `upper_bound` when the credit relies on a group kind whose evictions go unreported."""
-        if len(self.pending):
-            self.pending.expire(now)
-        hits = self.prefix_blocks(hashes)
-        resume = self.resume_points(hashes, n_tokens, hits)
-        with_pending = self.prefix_blocks(hashes, pending=True) if self._pending_applies() else hits
-        inflight = self.pending.inflight
-        held = self._prompt_held(hashes) if len(self.groups) > 1 else None
-        gids = sorted(self.groups)
-        unreported = [gid for gid in gids if self.groups[gid].kind in self.unreported_eviction_kinds]
-        # per group: (gid, kind, window, whether its hit is its own or the full-attention one)
-        group_info = [(gid, g.kind, g.window, g.kind in STATE_KINDS or (g.kind in WINDOW_KINDS and g.window))
-                      for gid, g in ((gid, self.groups[gid]) for gid in gids)]
-        fa = self._lookup_group(None)
-        single_tier = (TIERS[next(iter(fa.tiers))] if fa is not None and len(fa.tiers) == 1
-                       and not self.pool_readers else None)
-        bs = self.block_size
-        ranked = []  # (resumable, pending, replica state), best first
-        for st in self.by_slot:
-            if st is None or st.replica in self.pool_readers:
-                continue
-            slot = st.slot
-            res = resume.get(slot, _NO_HIT)[1]
-            pending = 0
-            if with_pending is not hits and with_pending.get(slot, 0) > hits.get(slot, 0):
-                # a routed prompt not yet confirmed by the engine's events: resumable up to its end
-                n_eff = n_tokens - (st.recompute - 1)
-                pending = max(0, resumable(min(with_pending[slot] * bs, n_eff), n_eff,
-                                           self.engine_block_size(st)) - res)
-            ranked.append((res + pending, pending, st))
-        ranked.sort(key=_by_first_desc)
-        answers = []
-        for res, pending, st in ranked if top_k is None else ranked[:top_k]:
-            slot = st.slot
-            nb = hits.get(slot, 0)
-            cached = min(nb * bs, n_tokens)
-            fa_hit, _, ghits = resume.get(slot, _NO_HIT)
-            groups = []
-            for gid, kind, window, own in group_info:
-                e = {"group": gid, "kind": kind,
-                     "hit_tokens": (ghits.get(gid, 0) if ghits else 0) if own else fa_hit,
-                     "blocks": st.group_blocks.get(gid, 0)}
-                if window:
-                    e["window"] = window
-                if held is not None:
-                    e["prompt_blocks"] = held[gid].get(slot, 0)
-                groups.append(e)
-            if not nb:
-                tiers = []
-            elif single_tier is not None:
-                tiers = [{"tier": single_tier, "tokens": nb * bs}]
-            else:
-                tiers = [{"tier": t, "tokens": k} for t, k in self.tier_runs(hashes, slot, nb)]
-            seen = st.batches > 0
-            answers.append({
-                "replica": st.replica,
-                "dp_rank": st.dp_rank,
-                "cached_tokens": cached,
-                "tiers": tiers,
-                "resumable_tokens": res,
-                "full_attention_hit_tokens": fa_hit,
-                "groups": groups,
-                "pending_tokens": pending,
-                "inflight_prefill_tokens": inflight.get(slot, 0) if inflight else 0,
-                "upper_bound": bool(res and (unreported or self._upper_bound_tiers(tiers))),
-                "upper_bound_groups": unreported if res else [],
-                "freshness": {
-                    "last_event_age_ms": int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
-                    "apply_lag_ms": int((st.applied_ts - st.engine_ts) * 1e6) / 1e3 if seen else None,
-                    "epoch": st.epoch,
-                    "seq": st.seq,
-                    "seq_gaps": st.seq_gaps,
-                },
-            })
-        return answers
-
-    def credited(self, hashes: list[int], n_tokens: int, replica: str | None = None,
-                 dp_rank: int | None = None, now: float | None = None) -> int:
-        """Resumable tokens on one replica and DP rank (None: the best of any): what the shadow
-        audit credits."""
-        slots = [st.slot for (rep, rank), st in self.replicas.items()
-                 if (replica is None or rep == replica) and (dp_rank is None or rank == dp_rank)]
-        if not slots:
-            return 0
-        resume = self.resume_points(hashes, n_tokens, self.prefix_blocks(hashes), set(slots))
-        best = max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
-        if now is not None and len(self.pending):
-            self.pending.expire(now)
-        if self._pending_applies():  # pending credit: the prompt's resumable part up to its pending end
-            wp = self.prefix_blocks(hashes, pending=True)
-            for s in slots:
-                st = self.by_slot[s]
-                n_eff = n_tokens - (st.recompute - 1)
-                best = max(best, resumable(min(wp.get(s, 0) * self.block_size, n_eff), n_eff,
-                                           self.engine_block_size(st)))
-        return best
-
-    def resume_point(self, hashes: list[int], n_tokens: int, st: ReplicaState, cached: int) -> int:
-        """The tokens the engine can resume from on one replica (see `resume_points`)."""
-        hits = {st.slot: min(cached, len(hashes) * self.block_size) // self.block_size}
-        return self.resume_points(hashes, n_tokens, hits, {st.slot}).get(st.slot, _NO_HIT)[1]
-
-    def resume_points(self, hashes: list[int], n_tokens: int, hits: dict[int, int],
-                      slots: set[int] | None = None) -> dict[int, tuple[int, int, dict[int, int] | None]]:
-        """slot -> (full-attention hit, resumable tokens, {group: its own hit} or None), vLLM's rule
-        (vllm/v1/core/kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit):
-
-        - full attention: the contiguous hit, below the last prompt token, rounded down to the
-          engine's block size (the LCM of its groups' block sizes: the largest one announced);
-        - sliding window w: at p, the ceil((w-1)/B) engine blocks right before p (or all from 0);
-        - state space ("mamba"): a state checkpoint at exactly p;
-        - resumable: the largest p, within the full-attention hit, valid for every group.
-
-        Positions are scanned right to left once for all replicas, with slot bitmasks (no loop per
-        replica over the prompt). Finer units (--prefix-match-unit): vLLM resumes inside a block only
-        with fine-grained hits, which it enables for full-attention + mamba ("align") models whose
-        hash unit is finer than the mamba block, and never with sliding-window groups
-        (partial_hash_hits_enabled); then p steps by the unit and the full-attention hit may end at a
-        partial block inside the first block it does not hold whole. Otherwise partial blocks are
-        indexed but credit stays at engine block boundaries."""
-        ibs = self.block_size
-        n_prompt = n_tokens
-        cons = [(gid, g) for gid, g in sorted(self.groups.items())
-                if (g.kind in WINDOW_KINDS and g.window) or g.kind in STATE_KINDS]
-        fa = self._lookup_group(None)
-        fine_ok = bool(cons) and not any(g.kind in WINDOW_KINDS for _, g in cons)
-        out: dict[int, tuple[int, int, dict[int, int] | None]] = {}
-        classes: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (engine block, step) -> [(slot, top)]
-        for st in self.by_slot:
-            if st is None or (slots is not None and st.slot not in slots):
-                continue
-            slot = st.slot
-            ebs = st.block_size or ibs
-            n_tokens = n_prompt - (st.recompute - 1)  # the engine's own limit: below the last token(s)
-            cached = min(hits.get(slot, 0) * ibs, n_tokens)
-            step = ebs
-            if st.unit == 1 and not cons:
-                # token-granular partial reuse (TensorRT-LLM, kvidx/engines/trtllm/mirror.py): the engine
-                # resumes inside any block, so the hit below the last token counts at index granularity
-                top = resumable(cached, n_tokens, ibs)
-            elif fine_ok and st.unit > 1 and st.unit < ebs and ebs % st.unit == 0 and fa is not None:
-                step = st.unit
-                top = self._fine_fa_hit(hashes, n_tokens, slot, fa, cached, ebs, step)
-            else:
-                top = resumable(cached, n_tokens, ebs)
-            if not cons or not top:
-                out[slot] = (top, top, None) if not cons else (0, 0, None)
-                continue
-            classes.setdefault((ebs, step), []).append((slot, top))
-        for (ebs, step), members in classes.items():
-            self._scan(hashes, ebs, step, members, cons, out)
-        return out
-
-    def _fine_fa_hit(self, hashes: list[int], n_tokens: int, slot: int, fa: GroupIndex, cached: int,
-                     ebs: int, unit: int) -> int:
-        """vLLM's fine-grained full-attention hit: whole blocks, then the highest partial entry
-        inside the next block (FullAttentionManager.find_longest_cache_hit, phase 2)."""
-        limit = n_tokens - 1 if n_tokens > 1 else 0
-        full = min(cached // ebs * ebs, limit // ebs * ebs)
-        bit = 1 << slot
-        d = fa.any
-        ibs = self.block_size
-        p = min(full + ebs - unit, limit // unit * unit)
-        while p > full:
-            e = p // ibs
-            if e <= len(hashes) and d.get(hashes[e - 1], 0) & bit:
-                return p
-            p -= unit
-        return full
-
-    def _scan(self, hashes: list[int], ebs: int, step: int, members: list[tuple[int, int]],
-              cons: list[tuple[int, GroupIndex]], out: dict) -> None:
-        ibs = self.block_size
-        k = max(1, ebs // ibs)
-        members.sort(key=lambda m: -m[1])
-        tops = {slot: top for slot, top in members}
-        top_max = members[0][1]
-        n_idx = min(len(hashes), top_max // ibs)
-        checks = []  # (gid, fn(e) -> mask of slots valid at index position e)
-        reach = []  # per check: the slots valid anywhere (others are settled at once: no hit)
-        for gid, g in cons:
-            get = g.any.get
-            if g.kind in STATE_KINDS:
-                # checkpoints at the step boundaries only: masks[i] is the state after (i+1)*step tokens
-                sub = step // ibs
-                masks = [get(h, 0) for h in hashes[sub - 1:n_idx:sub]]
-                checks.append((gid, lambda e, masks=masks, sub=sub: masks[e // sub - 1]))
-            else:
-                need = -(-(g.window - 1) // ebs) * k  # index blocks per window
-                masks = [get(h, 0) for h in hashes[:n_idx]]
-                checks.append((gid, _window_and(masks, max(1, need))))
-            r = 0
-            for m in masks:
-                r |= m
-            reach.append(r)
-        reach_all = -1
-        for r in reach:
-            reach_all &= r
-        ghit: dict[int, dict[int, int]] = {slot: {} for slot in tops}
-        res: dict[int, int] = {}
-        pend_all = 0
-        pend = [0] * len(checks)
-        j = 0
-        p = top_max
-        while p > 0:
-            while j < len(members) and members[j][1] >= p:
-                b = 1 << members[j][0]
-                pend_all |= b & reach_all
-                for i in range(len(pend)):
-                    pend[i] |= b & reach[i]
-                j += 1
-            if j == len(members) and not pend_all and not any(pend):
-                break
-            e = p // ibs
-            both = pend_all
-            for i, (gid, fn) in enumerate(checks):
-                m = fn(e)
-                both &= m
-                got = m & pend[i]
-                if got:
-                    pend[i] &= ~got
-                    for slot in _bits(got):
-                        ghit[slot][gid] = p
-            if both:
-                pend_all &= ~both
-                for slot in _bits(both):
-                    res[slot] = p
-            p -= step
-        for slot, top in tops.items():
-            out[slot] = (top, res.get(slot, 0), ghit[slot])
-
-    def _prompt_held(self, hashes: list[int]) -> dict[int, dict[int, int]]:
-        """group -> slot -> how many of the prompt's index blocks the slot holds in the group
-        (anywhere along the prompt, not only the prefix): the per-group memory a router sees."""
-        out: dict[int, dict[int, int]] = {}
-        n_slots = len(self.by_slot)
-        for gid, g in self.groups.items():
-            get = g.any.get
-            out[gid] = _bit_counts([get(h, 0) for h in hashes], n_slots)
-        return out
     def stats(self) -> dict:
         return {
             "replicas": len(self.replicas),
@@ -582,199 +259,3 @@ class ModelShard:
                        for gid, g in self.groups.items()},
             "blocks_applied": self.blocks_applied,
         }
-
-    # ---- snapshot (what a worker persists and a restarted one rebuilds from) ----------------
-    def snapshot(self) -> bytes:
-        """The shard as bytes, format SNAPSHOT_FORMAT: tiers stored by name (a tier added to the
-        speed order later cannot shift what a stored id means)."""
-        groups = {}
-        for gid, g in self.groups.items():
-            tiers = {}
-            for tid, d in g.tiers.items():
-                keys = np.fromiter(d.keys(), dtype=np.uint64, count=len(d))
-                tiers[TIERS[tid]] = (keys.tobytes(), _pack_masks(d.values(), len(d), len(self.by_slot)))
-            groups[gid] = (g.kind, g.window, tiers)
-        return msgspec.msgpack.encode({
-            "format": SNAPSHOT_FORMAT, "model": self.model, "block_size": self.block_size,
-            "replicas": [st for st in self.by_slot if st is not None],
-            "groups": groups, "blocks_applied": self.blocks_applied,
-            "events_offset": self.events_offset,
-            "unreported_eviction_kinds": sorted(self.unreported_eviction_kinds),
-        })
-
-    @classmethod
-    def restore(cls, data: bytes) -> ModelShard:
-        """A shard from `snapshot()` bytes of any format this code knows; SnapshotFormatError (a clear
-        message, nothing half-read) for a newer format or a tier this code does not know."""
-        raw = msgspec.msgpack.decode(data)
-        fmt = raw.get("format", 1)  # format 1 had no field: tiers by position in V1_TIERS
-        if fmt not in (1, SNAPSHOT_FORMAT):
-            raise SnapshotFormatError(f"snapshot of model {raw.get('model')!r} has format {fmt}; this kvidx "
-                                      f"reads formats 1-{SNAPSHOT_FORMAT}: upgrade kvidx to read it")
-        shard = cls(raw["model"], raw["block_size"], raw.get("unreported_eviction_kinds", ()))
-        shard.blocks_applied = raw["blocks_applied"]
-        shard.events_offset = raw.get("events_offset", 0)
-        for r in raw["replicas"]:
-            st = msgspec.convert(r, ReplicaState)
-            while len(shard.by_slot) <= st.slot:
-                shard.by_slot.append(None)
-            shard.by_slot[st.slot] = st
-            shard.replicas[(st.replica, st.dp_rank)] = st
-        for gid, (kind, window, tiers) in raw["groups"].items():
-            g = shard._group(int(gid), kind, window)
-            for name, (keys, masks) in sorted(tiers.items(), key=lambda kv: _tier_id(kv[0], fmt)):
-                d = g.tier_map(_tier_id(name, fmt))
-                hashes = np.frombuffer(keys, dtype=np.uint64).tolist()
-                d.update(zip(hashes, map(_shared, _unpack_masks(masks)), strict=True))
-            if len(g.tiers) > 1:
-                a: dict[int, int] = {}
-                for d in g.tiers.values():
-                    for h, m in d.items():
-                        a[h] = a.get(h, 0) | m
-                g.any = a
-        return shard
-
-
-_NO_HIT: tuple[int, int, None] = (0, 0, None)
-
-# Snapshot formats: 1 stored tiers by their position in the speed order of the time (V1_TIERS, frozen
-# here so that a tier added to TIERS later cannot shift them); 2 stores them by name.
-SNAPSHOT_FORMAT = 2
-V1_TIERS = ("GPU", "CPU", "DISK", "NODE_SHARED", "POOL")
-
-
-class SnapshotFormatError(ValueError):
-    pass
-
-
-def _tier_id(stored: int | str, fmt: int) -> int:
-    name = V1_TIERS[int(stored)] if fmt == 1 and int(stored) < len(V1_TIERS) else stored
-    tid = TIER_IDS.get(name) if isinstance(name, str) else None
-    if tid is None:
-        raise SnapshotFormatError(f"snapshot (format {fmt}) holds tier {stored!r}, which this kvidx does "
-                                  f"not know (tiers: {', '.join(TIERS)}): upgrade kvidx to read it")
-    return tid
-
-
-def _bits(mask: int):
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-def _window_and(masks: list[int], width: int):
-    """fn(e) -> AND of masks[max(0, e - width):e], O(1) per call after O(n) set-up (van Herk /
-    Gil-Werman: prefix ANDs and suffix ANDs within runs of `width`)."""
-    n = len(masks)
-    pre = [0] * n
-    suf = [0] * n
-    for i in range(n):
-        pre[i] = masks[i] if i % width == 0 else pre[i - 1] & masks[i]
-    for i in range(n - 1, -1, -1):
-        suf[i] = masks[i] if (i % width == width - 1 or i == n - 1) else suf[i + 1] & masks[i]
-
-    def window(e: int) -> int:
-        if e <= 0 or e > n:
-            return 0
-        a = e - width
-        if a <= 0:
-            if e <= width:  # the whole window is [0, e): all in the first run
-                return pre[e - 1]
-            a = 0
-        if a % width == 0:
-            return pre[e - 1]
-        return suf[a] & pre[e - 1]
-
-    return window
-
-
-def _bit_counts(masks: list[int], n_slots: int) -> dict[int, int]:
-    """slot -> how many of `masks` have its bit set (numpy over 64-bit words)."""
-    out: dict[int, int] = {}
-    if not masks or not any(masks):
-        return out
-    words = max(1, (n_slots + 63) // 64)
-    for w in range(words):
-        if words == 1:
-            arr = np.array(masks, dtype=np.uint64)
-        else:
-            arr = np.array([(m >> (64 * w)) & 0xFFFF_FFFF_FFFF_FFFF for m in masks], dtype=np.uint64)
-        counts = np.unpackbits(arr.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little").sum(axis=0)
-        for b in np.flatnonzero(counts).tolist():
-            out[64 * w + b] = int(counts[b])
-    return out
-
-
-def _walk(get, hashes: list[int]) -> dict[int, int]:
-    """The AND-walk: slot -> leading blocks held, for every slot holding block 0."""
-    alive = get(hashes[0], 0)
-    out: dict[int, int] = {}
-    if not alive:
-        return out
-    i = 1
-    n = len(hashes)
-    while i < n:
-        m = get(hashes[i], 0) & alive
-        if m != alive:
-            lost = alive & ~m
-            while lost:
-                low = lost & -lost
-                out[low.bit_length() - 1] = i
-                lost ^= low
-            alive = m
-            if not alive:
-                return out
-        i += 1
-    while alive:
-        low = alive & -alive
-        out[low.bit_length() - 1] = n
-        alive ^= low
-    return out
-
-
-# One int object per single-slot mask, shared by every block held by one replica only (most blocks):
-# a mask of a slot >= 8 is otherwise a new 28-32 byte int per block.
-_BITS = [1 << i for i in range(4096)]
-
-
-def _bit(slot: int) -> int:
-    return _BITS[slot] if slot < len(_BITS) else 1 << slot
-
-
-def _shared(mask: int) -> int:
-    """The shared object for a single-slot mask; other masks as they are."""
-    if mask & (mask - 1):
-        return mask
-    return _bit(mask.bit_length() - 1)
-
-
-def _by_first_desc(item: tuple) -> int:
-    return -item[0]
-
-
-def resumable(cached: int, n_tokens: int, engine_block_size: int) -> int:
-    """Engines never serve the last prompt token from cache and resume at a block boundary:
-    at most floor((n-1)/B)*B of n prompt tokens."""
-    if n_tokens <= 1 or engine_block_size <= 0:
-        return 0
-    return (min(cached, n_tokens - 1) // engine_block_size) * engine_block_size
-
-
-def _pack_masks(values, n: int, n_slots: int) -> tuple[int, bytes]:
-    """Slot masks as `words` little-endian uint64 words each."""
-    words = max(1, (n_slots + 63) // 64)
-    if words == 1:
-        return 1, np.fromiter(values, dtype=np.uint64, count=n).tobytes()
-    buf = bytearray()
-    for m in values:
-        buf += m.to_bytes(words * 8, "little")
-    return words, bytes(buf)
-
-
-def _unpack_masks(packed) -> list[int]:
-    words, data = packed
-    if words == 1:
-        return np.frombuffer(data, dtype=np.uint64).tolist()
-    w = words * 8
-    return [int.from_bytes(data[i:i + w], "little") for i in range(0, len(data), w)]

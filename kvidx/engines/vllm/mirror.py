@@ -47,7 +47,7 @@ from collections.abc import Iterable
 import msgspec
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from kvidx.core.shard import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
+from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
 from kvidx.engines.common import (
     MirrorError,
     engine_cache_reset,
