@@ -386,11 +386,17 @@ def cmd_shadow(args) -> int:
         check_file(args.requests, "requests", "--requests")
         if adapter.recording == "frames":
             check_recording_engine(args.recording, args.engine)
+        from kvidx.config import load_config
+
+        pools = load_config(args.config).pool_readers() if args.config else None
+        if adapter.shadow_defaults.get("needs_pools") and not pools:
+            raise InputError(f"{args.engine}'s blocks live in a shared pool: pass --config with a "
+                             "[pools.\"<the publisher's endpoint>\"] section naming the replicas reading it")
         result, _ = run_shadow_engine(args.engine, args.recording, args.requests,
                                       index_block_size=args.index_block_size,
                                       options=engines.RelayOptions(engine_version=args.engine_version),
                                       unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
-                                      pending_ttl=args.pending_ttl)
+                                      pending_ttl=args.pending_ttl, pools=pools)
     except (InputError, ValueError) as e:  # ValueError: an engine version its adapter was not checked with
         sys.exit(f"error: {e}")
     summary = {**result.agreement.summary(), **result.extra}
@@ -559,6 +565,8 @@ def _add_shadow(sub, engine_names) -> None:
     sh.add_argument("--pending-ttl", type=float, default=0.0, metavar="S",
                     help="record each request as a routing decision (pending credit for S seconds), as "
                          "routers do with POST /v1/routes; 0: the index alone")
+    sh.add_argument("--config", help="deployment configuration (.toml/.json): its [pools] credit a shared "
+                    "cache's blocks to the replicas reading it (a Mooncake Store pool)")
     sh.set_defaults(func=cmd_shadow)
 
 

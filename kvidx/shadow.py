@@ -146,14 +146,21 @@ def shadow_batches(batches, requests: list[dict], shard: ModelShard, pending_ttl
 
 def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, model: str = "model",
                       index_block_size: int = 16, options: RelayOptions | None = None,
-                      unreported_eviction_kinds: tuple[str, ...] = (), pending_ttl: float = 0.0
-                      ) -> tuple[ShadowResult, ModelShard]:
-    """`kvidx shadow --engine E`: the engine's recording through its adapter and the one loop."""
+                      unreported_eviction_kinds: tuple[str, ...] = (), pending_ttl: float = 0.0,
+                      pools: dict[str, list[str]] | None = None) -> tuple[ShadowResult, ModelShard]:
+    """`kvidx shadow --engine E`: the engine's recording through its adapter and the one loop.
+    `pools` (the deployment's topology: pool replica -> the replicas reading it) credits a shared
+    cache's blocks to its readers, as the service does."""
     adapter = get_engine(engine)
     options = options or RelayOptions()
     batches = adapter.replay(recording, model, index_block_size, options)
     shard = ModelShard(model, index_block_size, unreported_eviction_kinds)
     reqs = load_requests(requests)
+    if pools:
+        shard.set_pools(pools)
+        for r in reqs:  # a reader whose own relay is not in the recording holds nothing itself
+            if r.get("replica"):
+                shard.replica(r["replica"], r.get("dp_rank") or 0)
     agreement = shadow_batches(batches, reqs, shard, pending_ttl, adapter.shadow_defaults.get("replica"))
     extra = batches.extra()
     if adapter.shadow_extra is not None:

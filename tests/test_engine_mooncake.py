@@ -200,9 +200,10 @@ def test_hash_and_key_encodings():
 
 
 # ---- relay --------------------------------------------------------------------------------------
-def test_relay_folds_the_masters_stream_that_sniffs_as_sglangs():
+def test_the_masters_stream_is_told_by_its_envelope_not_as_sglangs():
     p = master([ev("stored", str(BIG))])
-    assert "sglang" in wrong_engine(p, "mooncake")  # kvidx/engines/sniff.py misreads the int64 alias
+    assert wrong_engine(p, "mooncake") is None  # RFC #1527's event_type, before the int64 alias
+    assert "use --engine mooncake" in wrong_engine(p, "sglang") and "mooncake" in wrong_engine(p, "vllm")
     relay = MooncakeStoreRelay("m", "pool", 16)
     relay.mirror.learn(BIG, tuple(canon()[:1]), 0)
     out = relay.on_frame(mframe(p, 1))
@@ -442,3 +443,23 @@ def test_shadow_by_endpoint_name_and_the_rules_it_depends_on():
     wrong, _ = shadow(RelayOptions(engine_version="rfc1527-v1", extra={"replica": "pool-a",
                                                                        "tiers": {"": "POOL", "cpu": "POOL"}}))
     assert wrong.summary()["over_credit"] > 0
+
+
+def test_cli_shadow_engine_mooncake_with_the_pool_topology(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT as root
+
+    args = [sys.executable, "-m", "kvidx.cli", "shadow", "--engine", "mooncake", "--json",
+            "--recording", str(MOON / "frames.jsonl"), "--requests", str(MOON / "requests.jsonl")]
+    p = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--config" in p.stderr and "Traceback" not in p.stderr  # no topology
+    expected = json.loads((MOON / "expected.json").read_text())
+    cfg = tmp_path / "pools.toml"
+    readers = json.dumps(expected["readers"])
+    cfg.write_text(f'[pools."tcp://mooncake-master:5557"]\nreplicas = {readers}\n')
+    p = subprocess.run([*args, "--config", str(cfg)], cwd=root, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["requests"] == 16 and s["recall"] == 1.0 and s["over_credit"] == 0.0 and s["reused_tokens"] > 0

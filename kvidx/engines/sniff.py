@@ -12,8 +12,8 @@ _SGLANG_ONLY = frozenset({"cache_salt", "session_id"})
 
 
 def sniff_engine(payload: bytes) -> str | None:
-    """"vllm" or "sglang" when a ZMQ event payload carries fields only that engine sends; None when
-    it cannot tell (positional encodings, removals only, not msgpack)."""
+    """"vllm", "sglang" or "mooncake" when a ZMQ event payload carries fields only that engine sends;
+    None when it cannot tell (positional encodings, removals only, not msgpack)."""
     try:
         batch = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, RecursionError):
@@ -21,6 +21,8 @@ def sniff_engine(payload: bytes) -> str | None:
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         return None
     for ev in batch[1]:
+        if isinstance(ev, dict) and "event_type" in ev:
+            return "mooncake"  # RFC #1527's envelope (Mooncake Store's master); vLLM/SGLang never send it
         if isinstance(ev, dict) and ev.get("type") == "BlockStored":
             keys = ev.keys()
             if _VLLM_ONLY & keys:
@@ -39,6 +41,7 @@ def wrong_engine(payload: bytes, engine: str) -> str | None:
     family = "vllm" if engine == "lmcache" else engine
     if seen is None or seen == family:
         return None
-    why = ("its BlockStored events carry vLLM's group_idx/kv_cache_spec_kind/extra_keys"
-           if seen == "vllm" else "its BlockStored events carry SGLang's signed page hashes or fields")
+    why = {"vllm": "its BlockStored events carry vLLM's group_idx/kv_cache_spec_kind/extra_keys",
+           "sglang": "its BlockStored events carry SGLang's signed page hashes or fields",
+           "mooncake": "its events carry RFC #1527's event_type envelope"}[seen]
     return f"this is a {seen} stream ({why}), not {engine}: use --engine {seen}"

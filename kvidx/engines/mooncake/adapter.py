@@ -90,4 +90,6 @@ def replay(recording, model: str, index_block_size: int, opts: RelayOptions) -> 
 ADAPTER = EngineAdapter(
     name="mooncake", summary="Mooncake Store master KV events (RFC #1527) over ZMQ: a shared pool's objects",
     versions=SUPPORTED_VERSIONS, default_version=DEFAULT_VERSION, recording="frames", live="zmq",
-    make_relay=make_relay, replay=replay, conformance=("mooncake-store",))
+    make_relay=make_relay, replay=replay, conformance=("mooncake-store",),
+    # its blocks live in a pool no engine is: credited only to the replicas a topology names
+    shadow_defaults={"needs_pools": True})

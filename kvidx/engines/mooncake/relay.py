@@ -9,9 +9,9 @@ Three adjustments to kvidx.engines.contract.SequencedRelay:
 - the master numbers batches from 1 (kv_event_publisher.h l. 82): the relay counts from 0 (seq - 1),
   so the contract's restart rule (seq 0 after a later one) sees a master restart (its metadata is
   gone: the pool is cleared);
-- kvidx/engines/sniff.py reads the master's legacy `block_hashes` (int64, negative for hashes above
-  2^63) as SGLang's signed page hashes and would dead-letter the stream as SGLang's; a payload whose
-  events carry RFC #1527's `event_type` skips that check (vLLM's and SGLang's never do);
+- kvidx/engines/sniff.py tells the master's stream by RFC #1527's `event_type` (vLLM's and SGLang's
+  never carry it), before its legacy `block_hashes` (int64, negative above 2^63) could read as
+  SGLang's signed page hashes;
 - frames with src "keyfeed" are not the master's: they are an attached engine's own stream (vLLM's,
   pinned by `key_feed_version`), decoded by a vLLM relay of their own (one per endpoint, never
   published: that engine's relay publishes it) only to learn what its block hashes name
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvidx.engines.contract import SNIFF_FRAMES, DeadLetter, Frame, RelayOutput, SequencedRelay
+from kvidx.engines.contract import DeadLetter, Frame, RelayOutput, SequencedRelay
 from kvidx.engines.mooncake.mirror import MooncakeMirror
-from kvidx.engines.mooncake.wire import DEFAULT_VERSION, check_version, decode_payload, is_rfc_payload
+from kvidx.engines.mooncake.wire import DEFAULT_VERSION, check_version, decode_payload
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.wire import BlockStored, check_engine_version, fold_engine_hash
 
@@ -76,15 +76,7 @@ class MooncakeStoreRelay(SequencedRelay):
         if frame.src == KEY_FEED_SRC:
             return self.key_feed(frame)
         shifted = dataclasses.replace(frame, seq=frame.seq - 1)
-        own_sniff = (self.wrong_engine_reason is None and self.counters["frames"] < SNIFF_FRAMES
-                     and is_rfc_payload(frame.payload))
-        if own_sniff:  # past the contract's sniffing window for this frame: an RFC batch is ours
-            self.counters["frames"] += SNIFF_FRAMES
-        try:
-            out = super().on_frame(shifted, check_gap)
-        finally:
-            if own_sniff:
-                self.counters["frames"] -= SNIFF_FRAMES
+        out = super().on_frame(shifted, check_gap)
         for dl in out.dead:
             dl.frame = frame
         if out.gap is not None:
