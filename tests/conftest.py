@@ -1,75 +1,47 @@
-import socket
+"""The test tree mirrors the source tree:
+
+- tests/unit/<package>/...: no broker, no Java (uvicorn on loopback and ZMQ inproc/loopback are fine):
+  core/, engines/<engine>/, relays/, index_service/, kafka/ (client settings), ops/ (kvidx/ops),
+  kvidx/ (the cli, config, demo, shadow, simulate modules and kvidx/sim/); test_layout.py and
+  test_readme.py check the project as a whole.
+- tests/integration/: everything that needs a real Kafka broker or its toolchain (java, the Kafka
+  jars); its conftest.py marks every test there `kafka` and holds the broker fixtures.
+- tests/fuzz/: mutation and schema fuzzing (fast by default; the long runs are marked `slow`).
+- tests/load/: the bounded load test (marked `load`).
+
+Helpers shared by several test modules live in tests/helpers.py (and tests/commands.py,
+tests/integration/helpers.py, tests/fuzz/mutations.py), imported by absolute name; test modules
+never import each other. The unit run: `pytest -m "not kafka and not slow and not load"`.
+"""
+
 import sys
-import threading
-import time
-import uuid
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the source packages and `tests` itself, whatever the cwd
 
-from kafka_broker import kafka_bootstrap_session  # noqa: E402
-
-from kvidx.kafka.topics import ensure_topics  # noqa: E402
-
-FIXTURES = ROOT / "tests" / "fixtures"
-LLAMA = FIXTURES / "vllm-0.32" / "llama_c4"
-GEMMA = FIXTURES / "vllm-0.32" / "gemma2_swa"
+INTEGRATION = ROOT / "tests" / "integration"
 
 
-def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll `cond` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+@pytest.fixture(scope="module")
+def trace_reqs():
+    """The first 300 requests of the Mooncake trace as token lists (tests.helpers.TRACE_BT tokens per
+    hash id), for the fleet simulator's tests."""
+    from kvidx.sim.workloads import load_trace, trace_requests
+    from tests.helpers import TRACE_BT
+
+    return trace_requests(load_trace(limit=300), TRACE_BT)
 
 
-class ServerThread:
-    """uvicorn on a free loopback port, in a thread."""
-
-    def __init__(self, app, **config):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", **config))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 15
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not start on port {self.port}")
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-@pytest.fixture(scope="session")
-def kafka_bootstrap():
-    """A real broker: $KAFKA_BOOTSTRAP_SERVERS, else testcontainers (Docker), else a local KRaft
-    broker from Kafka's own jars."""
-    yield from kafka_bootstrap_session()
-
-
-@pytest.fixture
-def topics(kafka_bootstrap):
-    """Fresh topic names for one test (a unique prefix), created on the broker."""
-    from schemas.events import topic_names
-
-    prefix = f"t{uuid.uuid4().hex[:8]}."
-    names = topic_names(prefix)
-    ensure_topics(kafka_bootstrap, names, partitions=4)
-    names["prefix"] = prefix
-    return names
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Markers follow folders: the folder says which run a test belongs to, so a test marked `kafka`
+    outside tests/integration/ is an error (move it there; its conftest.py marks it)."""
+    stray = [item.nodeid for item in items
+             if item.get_closest_marker("kafka") and not Path(str(item.path)).is_relative_to(INTEGRATION)]
+    if stray:
+        raise pytest.UsageError("tests that need a broker belong in tests/integration/ (which marks them "
+                                "`kafka`): " + ", ".join(stray))

@@ -1,0 +1,95 @@
+"""Helpers shared by the tests, imported by absolute name (`from tests.helpers import ...`): the repo's
+paths and recordings, polling, uvicorn on a loopback port, and a seeded lookup-service store.
+
+Test modules never import each other; what several of them need lives here (or, for the broker tests
+alone, in tests/integration/helpers.py; for running `kvidx` commands, in tests/commands.py)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+LLAMA = FIXTURES / "vllm-0.32" / "llama_c4"
+GEMMA = FIXTURES / "vllm-0.32" / "gemma2_swa"
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `cond` until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class ServerThread:
+    """uvicorn on a free loopback port, in a thread."""
+
+    def __init__(self, app, **config):
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", **config))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 15
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on port {self.port}")
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+SEEDED_MODEL = "fuzz-model"
+SEEDED_BS = 16
+
+
+def seeded_store(model: str = SEEDED_MODEL, replicas: int = 4, prompt: list[int] | None = None):
+    """A ShardStore with one model whose replicas hold growing prefixes of `prompt` (two tiers)."""
+    from index_service.store import ShardStore
+    from kvidx.core.hashing import prompt_hashes
+    from schemas.events import BlocksStored, EventBatch
+
+    bs = SEEDED_BS
+    prompt = prompt if prompt is not None else list(range(1000, 1000 + 40 * bs))
+    hashes = prompt_hashes(prompt, bs)
+    store = ShardStore(bs)
+    now = time.time()
+    for r in range(replicas):
+        n = len(hashes) * (r + 1) // replicas
+        gpu, cpu = hashes[:n // 2], hashes[n // 2:n]
+        events = [BlocksStored("GPU", 0, gpu, None, 0)]
+        if cpu:
+            events.append(BlocksStored("CPU", 0, cpu, gpu[-1] if gpu else None, len(gpu)))
+        store.apply(EventBatch(1, model, f"tcp://10.0.0.{r}:5557", 0, 1, 0, now, now, bs, events))
+    store.ready = True
+    return store
+
+
+TRACE_BT = 32  # tokens per hash id of the Mooncake trace in the fleet simulator's tests: small and fast
+
+
+def fleet_config(**kw):
+    """The fleet simulator's test configuration (4 replicas of one model, no delay, no drops), with
+    `kw` overriding."""
+    from kvidx.sim.fleet import FleetConfig
+    from kvidx.sim.workloads import model_names
+
+    base = dict(models=model_names(1), replicas=4, engine_block=16, index_block=16, num_blocks=1500,
+                delay_ms=(0.0, 0.0), drop_rate=0.0, token_scale=TRACE_BT / 512, window_s=30.0)
+    base.update(kw)
+    return FleetConfig(**base)

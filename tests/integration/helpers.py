@@ -1,0 +1,68 @@
+"""Helpers of the broker tests (imported as `tests.integration.helpers`): the in-process fold of a
+recording to compare with, the answers a lookup gives, a faust worker in a subprocess and the wait for
+its snapshots, and waiting until a fresh topic's partitions have leaders."""
+
+import os
+import subprocess
+import sys
+import time
+
+from kvidx.core.hashing import prompt_hashes
+from kvidx.engines.recording import read_frames
+from kvidx.shadow import InProcessIndex, load_requests
+from streams.snapshots import read_snapshots
+from tests.helpers import ROOT
+
+BS = 16
+
+
+def expected_shard(recording, model):
+    index = InProcessIndex(model, BS)
+    for f in sorted(read_frames(recording), key=lambda f: f.recv_ns):
+        index.feed(f)
+    return index.shard
+
+
+def prompts(requests_path):
+    return [r["prompt_token_ids"] for r in load_requests(requests_path)]
+
+
+def answers(shard, prompt_list):
+    """What a lookup reports for each prompt: (replica, cached, resumable) per replica."""
+    out = []
+    for p in prompt_list:
+        res = shard.lookup(prompt_hashes(p, BS), len(p), time.time())
+        out.append(sorted((a["replica"], a["cached_tokens"], a["resumable_tokens"]) for a in res))
+    return out
+
+
+def start_worker(bootstrap, prefix, data_dir, log_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvidx.cli", "worker", "--bootstrap", bootstrap, "--topic-prefix", prefix,
+         "--data-dir", str(data_dir), "--snapshot-interval", "0.5", "--web-port", "0", "--no-supervise"],
+        cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_snapshots(bootstrap, topic, want: dict[str, int], proc, log_path, timeout=90):
+    """Until the compacted topic holds, for each model, a snapshot covering `want[model]` batches."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"worker died:\n{open(log_path).read()[-3000:]}"
+        shards = read_snapshots(bootstrap, topic)
+        if all(m in shards and sum(st.batches for st in shards[m].replicas.values()) >= n
+               for m, n in want.items()):
+            return shards
+        time.sleep(0.5)
+    raise AssertionError(f"no complete snapshot in {timeout}s:\n{open(log_path).read()[-3000:]}")
+
+
+def ready(b, topics):
+    from kvidx.ops.kafkalog import consumer, offsets_at, partitions
+
+    c = consumer(b, "test")
+    try:
+        for t in (topics["events"], topics["routes"]):
+            offsets_at(c, t, partitions(c, t), time.time() - 60)
+    finally:
+        c.close()

@@ -1,0 +1,79 @@
+"""The README's commands, copied from the README and run as written: the first two commands (the setup
++ demo one run, the test one checked to be what CI runs) and every other ```bash block of the README
+and docs/ (the walkthrough over a real broker, the shadow audit ...). They need java and the Kafka
+jars (scripts/setup.sh checks for them; the blocks start brokers of their own). Inline `kvidx ...`
+commands and the module map: tests/unit/test_readme.py."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+
+
+def bash_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def commands(block: str) -> list[str]:
+    """The block's commands, comments and blank lines left out."""
+    return [ln.split("  #")[0].strip() for ln in block.splitlines()
+            if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def test_the_first_two_commands_are_setup_plus_demo_and_what_ci_runs():
+    first = bash_blocks(ROOT / "README.md")[0]
+    setup_demo, tests = commands(first)
+    assert setup_demo == "bash scripts/setup.sh && .venv/bin/kvidx demo"
+    assert tests.startswith("bash scripts/setup.sh && ")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci, f"CI must run README's test command {tests!r}:\n{ci}"
+    p = subprocess.run(["bash", "-c", setup_demo], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert '"recall": 1.0' in out and "Traceback" not in out, out[-3000:]
+    assert "warning" not in out.lower(), out[-3000:]  # a successful run is quiet
+
+
+def other_blocks():
+    for doc in DOCS:
+        for i, block in enumerate(bash_blocks(doc)):
+            if doc.name == "README.md" and i == 0:
+                continue  # the two commands above
+            yield pytest.param(block, id=f"{doc.relative_to(ROOT)}#{i}")
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("block", list(other_blocks()))
+def test_every_other_bash_block_runs_as_written(block, tmp_path):
+    # a checkout of its own (the repo's venv, fixtures and scripts), a broker state of its own: the
+    # block's `kvidx kafka up` starts a private broker and nothing touches the developer's
+    for name in (".venv", "tests", "scripts", "bench", "ops", "kvidx", "docs"):
+        if (ROOT / name).exists():
+            (tmp_path / name).symlink_to(ROOT / name)
+    env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+    env.update(KVIDX_STATE_DIR=str(tmp_path / "state"), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"the block did not finish in 300 s:\n{out[-3000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # background jobs the block left
+        subprocess.run([sys.executable, "-m", "kvidx.cli", "kafka", "down"], cwd=tmp_path, env=env,
+                       capture_output=True, timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]

@@ -1,0 +1,114 @@
+"""An operator's mistakes get one clear line within seconds, never a traceback or a silent wait: every
+command with an unreachable broker and with a missing input file, the kafka commands from another
+directory, and the services stopping on SIGTERM while they wait for a broker (no broker needed). The
+worker supervisor's configuration errors and a relay at a dead engine, on a real broker:
+tests/integration/test_operator_errors.py."""
+
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.commands import DEAD, LIMIT_S, Running, run
+from tests.helpers import LLAMA
+
+FRAMES = str(LLAMA / "frames.jsonl")
+REQUESTS = str(LLAMA / "requests.jsonl")
+ONE_SHOT_UNREACHABLE = [
+    ["relay", "--model", "m", "--play", FRAMES],
+    ["replay", "--model", "m", "--until", "now"],
+    ["checkpoint"],
+    ["audit", "--from", "-1d"],
+    ["feedback"],
+    ["resync", "--model", "m"],
+    ["demo", "--kafka"],
+    ["simulate", "--kafka"],
+]
+
+
+@pytest.mark.parametrize("args", ONE_SHOT_UNREACHABLE, ids=lambda a: a[0])
+def test_one_shot_commands_name_the_unreachable_broker(args):
+    out = run([*args, "--bootstrap", DEAD])
+    assert f"cannot reach Kafka at {DEAD}" in out and "connection refused" in out, out
+    assert len([ln for ln in out.splitlines() if ln.strip()]) <= 3, out  # not 194 librdkafka lines
+
+
+def test_no_bootstrap_at_all_is_one_line():
+    out = run(["replay", "--model", "m", "--until", "now"])
+    assert "KAFKA_BOOTSTRAP_SERVERS" in out and len(out.strip().splitlines()) == 1, out
+
+
+@pytest.mark.parametrize("args", [
+    ["relay", "--model", "m", "--endpoint", "tcp://127.0.0.1:5557"],
+    ["serve", "--port", "0"],
+    ["worker", "--web-port", "0"],
+], ids=lambda a: a[0])
+def test_services_say_which_broker_they_wait_for_and_stop_on_sigterm(args, tmp_path):
+    extra = ["--data-dir", str(tmp_path / "w")] if args[0] == "worker" else []
+    r = Running([*args, *extra, "--bootstrap", DEAD])
+    try:
+        line = r.wait_line("event=broker_unreachable", DEAD)
+        assert "connection refused" in line
+        r.wait_line("event=broker_unreachable", "attempt=2", timeout=LIMIT_S)  # keeps trying, says so
+    finally:
+        took = r.stop()
+    assert took < 3.0, f"SIGTERM took {took:.1f}s:\n{r.output()}"
+    assert "Traceback" not in r.output(), r.output()
+    if args[0] == "worker":  # no second child was started after the SIGTERM
+        assert r.output().count("event=worker_start") == 1, r.output()
+
+
+def test_serve_healthz_says_why_it_is_not_ready():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = Running(["serve", "--port", str(port), "--bootstrap", DEAD])
+    try:
+        r.wait_line("event=serving", f":{port}")
+        r.wait_line("event=broker_unreachable")
+        deadline = time.monotonic() + LIMIT_S
+        while True:  # the ready line comes as uvicorn binds: give it the moment it takes
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5)
+                raise AssertionError("/healthz answered 200 without a broker")
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                assert f"cannot reach Kafka at {DEAD}" in e.read().decode()
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, "the service does not listen"
+                time.sleep(0.05)
+    finally:
+        r.stop()
+
+
+@pytest.mark.parametrize("args,path", [
+    (["relay", "--model", "m", "--play", "/nonexistent/frames.jsonl"], "/nonexistent/frames.jsonl"),
+    (["relay", "--model", "m", "--play", REQUESTS], REQUESTS),
+    (["replay", "--model", "m", "--until", "now", "--prompts", "/nonexistent/p.json"], "/nonexistent/p.json"),
+    (["serve", "--auth-token-file", "/nonexistent/token"], "/nonexistent/token"),
+    (["shadow", "--recording", "/nonexistent/f.jsonl", "--requests", REQUESTS], "/nonexistent/f.jsonl"),
+    (["shadow", "--recording", FRAMES, "--requests", "/nonexistent/r.jsonl"], "/nonexistent/r.jsonl"),
+    (["shadow", "--engine", "trtllm", "--recording", FRAMES, "--requests", REQUESTS], FRAMES),
+    (["shadow", "--engine", "sglang", "--recording", FRAMES, "--requests", REQUESTS], FRAMES),
+    (["relay", "--engine", "sglang", "--model", "m", "--play", FRAMES], FRAMES),
+], ids=["relay-missing", "relay-requests-log", "replay-prompts", "serve-token", "shadow-recording",
+        "shadow-requests", "shadow-trtllm-on-vllm", "shadow-sglang-on-vllm", "relay-sglang-on-vllm"])
+def test_bad_input_files_are_named(args, path):
+    # the broker is unreachable too: the file is checked first, before anything touches Kafka
+    bootstrap = ["--bootstrap", DEAD] if args[0] in ("relay", "replay", "serve") else []
+    out = run([*args, *bootstrap])
+    assert path in out and out.startswith("error:"), out
+    assert len(out.strip().splitlines()) == 1, out
+    if "sglang" in args:
+        assert "use --engine vllm" in out, out
+
+
+def test_kafka_status_and_down_from_another_directory(tmp_path):
+    state = tmp_path / "state"
+    for cmd in ("status", "down"):
+        out = run(["kafka", cmd], cwd=tmp_path, KVIDX_STATE_DIR=str(state))
+        assert str(state) in out, out

@@ -1,0 +1,231 @@
+"""The fleet simulator (kvidx/sim/fleet.py, kvidx/simulate.py): exact agreement without event delay,
+the KV-aware router beating the baselines, gaps, the CLI's JSON line. The Kafka path:
+tests/integration/test_simulate.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvidx import simulate
+from kvidx.cli import main as cli_main
+from kvidx.sim.fleet import run_fleet
+from kvidx.sim.workloads import (
+    MOONCAKE_TRACE,
+    agent_requests,
+    chat_requests,
+    load_trace,
+    model_names,
+    trace_requests,
+)
+from tests.helpers import TRACE_BT as BT
+from tests.helpers import fleet_config as cfg
+
+
+def test_trace_tokens_are_deterministic_prefixes(trace_reqs):
+    rows = load_trace(limit=300)
+    again = trace_requests(rows, BT)
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(trace_reqs, again, strict=True))
+    # requests 0 and 1 share hash id 0 only: exactly one block of tokens in common
+    a, b = trace_reqs[0].prompt, trace_reqs[1].prompt
+    assert np.array_equal(a[:BT], b[:BT]) and not np.array_equal(a[BT:2 * BT], b[BT:2 * BT])
+    r = rows[0]
+    last = r["input_length"] - 512 * (len(r["hash_ids"]) - 1)
+    assert len(a) == (len(r["hash_ids"]) - 1) * BT + -(-last * BT // 512)
+
+
+@pytest.mark.parametrize("engine_block", [16, 32])
+def test_zero_delay_agrees_exactly(trace_reqs, engine_block):
+    r = run_fleet(trace_reqs, cfg(engine_block=engine_block), "kv")
+    s = r.overall.summary()
+    assert r.counters["engine_evicted_blocks"] > 0  # the cache is small enough to evict
+    assert s["reused_tokens"] > 0
+    assert s["recall"] == 1.0 and s["over_credit"] == 0.0, s
+    assert s["exact_requests"] == s["requests"] == len(trace_reqs)
+    for a in r.per_replica.values():
+        assert a.matched_tokens == a.reused_tokens and a.over_tokens == 0
+
+
+def test_kv_router_beats_baselines(trace_reqs):
+    reuse = {p: run_fleet(trace_reqs, cfg(delay_ms=(1.0, 20.0)), p).overall.summary()["reuse_rate"]
+             for p in ("kv", "random", "round_robin", "least_loaded")}
+    assert all(reuse["kv"] > reuse[p] for p in ("random", "round_robin", "least_loaded")), reuse
+
+
+def test_chat_workload_multi_model_zero_delay_exact():
+    reqs = chat_requests(400, models=2, rate=50.0, seed=3)
+    r = run_fleet(reqs, cfg(models=model_names(2), replicas=3, token_scale=1.0, num_blocks=600), "kv")
+    s = r.overall.summary()
+    assert s["recall"] == 1.0 and s["over_credit"] == 0.0 and s["reuse_rate"] > 0.3
+    assert set(r.per_model) == {"model-0", "model-1"} and all(a.requests for a in r.per_model.values())
+
+
+def test_agent_loops_zero_delay_exact_and_kv_router_wins():
+    reqs = agent_requests(200, rate=50.0, seed=4, concurrent=8)
+    assert len(reqs) == 200 and any(len(r.prompt) > 3000 for r in reqs)
+    c = cfg(replicas=4, token_scale=1.0, num_blocks=2000)
+    kv = run_fleet(reqs, c, "kv").overall.summary()
+    assert kv["recall"] == 1.0 and kv["over_credit"] == 0.0
+    assert kv["reuse_rate"] > run_fleet(reqs, c, "random").overall.summary()["reuse_rate"]
+
+
+def test_drops_filled_by_replay_or_clear_the_replica(trace_reqs):
+    filled = run_fleet(trace_reqs, cfg(drop_rate=0.1), "kv")
+    assert filled.counters["seq_gaps"] > 0 and filled.counters["gaps_unfilled"] == 0
+    lost = run_fleet(trace_reqs, cfg(drop_rate=0.1, replay=False), "kv")
+    assert lost.counters["gaps_unfilled"] > 0
+    # a cleared replica is seen as cold: the index under-credits, never over-credits for it
+    assert lost.overall.summary()["recall"] < filled.overall.summary()["recall"]
+
+
+def test_cli_json_last_line(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    with open(MOONCAKE_TRACE) as f:
+        trace.write_text("".join(next(f) for _ in range(150)))
+    out = tmp_path / "out"
+    rc = cli_main(["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "4",
+                        "--jobs", "1", "--out", str(out), "--json", "--speed", "5"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    head = json.loads(lines[-1])
+    for k in simulate.KEYS:
+        assert k in head
+    assert head["requests"] == 150
+    assert head["zero_delay"]["recall"] == 1.0 and head["zero_delay"]["over_credit"] == 0.0
+    assert set(head["policies"]) == {"kv", "random", "round_robin", "least_loaded"}
+    full = json.loads((out / "summary.json").read_text())
+    assert full["runs"]["kv"]["windows"] and full["runs"]["kv"]["per_replica"]
+
+
+def test_cli_help():
+    with pytest.raises(SystemExit) as e:
+        cli_main(["simulate", "--help"])
+    assert e.value.code == 0
+
+
+# ---- mixed engines, tiers, shared pools ------------------------------------------------------------
+MIX = ("vllm", "sglang", "trtllm")
+
+
+def test_mixed_engines_zero_delay_agree_per_engine(trace_reqs):
+    """vLLM and SGLang replicas agree exactly; TensorRT-LLM reuses partial blocks, which the index
+    credits rounded down to the index block (never more)."""
+    r = run_fleet(trace_reqs, cfg(engines=MIX, replicas=6, trtllm_poll_ms=0.0), "kv")
+    assert set(r.per_engine) == set(MIX) and all(a.requests for a in r.per_engine.values())
+    for k in ("vllm", "sglang"):
+        s = r.per_engine[k].summary()
+        assert s["reused_tokens"] > 0 and s["recall"] == 1.0 and s["over_credit"] == 0.0, (k, s)
+    t = r.per_engine["trtllm"]
+    assert t.reused_tokens > 0 and t.over_tokens == 0
+    assert t.reused_tokens - t.matched_tokens < 16 * t.requests
+    assert r.counters["dead_letters"] == 0 and set(r.counters["engine_evicted_blocks_by_engine"]) == set(MIX)
+    assert all(v > 0 for v in r.counters["engine_evicted_blocks_by_engine"].values())
+    assert {r.replica_kinds[n] for n in r.per_replica} == set(MIX)
+
+
+def test_host_tier_and_shared_pool_zero_delay(trace_reqs):
+    """TensorRT-LLM's host tier and a node-shared pool: reuse split by tier; the index credits pool
+    blocks to the attached replicas exactly; the only over-credit is TensorRT-LLM's own onboarding
+    evicting the rest of the prompt's host prefix (the engine's walk changes what it matched)."""
+    r = run_fleet(trace_reqs, cfg(engines=MIX, replicas=6, trtllm_poll_ms=0.0, host_tier_blocks=600,
+                                  pool_blocks=2500, pool_group=3), "kv")
+    assert set(r.per_tier) == {"GPU", "CPU", "NODE_SHARED"}
+    pool = r.per_tier["NODE_SHARED"].summary()
+    assert r.counters["pools"]["pools"] == 2 and r.counters["pools"]["evicted_blocks"] > 0
+    assert pool["reused_tokens"] > 0 and pool["recall"] == 1.0 and pool["over_credit"] == 0.0, pool
+    assert r.per_tier["CPU"].reused_tokens > 0 and r.counters["trtllm"]["onboarded"] > 0
+    for k in ("vllm", "sglang"):
+        s = r.per_engine[k].summary()
+        assert s["recall"] == 1.0 and s["over_credit"] == 0.0, (k, s)
+    t = r.per_engine["trtllm"]
+    assert t.over_tokens <= r.counters["trtllm"]["self_evicted_tokens"]
+
+
+def test_pool_with_delay_and_baselines(trace_reqs):
+    kw = dict(engines=("vllm", "sglang"), delay_ms=(1.0, 20.0), pool_blocks=2500, pool_group=2)
+    reuse = {p: run_fleet(trace_reqs, cfg(**kw), p).overall.summary()["reuse_rate"]
+             for p in ("kv", "round_robin")}
+    assert reuse["kv"] > reuse["round_robin"], reuse
+
+
+def test_cli_mixed_fleet_json(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    with open(MOONCAKE_TRACE) as f:
+        trace.write_text("".join(next(f) for _ in range(120)))
+    rc = cli_main(["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "3",
+                   "--jobs", "1", "--json", "--speed", "5", "--engines", "vllm,sglang,trtllm",
+                   "--host-tier-blocks", "400", "--pool-blocks", "2000", "--pool-group", "3",
+                   "--policies", "kv,random", "--no-progress", "--quiet"])
+    assert rc == 0
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for k in simulate.KEYS:
+        assert k in head
+    assert set(head["per_engine"]) == set(MIX) and set(head["per_tier"]) == {"GPU", "CPU", "NODE_SHARED"}
+    assert head["config"]["engines"] == list(MIX) and head["config"]["pool_blocks"] == 2000
+    assert head["zero_delay"]["per_engine"]["vllm"]["recall"] == 1.0
+
+
+# ---- hybrid groups and vLLM CPU offload --------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["swa:256", "mamba:2"])
+def test_hybrid_zero_delay_agrees_per_group_kind(trace_reqs, spec):
+    """Hybrid replicas (kvidx/sim/hybrid_engine.py) reuse by vLLM's hybrid rule; without delay the index
+    agrees exactly, overall and per group kind; each group evicts on its own."""
+    r = run_fleet(trace_reqs, cfg(hybrid=spec, hybrid_group_blocks=200), "kv")
+    s = r.overall.summary()
+    assert s["recall"] == 1.0 and s["over_credit"] == 0.0 and s["exact_requests"] == len(trace_reqs), s
+    kind = "sliding_window" if spec.startswith("swa") else "mamba"
+    assert set(r.per_group_kind) == {"full_attention", kind}
+    for a in r.per_group_kind.values():
+        assert a.matched_tokens == a.reused_tokens and a.over_tokens == 0
+    fa = r.per_group_kind["full_attention"]
+    assert fa.reused_tokens > s["reused_tokens"] > 0  # the second group shortens some hits
+    h = r.counters["hybrid"]
+    assert all(x > 0 for x in h["evicted_blocks_by_group"]) and r.counters["dead_letters"] == 0
+    assert h["relay_extra_copies"] > 0  # recomputed blocks after a shortened hit are second copies
+    if kind == "mamba":
+        assert h["hashless_announced"] == h["relay_hashless_stored"] > 0
+    else:
+        assert h["relay_reannounced"] > 0
+
+
+def test_hybrid_with_delay_and_drops(trace_reqs):
+    r = run_fleet(trace_reqs, cfg(hybrid="swa:256", hybrid_group_blocks=200, delay_ms=(1.0, 20.0),
+                                  drop_rate=0.05), "kv")
+    s = r.overall.summary()
+    assert r.counters["seq_gaps"] > 0 and r.counters["gaps_unfilled"] == 0
+    assert s["recall"] > 0.9 and s["over_credit"] < 0.02, s
+
+
+def test_vllm_cpu_offload_zero_delay_agrees_per_tier(trace_reqs):
+    """GPU evictions move to the connector's CPU tier (placeholder events: block_size 0, no tokens);
+    CPU hits after the GPU hit are reused and credited in the CPU tier, exactly without delay."""
+    r = run_fleet(trace_reqs, cfg(num_blocks=700, cpu_offload_blocks=800), "kv")
+    assert set(r.per_tier) == {"GPU", "CPU"}
+    for tn in ("GPU", "CPU"):
+        t = r.per_tier[tn].summary()
+        assert t["reused_tokens"] > 0 and t["recall"] == 1.0 and t["over_credit"] == 0.0, (tn, t)
+    c = r.counters["cpu_offload"]
+    assert c["cpu_evicted_blocks"] > 0 and c["cpu_hit_blocks"] > 0
+    assert c["relay_placeholder_stored"] == c["offloaded_blocks"] and c["relay_placeholder_unknown"] == 0
+    plain = run_fleet(trace_reqs, cfg(num_blocks=700), "kv").overall.summary()
+    assert r.overall.summary()["reuse_rate"] > plain["reuse_rate"]
+
+
+def test_cli_hybrid_and_offload_json(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    with open(MOONCAKE_TRACE) as f:
+        trace.write_text("".join(next(f) for _ in range(100)))
+    base = ["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "3", "--jobs", "1",
+            "--json", "--policies", "kv", "--no-progress", "--quiet"]
+    assert cli_main([*base, "--hybrid", "mamba:2"]) == 0
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(head["per_group_kind"]) == {"full_attention", "mamba"}
+    assert head["config"]["hybrid"] == "mamba:2"
+    assert head["zero_delay"]["per_group_kind"]["mamba"]["recall"] == 1.0
+    assert cli_main([*base, "--cpu-offload-blocks", "300", "--engine-blocks", "300"]) == 0
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(head["per_tier"]) == {"GPU", "CPU"} and head["zero_delay"]["per_tier"]["CPU"]["recall"] == 1.0
+    with pytest.raises(SystemExit):
+        cli_main([*base, "--hybrid", "swa:64", "--cpu-offload-blocks", "10"])

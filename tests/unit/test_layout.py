@@ -1,0 +1,88 @@
+"""The layout's rules, checked on the import graph (every import statement, at module level or inside a
+function): the core is pure (it imports nothing of the project but schemas/), engine adapters know
+nothing of transports, relays import no simulator, shadow or operations module, and the production
+commands never load the local-broker launcher."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+PROJECT = ("kvidx", "relays", "streams", "index_service", "schemas")
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every project import in a file, relative ones resolved."""
+    tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            out.append((node.lineno, base))
+            for a in node.names:  # `from pkg import module` imports the module
+                sub = ROOT / f"{base}.{a.name}".replace(".", "/")
+                if sub.exists() or sub.with_suffix(".py").exists():
+                    out.append((node.lineno, f"{base}.{a.name}"))
+    return [(n, m) for n, m in out if m.split(".")[0] in PROJECT]
+
+
+def violations(folder: str, allowed, forbidden=()) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for line, mod in imports(path):
+            ok = any(mod == a or mod.startswith(a + ".") for a in allowed) if allowed is not None else True
+            if not ok or any(mod == f or mod.startswith(f + ".") for f in forbidden):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    return bad
+
+
+def test_the_core_imports_nothing_of_the_project_but_schemas():
+    assert violations("kvidx/core", allowed=("kvidx.core", "schemas")) == []
+
+
+def test_relays_import_no_simulator_shadow_or_ops_module():
+    assert violations("relays", None, forbidden=("kvidx.sim", "kvidx.simulate", "kvidx.shadow", "kvidx.ops",
+                                                 "kvidx.demo", "kvidx.kafka.local")) == []
+
+
+def test_engine_adapters_know_no_transport():
+    assert violations("kvidx/engines", None, forbidden=("relays", "streams", "index_service", "kvidx.kafka",
+                                                        "kvidx.sim", "kvidx.ops")) == []
+
+
+def test_the_rules_catch_a_forbidden_import(tmp_path, monkeypatch):
+    # a self-test: the walk sees imports inside functions too
+    core = ROOT / "kvidx" / "core"
+    probe = core / "_layout_probe.py"
+    probe.write_text("def f():\n    from relays.sinks import KafkaSink\n")
+    try:
+        assert violations("kvidx/core", allowed=("kvidx.core", "schemas")) == [
+            "kvidx/core/_layout_probe.py:2 imports relays.sinks"]
+    finally:
+        probe.unlink()
+
+
+@pytest.mark.parametrize("command", ["relay", "worker", "serve"])
+def test_production_commands_do_not_load_the_local_broker_launcher(command):
+    argv = [command, "--model", "m"] if command == "relay" else [command]
+    code = f"""
+import sys
+from kvidx.cli import build_parser
+args = build_parser().parse_args({argv!r})
+import relays.run, relays.sinks, relays.control, relays.zmq_source, streams.worker, streams.snapshots
+import index_service.app, index_service.follower, kvidx.kafka.reach, kvidx.kafka.topics, kvidx.kafka.config
+print("kvidx.kafka.local" in sys.modules)
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "False"
