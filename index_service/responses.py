@@ -1,5 +1,5 @@
 """What the lookup service answers, as msgspec structs: only for the OpenAPI document (the handlers
-build plain dicts on the hot path). tests/test_service_openapi.py checks real answers against these
+build plain dicts on the hot path). tests/unit/index_service/test_openapi.py checks real answers against these
 schemas, so a field added to an answer and not here (or the reverse) fails there.
 
 Optional fields have defaults (not required in the schema); unknown fields are allowed, so an

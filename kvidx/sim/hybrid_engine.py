@@ -1,5 +1,5 @@
 """A generated hybrid vLLM 0.32 engine (full attention + sliding window and/or state space groups) and
-the events it publishes, used by tests/test_hybrid_streams.py and by the fleet simulator (`kvidx
+the events it publishes, used by tests/unit/core/test_hybrid_streams.py and by the fleet simulator (`kvidx
 simulate --hybrid`).
 
 The generator keeps the engine's own view (per group: engine hash -> live physical copies) and emits

