@@ -93,3 +93,19 @@ def fleet_config(**kw):
                 delay_ms=(0.0, 0.0), drop_rate=0.0, token_scale=TRACE_BT / 512, window_s=30.0)
     base.update(kw)
     return FleetConfig(**base)
+
+
+class ListSink:
+    """A relay sink that keeps what it is given (relays.sinks.Sink): batches and dead letters."""
+
+    def __init__(self):
+        self.batches, self.dead = [], []
+
+    def publish(self, batch) -> None:
+        self.batches.append(batch)
+
+    def dead_letter(self, dl, model: str, replica: str) -> None:
+        self.dead.append(dl)
+
+    def flush(self, timeout: float = 10.0) -> int:
+        return 0

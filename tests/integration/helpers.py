@@ -2,6 +2,7 @@
 recording to compare with, the answers a lookup gives, a faust worker in a subprocess and the wait for
 its snapshots, and waiting until a fresh topic's partitions have leaders."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -66,3 +67,21 @@ def ready(b, topics):
             offsets_at(c, t, partitions(c, t), time.time() - 60)
     finally:
         c.close()
+
+
+@contextlib.contextmanager
+def fresh_service(store, bootstrap: str, topics: dict, timeout: float = 60.0):
+    """A new service instance's follower on `store`: rebuilt from the snapshots and the events after
+    them (failing on the follower's error or a timeout), stopped afterwards."""
+    from index_service.follower import KafkaFollower
+
+    follower = KafkaFollower(store, bootstrap, topics["events"], topics["snapshots"]).start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not store.ready and time.monotonic() < deadline:
+            assert follower.error is None, follower.error
+            time.sleep(0.1)
+        assert store.ready, "the fresh service did not catch up"
+        yield store
+    finally:
+        follower.stop()

@@ -6,17 +6,23 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.engines.recording import read_frames
 from relays.run import play_recording
 from relays.sinks import KafkaSink
 from tests.helpers import GEMMA, LLAMA, ROOT
-from tests.integration.helpers import BS, answers, expected_shard, prompts, start_worker, wait_snapshots
+from tests.integration.helpers import (
+    BS,
+    answers,
+    expected_shard,
+    fresh_service,
+    prompts,
+    start_worker,
+    wait_snapshots,
+)
 
 pytestmark = pytest.mark.kafka
 
@@ -60,16 +66,8 @@ def test_fixture_through_kafka_matches_in_process(kafka_bootstrap, topics, tmp_p
 
     # a service instance rebuilds from the snapshots and the events topic and answers alike
     store = ShardStore(BS)
-    follower = KafkaFollower(store, kafka_bootstrap, topics["events"], topics["snapshots"]).start()
-    try:
-        deadline = time.monotonic() + 60
-        while not store.ready and time.monotonic() < deadline:
-            assert follower.error is None, follower.error
-            time.sleep(0.1)
-        assert store.ready
+    with fresh_service(store, kafka_bootstrap, topics):
         assert answers(store.shards["tiny"], llama_prompts) == answers(want, llama_prompts)
-    finally:
-        follower.stop()
 
 
 def test_relay_cli_plays_a_recording(kafka_bootstrap, topics):

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.config import load_config
 from kvidx.core.hashing import prompt_hashes
@@ -18,6 +17,7 @@ from kvidx.engines.recording import read_frames
 from kvidx.shadow import InProcessIndex, load_requests
 from streams.snapshots import read_snapshots
 from tests.helpers import LLAMA, ROOT
+from tests.integration.helpers import fresh_service
 
 pytestmark = pytest.mark.kafka
 SIZES = {"small-blocks": 16, "big-blocks": 32}  # the recording's engine block is 32: both divide it
@@ -78,15 +78,7 @@ def test_worker_config_per_model_block_size(kafka_bootstrap, topics, tmp_path):
     assert answers(shards["big-blocks"], prompts, bs=16) != want["big-blocks"]
 
     store = ShardStore(config=load_config(cfg))  # a fresh service instance with the same file
-    follower = KafkaFollower(store, kafka_bootstrap, topics["events"], topics["snapshots"]).start()
-    try:
-        deadline = time.monotonic() + 60
-        while not store.ready and time.monotonic() < deadline:
-            assert follower.error is None, follower.error
-            time.sleep(0.1)
-        assert store.ready
+    with fresh_service(store, kafka_bootstrap, topics):
         for model in SIZES:
             assert store.shards[model].block_size == SIZES[model]
             assert answers(store.shards[model], prompts) == want[model]
-    finally:
-        follower.stop()

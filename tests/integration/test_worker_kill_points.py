@@ -14,33 +14,19 @@ import time
 
 import pytest
 
-from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
 from kvidx.shadow import load_requests
 from relays.run import play_recording
 from relays.sinks import KafkaSink
 from streams.snapshots import read_snapshots
-from tests.helpers import GEMMA, LLAMA, ROOT
+from tests.helpers import GEMMA, LLAMA, ROOT, ListSink
+from tests.integration.helpers import fresh_service
 
 pytestmark = pytest.mark.kafka
 BS = 16
 KILLS = 21
 SNAPSHOT_INTERVAL = 1.5  # longer than faust's 1 s commit interval: a commit ahead of a snapshot shows
-
-
-class ListSink:
-    def __init__(self):
-        self.batches = []
-
-    def publish(self, batch):
-        self.batches.append(batch)
-
-    def dead_letter(self, dl, model, replica):
-        raise AssertionError(f"the recordings are well formed: {dl.reason}")
-
-    def flush(self, timeout=10.0):
-        return 0
 
 
 def the_stream():
@@ -51,6 +37,7 @@ def the_stream():
         for i in range(n):
             sink = ListSink()
             play_recording(rec / "frames.jsonl", model, sink, BS, replica=f"{model}-{i}")
+            assert not sink.dead, "the recordings are well formed"
             per_replica.append(sink.batches)
     out = []
     while any(per_replica):
@@ -139,16 +126,8 @@ def test_worker_killed_at_random_points_loses_nothing(kafka_bootstrap, topics, t
 
         # a fresh service instance rebuilds from the snapshots plus the events after them
         store = ShardStore(BS)
-        follower = KafkaFollower(store, kafka_bootstrap, topics["events"], topics["snapshots"]).start()
-        try:
-            deadline = time.monotonic() + 60
-            while not store.ready and time.monotonic() < deadline:
-                assert follower.error is None, follower.error
-                time.sleep(0.1)
-            assert store.ready
+        with fresh_service(store, kafka_bootstrap, topics):
             assert answers(store.shards, prompts) == want
-        finally:
-            follower.stop()
     finally:
         done.set()
         log.close()

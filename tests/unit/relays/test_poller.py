@@ -11,23 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from kvidx import engines
 from kvidx.engines.trtllm.relay import read_polls
 from relays import poller
-from tests.helpers import FIXTURES, wait_for
+from tests.helpers import FIXTURES, ListSink, wait_for
 
 EVENTS = FIXTURES / "trtllm-1.2" / "gpu" / "events.jsonl"
-
-
-class ListSink:
-    def __init__(self):
-        self.batches, self.dead = [], []
-
-    def publish(self, b):
-        self.batches.append(b)
-
-    def dead_letter(self, dl, model, replica):
-        self.dead.append(dl)
-
-    def flush(self, timeout=10.0):
-        return 0
 
 
 def serve(polls):

@@ -31,7 +31,7 @@ from kvidx.engines.trtllm.wire import (
 from kvidx.shadow import run_shadow_engine
 from kvidx.sim.trtllm_engine import SimTrtllmEngine, block_key_hash, record
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
-from tests.helpers import FIXTURES
+from tests.helpers import FIXTURES, ListSink
 
 FIX = FIXTURES / "trtllm-1.2"
 B = 32
@@ -312,19 +312,6 @@ def test_play_recording_through_a_sink(tmp_path):
     eng = SimTrtllmEngine(num_blocks=64, block_size=8)
     ev, rq = tmp_path / "e.jsonl", tmp_path / "r.jsonl"
     record(eng, chat(5, n_conv=4, turns=3), str(ev), str(rq))
-
-    class ListSink:
-        def __init__(self):
-            self.batches, self.dead = [], []
-
-        def publish(self, b):
-            self.batches.append(b)
-
-        def dead_letter(self, dl, model, replica):
-            self.dead.append(dl)
-
-        def flush(self, timeout=10.0):
-            return 0
 
     sink = ListSink()
     from kvidx import engines
