@@ -35,7 +35,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -285,11 +288,19 @@ def _parse_delay(s: str) -> tuple[float, float]:
     return parts[0], parts[1]
 
 
-def run(args: argparse.Namespace) -> dict:
-    t_start = time.monotonic()
-    _quiet_relays()
-    say = (lambda m: print(f"[simulate] {m}", file=sys.stderr, flush=True)) if not args.quiet else \
-        (lambda m: None)
+Say = Callable[[str], None]  # a one-line message to the user
+
+
+def _sayer(quiet: bool) -> Say:
+    """The run's messages: one `[simulate]` line each on stderr, none with --quiet."""
+    if quiet:
+        return lambda m: None
+    return lambda m: print(f"[simulate] {m}", file=sys.stderr, flush=True)
+
+
+def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], list[str], str]:
+    """Refuse, with one line and before any work, the flags the simulator cannot run; returns the engine
+    kinds, the policies and the trace's path."""
     if args.engine_block_size % args.index_block_size:
         raise SystemExit("error: --index-block-size must divide --engine-block-size")
     engines = tuple(k.strip() for k in args.engines.split(",") if k.strip())
@@ -322,145 +333,227 @@ def run(args: argparse.Namespace) -> dict:
     trace = args.trace or str(MOONCAKE_TRACE)
     if args.workload == "trace" and not os.path.exists(trace):
         raise SystemExit(f"error: no such trace file: {trace}")
-    wl = {"kind": args.workload, "trace": trace, "requests": args.requests, "models": args.models,
-          "block_tokens": args.trace_block_tokens, "chat_rate": args.chat_rate, "seed": args.seed}
-    reqs = _workload(wl)
-    if not reqs:
-        raise SystemExit("error: the workload is empty")
-    scale = args.trace_block_tokens / TRACE_BLOCK if args.workload == "trace" else 1.0
-    max_blocks = max(math.ceil((len(r.prompt) + len(r.output)) / args.engine_block_size) for r in reqs)
-    num_blocks = args.engine_blocks or max(1, round(args.cache_tokens * scale / args.engine_block_size))
-    if num_blocks <= max_blocks:
-        say(f"engine blocks raised from {num_blocks} to {max_blocks + 1}: "
-            f"the longest request needs {max_blocks}")
-        num_blocks = max_blocks + 1
-    pool_blocks = args.pool_blocks
-    if pool_blocks and pool_blocks <= max_blocks:
-        say(f"pool blocks raised from {pool_blocks} to {max_blocks + 1}: "
-            f"the longest request needs {max_blocks}")
-        pool_blocks = max_blocks + 1
-    duration = max(r.t for r in reqs) / args.speed
-    window = args.window_s or max(1.0, round(duration / 40, 1))
-    delay = _parse_delay(args.delay_ms)
-    fleet = {"models": model_names(args.models), "replicas": args.replicas,
-             "engine_block": args.engine_block_size, "index_block": args.index_block_size,
-             "num_blocks": num_blocks, "delay_ms": delay, "drop_rate": args.drop_rate,
-             "replay": not args.no_replay, "replay_buffer": args.replay_buffer, "speed": args.speed,
-             "token_scale": scale, "prefill_tps": args.prefill_tps,
-             "decode_ms_per_token": args.decode_ms_per_token, "load_weight": args.load_weight,
-             "window_s": window, "seed": args.seed, "engines": engines,
-             "sglang_version": args.sglang_version, "host_tier_blocks": args.host_tier_blocks,
-             "trtllm_poll_ms": args.trtllm_poll_ms, "pool_blocks": pool_blocks,
-             "pool_group": args.pool_group, "pool_tier": args.pool_tier, "hybrid": args.hybrid or "",
-             "hybrid_group_blocks": args.hybrid_group_blocks, "hybrid_chunk_tokens": args.hybrid_chunk_tokens,
-             "cpu_offload_blocks": args.cpu_offload_blocks}
-    config = {"workload": args.workload,
-              "trace": os.path.basename(trace) if args.workload == "trace" else None,
-              "requests": len(reqs), "models": args.models, "replicas_per_model": args.replicas,
-              "engine": ", ".join(ENGINE_LABELS[k] + (f"-{args.sglang_version}" if k == "sglang" else "")
-                                  for k in engines) + " (simulated)",
-              "engines": list(engines), "host_tier_blocks": args.host_tier_blocks,
-              "pool_blocks": pool_blocks, "pool_group": args.pool_group if pool_blocks else None,
-              "pool_tier": args.pool_tier if pool_blocks else None, "hybrid": args.hybrid,
-              "cpu_offload_blocks": args.cpu_offload_blocks,
-              "engine_block_size": args.engine_block_size,
-              "index_block_size": args.index_block_size, "engine_blocks": num_blocks,
-              "trace_block_tokens": args.trace_block_tokens if args.workload == "trace" else None,
-              "token_scale": scale, "speed": args.speed, "delay_ms": list(delay), "drop_rate": args.drop_rate,
-              "replay": not args.no_replay, "prefill_tps": args.prefill_tps, "load_weight": args.load_weight,
-              "window_s": window, "seed": args.seed}
-    say(f"{len(reqs)} requests ({sum(len(r.prompt) for r in reqs)} prompt tokens, "
-        f"{duration:.0f} s simulated) on {args.models} model(s) x {args.replicas} replicas "
-        f"({'/'.join(engines)}{', pools of ' + str(pool_blocks) + ' blocks' if pool_blocks else ''}), "
-        f"{num_blocks} blocks of {args.engine_block_size} tokens each; index block {args.index_block_size}")
+    return engines, policies, trace
 
+
+@dataclass
+class _Sizes:
+    """The sizes the flags leave to the workload: its token scale, GPU and pool blocks per replica (raised
+    so that the longest request fits), its simulated duration, the agreement window, the event delay."""
+
+    scale: float
+    num_blocks: int
+    pool_blocks: int
+    duration: float
+    window: float
+    delay: tuple[float, float]
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, reqs: list[SimRequest], say: Say) -> _Sizes:
+        scale = args.trace_block_tokens / TRACE_BLOCK if args.workload == "trace" else 1.0
+        max_blocks = max(math.ceil((len(r.prompt) + len(r.output)) / args.engine_block_size) for r in reqs)
+        num_blocks = args.engine_blocks or max(1, round(args.cache_tokens * scale / args.engine_block_size))
+        if num_blocks <= max_blocks:
+            say(f"engine blocks raised from {num_blocks} to {max_blocks + 1}: "
+                f"the longest request needs {max_blocks}")
+            num_blocks = max_blocks + 1
+        pool_blocks = args.pool_blocks
+        if pool_blocks and pool_blocks <= max_blocks:
+            say(f"pool blocks raised from {pool_blocks} to {max_blocks + 1}: "
+                f"the longest request needs {max_blocks}")
+            pool_blocks = max_blocks + 1
+        duration = max(r.t for r in reqs) / args.speed
+        window = args.window_s or max(1.0, round(duration / 40, 1))
+        delay = _parse_delay(args.delay_ms)
+        return cls(scale, num_blocks, pool_blocks, duration, window, delay)
+
+
+def _fleet_options(args: argparse.Namespace, engines: tuple[str, ...], sz: _Sizes) -> dict[str, Any]:
+    """FleetConfig's fields for every run (a job overrides transport, lookup, delays): a plain dict, so
+    that a job pickles to a worker process as is."""
+    return {"models": model_names(args.models), "replicas": args.replicas,
+            "engine_block": args.engine_block_size, "index_block": args.index_block_size,
+            "num_blocks": sz.num_blocks, "delay_ms": sz.delay, "drop_rate": args.drop_rate,
+            "replay": not args.no_replay, "replay_buffer": args.replay_buffer, "speed": args.speed,
+            "token_scale": sz.scale, "prefill_tps": args.prefill_tps,
+            "decode_ms_per_token": args.decode_ms_per_token, "load_weight": args.load_weight,
+            "window_s": sz.window, "seed": args.seed, "engines": engines,
+            "sglang_version": args.sglang_version, "host_tier_blocks": args.host_tier_blocks,
+            "trtllm_poll_ms": args.trtllm_poll_ms, "pool_blocks": sz.pool_blocks,
+            "pool_group": args.pool_group, "pool_tier": args.pool_tier, "hybrid": args.hybrid or "",
+            "hybrid_group_blocks": args.hybrid_group_blocks, "hybrid_chunk_tokens": args.hybrid_chunk_tokens,
+            "cpu_offload_blocks": args.cpu_offload_blocks}
+
+
+def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: str, reqs: list[SimRequest],
+                   sz: _Sizes) -> dict[str, Any]:
+    """The headline's `config`: what was simulated, in the flags' terms, so that a figure can be rerun."""
+    return {"workload": args.workload,
+            "trace": os.path.basename(trace) if args.workload == "trace" else None,
+            "requests": len(reqs), "models": args.models, "replicas_per_model": args.replicas,
+            "engine": ", ".join(ENGINE_LABELS[k] + (f"-{args.sglang_version}" if k == "sglang" else "")
+                                for k in engines) + " (simulated)",
+            "engines": list(engines), "host_tier_blocks": args.host_tier_blocks,
+            "pool_blocks": sz.pool_blocks, "pool_group": args.pool_group if sz.pool_blocks else None,
+            "pool_tier": args.pool_tier if sz.pool_blocks else None, "hybrid": args.hybrid,
+            "cpu_offload_blocks": args.cpu_offload_blocks,
+            "engine_block_size": args.engine_block_size,
+            "index_block_size": args.index_block_size, "engine_blocks": sz.num_blocks,
+            "trace_block_tokens": args.trace_block_tokens if args.workload == "trace" else None,
+            "token_scale": sz.scale, "speed": args.speed, "delay_ms": list(sz.delay),
+            "drop_rate": args.drop_rate,
+            "replay": not args.no_replay, "prefill_tps": args.prefill_tps, "load_weight": args.load_weight,
+            "window_s": sz.window, "seed": args.seed}
+
+
+def _fleet_line(args: argparse.Namespace, engines: tuple[str, ...], reqs: list[SimRequest],
+                sz: _Sizes) -> str:
+    """One line saying what is about to be simulated."""
+    pools = ", pools of " + str(sz.pool_blocks) + " blocks" if sz.pool_blocks else ""
+    return (f"{len(reqs)} requests ({sum(len(r.prompt) for r in reqs)} prompt tokens, "
+            f"{sz.duration:.0f} s simulated) on {args.models} model(s) x {args.replicas} replicas "
+            f"({'/'.join(engines)}{pools}), "
+            f"{sz.num_blocks} blocks of {args.engine_block_size} tokens each; "
+            f"index block {args.index_block_size}")
+
+
+def _best_effort(stop: Callable[[], Any]) -> None:
+    try:
+        stop()
+    except Exception:
+        pass
+
+
+def _kafka_overrides(args: argparse.Namespace, say: Say, stack: ExitStack) -> dict[str, Any]:
+    """--kafka: the broker the kv run's events go through (a local one in a temporary directory, both gone
+    when `stack` closes, unless --bootstrap or $KAFKA_BOOTSTRAP_SERVERS name one) and its topics (unique
+    per run unless --topic-prefix); returns the kv job's fleet overrides."""
+    from kvidx.kafka.topics import ensure_topics
+    from schemas.events import topic_names
+    bootstrap = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not bootstrap:
+        from kvidx.kafka.local import LocalKafka
+        tmp = Path(tempfile.mkdtemp(prefix="kvidx-simulate-"))
+        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+        broker = LocalKafka(log=lambda m: say(f"kafka: {m}"))
+        bootstrap = broker.start(tmp / "kafka")
+        stack.callback(_best_effort, broker.stop)
+    else:
+        from kvidx.kafka.reach import require_broker
+        require_broker(bootstrap)  # a given cluster that does not answer: one line, exit 1
+    prefix = args.topic_prefix or f"sim{time.time_ns()}."
+    ensure_topics(bootstrap, topic_names(prefix))
+    say(f"Kafka at {bootstrap}, topics {topic_names(prefix)['events']} ...: the kv run's events go "
+        f"through the broker")
+    return {"transport": "kafka", "bootstrap": bootstrap, "topic_prefix": prefix}
+
+
+def _plan_jobs(args: argparse.Namespace, policies: list[str], wl: dict, fleet: dict[str, Any],
+               primary_over: dict[str, Any]) -> list[dict]:
+    """One job per run, each with a fresh fleet: the kv router (through Kafka and/or HTTP if asked), its
+    zero-delay twin (no delay, drops or poll wait: agreement must be exact), then each baseline."""
     jobs: list[dict] = []
 
     def job(name: str, policy: str, **over: Any) -> None:
         jobs.append({"name": name, "policy": policy, "workload": wl, "index": len(jobs),
                      "fleet": {**fleet, "transport": "embedded", "lookup": "inproc", **over}})
 
-    stack: list = []
-    tmp = None
-    try:
-        primary_over: dict[str, Any] = {}
-        if args.kafka:
-            from kvidx.kafka.topics import ensure_topics
-            from schemas.events import topic_names
-            bootstrap = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-            if not bootstrap:
-                from kvidx.kafka.local import LocalKafka
-                tmp = Path(tempfile.mkdtemp(prefix="kvidx-simulate-"))
-                broker = LocalKafka(log=lambda m: say(f"kafka: {m}"))
-                bootstrap = broker.start(tmp / "kafka")
-                stack.append(broker.stop)
-            else:
-                from kvidx.kafka.reach import require_broker
-                require_broker(bootstrap)  # a given cluster that does not answer: one line, exit 1
-            prefix = args.topic_prefix or f"sim{time.time_ns()}."
-            ensure_topics(bootstrap, topic_names(prefix))
-            say(f"Kafka at {bootstrap}, topics {topic_names(prefix)['events']} ...: the kv run's events go "
-                f"through the broker")
-            primary_over = {"transport": "kafka", "bootstrap": bootstrap, "topic_prefix": prefix}
+    if "kv" in policies:
+        job("kv", "kv", **primary_over)
+    if not args.no_zero_delay:
+        job("kv_zero_delay", "kv", delay_ms=(0.0, 0.0), drop_rate=0.0, trtllm_poll_ms=0.0)
+    for p in policies:
+        if p != "kv":
+            job(p, p)
+    if not jobs:
+        raise SystemExit("error: nothing to run")
+    return jobs
+
+
+def _run_jobs_here(jobs: list[dict], reqs: list[SimRequest], prog: _Progress) -> list[dict]:
+    """--jobs 1: the runs one after the other in this process (no workload rebuilt, no pickling)."""
+    results: list[dict] = []
+    counts = [0] * len(jobs)
+    _init_worker(counts)
+    for j in jobs:
+        def tick(n: int, k: int = j["index"]) -> None:
+            counts[k] = n
+            prog.show(counts, len(results))
+        results.append(summarize(j["name"], run_fleet(reqs, FleetConfig(**j["fleet"]), j["policy"], tick), j))
+    prog.show(counts, len(results), force=True)
+    return results
+
+
+def _run_jobs_in_processes(jobs: list[dict], reqs: list[SimRequest], n_jobs: int,
+                           prog: _Progress) -> list[dict]:
+    """The runs in `n_jobs` spawned processes (each builds the workload once); their request counters in
+    shared memory feed the progress bar."""
+    ctx = mp.get_context("spawn")
+    counts = ctx.Array("q", len(jobs), lock=False)
+    with ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker, initargs=(counts,)) as pool:
+        futs = [pool.submit(_run_job, j) for j in jobs]
+        while not all(f.done() for f in futs):
+            prog.show(list(counts), sum(f.done() for f in futs))
+            time.sleep(0.1)
+        results = [f.result() for f in futs]
+    prog.show([len(reqs)] * len(jobs), len(jobs), force=True)
+    return results
+
+
+def _run_jobs(jobs: list[dict], reqs: list[SimRequest], args: argparse.Namespace) -> list[dict]:
+    """Every job's summary, in job order: in this process with --jobs 1 (or one job), else in parallel."""
+    n_jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(jobs)))
+    prog = _Progress([len(reqs)] * len(jobs), [j["name"] for j in jobs], not args.no_progress)
+    if n_jobs == 1:
+        results = _run_jobs_here(jobs, reqs, prog)
+    else:
+        results = _run_jobs_in_processes(jobs, reqs, n_jobs, prog)
+    prog.end()
+    return results
+
+
+def _write_out(out: Path, head: dict, by_name: dict[str, dict], say: Say) -> None:
+    """--out: summary.json (the headline, every run in full, the notes) and the PNG plots beside it."""
+    out.mkdir(parents=True, exist_ok=True)
+    plots = _plots(out, by_name)
+    full = {"summary": head, "runs": by_name, "plots": plots,
+            "notes": NOTES}
+    (out / "summary.json").write_text(json.dumps(full, indent=1))
+    head["out"] = str(out)
+    if not plots:
+        say("matplotlib is not installed: no PNG plots (summary.json written)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`kvidx simulate`: check the flags, build the workload and size the fleet, run every job (the kv
+    router, its zero-delay twin, the baselines; the kv one through Kafka/HTTP if asked) and return the
+    headline, written with the runs and plots to --out if given."""
+    t_start = time.monotonic()
+    _quiet_relays()
+    say = _sayer(args.quiet)
+    engines, policies, trace = _check_args(args, say)
+    wl = {"kind": args.workload, "trace": trace, "requests": args.requests, "models": args.models,
+          "block_tokens": args.trace_block_tokens, "chat_rate": args.chat_rate, "seed": args.seed}
+    reqs = _workload(wl)
+    if not reqs:
+        raise SystemExit("error: the workload is empty")
+    sizes = _Sizes.of(args, reqs, say)
+    fleet = _fleet_options(args, engines, sizes)
+    config = _config_report(args, engines, trace, reqs, sizes)
+    say(_fleet_line(args, engines, reqs, sizes))
+
+    with ExitStack() as stack:  # a local Kafka broker, if the kv run needs one
+        primary_over = _kafka_overrides(args, say, stack) if args.kafka else {}
         if args.http:
             primary_over["lookup"] = "http"
-        if "kv" in policies:
-            job("kv", "kv", **primary_over)
-        if not args.no_zero_delay:
-            job("kv_zero_delay", "kv", delay_ms=(0.0, 0.0), drop_rate=0.0, trtllm_poll_ms=0.0)
-        for p in policies:
-            if p != "kv":
-                job(p, p)
-        if not jobs:
-            raise SystemExit("error: nothing to run")
-
-        n_jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(jobs)))
-        prog = _Progress([len(reqs)] * len(jobs), [j["name"] for j in jobs], not args.no_progress)
-        results: list[dict] = []
-        if n_jobs == 1:
-            counts = [0] * len(jobs)
-            _init_worker(counts)
-            for j in jobs:
-                def tick(n: int, k: int = j["index"]) -> None:
-                    counts[k] = n
-                    prog.show(counts, len(results))
-                results.append(summarize(j["name"], run_fleet(reqs, FleetConfig(**j["fleet"]), j["policy"],
-                                                              tick), j))
-            prog.show(counts, len(results), force=True)
-        else:
-            ctx = mp.get_context("spawn")
-            counts = ctx.Array("q", len(jobs), lock=False)
-            with ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker,
-                                     initargs=(counts,)) as pool:
-                futs = [pool.submit(_run_job, j) for j in jobs]
-                while not all(f.done() for f in futs):
-                    prog.show(list(counts), sum(f.done() for f in futs))
-                    time.sleep(0.1)
-                results = [f.result() for f in futs]
-            prog.show([len(reqs)] * len(jobs), len(jobs), force=True)
-        prog.end()
-    finally:
-        for stop in reversed(stack):
-            try:
-                stop()
-            except Exception:
-                pass
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        jobs = _plan_jobs(args, policies, wl, fleet, primary_over)
+        results = _run_jobs(jobs, reqs, args)
 
     by_name = {r["name"]: r for r in results}
     primary = by_name.get("kv") or results[0]
     head = _headline(primary, by_name.get("kv_zero_delay"), results, config, time.monotonic() - t_start)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        plots = _plots(out, by_name)
-        full = {"summary": head, "runs": by_name, "plots": plots,
-                "notes": NOTES}
-        (out / "summary.json").write_text(json.dumps(full, indent=1))
-        head["out"] = str(out)
-        if not plots:
-            say("matplotlib is not installed: no PNG plots (summary.json written)")
+        _write_out(Path(args.out), head, by_name, say)
     return head
 
 
@@ -518,21 +611,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Register ``simulate``; its leaf sets ``func(args) -> int`` (exit code)."""
-    p = subparsers.add_parser(
-        "simulate", help="simulate a fleet (vLLM, SGLang, TensorRT-LLM) on a trace: index agreement and "
-                         "KV-aware routing",
-        description="Replays a workload (the Mooncake conversation trace by default) on a simulated fleet "
-                    "of vLLM, SGLang and TensorRT-LLM replicas whose real-format KV events reach the index "
-                    "through "
-                    "the relay code "
-                    "with delay, reordering across replicas and drops. Reports how the index's credit "
-                    "agrees with what the engines reused (reuse rate, recall, over-credit; overall, per "
-                    "model/replica, over time) and how a KV-aware router compares with random, "
-                    "round-robin and least-loaded routing; per engine and per tier (host tier, shared "
-                    "pools).",
-        formatter_class=HelpFormatter)
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The workload: the trace or a generated one, how much of it, how fast, its seed."""
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="a Mooncake-format trace (jsonl: timestamp ms, input_length, "
                    "output_length, hash_ids); default: the bundled mooncake_conversation_trace.jsonl")
@@ -548,6 +628,11 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--chat-rate", type=float, default=20.0, help="chat workload: requests/s (Poisson)")
     w.add_argument("--seed", type=int, default=7,
                    help="random seed (generated workloads, delays, drops, random routing)")
+
+
+def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    """The fleet: models, replicas and their engine kinds, tiers and pools, hybrid models, cache
+    sizes, the events' delay and drops, the load model."""
     f = p.add_argument_group("fleet")
     f.add_argument("--models", type=int, default=1, help="models (trace requests spread by prefix)")
     f.add_argument("--replicas", type=int, default=8, help="replicas per model")
@@ -592,6 +677,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="load model: prefill tokens/s per replica (workload tokens)")
     f.add_argument("--decode-ms-per-token", type=float, default=20.0,
                    help="load model: decode time per output token")
+
+
+def _add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """The routers to compare and the index's transport (in process, Kafka, HTTP lookups)."""
     r = p.add_argument_group("routing and index")
     r.add_argument("--policies", default=",".join(POLICIES), help="routers to run (kv = KV-aware)")
     r.add_argument("--load-weight", type=float, default=1.0,
@@ -603,6 +692,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    "(a local one unless --bootstrap or $KAFKA_BOOTSTRAP_SERVERS)")
     r.add_argument("--bootstrap", help="Kafka bootstrap servers (with --kafka)")
     r.add_argument("--topic-prefix", default=None, help="topic prefix with --kafka (default: unique per run)")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What is written (JSON, summary and plots), the agreement window, parallel runs, messages."""
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for summary.json and PNG plots")
     o.add_argument("--window-s", type=float, default=None,
@@ -611,5 +704,26 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--jobs", type=int, default=None, help="runs in parallel (default: the CPU count)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     o.add_argument("--quiet", action="store_true", help="no messages on stderr (but the progress bar)")
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    """Register ``simulate``; its leaf sets ``func(args) -> int`` (exit code)."""
+    p = subparsers.add_parser(
+        "simulate", help="simulate a fleet (vLLM, SGLang, TensorRT-LLM) on a trace: index agreement and "
+                         "KV-aware routing",
+        description="Replays a workload (the Mooncake conversation trace by default) on a simulated fleet "
+                    "of vLLM, SGLang and TensorRT-LLM replicas whose real-format KV events reach the index "
+                    "through "
+                    "the relay code "
+                    "with delay, reordering across replicas and drops. Reports how the index's credit "
+                    "agrees with what the engines reused (reuse rate, recall, over-credit; overall, per "
+                    "model/replica, over time) and how a KV-aware router compares with random, "
+                    "round-robin and least-loaded routing; per engine and per tier (host tier, shared "
+                    "pools).",
+        formatter_class=HelpFormatter)
+    _add_workload_flags(p)
+    _add_fleet_flags(p)
+    _add_routing_flags(p)
+    _add_output_flags(p)
     p.set_defaults(func=cmd_simulate)
     return p

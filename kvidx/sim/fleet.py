@@ -46,6 +46,11 @@ signals and an estimated time to first token.
 
 Engines publish into an in-process outbox (no sockets on the hot path); their payloads are exactly
 what they would send on their ZMQ PUB socket.
+
+In the code: run_fleet lays the fleet out (_FleetPlan: kinds, names, pools, hybrid groups), opens the
+index side (_IndexSide: the sink, the lookup, the Kafka wait) and builds the replicas and their relays
+(_Fleet, over a _Network); _replay_requests then takes each request through steps 1-4 with a _Router,
+the _LoadModel and the _Accounts (agreement), and _stream_counters / _tier_counters report the rest.
 """
 
 from __future__ import annotations
@@ -573,6 +578,514 @@ class _HttpLookup:
         self.server.should_exit = True
 
 
+class _Clock:
+    """The simulation's virtual time, one cell shared by the sinks, replay sources and relays that stamp
+    what they do with it (the request loop and the network's deliveries move it)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class _FleetPlan:
+    """Who is where, decided before anything runs: each replica's engine kind and name per model, the
+    pools and their members, the hybrid groups and their sizes. Checks the configuration on the way."""
+
+    kinds: list[str]  # engine kind of replica j (the same for every model)
+    mixed: bool  # more than plain vLLM: replica names carry their kind, counters split by engine
+    rep_names: dict[str, list[str]]
+    pools: dict[str, PoolConfig]
+    hgroups: list[tuple[str, int | None]]  # hybrid groups (empty: no hybrid replicas)
+    hcap: int = 0  # blocks of the hybrid model's second group
+    hchunk: int = 0  # the hybrid model's scheduler chunk, in tokens
+
+    @classmethod
+    def of(cls, cfg: FleetConfig) -> _FleetPlan:
+        """Check `cfg` (ValueError: unknown engine or pool tier, a bad or unsupported hybrid spec) and lay
+        its fleet out."""
+        for k in cfg.engines:
+            if k not in ENGINES:
+                raise ValueError(f"unknown engine {k!r} (known: {', '.join(ENGINES)})")
+        if cfg.pool_tier not in POOL_TIERS:
+            raise ValueError(f"pool tier must be one of {', '.join(POOL_TIERS)}")
+        hgroups, hk = hybrid_spec(cfg.hybrid) if cfg.hybrid else ([], 0)
+        if hgroups and (cfg.pool_blocks > 0 or cfg.cpu_offload_blocks > 0):
+            raise ValueError("hybrid replicas are simulated without pools or CPU offload")
+        hcap = hchunk = 0
+        if hgroups:
+            hcap = cfg.hybrid_group_blocks or max(1, cfg.num_blocks // (2 * hk if hk else 4))
+            hchunk = hk * cfg.engine_block if hk else cfg.hybrid_chunk_tokens
+        mixed = tuple(cfg.engines) != ("vllm",)
+        kinds = [cfg.engines[j % len(cfg.engines)] for j in range(cfg.replicas)]
+        rep_names = {m: [f"{m}/r{j}-{kinds[j]}" if mixed else f"{m}/r{j}" for j in range(cfg.replicas)]
+                     for m in cfg.models}
+        pools: dict[str, PoolConfig] = {}
+        if cfg.pool_blocks > 0:
+            g = max(1, cfg.pool_group)
+            for m in cfg.models:
+                for k in range(0, cfg.replicas, g):
+                    pools[f"{m}/pool{k // g}"] = PoolConfig(replicas=rep_names[m][k:k + g],
+                                                            tier=cfg.pool_tier)
+        return cls(kinds, mixed, rep_names, pools, hgroups, hcap, hchunk)
+
+    def tier_names(self, cfg: FleetConfig) -> list[str]:
+        """The tiers a run's reuse is split over: GPU, the CPU tier if an engine has one, the pools'."""
+        kinds = self.kinds
+        names = ["GPU"]
+        if (cfg.host_tier_blocks > 0 and "trtllm" in kinds) or (cfg.cpu_offload_blocks > 0 and "vllm" in kinds
+                                                                 and not self.hgroups):
+            names.append("CPU")
+        if self.pools:
+            names.append(cfg.pool_tier)
+        return names
+
+
+class _IndexSide:
+    """The index as the fleet sees it: the sink the relays publish to (folded into the store in process,
+    or through a Kafka broker and a follower) and the router's lookup (in process, or the real HTTP
+    service). Whatever it starts goes on `stack`, to be stopped when the run ends."""
+
+    def __init__(self, cfg: FleetConfig, store: ShardStore, clock: _Clock,
+                 stack: list[Callable[[], Any]]) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.kafka_waits: list[float] = []  # wall-clock seconds each lookup waited for the follower
+        self.kafka_timeouts = 0
+        if cfg.transport == "kafka":
+            inner: Any = self._start_kafka(stack)
+        else:
+            inner = VirtualStoreSink(store, clock)
+            store.ready = True
+        self.sink = TrackingSink(inner)
+        self.http: _HttpLookup | None = None
+        if cfg.lookup == "http":
+            self.http = _HttpLookup(store)
+            stack.append(self.http.close)
+
+    def _start_kafka(self, stack: list[Callable[[], Any]]) -> Any:
+        """A KafkaSink to the broker and a KafkaFollower folding its topic into the store, once ready."""
+        from index_service.follower import KafkaFollower
+        from relays.sinks import KafkaSink
+        from schemas.events import topic_names
+        cfg, store = self.cfg, self.store
+        names = topic_names(cfg.topic_prefix)
+        inner = KafkaSink(cfg.bootstrap, names["events"], names["dead_letters"])
+        stack.append(inner.close)
+        follower = KafkaFollower(store, cfg.bootstrap, names["events"], names["snapshots"]).start()
+        stack.append(follower.stop)
+        deadline = time.monotonic() + 60
+        while not store.ready:
+            if follower.error is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Kafka follower did not start: {follower.error}")
+            time.sleep(0.01)
+        return inner
+
+    def wait_until_applied(self, model: str) -> None:
+        """Through Kafka, wait (up to kafka_wait_s) until the follower has applied everything the relays
+        of `model` published: the lookup then sees what an in-process run would."""
+        self.sink.flush(0)
+        store = self.store
+        shard = store.shards.get(model)
+        want = [(k[1], v) for k, v in self.sink.last.items() if k[0] == model]
+        t0 = time.perf_counter()
+        while want:
+            shard = shard or store.shards.get(model)
+            if shard is not None:
+                want = [(rep, v) for rep, v in want
+                        if (st := shard.replicas.get((rep, 0))) is None or (st.epoch, st.seq) < v]
+            if not want:
+                break
+            if time.perf_counter() - t0 > self.cfg.kafka_wait_s:
+                self.kafka_timeouts += 1
+                break
+            time.sleep(0.0003)
+        self.kafka_waits.append(time.perf_counter() - t0)
+
+    def lookup(self, model: str, prompt: np.ndarray, t: float) -> dict[str, dict]:
+        """The router's view of `prompt`: the index's answer per replica (DP rank 0), by replica name."""
+        if self.http is not None:
+            answers = self.http.lookup(model, prompt)
+        else:
+            shard = self.store.shards.get(model)
+            answers = shard.lookup(prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block),
+                                   len(prompt), t) if shard is not None else []
+        return {a["replica"]: a for a in answers if a["dp_rank"] == 0}
+
+    def kafka_counters(self) -> dict[str, Any]:
+        """How long lookups waited for the follower (wall clock), when events went through Kafka."""
+        if not self.kafka_waits:
+            return {}
+        w = np.asarray(self.kafka_waits) * 1000
+        return {"kafka_wait_ms_p50": round(float(np.percentile(w, 50)), 3),
+                "kafka_wait_ms_p99": round(float(np.percentile(w, 99)), 3),
+                "kafka_wait_timeouts": self.kafka_timeouts}
+
+
+class _Fleet:
+    """Every model's replicas (engines of their kinds) and pools, each wired to the relay its stream goes
+    through; the network between them and the relays. Building it publishes the TensorRT-LLM engines'
+    `created` polls and the pool members' relay starts, in replica order."""
+
+    def __init__(self, cfg: FleetConfig, plan: _FleetPlan, sink: TrackingSink, net: _Network, clock: _Clock,
+                 stack: list[Callable[[], Any]]) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.sink = sink
+        self.net = net
+        self.clock = clock
+        self.stack = stack
+        self.engines: dict[str, list[SimReplica]] = {}  # model -> its replicas, in replica order
+        self.relays: dict[str, Any] = {}  # name -> Relay (ZMQ streams) or TrtllmPollRelay (polls)
+        self.sources: list[EngineReplaySource] = []
+        self.pool_engines: dict[str, SimPool] = {}
+        for model in cfg.models:
+            self.engines[model] = []
+            self._add_pools(model)
+            for j in range(cfg.replicas):
+                self._add_replica(model, j)
+
+    def replicas(self) -> list[SimReplica]:
+        return [r for es in self.engines.values() for r in es]
+
+    def _zmq_relay(self, e: Any, core: VllmPublisherRelay) -> None:
+        src = EngineReplaySource(e, self.cfg.replay, self.clock)
+        self.sources.append(src)
+        self.relays[e.name] = Relay(core, self.sink, src)
+
+    def _add_pools(self, model: str) -> None:
+        cfg = self.cfg
+        for pname, pc in self.plan.pools.items():
+            if pname.startswith(model + "/pool"):
+                pool = SimPool(pname, cfg.pool_blocks, cfg.engine_block, pc.tier, cfg.replay_buffer)
+                self.pool_engines[pname] = pool
+                self._zmq_relay(pool, VllmPublisherRelay(model, pname, cfg.index_block, epoch=0))
+
+    def _add_replica(self, model: str, j: int) -> None:
+        name, kind = self.plan.rep_names[model][j], self.plan.kinds[j]
+        if kind == "vllm" and self.plan.hgroups:
+            e = self._hybrid_vllm(model, name, j)
+        elif kind == "vllm":
+            e = self._vllm(model, name)
+        elif kind == "sglang":
+            e = self._sglang(model, name)
+        else:
+            e = self._trtllm(model, name)
+        pool = next((self.pool_engines[p] for p, pc in self.plan.pools.items() if name in pc.replicas), None)
+        self.engines[model].append(SimReplica(name, kind, model, e, pool))
+        if pool is not None:
+            self._announce(name)
+
+    def _hybrid_vllm(self, model: str, name: str, j: int) -> FleetHybridEngine:
+        cfg, plan, hgroups = self.cfg, self.plan, self.plan.hgroups
+        e = FleetHybridEngine(name, hgroups, cfg.engine_block, [cfg.num_blocks, plan.hcap], plan.hchunk,
+                              seed=cfg.seed * 1009 + j, hashless_p=cfg.hybrid_hashless_p,
+                              report_full_p=cfg.hybrid_report_full_p, buffer_steps=cfg.replay_buffer)
+        # the relay is configured with the model's groups (as `kvidx relay` is from the model's
+        # configuration); the events carry them too
+        self._zmq_relay(e, VllmPublisherRelay(model, name, cfg.index_block, epoch=0,
+                                              group_kinds=dict(enumerate(hgroups))))
+        return e
+
+    def _vllm(self, model: str, name: str) -> OutboxVllmEngine:
+        cfg = self.cfg
+        if cfg.cpu_offload_blocks > 0:
+            e: OutboxVllmEngine = OffloadVllmEngine(name, cfg.num_blocks, cfg.engine_block,
+                                                    cfg.cpu_offload_blocks, cfg.replay_buffer)
+        else:
+            e = OutboxVllmEngine(name, cfg.num_blocks, cfg.engine_block, cfg.replay_buffer)
+        self.stack.append(e.close)
+        self._zmq_relay(e, VllmPublisherRelay(model, name, cfg.index_block, epoch=0))
+        return e
+
+    def _sglang(self, model: str, name: str) -> OutboxSglangEngine:
+        cfg = self.cfg
+        e = OutboxSglangEngine(name, cfg.num_blocks, cfg.engine_block, cfg.sglang_version, cfg.replay_buffer)
+        self._zmq_relay(e, SglangPublisherRelay(model, name, cfg.index_block,
+                                                engine_version=cfg.sglang_version, epoch=0))
+        return e
+
+    def _trtllm(self, model: str, name: str) -> PolledTrtllmEngine:
+        cfg = self.cfg
+        e = PolledTrtllmEngine(name, cfg.num_blocks, cfg.host_tier_blocks, cfg.engine_block)
+        self.relays[name] = TrtllmPollRelay(model, name, cfg.index_block, block_size=cfg.engine_block,
+                                            epoch=0)
+        self.net.send(e, 0.0)  # the `created` event
+        return e
+
+    def _announce(self, name: str) -> None:
+        """A starting relay announces its replica (as `kvidx relay` does): the index knows it, and credits
+        it its pool's blocks, before its first own event."""
+        r = self.relays[name]
+        if isinstance(r, Relay):
+            start = Frame(b"", -1, b"", 0, name, "relay")
+            self.sink.publish(r.core._wrap([ReplicaCleared("relay_start")], -1, start, 0.0))
+        else:
+            for b in r.start_fresh(0):
+                self.sink.publish(b)
+
+    def deliver_until(self, t: float) -> None:
+        """Hand every message due by `t` to its replica's relay, moving the clock to each delivery."""
+        heap = self.net.heap
+        relays, sink, clock = self.relays, self.sink, self.clock
+        while heap and heap[0][0] <= t:
+            at, _, name, seq, payload = heapq.heappop(heap)
+            clock.t = at
+            r = relays[name]
+            if isinstance(r, TrtllmPollRelay):
+                out = r.on_poll(payload, int(at * 1e9))
+                for dl in out.dead:
+                    sink.dead_letter(dl, r.model, r.replica)
+                for b in out.batches:
+                    sink.publish(b)
+            else:
+                r.handle(Frame(b"kv", seq, payload, int(at * 1e9), name, "pub"))
+
+    def run_request(self, rep: SimReplica, req: SimRequest, t: float) -> tuple[int, dict[str, int]]:
+        """Serve `req` on `rep` at `t` and put the engine's (and its pool's) messages on the network."""
+        eng = rep.engine
+        eng.now = t
+        reused, split = serve(rep, req.prompt.tolist(), req.output.tolist(), self.cfg.pool_tier)
+        self.net.send(eng, t)
+        if rep.pool is not None:
+            # stamped after the pool stored the prompt: its message carries the previous request's time
+            rep.pool.now = t
+            self.net.send(rep.pool, t)
+        return reused, split
+
+
+class _LoadModel:
+    """The queueing that routing causes, apart from the cache step: per replica a FIFO prefill server
+    (`prefill_tps`) and the decodes in flight (`decode_ms_per_token`). Gives the routers their load
+    signals and each request its estimated time to first token."""
+
+    def __init__(self, cfg: FleetConfig, names: list[str], n_requests: int) -> None:
+        self.served = {name: 0 for name in names}
+        self.busy_until = {name: 0.0 for name in names}  # end of the replica's queued prefill
+        self.inflight: dict[str, list[float]] = {name: [] for name in names}  # heaps of decode end times
+        self.ttft = np.zeros(n_requests)
+        self.tok_rate = cfg.prefill_tps * cfg.token_scale  # simulated tokens per second per replica
+        self.decode_s = cfg.decode_ms_per_token / 1000.0 / cfg.token_scale  # per simulated output token
+
+    def expire(self, reps: list[SimReplica], t: float) -> None:
+        """Forget the decodes of `reps` that ended by `t`."""
+        for e in reps:
+            q = self.inflight[e.name]
+            while q and q[0] <= t:
+                heapq.heappop(q)
+
+    def admit(self, i: int, name: str, t: float, n: int, reused: int, n_output: int) -> None:
+        """Queue request `i` (n prompt tokens, `reused` of them cached) on replica `name` at `t`."""
+        start = max(t, self.busy_until[name])
+        self.busy_until[name] = start + (n - reused) / self.tok_rate
+        self.ttft[i] = self.busy_until[name] - t
+        heapq.heappush(self.inflight[name], self.busy_until[name] + n_output * self.decode_s)
+        self.served[name] += 1
+
+
+class _Router:
+    """One routing policy over a model's replicas. The KV-aware one prices a replica by the prefill tokens
+    left after the index's resumable tokens plus `load_weight` x its queued prefill; ties, and the random
+    policy, draw from `rng` (one draw per replica per request for kv and least_loaded)."""
+
+    def __init__(self, policy: str, cfg: FleetConfig, rng: random.Random, load: _LoadModel) -> None:
+        self.policy = policy
+        self.rng = rng
+        self.load = load
+        self.load_weight = cfg.load_weight
+        self.rr = {m: 0 for m in cfg.models}
+
+    def choose(self, model: str, reps: list[SimReplica], n: int, resumable: dict[str, int],
+               t: float) -> SimReplica:
+        busy_until, inflight, rng = self.load.busy_until, self.load.inflight, self.rng
+        if self.policy == "kv":
+            w = self.load_weight * self.load.tok_rate
+            prices = [(n - resumable.get(e.name, 0) + w * max(0.0, busy_until[e.name] - t),
+                       len(inflight[e.name]), rng.random(), k) for k, e in enumerate(reps)]
+            return reps[min(prices)[3]]
+        if self.policy == "random":
+            return reps[rng.randrange(len(reps))]
+        if self.policy == "round_robin":
+            chosen = reps[self.rr[model] % len(reps)]
+            self.rr[model] += 1
+            return chosen
+        # least_loaded: fewest requests in flight, then the shortest prefill queue
+        loads = [(len(inflight[e.name]), busy_until[e.name], rng.random(), k) for k, e in enumerate(reps)]
+        return reps[min(loads)[3]]
+
+
+class _Accounts:
+    """Agreement between what the engines reused and what the index credited the chosen replica with:
+    overall, per model, replica, time window and engine kind; per tier (the engine's reuse split by where
+    it came from, the credit by the answer's tier runs) and, for hybrid replicas, per group kind."""
+
+    def __init__(self, cfg: FleetConfig, plan: _FleetPlan, replicas: list[SimReplica]) -> None:
+        self.window_s = cfg.window_s
+        self.hgroups = plan.hgroups
+        self.overall = Agreement()
+        self.per_model: dict[str, Agreement] = {m: Agreement() for m in cfg.models}
+        self.per_replica: dict[str, Agreement] = {e.name: Agreement() for e in replicas}
+        self.windows: dict[int, Agreement] = {}
+        self.kind_of = {e.name: e.kind for e in replicas}
+        self.per_engine = {k: Agreement() for k in dict.fromkeys(plan.kinds)}
+        self.tier_names = plan.tier_names(cfg)
+        self.per_tier = {tn: Agreement() for tn in self.tier_names}
+        # hybrid replicas: per group kind, the group's own hit (engine) vs the answer's groups[].hit_tokens
+        self.per_group_kind = {k: Agreement() for k, _ in plan.hgroups}
+
+    def add(self, i: int, t: float, n: int, rep: SimReplica, reused: int, reused_split: dict[str, int],
+            credited: int, ans: dict | None) -> None:
+        """Count request `i` (n prompt tokens, at `t`) served on `rep`; `ans` is the index's answer for it."""
+        win = int(t // self.window_s)
+        for a in (self.overall, self.per_model[rep.model], self.per_replica[rep.name],
+                  self.windows.get(win) or self.windows.setdefault(win, Agreement())):
+            a.add(i, n, reused, credited)
+        self.per_engine[rep.kind].add(i, n, reused, credited)
+        eng = rep.engine
+        if self.hgroups and isinstance(eng, FleetHybridEngine):
+            idx_hits = {gr["group"]: gr["hit_tokens"] for gr in ans["groups"]} if ans else {}
+            for g, (gkind, _) in enumerate(self.hgroups):
+                self.per_group_kind[gkind].add(i, n, eng.last_group_hits.get(g, 0), idx_hits.get(g, 0))
+        if len(self.tier_names) > 1:
+            # the credit split by the fastest tier holding each block (the answer's tier runs)
+            credited_split: dict[str, int] = {}
+            left = credited
+            for run in ans["tiers"] if credited and ans is not None else ():
+                k = min(left, run["tokens"])
+                credited_split[run["tier"]] = credited_split.get(run["tier"], 0) + k
+                left -= k
+            for tn in self.tier_names:
+                self.per_tier[tn].add(i, n, reused_split.get(tn, 0), credited_split.get(tn, 0))
+        else:
+            self.per_tier["GPU"].add(i, n, reused, credited)
+
+
+def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock, index: _IndexSide,
+                     fleet: _Fleet, router: _Router, load: _LoadModel, accounts: _Accounts,
+                     progress: Callable[[int], None] | None) -> None:
+    """The run itself, one request at a time in arrival order (the module docstring's steps 1-4), then
+    every message still in flight delivered."""
+    for i, req in enumerate(requests):
+        t = req.t / cfg.speed
+        fleet.deliver_until(t)
+        clock.t = t
+        model = req.model
+        n = len(req.prompt)
+        reps = fleet.engines[model]
+        if cfg.transport == "kafka":
+            index.wait_until_applied(model)
+        # the router's view: resumable tokens per replica (from the index) and load
+        by_rep = index.lookup(model, req.prompt, t)
+        resumable = {r: a["resumable_tokens"] for r, a in by_rep.items()}
+        load.expire(reps, t)
+        chosen = router.choose(model, reps, n, resumable, t)
+        credited = resumable.get(chosen.name, 0)
+        reused, reused_split = fleet.run_request(chosen, req, t)
+        load.admit(i, chosen.name, t, n, reused, len(req.output))
+        accounts.add(i, t, n, chosen, reused, reused_split, credited, by_rep.get(chosen.name))
+        if progress is not None and (i & 63) == 63:
+            progress(i + 1)
+    fleet.deliver_until(float("inf"))
+    index.sink.flush()
+    if progress is not None:
+        progress(len(requests))
+
+
+def _stream_counters(fleet: _Fleet, net: _Network, index: _IndexSide) -> dict[str, Any]:
+    """What the event streams went through: messages sent and lost, gaps seen and left unfilled, replay
+    requests, dead letters, delays; engine blocks stored and evicted (per engine kind when mixed) and
+    what the index holds at the end."""
+    relays = fleet.relays
+    zmq_relays = [r for r in relays.values() if isinstance(r, Relay)]
+    polled = [r for r in relays.values() if isinstance(r, TrtllmPollRelay)]
+    delays = np.asarray(net.delays) * 1000 if net.delays else np.zeros(1)
+    evicted = {k: 0 for k in dict.fromkeys(fleet.plan.kinds)}
+    stored = {k: 0 for k in dict.fromkeys(fleet.plan.kinds)}
+    for r in fleet.replicas():
+        e = r.engine
+        if r.kind == "vllm":
+            evicted["vllm"] += e.removed_blocks
+            stored["vllm"] += e.stored_blocks
+        elif r.kind == "sglang":
+            m = relays[r.name].core.mirror.stats
+            evicted["sglang"] += m["removed"]
+            stored["sglang"] += m["stored"]
+        else:
+            evicted["trtllm"] += e.stats["evicted"]
+    counters: dict[str, Any] = {
+        "engine_messages": net.sent,
+        "dropped_messages": net.dropped,
+        "seq_gaps": sum(r.core.counters["gaps"] for r in zmq_relays)
+        + sum(r.counters["gaps"] for r in polled),
+        # each unfilled gap bumps the epoch
+        "gaps_unfilled": sum(r.core.epoch for r in zmq_relays)
+        + sum(r.counters["gaps"] + r.counters["poll_errors"] for r in polled),  # no replay: unfilled
+        "replay_requests": sum(s.requests for s in fleet.sources),
+        "dead_letters": index.sink.dead,
+        "delay_ms_p50": round(float(np.percentile(delays, 50)), 3),
+        "delay_ms_p99": round(float(np.percentile(delays, 99)), 3),
+        "engine_evicted_blocks": sum(evicted.values()),
+        "engine_stored_blocks": sum(stored.values()),
+        "indexed_blocks_end": sum(len(g.any) for s in index.store.shards.values() for g in s.groups.values()),
+    }
+    if fleet.plan.mixed:
+        counters["engine_evicted_blocks_by_engine"] = evicted
+    return counters
+
+
+def _tier_counters(cfg: FleetConfig, fleet: _Fleet) -> dict[str, Any]:
+    """The engines' own tiers and groups: TensorRT-LLM's reuse and host tier, the pools, the hybrid
+    groups, vLLM's CPU offload (each key present only when the fleet has it)."""
+    plan = fleet.plan
+    out: dict[str, Any] = {}
+    tr = [r.engine for r in fleet.replicas() if r.kind == "trtllm"]
+    if tr:
+        keys = ("partial_matches", "taken_over", "copied", "offloaded", "onboarded", "evicted")
+        out["trtllm"] = {k: sum(e.stats[k] for e in tr) for k in keys}
+        out["trtllm"].update(self_evicted_requests=sum(e.self_evicted for e in tr),
+                             self_evicted_tokens=sum(e.self_evicted_tokens for e in tr))
+    if fleet.pool_engines:
+        pe = fleet.pool_engines.values()
+        out["pools"] = {"pools": len(fleet.pool_engines),
+                        "stored_blocks": sum(p.stored_blocks for p in pe),
+                        "evicted_blocks": sum(p.removed_blocks for p in pe),
+                        "hits": sum(p.hits for p in pe), "hit_tokens": sum(p.hit_tokens for p in pe)}
+    vl = [r for r in fleet.replicas() if r.kind == "vllm"]
+    hgroups = plan.hgroups
+    if hgroups:
+        he = [r.engine for r in vl]
+        ms = [fleet.relays[r.name].core.mirror.stats for r in vl]
+        out["hybrid"] = {
+            "groups": [f"{k}" + (f":{w}" if w else "") for k, w in hgroups],
+            "group_capacity": [cfg.num_blocks, plan.hcap], "chunk_tokens": plan.hchunk,
+            "stored_blocks_by_group": [sum(e.stored[g] for e in he) for g in range(len(hgroups))],
+            "evicted_blocks_by_group": [sum(e.removed[g] for e in he) for g in range(len(hgroups))],
+            "hashless_announced": sum(e.hashless for e in he),
+            **{f"relay_{k}": sum(m[k] for m in ms)
+               for k in ("hashless_stored", "reannounced", "extra_copies", "remove_unknown")}}
+    if cfg.cpu_offload_blocks > 0 and not hgroups:
+        oe = [r.engine for r in vl]
+        ms = [fleet.relays[r.name].core.mirror.stats for r in vl]
+        out["cpu_offload"] = {
+            "cpu_blocks": cfg.cpu_offload_blocks, "offloaded_blocks": sum(e.offloaded for e in oe),
+            "cpu_evicted_blocks": sum(e.cpu_evicted for e in oe),
+            "cpu_hit_blocks": sum(e.cpu_hit_blocks for e in oe),
+            "relay_placeholder_stored": sum(m["placeholder_stored"] for m in ms),
+            "relay_placeholder_unknown": sum(m["placeholder_unknown"] for m in ms)}
+    return out
+
+
+def _stop_all(stack: list[Callable[[], Any]]) -> None:
+    """Stop what the run started, last first; best effort: one failing stop does not keep the rest."""
+    for stop in reversed(stack):
+        try:
+            stop()
+        except Exception:
+            pass
+
+
 def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
               progress: Callable[[int], None] | None = None) -> RunResult:
     """Simulate the fleet on `requests` with one routing policy; see the module docstring."""
@@ -581,335 +1094,22 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
     t_wall = time.perf_counter()
     rng = random.Random(cfg.seed)  # network: delays and drops
     route_rng = random.Random(cfg.seed + 1)  # random policy and ties
-    clock = [0.0]
-
-    def now() -> float:
-        return clock[0]
-
-    for k in cfg.engines:
-        if k not in ENGINES:
-            raise ValueError(f"unknown engine {k!r} (known: {', '.join(ENGINES)})")
-    if cfg.pool_tier not in POOL_TIERS:
-        raise ValueError(f"pool tier must be one of {', '.join(POOL_TIERS)}")
-    hgroups, hk = hybrid_spec(cfg.hybrid) if cfg.hybrid else ([], 0)
-    if hgroups and (cfg.pool_blocks > 0 or cfg.cpu_offload_blocks > 0):
-        raise ValueError("hybrid replicas are simulated without pools or CPU offload")
-    if hgroups:
-        hcap = cfg.hybrid_group_blocks or max(1, cfg.num_blocks // (2 * hk if hk else 4))
-        hchunk = hk * cfg.engine_block if hk else cfg.hybrid_chunk_tokens
-    mixed = tuple(cfg.engines) != ("vllm",)
-    kinds = [cfg.engines[j % len(cfg.engines)] for j in range(cfg.replicas)]
-    rep_names = {m: [f"{m}/r{j}-{kinds[j]}" if mixed else f"{m}/r{j}" for j in range(cfg.replicas)]
-                 for m in cfg.models}
-    pools: dict[str, PoolConfig] = {}
-    if cfg.pool_blocks > 0:
-        g = max(1, cfg.pool_group)
-        for m in cfg.models:
-            for k in range(0, cfg.replicas, g):
-                pools[f"{m}/pool{k // g}"] = PoolConfig(replicas=rep_names[m][k:k + g], tier=cfg.pool_tier)
-    store = ShardStore(cfg.index_block, config=Config(pools=pools))
+    plan = _FleetPlan.of(cfg)
+    clock = _Clock()
+    store = ShardStore(cfg.index_block, config=Config(pools=plan.pools))
     stack: list[Callable[[], Any]] = []
-    kafka_waits: list[float] = []
-    kafka_timeouts = 0
     try:
-        if cfg.transport == "kafka":
-            from index_service.follower import KafkaFollower
-            from relays.sinks import KafkaSink
-            from schemas.events import topic_names
-            names = topic_names(cfg.topic_prefix)
-            inner = KafkaSink(cfg.bootstrap, names["events"], names["dead_letters"])
-            stack.append(inner.close)
-            follower = KafkaFollower(store, cfg.bootstrap, names["events"], names["snapshots"]).start()
-            stack.append(follower.stop)
-            deadline = time.monotonic() + 60
-            while not store.ready:
-                if follower.error is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the Kafka follower did not start: {follower.error}")
-                time.sleep(0.01)
-        else:
-            inner = VirtualStoreSink(store, now)
-            store.ready = True
-        sink = TrackingSink(inner)
-        http_lookup = None
-        if cfg.lookup == "http":
-            http_lookup = _HttpLookup(store)
-            stack.append(http_lookup.close)
-
-        engines: dict[str, list[SimReplica]] = {}
-        relays: dict[str, Any] = {}  # name -> Relay (ZMQ streams) or TrtllmPollRelay (polls)
-        sources: list[EngineReplaySource] = []
-        pool_engines: dict[str, SimPool] = {}
+        index = _IndexSide(cfg, store, clock, stack)
         net = _Network(cfg, rng)
-
-        def zmq_relay(e: Any, core: VllmPublisherRelay) -> None:
-            src = EngineReplaySource(e, cfg.replay, now)
-            sources.append(src)
-            relays[e.name] = Relay(core, sink, src)
-
-        for model in cfg.models:
-            engines[model] = []
-            for pname, pc in pools.items():
-                if pname.startswith(model + "/pool"):
-                    pool = SimPool(pname, cfg.pool_blocks, cfg.engine_block, pc.tier, cfg.replay_buffer)
-                    pool_engines[pname] = pool
-                    zmq_relay(pool, VllmPublisherRelay(model, pname, cfg.index_block, epoch=0))
-            for j in range(cfg.replicas):
-                name, kind = rep_names[model][j], kinds[j]
-                if kind == "vllm" and hgroups:
-                    e = FleetHybridEngine(name, hgroups, cfg.engine_block, [cfg.num_blocks, hcap], hchunk,
-                                          seed=cfg.seed * 1009 + j, hashless_p=cfg.hybrid_hashless_p,
-                                          report_full_p=cfg.hybrid_report_full_p,
-                                          buffer_steps=cfg.replay_buffer)
-                    # the relay is configured with the model's groups (as `kvidx relay` is from the
-                    # model's configuration); the events carry them too
-                    zmq_relay(e, VllmPublisherRelay(model, name, cfg.index_block, epoch=0,
-                                                    group_kinds=dict(enumerate(hgroups))))
-                elif kind == "vllm":
-                    if cfg.cpu_offload_blocks > 0:
-                        e = OffloadVllmEngine(name, cfg.num_blocks, cfg.engine_block, cfg.cpu_offload_blocks,
-                                              cfg.replay_buffer)
-                    else:
-                        e = OutboxVllmEngine(name, cfg.num_blocks, cfg.engine_block, cfg.replay_buffer)
-                    stack.append(e.close)
-                    zmq_relay(e, VllmPublisherRelay(model, name, cfg.index_block, epoch=0))
-                elif kind == "sglang":
-                    e = OutboxSglangEngine(name, cfg.num_blocks, cfg.engine_block, cfg.sglang_version,
-                                           cfg.replay_buffer)
-                    zmq_relay(e, SglangPublisherRelay(model, name, cfg.index_block,
-                                                      engine_version=cfg.sglang_version, epoch=0))
-                else:
-                    e = PolledTrtllmEngine(name, cfg.num_blocks, cfg.host_tier_blocks, cfg.engine_block)
-                    relays[name] = TrtllmPollRelay(model, name, cfg.index_block, block_size=cfg.engine_block,
-                                                   epoch=0)
-                    net.send(e, 0.0)
-                pool = next((pool_engines[p] for p, pc in pools.items() if name in pc.replicas), None)
-                engines[model].append(SimReplica(name, kind, model, e, pool))
-                if pool is not None:
-                    # a starting relay announces its replica (as `kvidx relay` does): the index knows
-                    # it, and credits it its pool's blocks, before its first own event
-                    r = relays[name]
-                    if isinstance(r, Relay):
-                        start = Frame(b"", -1, b"", 0, name, "relay")
-                        sink.publish(r.core._wrap([ReplicaCleared("relay_start")], -1, start, 0.0))
-                    else:
-                        for b in r.start_fresh(0):
-                            sink.publish(b)
-
-        def deliver_until(t: float) -> None:
-            heap = net.heap
-            while heap and heap[0][0] <= t:
-                at, _, name, seq, payload = heapq.heappop(heap)
-                clock[0] = at
-                r = relays[name]
-                if isinstance(r, TrtllmPollRelay):
-                    out = r.on_poll(payload, int(at * 1e9))
-                    for dl in out.dead:
-                        sink.dead_letter(dl, r.model, r.replica)
-                    for b in out.batches:
-                        sink.publish(b)
-                else:
-                    r.handle(Frame(b"kv", seq, payload, int(at * 1e9), name, "pub"))
-
-        def wait_for_kafka(model: str) -> None:
-            nonlocal kafka_timeouts
-            sink.flush(0)
-            shard = store.shards.get(model)
-            want = [(k[1], v) for k, v in sink.last.items() if k[0] == model]
-            t0 = time.perf_counter()
-            while want:
-                shard = shard or store.shards.get(model)
-                if shard is not None:
-                    want = [(rep, v) for rep, v in want
-                            if (st := shard.replicas.get((rep, 0))) is None or (st.epoch, st.seq) < v]
-                if not want:
-                    break
-                if time.perf_counter() - t0 > cfg.kafka_wait_s:
-                    kafka_timeouts += 1
-                    break
-                time.sleep(0.0003)
-            kafka_waits.append(time.perf_counter() - t0)
-
-        overall = Agreement()
-        per_model: dict[str, Agreement] = {m: Agreement() for m in cfg.models}
-        per_replica: dict[str, Agreement] = {e.name: Agreement() for es in engines.values() for e in es}
-        windows: dict[int, Agreement] = {}
-        served = {name: 0 for name in per_replica}
-        busy_until = {name: 0.0 for name in per_replica}
-        inflight: dict[str, list[float]] = {name: [] for name in per_replica}
-        rr = {m: 0 for m in cfg.models}
-        ttft = np.zeros(len(requests))
-        tok_rate = cfg.prefill_tps * cfg.token_scale  # simulated tokens per second per replica
-        decode_s = cfg.decode_ms_per_token / 1000.0 / cfg.token_scale  # per simulated output token
-        ibs = cfg.index_block
-        kind_of = {e.name: e.kind for es in engines.values() for e in es}
-        per_engine = {k: Agreement() for k in dict.fromkeys(kinds)}
-        tier_names = ["GPU"]
-        if (cfg.host_tier_blocks > 0 and "trtllm" in kinds) or (cfg.cpu_offload_blocks > 0 and "vllm" in kinds
-                                                                 and not hgroups):
-            tier_names.append("CPU")
-        if pools:
-            tier_names.append(cfg.pool_tier)
-        per_tier = {tn: Agreement() for tn in tier_names}
-        # hybrid replicas: per group kind, the group's own hit (engine) vs the answer's groups[].hit_tokens
-        per_group_kind = {k: Agreement() for k, _ in hgroups}
-
-        for i, req in enumerate(requests):
-            t = req.t / cfg.speed
-            deliver_until(t)
-            clock[0] = t
-            model = req.model
-            n = len(req.prompt)
-            reps = engines[model]
-            if cfg.transport == "kafka":
-                wait_for_kafka(model)
-            # the router's view: resumable tokens per replica (from the index) and load
-            if http_lookup is not None:
-                answers = http_lookup.lookup(model, req.prompt)
-            else:
-                shard = store.shards.get(model)
-                answers = shard.lookup(prompt_hashes(req.prompt.astype("<u4").tobytes(), ibs), n, t) \
-                    if shard is not None else []
-            by_rep = {a["replica"]: a for a in answers if a["dp_rank"] == 0}
-            resumable = {r: a["resumable_tokens"] for r, a in by_rep.items()}
-            for e in reps:
-                q = inflight[e.name]
-                while q and q[0] <= t:
-                    heapq.heappop(q)
-            if policy == "kv":
-                w = cfg.load_weight * tok_rate
-                prices = [(n - resumable.get(e.name, 0) + w * max(0.0, busy_until[e.name] - t),
-                           len(inflight[e.name]), route_rng.random(), k) for k, e in enumerate(reps)]
-                chosen = reps[min(prices)[3]]
-            elif policy == "random":
-                chosen = reps[route_rng.randrange(len(reps))]
-            elif policy == "round_robin":
-                chosen = reps[rr[model] % len(reps)]
-                rr[model] += 1
-            else:  # least_loaded: fewest requests in flight, then the shortest prefill queue
-                loads = [(len(inflight[e.name]), busy_until[e.name], route_rng.random(), k)
-                         for k, e in enumerate(reps)]
-                chosen = reps[min(loads)[3]]
-            credited = resumable.get(chosen.name, 0)
-            eng = chosen.engine
-            eng.now = t
-            reused, reused_split = serve(chosen, req.prompt.tolist(), req.output.tolist(), cfg.pool_tier)
-            net.send(eng, t)
-            if chosen.pool is not None:
-                chosen.pool.now = t
-                net.send(chosen.pool, t)
-            # load model: FIFO prefill, then decode
-            start = max(t, busy_until[chosen.name])
-            busy_until[chosen.name] = start + (n - reused) / tok_rate
-            ttft[i] = busy_until[chosen.name] - t
-            heapq.heappush(inflight[chosen.name], busy_until[chosen.name] + len(req.output) * decode_s)
-            served[chosen.name] += 1
-            win = int(t // cfg.window_s)
-            for a in (overall, per_model[model], per_replica[chosen.name],
-                      windows.get(win) or windows.setdefault(win, Agreement())):
-                a.add(i, n, reused, credited)
-            per_engine[chosen.kind].add(i, n, reused, credited)
-            if hgroups and isinstance(eng, FleetHybridEngine):
-                ans = by_rep.get(chosen.name)
-                idx_hits = {gr["group"]: gr["hit_tokens"] for gr in ans["groups"]} if ans else {}
-                for g, (gkind, _) in enumerate(hgroups):
-                    per_group_kind[gkind].add(i, n, eng.last_group_hits.get(g, 0), idx_hits.get(g, 0))
-            if len(tier_names) > 1:
-                # the credit split by the fastest tier holding each block (the answer's tier runs)
-                credited_split: dict[str, int] = {}
-                left = credited
-                for run in by_rep[chosen.name]["tiers"] if credited else ():
-                    k = min(left, run["tokens"])
-                    credited_split[run["tier"]] = credited_split.get(run["tier"], 0) + k
-                    left -= k
-                for tn in tier_names:
-                    per_tier[tn].add(i, n, reused_split.get(tn, 0), credited_split.get(tn, 0))
-            else:
-                per_tier["GPU"].add(i, n, reused, credited)
-            if progress is not None and (i & 63) == 63:
-                progress(i + 1)
-        deliver_until(float("inf"))
-        sink.flush()
-        if progress is not None:
-            progress(len(requests))
-
-        zmq_relays = [r for r in relays.values() if isinstance(r, Relay)]
-        polled = [r for r in relays.values() if isinstance(r, TrtllmPollRelay)]
-        delays = np.asarray(net.delays) * 1000 if net.delays else np.zeros(1)
-        evicted = {k: 0 for k in per_engine}
-        stored = {k: 0 for k in per_engine}
-        for es in engines.values():
-            for r in es:
-                e = r.engine
-                if r.kind == "vllm":
-                    evicted["vllm"] += e.removed_blocks
-                    stored["vllm"] += e.stored_blocks
-                elif r.kind == "sglang":
-                    m = relays[r.name].core.mirror.stats
-                    evicted["sglang"] += m["removed"]
-                    stored["sglang"] += m["stored"]
-                else:
-                    evicted["trtllm"] += e.stats["evicted"]
-        counters: dict[str, Any] = {
-            "engine_messages": net.sent,
-            "dropped_messages": net.dropped,
-            "seq_gaps": sum(r.core.counters["gaps"] for r in zmq_relays)
-            + sum(r.counters["gaps"] for r in polled),
-            # each unfilled gap bumps the epoch
-            "gaps_unfilled": sum(r.core.epoch for r in zmq_relays)
-            + sum(r.counters["gaps"] + r.counters["poll_errors"] for r in polled),  # no replay: unfilled
-            "replay_requests": sum(s.requests for s in sources),
-            "dead_letters": sink.dead,
-            "delay_ms_p50": round(float(np.percentile(delays, 50)), 3),
-            "delay_ms_p99": round(float(np.percentile(delays, 99)), 3),
-            "engine_evicted_blocks": sum(evicted.values()),
-            "engine_stored_blocks": sum(stored.values()),
-            "indexed_blocks_end": sum(len(g.any) for s in store.shards.values() for g in s.groups.values()),
-        }
-        if mixed:
-            counters["engine_evicted_blocks_by_engine"] = evicted
-        tr = [r.engine for es in engines.values() for r in es if r.kind == "trtllm"]
-        if tr:
-            keys = ("partial_matches", "taken_over", "copied", "offloaded", "onboarded", "evicted")
-            counters["trtllm"] = {k: sum(e.stats[k] for e in tr) for k in keys}
-            counters["trtllm"].update(self_evicted_requests=sum(e.self_evicted for e in tr),
-                                      self_evicted_tokens=sum(e.self_evicted_tokens for e in tr))
-        if pool_engines:
-            pe = pool_engines.values()
-            counters["pools"] = {"pools": len(pool_engines),
-                                 "stored_blocks": sum(p.stored_blocks for p in pe),
-                                 "evicted_blocks": sum(p.removed_blocks for p in pe),
-                                 "hits": sum(p.hits for p in pe), "hit_tokens": sum(p.hit_tokens for p in pe)}
-        vl = [r for es in engines.values() for r in es if r.kind == "vllm"]
-        if hgroups:
-            he = [r.engine for r in vl]
-            ms = [relays[r.name].core.mirror.stats for r in vl]
-            counters["hybrid"] = {
-                "groups": [f"{k}" + (f":{w}" if w else "") for k, w in hgroups],
-                "group_capacity": [cfg.num_blocks, hcap], "chunk_tokens": hchunk,
-                "stored_blocks_by_group": [sum(e.stored[g] for e in he) for g in range(len(hgroups))],
-                "evicted_blocks_by_group": [sum(e.removed[g] for e in he) for g in range(len(hgroups))],
-                "hashless_announced": sum(e.hashless for e in he),
-                **{f"relay_{k}": sum(m[k] for m in ms)
-                   for k in ("hashless_stored", "reannounced", "extra_copies", "remove_unknown")}}
-        if cfg.cpu_offload_blocks > 0 and not hgroups:
-            oe = [r.engine for r in vl]
-            ms = [relays[r.name].core.mirror.stats for r in vl]
-            counters["cpu_offload"] = {
-                "cpu_blocks": cfg.cpu_offload_blocks, "offloaded_blocks": sum(e.offloaded for e in oe),
-                "cpu_evicted_blocks": sum(e.cpu_evicted for e in oe),
-                "cpu_hit_blocks": sum(e.cpu_hit_blocks for e in oe),
-                "relay_placeholder_stored": sum(m["placeholder_stored"] for m in ms),
-                "relay_placeholder_unknown": sum(m["placeholder_unknown"] for m in ms)}
-        if kafka_waits:
-            w = np.asarray(kafka_waits) * 1000
-            counters.update(kafka_wait_ms_p50=round(float(np.percentile(w, 50)), 3),
-                            kafka_wait_ms_p99=round(float(np.percentile(w, 99)), 3),
-                            kafka_wait_timeouts=kafka_timeouts)
-        return RunResult(policy, overall, per_model, per_replica, windows, served, ttft, counters,
-                         time.perf_counter() - t_wall, per_engine, per_tier, kind_of, per_group_kind)
+        fleet = _Fleet(cfg, plan, index.sink, net, clock, stack)
+        load = _LoadModel(cfg, [r.name for r in fleet.replicas()], len(requests))
+        router = _Router(policy, cfg, route_rng, load)
+        accounts = _Accounts(cfg, plan, fleet.replicas())
+        _replay_requests(requests, cfg, clock, index, fleet, router, load, accounts, progress)
+        counters = {**_stream_counters(fleet, net, index), **_tier_counters(cfg, fleet),
+                    **index.kafka_counters()}
+        return RunResult(policy, accounts.overall, accounts.per_model, accounts.per_replica, accounts.windows,
+                         load.served, load.ttft, counters, time.perf_counter() - t_wall, accounts.per_engine,
+                         accounts.per_tier, accounts.kind_of, accounts.per_group_kind)
     finally:
-        for stop in reversed(stack):
-            try:
-                stop()
-            except Exception:  # best effort: keep stopping the rest
-                pass
+        _stop_all(stack)
