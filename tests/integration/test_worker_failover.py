@@ -31,6 +31,27 @@ def worker(bootstrap, prefix, data_dir, log):
         stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def both_assigned(bootstrap, group: str, procs, logs, timeout=120) -> None:
+    """Until the consumer group has two members that both own partitions of the events topic (so the
+    test's events are split between the workers, whatever the machine's load)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p, log in zip(procs, logs, strict=True):
+            assert p.poll() is None, open(log).read()[-3000:]
+        try:
+            desc = admin.describe_consumer_groups([group])[group].result(10)
+            owners = [m for m in desc.members if m.assignment and m.assignment.topic_partitions]
+            if len(owners) == 2:
+                return
+        except Exception:  # noqa: BLE001 - the group does not exist yet
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the two workers were never both assigned partitions")
+
+
 def snapshots_cover(bootstrap, topic, want: int, procs, logs, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -46,12 +67,13 @@ def snapshots_cover(bootstrap, topic, want: int, procs, logs, timeout=120):
 
 def test_killed_worker_hands_its_models_over(kafka_bootstrap, topics, tmp_path):
     sink = KafkaSink(kafka_bootstrap, topics["events"], topics["dead_letters"])
-    for m in MODELS:
-        play_recording(LLAMA / "frames.jsonl", m, sink, 16, replica="llama")
     logs = [tmp_path / "w1.log", tmp_path / "w2.log"]
     w1 = worker(kafka_bootstrap, topics["prefix"], tmp_path / "w1", logs[0])
     w2 = worker(kafka_bootstrap, topics["prefix"], tmp_path / "w2", logs[1])
     try:
+        both_assigned(kafka_bootstrap, topics["prefix"] + "kvidx-worker", [w1, w2], logs)
+        for m in MODELS:  # only now: with both workers in the group, each folds some of the models
+            play_recording(LLAMA / "frames.jsonl", m, sink, 16, replica="llama")
         n_llama = sum(1 for _ in read_frames(LLAMA / "frames.jsonl")) + 1
         snapshots_cover(kafka_bootstrap, topics["snapshots"], n_llama, [w1, w2], logs)
         assert "shard_loaded" in open(logs[0]).read() and "shard_loaded" in open(logs[1]).read(), \
