@@ -227,6 +227,10 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
         broker_commit_every=100_000, broker_session_timeout=session_timeout,
         broker_heartbeat_interval=max(0.5, session_timeout / 10),
         broker_commit_interval=1.0, stream_buffer_maxsize=20_000,
+        # a worker that rejoins the group while a restarted broker has not loaded the events topic's
+        # metadata yet is assigned nothing ("Ignoring missing topic"); aiokafka rejoins once its
+        # metadata shows the partitions, which by default is up to 5 minutes later: 10 s instead
+        consumer_metadata_max_age_ms=10_000,
     )
     worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, settings=settings)
     CONSUMER_LAG.app, CONSUMER_LAG.topic = app, events_topic
