@@ -12,25 +12,10 @@ import time
 import urllib.error
 
 from kvidx.engines import EngineAdapter, RelayOptions
-from relays.run import BATCHES, BLOCKS, DEAD, FRAMES
+from relays.run import FRAMES, emit
 from relays.sinks import Sink
 
 log = logging.getLogger("kvidx.relay")
-
-
-def emit(sink: Sink, core, out) -> int:
-    """Publish a poll's batches and dead letters, counted as a ZMQ relay counts them; returns batches."""
-    rep = core.replica
-    for dl in out.dead:
-        DEAD.labels(rep, dl.reason).inc()
-        log.warning("event=dead_letter replica=%s reason=%s bytes=%d", rep, dl.reason, len(dl.frame.payload))
-        sink.dead_letter(dl, core.model, rep)
-    for b in out.batches:
-        sink.publish(b)
-        BATCHES.labels(rep).inc()
-        for ev in b.events:
-            BLOCKS.labels(rep, type(ev).__name__).inc(len(getattr(ev, "hashes", ())))
-    return len(out.batches)
 
 
 def play(adapter: EngineAdapter, path, model: str, sink: Sink, index_block_size: int, replica: str | None,
@@ -41,7 +26,8 @@ def play(adapter: EngineAdapter, path, model: str, sink: Sink, index_block_size:
     n = 0
     for recv_ns, events, error in sorted(adapter.read_polls(path), key=lambda p: p[0]):
         FRAMES.labels(core.replica).inc()
-        emit(sink, core, core.poll_failed(error, recv_ns) if error else core.on_poll(events, recv_ns))
+        out = core.poll_failed(error, recv_ns) if error else core.on_poll(events, recv_ns)
+        emit(sink, core.model, core.replica, out)
         n += 1
     sink.flush()
     return n
@@ -87,12 +73,12 @@ def run(adapter: EngineAdapter, url: str, model: str, sink: Sink, index_block_si
             if err is not None:
                 if recorder:
                     recorder.write(recv_ns, [], err)
-                batches += emit(sink, core, core.poll_failed(err, recv_ns))
+                batches += emit(sink, core.model, core.replica, core.poll_failed(err, recv_ns))
             elif body is not None:
                 last_poll = time.time()
                 if recorder:
                     recorder.write(recv_ns, json.loads(body))
-                batches += emit(sink, core, core.on_poll_body(body, recv_ns))
+                batches += emit(sink, core.model, core.replica, core.on_poll_body(body, recv_ns))
                 sink.flush(0)
             check = getattr(sink, "check_health", None)
             if check is not None:

@@ -27,6 +27,22 @@ DEAD = Counter("kvidx_relay_dead_letters_total", "Malformed engine messages, by 
 GAPS = Counter("kvidx_relay_gaps_total", "Sequence gaps, by outcome", ["replica", "outcome"])
 
 
+def emit(sink: Sink, model: str, replica: str, out: RelayOutput) -> int:
+    """Publish a relay step's dead letters and batches, counted and logged as every relay counts
+    them (ZMQ relays here, polled engines in relays/poller.py); returns the batches published."""
+    for dl in out.dead:
+        DEAD.labels(replica, dl.reason).inc()
+        log.warning("event=dead_letter replica=%s reason=%s seq=%d bytes=%d", replica, dl.reason,
+                    dl.frame.seq, len(dl.frame.payload))
+        sink.dead_letter(dl, model, replica)
+    for b in out.batches:
+        sink.publish(b)
+        BATCHES.labels(replica).inc()
+        for ev in b.events:
+            BLOCKS.labels(replica, type(ev).__name__).inc(len(getattr(ev, "hashes", ())))
+    return len(out.batches)
+
+
 class Relay:
     def __init__(self, core: VllmPublisherRelay, sink: Sink, source: ZmqSource | None = None,
                  record_to: str | Path | None = None, resync_blocks_per_s: float = 50_000,
@@ -112,22 +128,12 @@ class Relay:
         return total
 
     def _emit(self, out: RelayOutput) -> None:
-        rep = self.core.replica
-        for dl in out.dead:
-            DEAD.labels(rep, dl.reason).inc()
-            if dl.reason == "wrong_engine" and self.dead_letters == 0:
-                log.error("event=wrong_engine replica=%s detail=%r", rep, dl.detail)
-            log.warning("event=dead_letter replica=%s reason=%s seq=%d bytes=%d", rep, dl.reason,
-                        dl.frame.seq, len(dl.frame.payload))
-            self.sink.dead_letter(dl, self.core.model, rep)
-            self.dead_letters += 1
-        for b in out.batches:
-            self.sink.publish(b)
-            self.batches_published += 1
-            BATCHES.labels(rep).inc()
-            for ev in b.events:
-                hashes = getattr(ev, "hashes", ())
-                BLOCKS.labels(rep, type(ev).__name__).inc(len(hashes))
+        if self.dead_letters == 0:
+            wrong = next((dl for dl in out.dead if dl.reason == "wrong_engine"), None)
+            if wrong is not None:
+                log.error("event=wrong_engine replica=%s detail=%r", self.core.replica, wrong.detail)
+        self.dead_letters += len(out.dead)
+        self.batches_published += emit(self.sink, self.core.model, self.core.replica, out)
 
     def start_fresh(self, replay_from_start: bool = True) -> None:
         """A relay that starts knows nothing of the engine's cache: clear the replica's view, then
