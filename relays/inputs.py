@@ -17,9 +17,6 @@ KINDS = {
     "polls": "a recording of TensorRT-LLM /kv_cache_events polls (events.jsonl)",
     "requests": "a requests log (requests.jsonl: prompts and the engine's cached_tokens)",
 }
-# the recording kind each engine reads
-ENGINE_RECORDING = {"vllm": "frames", "sglang": "frames", "lmcache": "frames", "trtllm": "polls"}
-
 
 
 class InputError(ValueError):
