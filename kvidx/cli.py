@@ -18,13 +18,6 @@ def _logging(level: str, command: str | None = None) -> None:
         logfmt.use_in_faust()
 
 
-def _bootstrap(args) -> str:
-    """The cluster of a one-shot command: named and answering, or exit with one line."""
-    from kvidx.ops.kafkalog import bootstrap_of
-
-    return bootstrap_of(args)
-
-
 def _relay_options(args):
     """The --engine's relay options from the command line and --config."""
     from kvidx.config import load_config
@@ -153,10 +146,11 @@ def _relay_http(adapter, args, sink, stop) -> int:
 
 
 def cmd_resync(args) -> int:
+    from kvidx.ops.kafkalog import bootstrap_of
     from relays.control import send_resync
     from schemas.events import topic_names
 
-    send_resync(_bootstrap(args), topic_names(args.topic_prefix)["control"], args.model, args.replica,
+    send_resync(bootstrap_of(args), topic_names(args.topic_prefix)["control"], args.model, args.replica,
                 args.reason)
     print(f"resync requested: model={args.model} replica={args.replica}")
     return 0
