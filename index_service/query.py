@@ -1,8 +1,8 @@
 """The query pipeline of the lookup service, without HTTP: a prompt (token ids, packed bytes or block
 hashes) -> its shard and canonical block hashes -> the shard's lookup (pending routed credit included)
--> audit feedback caps -> prefix price -> rank -> top_k -> the answer as a plain dict. The HTTP
-handlers (index_service.lookup_routes, routing_routes) only read the body and encode what this
-returns; the demo and the simulator can call it directly.
+-> audit feedback caps -> prefix price -> rank -> top_k -> the answer (kvidx.core.answers.LookupAnswer).
+The HTTP handlers (index_service.lookup_routes, routing_routes) only read the body and encode what
+this returns; the simulator and replay call it directly.
 
 This is the routers' hot path: nothing here loops over tokens in Python, and per replica there is only
 the price (and the feedback cap where the audit set one).
@@ -22,6 +22,7 @@ from index_service.wire import (
     check_hashes,
     pack_tokens,
 )
+from kvidx.core.answers import LookupAnswer, ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.price import Pricer
 from kvidx.core.shard import ModelShard
@@ -31,8 +32,8 @@ from schemas.usage import USAGE_VERSION, UsageReport
 MAX_MODELS_LISTED = 10  # in the 404 for an unknown model
 
 
-def _by_price(answer: dict) -> float:
-    return answer["price"]["total_s"]
+def _by_price(answer: ReplicaAnswer) -> float:
+    return answer.price.total_s
 
 
 class QueryPipeline:
@@ -111,8 +112,8 @@ class QueryPipeline:
         return pricer
 
     def answer(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
-               top_k: int | None = None, feedback=None) -> dict:
-        """{"model", "prompt_tokens", "block_size", "replicas"}: replicas by resumable tokens (`rank`: by
+               top_k: int | None = None, feedback=None) -> LookupAnswer:
+        """The answer: replicas by resumable tokens (`rank`: by
         prefix price), each priced, the best `top_k` only if given. `feedback`: an object whose
         `apply(model, replicas, block_size, prefix=)` caps replicas (kvidx.ops.feedback)."""
         if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
@@ -128,15 +129,14 @@ class QueryPipeline:
             del replicas[top_k:]  # ranked by resumable tokens: the rest need no price
         pricer = self.pricer(shard.model)
         for r in replicas:
-            r["price"] = pricer(r, n_tokens)
+            r.price = pricer(r, n_tokens)
         if rank:
             replicas.sort(key=_by_price)
         if top_k is not None:
             del replicas[top_k:]
-        return {"model": shard.model, "prompt_tokens": n_tokens, "block_size": shard.block_size,
-                "replicas": replicas}
+        return LookupAnswer(shard.model, n_tokens, shard.block_size, replicas)
 
-    def lookup(self, req: LookupRequest, rank: bool = False, feedback=None) -> dict:
+    def lookup(self, req: LookupRequest, rank: bool = False, feedback=None) -> LookupAnswer:
         """A JSON lookup request (token_ids or block_hashes + prompt_tokens) answered."""
         shard, hashes, n = self.prompt(req)
         return self.answer(shard, hashes, n, rank, req.top_k, feedback)

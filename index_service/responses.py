@@ -1,6 +1,6 @@
-"""What the lookup service answers, as msgspec structs: only for the OpenAPI document (the handlers
-build plain dicts on the hot path). tests/unit/index_service/test_openapi.py checks real answers against these
-schemas, so a field added to an answer and not here (or the reverse) fails there.
+"""What the lookup service answers, as msgspec structs, for the OpenAPI document: the lookup answer is
+kvidx.core.answers (the very structs the handlers encode); the rest are the small answers of the
+other routes. tests/unit/index_service/test_openapi.py checks real answers against these schemas.
 
 Optional fields have defaults (not required in the schema); unknown fields are allowed, so an
 additive change to an answer stays valid for routers generated from an older document.
@@ -12,72 +12,14 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvidx.core.answers import LookupAnswer
+
 JSON = "application/json"
 
 
 class Error(msgspec.Struct):
     """Every 4xx and 5xx: what is wrong, naming the field or the parameter."""
     error: str
-
-
-class Tier(msgspec.Struct):
-    tier: str  # GPU, CPU, DISK, NODE_SHARED ...
-    tokens: int
-
-
-class Group(msgspec.Struct):
-    """One KV-cache group of the model (hybrid models have several)."""
-    group: int
-    kind: str
-    hit_tokens: int
-    blocks: int
-    window: int | None = None  # sliding-window groups
-    prompt_blocks: int | None = None  # hybrid models: this prompt's index blocks the group holds
-
-
-class Price(msgspec.Struct):
-    """The prefix price: queue + load from the tiers + prefill of what is left, in seconds."""
-    prefill_tokens: int
-    prefill_s: float
-    load_s: float
-    queue_s: float
-    total_s: float
-
-
-class Freshness(msgspec.Struct):
-    last_event_age_ms: float | None  # None: no engine event applied yet
-    apply_lag_ms: float | None
-    epoch: int
-    seq: int
-    seq_gaps: int
-
-
-class ReplicaAnswer(msgspec.Struct):
-    replica: str
-    dp_rank: int
-    cached_tokens: int
-    tiers: list[Tier]
-    resumable_tokens: int
-    full_attention_hit_tokens: int
-    groups: list[Group]
-    pending_tokens: int
-    inflight_prefill_tokens: int
-    upper_bound: bool
-    upper_bound_groups: list[str]
-    price: Price
-    freshness: Freshness
-    # with audit feedback (kvidx feedback): the replica's credit is capped
-    feedback_capped: bool = False
-    credit_factor: float | None = None
-    index_resumable_tokens: int | None = None
-
-
-class LookupAnswer(msgspec.Struct):
-    """Replicas best first: by resumable tokens (/v1/lookup), by price (/v1/rank)."""
-    model: str
-    prompt_tokens: int
-    block_size: int  # the index block size the prompt was hashed with
-    replicas: list[ReplicaAnswer]
 
 
 class RouteAccepted(msgspec.Struct):

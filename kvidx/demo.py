@@ -28,6 +28,7 @@ import uvicorn
 from index_service.app import create_app
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
+from kvidx.core.answers import LOOKUP_ANSWER_DECODER, ReplicaAnswer
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
@@ -51,15 +52,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(base: str, path: str, body: dict) -> dict:
+def _post(base: str, path: str, body: dict) -> bytes:
     req = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read()
+
+
+def _rank(base: str, prompt: list[int]) -> list[ReplicaAnswer]:
+    """The router's question: replicas by prefix price, decoded as the index's own answer type."""
     try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return json.loads(r.read())
+        body = _post(base, "/v1/rank", {"model": MODEL, "token_ids": prompt})
+        return LOOKUP_ANSWER_DECODER.decode(body).replicas
     except urllib.error.HTTPError as e:
         if e.code == 404:  # no event of this model seen yet: nothing is cached anywhere
-            return {"replicas": []}
+            return []
         raise
 
 
@@ -164,11 +171,12 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
             waits.append(time.perf_counter() - t0)
             # the router: the cheapest replica by prefix price (queue + load + prefill left), then the
             # decision is recorded so that every router credits the prompt there at once
-            answer = _post(base, "/v1/rank", {"model": MODEL, "token_ids": prompt})
-            by_replica = {a["replica"]: a for a in answer["replicas"]}
-            ranked = [int(a["replica"].rsplit("-", 1)[1]) for a in answer["replicas"]]
+            answers = _rank(base, prompt)
+            by_replica = {a.replica: a for a in answers}
+            ranked = [int(a.replica.rsplit("-", 1)[1]) for a in answers]
             best = ranked[0] if ranked else min(range(replicas), key=lambda j: load[j])
-            credited = by_replica.get(f"replica-{best}", {}).get("resumable_tokens", 0)
+            chosen = by_replica.get(f"replica-{best}")
+            credited = chosen.resumable_tokens if chosen else 0
             _post(base, "/v1/routes", {"request_id": f"demo-{i}", "model": MODEL, "token_ids": prompt,
                                        "replica": f"replica-{best}", "credited_tokens": credited, "ttl_s": 5})
             reused = engines[best].serve(prompt, output)
@@ -176,7 +184,7 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
             agreement.add(i, len(prompt), reused, credited)
             if credited and shown < 3:
                 shown += 1
-                tiers = by_replica[f"replica-{best}"]["tiers"]
+                tiers = ", ".join(f"{t.tokens} on {t.tier}" for t in chosen.tiers)
                 say(f"request {i}: {len(prompt)} prompt tokens -> replica-{best}: index says "
                     f"{credited} resumable ({tiers}), engine reused {reused}")
         summary = agreement.summary()

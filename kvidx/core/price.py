@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvidx.core.answers import Price, ReplicaAnswer
+
 
 class PriceConfig(msgspec.Struct, forbid_unknown_fields=True):
     """A model's rates: how fast a replica prefills, and loads cached tokens from each tier."""
@@ -25,25 +27,24 @@ class Pricer:
         # seconds per token loaded from each tier (0: free, where the engine computes from)
         self.load_cost = {t: (1.0 / r if r > 0 else 0.0) for t, r in cfg.load_tokens_per_s.items()}
 
-    def __call__(self, answer: dict, n_tokens: int) -> dict:
-        resumable = answer["resumable_tokens"]
+    def __call__(self, answer: ReplicaAnswer, n_tokens: int) -> Price:
+        resumable = answer.resumable_tokens
         load_s = 0.0
         if resumable:
             left = resumable
             cost = self.load_cost
-            for run in answer["tiers"]:
-                take = run["tokens"] if run["tokens"] < left else left
-                load_s += take * cost.get(run["tier"], 0.0)
+            for run in answer.tiers:
+                take = run.tokens if run.tokens < left else left
+                load_s += take * cost.get(run.tier, 0.0)
                 left -= take
                 if left <= 0:
                     break
         prefill = n_tokens - resumable
         prefill_s = prefill * self.per_token
-        queue_s = answer.get("inflight_prefill_tokens", 0) * self.per_token
-        return {"prefill_tokens": prefill, "prefill_s": prefill_s, "load_s": load_s, "queue_s": queue_s,
-                "total_s": queue_s + load_s + prefill_s}
+        queue_s = answer.inflight_prefill_tokens * self.per_token
+        return Price(prefill, prefill_s, load_s, queue_s, queue_s + load_s + prefill_s)
 
 
-def price(answer: dict, n_tokens: int, cfg: PriceConfig) -> dict:
+def price(answer: ReplicaAnswer, n_tokens: int, cfg: PriceConfig) -> Price:
     """One answer's price (routers and tests; the service keeps a Pricer per model)."""
     return Pricer(cfg)(answer, n_tokens)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from kvidx.core.answers import Tier
 from kvidx.core.masks import shared_mask, slot_bit
 from kvidx.core.pending import PendingCredits
 from kvidx.core.snapshot import ShardSnapshot
@@ -115,9 +116,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
         out-of-window blocks and keeps state only at chunk ends), so crediting it would over-credit."""
         return bool(self.pending.masks) and all(g.kind in FULL_KINDS for g in self.groups.values())
 
-    def _upper_bound_tiers(self, tiers: list[dict]) -> bool:
+    def _upper_bound_tiers(self, tiers: list[Tier]) -> bool:
         return bool(self.unreported_eviction_tiers) and any(
-            t["tier"] in self.unreported_eviction_tiers for t in tiers)
+            t.tier in self.unreported_eviction_tiers for t in tiers)
 
     def engine_block_size(self, st: ReplicaState) -> int:
         """The block size the replica's engine resumes at; before its first event, the model's."""

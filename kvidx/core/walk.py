@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvidx.core.answers import Freshness, Group, ReplicaAnswer, Tier
 from schemas.events import TIERS
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ class ShardWalk:
                 runs.append((tier, self.block_size))
         return runs
 
-    def lookup(self, hashes: list[int], n_tokens: int, now: float, top_k: int | None = None) -> list[dict]:
+    def lookup(self, hashes: list[int], n_tokens: int, now: float, top_k: int | None = None
+               ) -> list[ReplicaAnswer]:
         """Per replica and DP rank: tokens cached along the prefix (by tier), the tokens the engine
         can resume from, and how fresh the view is. Sorted by resumable tokens, best first; with
         `top_k`, only the best k are described (the others cost nothing beyond the prefix walk).
@@ -137,45 +139,25 @@ class ShardWalk:
         for res, pending, st in ranked if top_k is None else ranked[:top_k]:
             slot = st.slot
             nb = hits.get(slot, 0)
-            cached = min(nb * bs, n_tokens)
             fa_hit, _, ghits = resume.get(slot, _NO_HIT)
-            groups = []
-            for gid, kind, window, own in group_info:
-                e = {"group": gid, "kind": kind,
-                     "hit_tokens": (ghits.get(gid, 0) if ghits else 0) if own else fa_hit,
-                     "blocks": st.group_blocks.get(gid, 0)}
-                if window:
-                    e["window"] = window
-                if held is not None:
-                    e["prompt_blocks"] = held[gid].get(slot, 0)
-                groups.append(e)
+            groups = [Group(gid, kind, (ghits.get(gid, 0) if ghits else 0) if own else fa_hit,
+                            st.group_blocks.get(gid, 0), window or None,
+                            None if held is None else held[gid].get(slot, 0))
+                      for gid, kind, window, own in group_info]
             if not nb:
                 tiers = []
             elif single_tier is not None:
-                tiers = [{"tier": single_tier, "tokens": nb * bs}]
+                tiers = [Tier(single_tier, nb * bs)]
             else:
-                tiers = [{"tier": t, "tokens": k} for t, k in self.tier_runs(hashes, slot, nb)]
+                tiers = [Tier(t, k) for t, k in self.tier_runs(hashes, slot, nb)]
             seen = st.batches > 0
-            answers.append({
-                "replica": st.replica,
-                "dp_rank": st.dp_rank,
-                "cached_tokens": cached,
-                "tiers": tiers,
-                "resumable_tokens": res,
-                "full_attention_hit_tokens": fa_hit,
-                "groups": groups,
-                "pending_tokens": pending,
-                "inflight_prefill_tokens": inflight.get(slot, 0) if inflight else 0,
-                "upper_bound": bool(res and (unreported or self._upper_bound_tiers(tiers))),
-                "upper_bound_groups": unreported if res else [],
-                "freshness": {
-                    "last_event_age_ms": int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
-                    "apply_lag_ms": int((st.applied_ts - st.engine_ts) * 1e6) / 1e3 if seen else None,
-                    "epoch": st.epoch,
-                    "seq": st.seq,
-                    "seq_gaps": st.seq_gaps,
-                },
-            })
+            answers.append(ReplicaAnswer(
+                st.replica, st.dp_rank, min(nb * bs, n_tokens), tiers, res, fa_hit, groups, pending,
+                inflight.get(slot, 0) if inflight else 0,
+                bool(res and (unreported or self._upper_bound_tiers(tiers))), unreported if res else [],
+                Freshness(int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
+                          int((st.applied_ts - st.engine_ts) * 1e6) / 1e3 if seen else None,
+                          st.epoch, st.seq, st.seq_gaps)))
         return answers
 
     def credited(self, hashes: list[int], n_tokens: int, replica: str | None = None,

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Producer, TopicPartition
 
+from kvidx.core.answers import ReplicaAnswer
 from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
 from kvidx.kafka.topics import create_topics
@@ -140,8 +141,8 @@ class FeedbackTable:
             self.factors.pop(key, None)
             self.by_model.get(key[0], {}).pop(key[1:], None)
 
-    def apply(self, model: str, replicas: list[dict], block_size: int, now: float | None = None,
-              prefix: int | None = None) -> list[dict]:
+    def apply(self, model: str, replicas: list[ReplicaAnswer], block_size: int, now: float | None = None,
+              prefix: int | None = None) -> list[ReplicaAnswer]:
         """Cap the resumable tokens of replicas with a factor < 1 (in place); re-sorted if any was."""
         table = self.by_model.get(model)
         if not table:
@@ -150,22 +151,22 @@ class FeedbackTable:
         capped = False
         for r in replicas:
             # the prompt's prefix on that replica, where there is evidence for it, else the replica's
-            f = table.get((r["replica"], r["dp_rank"], prefix)) if prefix else None
+            f = table.get((r.replica, r.dp_rank, prefix)) if prefix else None
             if f is None or f.expires_at <= now:
-                f = table.get((r["replica"], r["dp_rank"], 0))
+                f = table.get((r.replica, r.dp_rank, 0))
             if f is None or f.factor >= 1.0 or f.expires_at <= now:
                 continue
-            orig = r["resumable_tokens"]
+            orig = r.resumable_tokens
             new = int(orig * f.factor) // block_size * block_size
             if new < orig:
-                r["index_resumable_tokens"] = orig
-                r["resumable_tokens"] = new
-                r["feedback_capped"] = True
-                r["credit_factor"] = f.factor
+                r.index_resumable_tokens = orig
+                r.resumable_tokens = new
+                r.feedback_capped = True
+                r.credit_factor = f.factor
                 capped = True
         if capped:
             self.capped_answers += 1
-            replicas.sort(key=lambda a: -a["resumable_tokens"])
+            replicas.sort(key=lambda a: -a.resumable_tokens)
         return replicas
 
 
@@ -319,7 +320,7 @@ def simulate_lying_replica(requests: int = 3000, replicas: int = 4, liar_reuse: 
         answers = shard.lookup(hashes, len(prompt), t)
         if feedback:
             table.apply("m", answers, bs, now=t)
-        res = {a["replica"]: a["resumable_tokens"] for a in answers}
+        res = {a.replica: a.resumable_tokens for a in answers}
         cost = {e.name: len(prompt) - res.get(e.name, 0) + load[e.name] + rng.random() for e in engines}
         name = min(cost, key=cost.get)
         eng = next(e for e in engines if e.name == name)

@@ -43,6 +43,7 @@ import msgspec
 from confluent_kafka import Producer
 
 from kvidx.config import ShardSettings
+from kvidx.core.answers import ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config
@@ -414,10 +415,10 @@ def state_summary(r: Replay) -> list[dict]:
     return out
 
 
-def _blocks_by_tier(answer: dict, block_size: int) -> dict[str, int]:
+def _blocks_by_tier(answer: ReplicaAnswer, block_size: int) -> dict[str, int]:
     out: dict[str, int] = {}
-    for t in answer["tiers"]:
-        out[t["tier"]] = out.get(t["tier"], 0) + t["tokens"] // block_size
+    for t in answer.tiers:
+        out[t.tier] = out.get(t.tier, 0) + t.tokens // block_size
     return out
 
 
@@ -460,11 +461,11 @@ def explain(bootstrap: str, names: dict[str, str], request_id: str, model: str |
     usage = find_usage(bootstrap, names, request_id, d.model, d.ts) if "usage" in names else None
     reps = []
     for a in answers:
-        reps.append({"replica": a["replica"], "dp_rank": a["dp_rank"],
-                     "blocks": a["cached_tokens"] // bs, "blocks_by_tier": _blocks_by_tier(a, bs),
-                     "cached_tokens": a["cached_tokens"], "resumable_tokens": a["resumable_tokens"],
-                     "pending_tokens": a["pending_tokens"], "upper_bound": a["upper_bound"],
-                     "chosen": a["replica"] == d.replica and a["dp_rank"] == d.dp_rank})
+        reps.append({"replica": a.replica, "dp_rank": a.dp_rank,
+                     "blocks": a.cached_tokens // bs, "blocks_by_tier": _blocks_by_tier(a, bs),
+                     "cached_tokens": a.cached_tokens, "resumable_tokens": a.resumable_tokens,
+                     "pending_tokens": a.pending_tokens, "upper_bound": a.upper_bound,
+                     "chosen": a.replica == d.replica and a.dp_rank == d.dp_rank})
     chosen = next((x for x in reps if x["chosen"]), None)
     index_credit = chosen["resumable_tokens"] if chosen else 0
     best = reps[0] if reps else None
@@ -553,7 +554,7 @@ def cmd_replay(args) -> int:
     if prompts is not None:
         out["lookups"] = lookup_prompts(r, prompts)
     if args.json:
-        print(json.dumps(out))
+        print(msgspec.json.encode(out).decode())
         return 0
     s = out["replay"]
     print(f"{args.model} at {s['at_iso']}: {s['batches_folded']} batches folded from the {s['start']} "
@@ -568,9 +569,9 @@ def cmd_replay(args) -> int:
     for lk in out.get("lookups", []):
         print(f"prompt {lk['name']} ({lk['prompt_tokens']} tokens):")
         for a in lk["replicas"]:
-            tiers = ", ".join(f"{t['tier']} {t['tokens']}" for t in a["tiers"])
-            print(f"  {a['replica']} rank {a['dp_rank']}: cached {a['cached_tokens']} ({tiers}), "
-                  f"resumable {a['resumable_tokens']}")
+            tiers = ", ".join(f"{t.tier} {t.tokens}" for t in a.tiers)
+            print(f"  {a.replica} rank {a.dp_rank}: cached {a.cached_tokens} ({tiers}), "
+                  f"resumable {a.resumable_tokens}")
     return 0
 
 

@@ -58,7 +58,6 @@ from __future__ import annotations
 import heapq
 import http.client
 import itertools
-import json
 import math
 import random
 import threading
@@ -73,6 +72,7 @@ import numpy as np
 
 from index_service.store import ShardStore
 from kvidx.config import Config, PoolConfig
+from kvidx.core.answers import LOOKUP_ANSWER_DECODER, ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
@@ -562,7 +562,7 @@ class _HttpLookup:
             time.sleep(0.02)
         self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
 
-    def lookup(self, model: str, prompt: np.ndarray) -> list[dict]:
+    def lookup(self, model: str, prompt: np.ndarray) -> list[ReplicaAnswer]:
         self.conn.request("POST", f"/v1/lookup/binary?model={model}", body=prompt.astype("<u4").tobytes(),
                           headers={"Content-Type": "application/octet-stream"})
         r = self.conn.getresponse()
@@ -571,7 +571,7 @@ class _HttpLookup:
             return []
         if r.status != 200:
             raise RuntimeError(f"lookup failed: HTTP {r.status}: {body[:200]!r}")
-        return json.loads(body)["replicas"]
+        return LOOKUP_ANSWER_DECODER.decode(body).replicas
 
     def close(self) -> None:
         self.conn.close()
@@ -704,7 +704,7 @@ class _IndexSide:
             time.sleep(0.0003)
         self.kafka_waits.append(time.perf_counter() - t0)
 
-    def lookup(self, model: str, prompt: np.ndarray, t: float) -> dict[str, dict]:
+    def lookup(self, model: str, prompt: np.ndarray, t: float) -> dict[str, ReplicaAnswer]:
         """The router's view of `prompt`: the index's answer per replica (DP rank 0), by replica name."""
         if self.http is not None:
             answers = self.http.lookup(model, prompt)
@@ -712,7 +712,7 @@ class _IndexSide:
             shard = self.store.shards.get(model)
             answers = shard.lookup(prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block),
                                    len(prompt), t) if shard is not None else []
-        return {a["replica"]: a for a in answers if a["dp_rank"] == 0}
+        return {a.replica: a for a in answers if a.dp_rank == 0}
 
     def kafka_counters(self) -> dict[str, Any]:
         """How long lookups waited for the follower (wall clock), when events went through Kafka."""
@@ -936,7 +936,7 @@ class _Accounts:
         self.per_group_kind = {k: Agreement() for k, _ in plan.hgroups}
 
     def add(self, i: int, t: float, n: int, rep: SimReplica, reused: int, reused_split: dict[str, int],
-            credited: int, ans: dict | None) -> None:
+            credited: int, ans: ReplicaAnswer | None) -> None:
         """Count request `i` (n prompt tokens, at `t`) served on `rep`; `ans` is the index's answer for it."""
         win = int(t // self.window_s)
         for a in (self.overall, self.per_model[rep.model], self.per_replica[rep.name],
@@ -945,16 +945,16 @@ class _Accounts:
         self.per_engine[rep.kind].add(i, n, reused, credited)
         eng = rep.engine
         if self.hgroups and isinstance(eng, FleetHybridEngine):
-            idx_hits = {gr["group"]: gr["hit_tokens"] for gr in ans["groups"]} if ans else {}
+            idx_hits = {gr.group: gr.hit_tokens for gr in ans.groups} if ans else {}
             for g, (gkind, _) in enumerate(self.hgroups):
                 self.per_group_kind[gkind].add(i, n, eng.last_group_hits.get(g, 0), idx_hits.get(g, 0))
         if len(self.tier_names) > 1:
             # the credit split by the fastest tier holding each block (the answer's tier runs)
             credited_split: dict[str, int] = {}
             left = credited
-            for run in ans["tiers"] if credited and ans is not None else ():
-                k = min(left, run["tokens"])
-                credited_split[run["tier"]] = credited_split.get(run["tier"], 0) + k
+            for run in ans.tiers if credited and ans is not None else ():
+                k = min(left, run.tokens)
+                credited_split[run.tier] = credited_split.get(run.tier, 0) + k
                 left -= k
             for tn in self.tier_names:
                 self.per_tier[tn].add(i, n, reused_split.get(tn, 0), credited_split.get(tn, 0))
@@ -978,7 +978,7 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
             index.wait_until_applied(model)
         # the router's view: resumable tokens per replica (from the index) and load
         by_rep = index.lookup(model, req.prompt, t)
-        resumable = {r: a["resumable_tokens"] for r, a in by_rep.items()}
+        resumable = {r: a.resumable_tokens for r, a in by_rep.items()}
         load.expire(reps, t)
         chosen = router.choose(model, reps, n, resumable, t)
         credited = resumable.get(chosen.name, 0)

@@ -33,7 +33,7 @@ def answers(shard, prompt_list):
     out = []
     for p in prompt_list:
         res = shard.lookup(prompt_hashes(p, BS), len(p), time.time())
-        out.append(sorted((a["replica"], a["cached_tokens"], a["resumable_tokens"]) for a in res))
+        out.append(sorted((a.replica, a.cached_tokens, a.resumable_tokens) for a in res))
     return out
 
 

@@ -6,6 +6,7 @@ import json
 import random
 import time
 
+import msgspec
 import pytest
 
 from index_service.follower import KafkaFollower, RoutePublisher
@@ -27,6 +28,8 @@ MODEL = "m"
 
 
 def core(answers):
+    """The exact part of in-process answers or of their JSON (replay --json)."""
+    answers = msgspec.to_builtins(answers)
     return [(a["replica"], a["dp_rank"], a["cached_tokens"], a["resumable_tokens"], a["pending_tokens"],
              [(t["tier"], t["tokens"]) for t in a["tiers"]]) for a in answers]
 

@@ -30,7 +30,7 @@ def cli(*args, **kw):
 
 def answers(shard, prompts, bs=None):
     bs = bs or shard.block_size
-    return [sorted((a["replica"], a["cached_tokens"], a["resumable_tokens"])
+    return [sorted((a.replica, a.cached_tokens, a.resumable_tokens)
                    for a in shard.lookup(prompt_hashes(p, bs), len(p), time.time())) for p in prompts]
 
 

@@ -51,7 +51,7 @@ def answers(shards, prompts):
     out = {}
     for model, plist in prompts.items():
         shard = shards[model]
-        out[model] = [sorted((a["replica"], a["cached_tokens"], a["resumable_tokens"])
+        out[model] = [sorted((a.replica, a.cached_tokens, a.resumable_tokens)
                              for a in shard.lookup(prompt_hashes(p, BS), len(p), time.time()))
                       for p in plist]
         out[model].append(sorted((r, st.seq, st.blocks) for r, st in shard.replicas.items()))

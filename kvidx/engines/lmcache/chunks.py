@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvidx.core.answers import ReplicaAnswer
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
 from kvidx.engines.common import hold, release, stored_runs
 from schemas.events import BlocksRemoved, BlocksStored, Event
@@ -263,19 +264,18 @@ def _fold(h) -> int:
     return int.from_bytes(bytes(h)[-8:], "big")
 
 
-def mark_upper_bound(answer: dict, unreported_tiers: frozenset[str] | set[str]) -> dict:
+def mark_upper_bound(answer: ReplicaAnswer, unreported_tiers: frozenset[str] | set[str]) -> ReplicaAnswer:
     """Flag a replica's lookup answer whose resumable prefix relies on a tier whose evictions go
     unreported (LMCache through vLLM): `upper_bound` true, and `upper_bound_tiers` listing them."""
-    res = answer.get("resumable_tokens", 0)
     used: list[str] = []
     seen = 0
-    for run in answer.get("tiers", []):
-        if seen >= res:
+    for run in answer.tiers:
+        if seen >= answer.resumable_tokens:
             break
-        if run["tier"] in unreported_tiers and run["tier"] not in used:
-            used.append(run["tier"])
-        seen += run["tokens"]
+        if run.tier in unreported_tiers and run.tier not in used:
+            used.append(run.tier)
+        seen += run.tokens
     if used:
-        answer["upper_bound"] = True
-        answer["upper_bound_tiers"] = used
+        answer.upper_bound = True
+        answer.upper_bound_tiers = used
     return answer

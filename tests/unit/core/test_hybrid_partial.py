@@ -63,8 +63,8 @@ def test_partial_blocks_without_mamba_credit_engine_blocks_only():
     ])
     shard.groups[0].window = 32
     (a,) = shard.lookup(H16[:5], 90, 0.0)
-    assert a["cached_tokens"] == 80  # the partial block is cached ...
-    assert a["resumable_tokens"] == 64  # ... but the engine resumes at block boundaries
+    assert a.cached_tokens == 80  # the partial block is cached ...
+    assert a.resumable_tokens == 64  # ... but the engine resumes at block boundaries
 
 
 def test_partial_blocks_with_mamba_credit_the_finer_unit():
@@ -76,7 +76,7 @@ def test_partial_blocks_with_mamba_credit_the_finer_unit():
         [S([103], 102, T[64:80], 16, *fa), S([103], 102, T[64:80], 16, *mb)],
     ])
     (a,) = shard.lookup(H16[:5], 90, 0.0)
-    assert (a["full_attention_hit_tokens"], a["resumable_tokens"]) == (80, 80)
+    assert (a.full_attention_hit_tokens, a.resumable_tokens) == (80, 80)
     # the last prompt token is never reused: an 81-token prompt resumes at 80, an 80-token one at 64
     assert shard.credited(H16[:5], 81) == 80
     assert shard.credited(H16[:5], 80) == 64

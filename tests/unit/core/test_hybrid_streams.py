@@ -21,6 +21,7 @@ import random
 
 import msgspec
 
+from kvidx.core.answers import Group
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.vllm.relay import VllmPublisherRelay
@@ -122,9 +123,9 @@ def test_unreported_state_evictions_are_flagged_as_upper_bound():
         assert got >= want
         seen["over"] += got > want
         for a in shard.lookup(qh, len(q), 0.0):
-            assert a["upper_bound"] == (a["resumable_tokens"] > 0)
-            if a["upper_bound"]:
-                assert a["upper_bound_groups"] == [1]
+            assert a.upper_bound == (a.resumable_tokens > 0)
+            if a.upper_bound:
+                assert a.upper_bound_groups == [1]
                 seen["flagged"] += 1
 
     _run(groups, 96, n_streams=4, steps=40, seed=4, chunks=(1, 3), unreported=("mamba",), silent_p=0.5,
@@ -146,14 +147,13 @@ def test_lookup_explains_why_the_hit_is_shorter():
     for b in relay.on_frame(eng.flush()).batches:
         shard.apply(b, 0.0)
     (a,) = shard.lookup(prompt_hashes(tokens, 16), len(tokens), 0.0)
-    assert a["cached_tokens"] == 1920 and a["full_attention_hit_tokens"] == 1920
-    assert a["resumable_tokens"] == 960 == eng.reference(tokens)
-    assert a["upper_bound"] is False and a["upper_bound_groups"] == []
-    fa, mamba = a["groups"]
-    assert fa == {"group": 0, "kind": "full_attention", "hit_tokens": 1920, "blocks": 120,
-                  "prompt_blocks": 120}
+    assert a.cached_tokens == 1920 and a.full_attention_hit_tokens == 1920
+    assert a.resumable_tokens == 960 == eng.reference(tokens)
+    assert a.upper_bound is False and a.upper_bound_groups == []
+    fa, mamba = a.groups
+    assert fa == Group(0, "full_attention", hit_tokens=1920, blocks=120, prompt_blocks=120)
     # a checkpoint is one index block: the state after exactly p tokens
-    assert mamba == {"group": 1, "kind": "mamba", "hit_tokens": 960, "blocks": 1, "prompt_blocks": 1}
+    assert mamba == Group(1, "mamba", hit_tokens=960, blocks=1, prompt_blocks=1)
     assert relay.mirror.stats["hashless_stored"] == 1  # the last chunk (80 tokens) had no boundary
 
 

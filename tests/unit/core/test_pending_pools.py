@@ -1,6 +1,7 @@
 """Pending credit (routed prompts count as cached until confirmed or expired) and shared pools
 (a pool's blocks count for every replica attached to it), on the pure shard."""
 
+from kvidx.core.answers import Tier
 from kvidx.core.shard import ModelShard
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
@@ -16,28 +17,28 @@ def stored(hashes, tier="GPU"):
 
 
 def answer(shard, replica, hashes=H, n=161, now=0.0):
-    return next(a for a in shard.lookup(hashes, n, now) if a["replica"] == replica)
+    return next(a for a in shard.lookup(hashes, n, now) if a.replica == replica)
 
 
 def test_pending_credit_until_confirmed_or_expired():
     s = ModelShard("m", 16)
     s.apply(batch("a", 0, [stored(H[:2])]), 0.0)
     s.apply(batch("b", 0, [stored(H[:1])]), 0.0)
-    assert answer(s, "b")["resumable_tokens"] == 16
+    assert answer(s, "b").resumable_tokens == 16
     s.add_pending("b", 0, H, 161, credited=16, expires=5.0)
     a = answer(s, "b", now=1.0)
-    assert a["resumable_tokens"] == 160 and a["pending_tokens"] == 144 and a["cached_tokens"] == 16
-    assert a["inflight_prefill_tokens"] == 145
-    assert answer(s, "a", now=1.0)["pending_tokens"] == 0  # only the routed replica
+    assert a.resumable_tokens == 160 and a.pending_tokens == 144 and a.cached_tokens == 16
+    assert a.inflight_prefill_tokens == 145
+    assert answer(s, "a", now=1.0).pending_tokens == 0  # only the routed replica
     # the engine confirms 4 blocks: they are the index's now; an eviction of one is not hidden
     s.apply(batch("b", 1, [stored(H[:4])]), 1.5)
     s.apply(batch("b", 2, [BlocksRemoved("GPU", 0, [H[2]])]), 1.6)
-    assert answer(s, "b", now=2.0)["resumable_tokens"] == 32
+    assert answer(s, "b", now=2.0).resumable_tokens == 32
     s2 = ModelShard("m", 16)
     s2.apply(batch("b", 0, [stored(H[:1])]), 0.0)
     s2.add_pending("b", 0, H, 161, 16, expires=5.0)
-    assert answer(s2, "b", now=4.9)["resumable_tokens"] == 160
-    assert answer(s2, "b", now=5.0)["resumable_tokens"] == 16  # expired
+    assert answer(s2, "b", now=4.9).resumable_tokens == 160
+    assert answer(s2, "b", now=5.0).resumable_tokens == 16  # expired
     assert s2.credited(H, 161, "b", now=6.0) == 16
 
 
@@ -45,7 +46,7 @@ def test_pending_credit_uses_the_engine_block_size():
     s = ModelShard("m", 16)
     s.apply(batch("a", 0, [stored(H[:2])], bs=32), 0.0)
     s.add_pending("new", 0, H[:9], 150, 0, expires=9.0)  # a replica with no event yet
-    assert answer(s, "new", H[:9], 150)["resumable_tokens"] == 128  # 32-token engine blocks
+    assert answer(s, "new", H[:9], 150).resumable_tokens == 128  # 32-token engine blocks
 
 
 def test_pool_blocks_count_for_attached_replicas_only():
@@ -56,13 +57,13 @@ def test_pool_blocks_count_for_attached_replicas_only():
     s.apply(batch("c", 0, [stored(H[:1])]), 0.0)
     s.apply(batch("b", 0, [stored([7])]), 0.0)  # b holds none of this prompt itself
     a, b, c = (answer(s, r) for r in "abc")
-    gpu, pool = {"tier": "GPU", "tokens": 32}, {"tier": "POOL", "tokens": 64}
-    assert a["cached_tokens"] == 96 and a["tiers"] == [gpu, pool]
-    assert b["cached_tokens"] == 96 and b["tiers"] == [{"tier": "POOL", "tokens": 96}]
-    assert c["cached_tokens"] == 16  # not attached
-    assert all(x["replica"] != "pool-1" for x in s.lookup(H, 161, 0.0))  # a pool is not a routing target
+    gpu, pool = Tier("GPU", 32), Tier("POOL", 64)
+    assert a.cached_tokens == 96 and a.tiers == [gpu, pool]
+    assert b.cached_tokens == 96 and b.tiers == [Tier("POOL", 96)]
+    assert c.cached_tokens == 16  # not attached
+    assert all(x.replica != "pool-1" for x in s.lookup(H, 161, 0.0))  # a pool is not a routing target
     s.apply(batch("pool-1", 1, [BlocksRemoved("POOL", 0, [H[3]])]), 0.0)  # the pool evicts
-    assert answer(s, "b")["cached_tokens"] == 48
+    assert answer(s, "b").cached_tokens == 48
 
 
 def test_move_between_tiers_never_loses_a_block():
@@ -70,7 +71,7 @@ def test_move_between_tiers_never_loses_a_block():
     s.apply(batch("a", 0, [stored(H[:4])]), 0.0)
     s.apply(batch("a", 1, [stored(H[2:4], tier="CPU"), BlocksRemoved("GPU", 0, H[2:4])]), 0.0)
     a = answer(s, "a")
-    assert a["cached_tokens"] == 64
-    assert a["tiers"] == [{"tier": "GPU", "tokens": 32}, {"tier": "CPU", "tokens": 32}]
+    assert a.cached_tokens == 64
+    assert a.tiers == [Tier("GPU", 32), Tier("CPU", 32)]
     s.apply(batch("a", 2, [BlocksRemoved("CPU", 0, H[3:4])]), 0.0)  # the last tier drops it
-    assert answer(s, "a")["cached_tokens"] == 48
+    assert answer(s, "a").cached_tokens == 48

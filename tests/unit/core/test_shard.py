@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from kvidx.core.answers import Tier
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.core.walk import resumable
@@ -88,7 +89,7 @@ def test_two_replicas_with_different_prefixes():
     assert slot_blocks(sh, HU) == {"a/0": 4, "b/0": 0, "b/1": 0}
     assert slot_blocks(sh, H[:4]) == {"a/0": 3, "b/0": 4, "b/1": 4}
     ans = sh.lookup(H, 256, 102.0)
-    assert [(a["replica"], a["dp_rank"], a["cached_tokens"], a["resumable_tokens"]) for a in ans] == [
+    assert [(a.replica, a.dp_rank, a.cached_tokens, a.resumable_tokens) for a in ans] == [
         ("b", 0, 112, 96), ("b", 1, 80, 64), ("a", 0, 48, 32)]
     assert sh.credited(H, 256) == 96
     assert sh.credited(H, 256, "a") == 32
@@ -115,10 +116,10 @@ def test_lookup_resumes_at_engine_block_size_and_never_last_token():
     sh = ModelShard("m", 16)
     sh.apply(batch([st(H[:4])], block_size=32), 1.0)
     a = sh.lookup(H[:4], 64, 2.0)[0]
-    assert a["cached_tokens"] == 64 and a["resumable_tokens"] == 32
+    assert a.cached_tokens == 64 and a.resumable_tokens == 32
     a = sh.lookup(H[:3], 50, 100.5)[0]
-    assert a["cached_tokens"] == 48 and a["resumable_tokens"] == 32
-    assert a["freshness"]["seq"] == 0 and a["freshness"]["last_event_age_ms"] == pytest.approx(500.0)
+    assert a.cached_tokens == 48 and a.resumable_tokens == 32
+    assert a.freshness.seq == 0 and a.freshness.last_event_age_ms == pytest.approx(500.0)
 
 
 def test_block_in_two_tiers_retracted_only_on_last_tier():
@@ -143,8 +144,8 @@ def test_tier_runs_split_prefix_by_fastest_tier():
     f(st(H[:5], "CPU"))
     assert sh.tier_runs(H, 0, 5) == [("GPU", 32), ("CPU", 48)]
     ans = sh.lookup(H[:5], 200, 1.0)[0]
-    assert ans["tiers"] == [{"tier": "GPU", "tokens": 32}, {"tier": "CPU", "tokens": 48}]
-    assert ans["cached_tokens"] == 80
+    assert ans.tiers == [Tier("GPU", 32), Tier("CPU", 48)]
+    assert ans.cached_tokens == 80
     # one tier only: one run
     sh2 = ModelShard("m", 16)
     Feeder(sh2)(st(H[:3], "CPU"))
@@ -190,8 +191,8 @@ def _lookups(sh: ModelShard, prompts) -> list:
     out = []
     for hashes in prompts:
         ans = sh.lookup(hashes, 16 * len(hashes) + 1, 500.0)
-        out.append(sorted((a["replica"], a["dp_rank"], a["cached_tokens"], a["resumable_tokens"],
-                           str(a["tiers"]), a["freshness"]["epoch"], a["freshness"]["seq"]) for a in ans))
+        out.append(sorted((a.replica, a.dp_rank, a.cached_tokens, a.resumable_tokens,
+                           str(a.tiers), a.freshness.epoch, a.freshness.seq) for a in ans))
     return out
 
 

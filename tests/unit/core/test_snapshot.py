@@ -28,7 +28,7 @@ def tiered_shard() -> ModelShard:
 
 
 def tiers_of(s: ModelShard) -> list:
-    return [a["tiers"] for a in s.lookup(HASHES, 16 * len(HASHES), time.time())]
+    return [a.tiers for a in s.lookup(HASHES, 16 * len(HASHES), time.time())]
 
 
 def v1_bytes(s: ModelShard) -> bytes:
@@ -56,7 +56,7 @@ def test_snapshots_store_tiers_by_name():
 def test_format_1_loads_as_written():
     s = tiered_shard()
     want = tiers_of(s)
-    assert [t["tier"] for t in want[0]] == ["GPU", "CPU", "DISK"]
+    assert [t.tier for t in want[0]] == ["GPU", "CPU", "DISK"]
     assert tiers_of(ModelShard.restore(v1_bytes(s))) == want
     assert tiers_of(ModelShard.restore(s.snapshot())) == want
 

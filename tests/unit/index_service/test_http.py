@@ -7,6 +7,7 @@ import struct
 import time
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
@@ -80,8 +81,9 @@ def requests_log():
     return load_requests(FIXTURE / "requests.jsonl")
 
 
-def _core(replicas: list[dict]) -> list[tuple]:
-    """What must match exactly (freshness ages move with the clock)."""
+def _core(replicas: list) -> list[tuple]:
+    """What must match exactly (freshness ages move with the clock), of HTTP or in-process answers."""
+    replicas = msgspec.to_builtins(replicas)
     return [(r["replica"], r["dp_rank"], r["cached_tokens"], r["resumable_tokens"],
              [(t["tier"], t["tokens"]) for t in r["tiers"]], r["freshness"]["epoch"],
              r["freshness"]["seq"], r["freshness"]["seq_gaps"]) for r in replicas]

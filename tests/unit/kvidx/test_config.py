@@ -46,4 +46,4 @@ def test_unreported_tiers_flag_upper_bounds(tmp_path):
                                [BlocksStored(tier, 0, hashes, None, 0)]), 0.0)
     (gpu_only,) = shard.lookup([1, 2], 33, 0.0)
     (with_cpu,) = shard.lookup([1, 2, 3, 4], 65, 0.0)
-    assert gpu_only["upper_bound"] is False and with_cpu["upper_bound"] is True
+    assert gpu_only.upper_bound is False and with_cpu.upper_bound is True

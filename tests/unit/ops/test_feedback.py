@@ -3,6 +3,7 @@ decisions and usage reports, per-prefix caps applied to answers, and, on a simul
 a replica whose engine reuses nothing of what the index credits gains. Over a real broker:
 tests/integration/test_audit.py."""
 
+from kvidx.core.answers import Freshness, ReplicaAnswer, Tier
 from kvidx.ops.feedback import (
     FEEDBACK_VERSION,
     CreditFactor,
@@ -48,11 +49,12 @@ def test_feedback_per_prefix_caps_only_the_prefix_the_engine_does_not_reuse():
         table.put(f)
 
     def answer():
-        return [{"replica": "r", "dp_rank": 0, "resumable_tokens": 320}]
+        return [ReplicaAnswer("r", 0, 320, [Tier("GPU", 320)], 320, 320, [], 0, 0, False, [],
+                              Freshness(None, None, 0, 0, 0))]
 
-    assert table.apply("m", answer(), 16, prefix=11)[0]["resumable_tokens"] == 320  # honest prefix
-    assert table.apply("m", answer(), 16, prefix=22)[0]["resumable_tokens"] == 0
-    assert table.apply("m", answer(), 16, prefix=33)[0]["feedback_capped"]  # no evidence: the replica's
+    assert table.apply("m", answer(), 16, prefix=11)[0].resumable_tokens == 320  # honest prefix
+    assert table.apply("m", answer(), 16, prefix=22)[0].resumable_tokens == 0
+    assert table.apply("m", answer(), 16, prefix=33)[0].feedback_capped  # no evidence: the replica's
 
 
 def test_feedback_measured_on_a_simulated_lying_replica():

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from kvidx.core.answers import Freshness, ReplicaAnswer, Tier
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
@@ -174,10 +175,12 @@ def test_controller_admit_evict_move_blocks_between_tiers():
 
 
 def test_mark_upper_bound():
-    a = {"resumable_tokens": 96, "tiers": [{"tier": "GPU", "tokens": 64}, {"tier": "CPU", "tokens": 32}],
-         "upper_bound": False}
-    assert mark_upper_bound(dict(a), {"CPU"})["upper_bound_tiers"] == ["CPU"]
-    assert mark_upper_bound(dict(a, resumable_tokens=64), {"CPU"})["upper_bound"] is False
+    def answer(resumable: int) -> ReplicaAnswer:
+        return ReplicaAnswer("r", 0, 96, [Tier("GPU", 64), Tier("CPU", 32)], resumable, 96, [], 0, 0,
+                             False, [], Freshness(None, None, 0, 0, 0))
+
+    assert mark_upper_bound(answer(96), {"CPU"}).upper_bound_tiers == ["CPU"]
+    assert mark_upper_bound(answer(64), {"CPU"}).upper_bound is False
 
 
 # ---- generated conformance stream -------------------------------------------------------------
@@ -202,10 +205,10 @@ def test_lmcache_fixture_lookups():
         (a,) = shard.lookup(h, len(prompt), 0.0)
         answers.append(mark_upper_bound(a, relay.mirror.lmcache.unreported_tiers))
     for a, key in [(answers[1], "after_turn2"), (answers[2], "after_gpu_evictions")]:
-        assert a["cached_tokens"] == exp[key]["turn2_prompt_cached"]
-        assert [[t["tier"], t["tokens"]] for t in a["tiers"]] == exp[key]["tiers"]
-    assert answers[2]["upper_bound_tiers"] == exp["after_gpu_evictions"]["upper_bound_tiers"]
-    assert "upper_bound_tiers" not in answers[1]
-    assert answers[3]["cached_tokens"] == exp["after_ttl"]["turn2_prompt_cached"]
+        assert a.cached_tokens == exp[key]["turn2_prompt_cached"]
+        assert [[t.tier, t.tokens] for t in a.tiers] == exp[key]["tiers"]
+    assert answers[2].upper_bound_tiers == exp["after_gpu_evictions"]["upper_bound_tiers"]
+    assert answers[1].upper_bound_tiers is None
+    assert answers[3].cached_tokens == exp["after_ttl"]["turn2_prompt_cached"]
     st = relay.mirror.lmcache.stats
     assert {k: st[k] for k in exp["mirror"]} == exp["mirror"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvidx.core.answers import Tier
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
@@ -150,7 +151,7 @@ def test_cache_level_move_is_never_a_loss():
         assert shard.credited(hashes, 65, "r") == 64
         if i == 1:
             ans = shard.lookup(hashes, 65, 0)[0]
-            assert ans["tiers"] == [{"tier": "GPU", "tokens": 32}, {"tier": "CPU", "tokens": 32}]
+            assert ans.tiers == [Tier("GPU", 32), Tier("CPU", 32)]
     assert relay.ranks[0].mirror.stats["moved"] == 2
 
 

@@ -272,7 +272,7 @@ def test_variants_fixture_lookups():
         rank0 = want["rank0"]["resumable_tokens"] if isinstance(want["rank0"], dict) else want["rank0"]
         assert shard.credited(keys[name], n, "node1", 0) == rank0, name
         assert shard.credited(keys[name], n, "node1", 1) == want["rank1"], name
-    (a,) = [x for x in shard.lookup(keys["plain"], n, 0.0) if x["dp_rank"] == 0]
+    (a,) = [x for x in shard.lookup(keys["plain"], n, 0.0) if x.dp_rank == 0]
     p = exp["lookups"]["plain"]["rank0"]
-    assert a["cached_tokens"] == p["cached_tokens"]
-    assert [[t["tier"], t["tokens"]] for t in a["tiers"]] == p["tiers"]
+    assert a.cached_tokens == p["cached_tokens"]
+    assert [[t.tier, t.tokens] for t in a.tiers] == p["tiers"]

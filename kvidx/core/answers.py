@@ -1,0 +1,78 @@
+"""What a lookup answers, as msgspec structs: the one type the walk builds, the query pipeline prices
+and ranks, the HTTP service encodes (no intermediate dicts), routers decode, and the demo, simulator,
+replay and audit read by attribute. The OpenAPI document is generated from these too
+(index_service/responses.py).
+
+Optional fields default to None or False and are left out of the encoded answer (omit_defaults): an
+answer carries the hybrid, pool and feedback fields only where they apply, and unknown fields are
+allowed on decode, so an additive change stays readable by routers built against an older version.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Tier(msgspec.Struct):
+    tier: str  # GPU, CPU, DISK, NODE_SHARED ...
+    tokens: int
+
+
+class Group(msgspec.Struct, omit_defaults=True):
+    """One KV-cache group of the model (hybrid models have several)."""
+    group: int
+    kind: str
+    hit_tokens: int
+    blocks: int
+    window: int | None = None  # sliding-window groups
+    prompt_blocks: int | None = None  # hybrid models: this prompt's index blocks the group holds
+
+
+class Price(msgspec.Struct):
+    """The prefix price: queue + load from the tiers + prefill of what is left, in seconds."""
+    prefill_tokens: int
+    prefill_s: float
+    load_s: float
+    queue_s: float
+    total_s: float
+
+
+class Freshness(msgspec.Struct):
+    last_event_age_ms: float | None  # None: no engine event applied yet
+    apply_lag_ms: float | None
+    epoch: int
+    seq: int
+    seq_gaps: int
+
+
+class ReplicaAnswer(msgspec.Struct, omit_defaults=True):
+    replica: str
+    dp_rank: int
+    cached_tokens: int
+    tiers: list[Tier]
+    resumable_tokens: int
+    full_attention_hit_tokens: int
+    groups: list[Group]
+    pending_tokens: int
+    inflight_prefill_tokens: int
+    upper_bound: bool
+    upper_bound_groups: list[str]
+    freshness: Freshness
+    price: Price | None = None  # set by the query pipeline (a bare shard lookup has none)
+    # tiers whose evictions go unreported that the credit relies on (LMCache through vLLM)
+    upper_bound_tiers: list[str] | None = None
+    # with audit feedback (kvidx feedback): the replica's credit is capped
+    feedback_capped: bool = False
+    credit_factor: float | None = None
+    index_resumable_tokens: int | None = None
+
+
+class LookupAnswer(msgspec.Struct):
+    """Replicas best first: by resumable tokens (/v1/lookup), by price (/v1/rank)."""
+    model: str
+    prompt_tokens: int
+    block_size: int  # the index block size the prompt was hashed with
+    replicas: list[ReplicaAnswer]
+
+
+LOOKUP_ANSWER_DECODER = msgspec.json.Decoder(LookupAnswer)  # what a router in Python decodes with
