@@ -29,7 +29,8 @@ def sniff_engine(payload: bytes) -> str | None:
                 return "vllm"
             if _SGLANG_ONLY & keys:
                 return "sglang"
-            if any(isinstance(h, int) and h < 0 for h in ev.get("block_hashes") or ()):
+            hashes = ev.get("block_hashes")
+            if isinstance(hashes, list) and any(isinstance(h, int) and h < 0 for h in hashes):
                 return "sglang"  # signed int64 page hashes; vLLM's are unsigned or bytes
     return None
 
