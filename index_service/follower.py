@@ -23,7 +23,7 @@ from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
 from kvidx.kafka.reach import message, wait_for_broker
-from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
+from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC
 from schemas.routes import RouteDecision, decode_route, encode_route
 from streams.snapshots import read_snapshots, watermarks
 
@@ -122,12 +122,9 @@ class KafkaFollower(Background):
                     if msg.topic() == self.routes_topic:
                         self._route(msg.value())
                         continue
-                    try:
-                        batch = decode_batch(msg.value())
-                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                    if not self.store.fold(msg.value(), msg.partition(), msg.offset()):
                         self.undecodable += 1  # the worker dead-letters it; a replica only skips
                         continue
-                    self.store.apply(batch)
                     if ends and msg.offset() + 1 >= ends.get(msg.partition(), 0):
                         ends.pop(msg.partition(), None)
                         if not ends:

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvidx.config import Config, ShardSettings
+from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.shard import ModelShard
 from schemas.events import EventBatch
 from schemas.routes import RouteDecision
@@ -48,6 +49,16 @@ class ShardStore:
         with self.lock:
             self.batches_applied += 1
             return self.shard(batch.model).apply(batch, time.time() if now is None else now)
+
+    def fold(self, raw: bytes, partition: int = -1, offset: int = -1, now: float | None = None) -> bool:
+        """An events-topic message folded in (kvidx.core.fold); False if it was undecodable."""
+        with self.lock:
+            try:
+                fold_message(self.shard, raw, time.time() if now is None else now, partition, offset)
+            except Undecodable:
+                return False
+            self.batches_applied += 1
+            return True
 
     def put(self, shard: ModelShard) -> None:
         self.settings.configure(shard)

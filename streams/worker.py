@@ -22,16 +22,16 @@ import time
 from pathlib import Path
 
 import faust
-import msgspec
 from confluent_kafka import Producer
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from kvidx.config import ShardSettings
+from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.config import client_config, faust_credentials
-from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC, decode_batch
+from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC
 from streams.snapshots import LocalStore, SnapshotTopic, read_snapshots, split
 
 log = logging.getLogger("kvidx.streams")
@@ -138,16 +138,14 @@ class ShardWorker:
         return s
 
     def fold(self, raw: bytes, partition: int, offset: int = -1, now: float | None = None) -> None:
-        try:
-            batch = decode_batch(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            self.dead_letter(raw, "undecodable_event_batch", str(e)[:300])
-            return
         now = time.time() if now is None else now
-        shard = self.shard(batch.model, partition)
-        applied = shard.apply(batch, now)
+        try:
+            batch, applied = fold_message(lambda model: self.shard(model, partition), raw, now, partition,
+                                          offset)
+        except Undecodable as e:
+            self.dead_letter(raw, "undecodable_event_batch", str(e))
+            return
         self.batches_folded += 1
-        shard.events_offset = max(shard.events_offset, offset + 1)
         APPLIED.labels(batch.model, "applied" if applied else "duplicate").inc()
         if applied:
             self.dirty.add(batch.model)

@@ -44,6 +44,7 @@ from confluent_kafka import Producer
 
 from kvidx.config import ShardSettings
 from kvidx.core.answers import ReplicaAnswer
+from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config
@@ -61,7 +62,7 @@ from kvidx.ops.kafkalog import (
     read_range,
     topic_prefix,
 )
-from schemas.events import decode_batch, topic_names
+from schemas.events import topic_names
 from schemas.routes import decode_route
 from schemas.usage import decode_usage
 from streams.snapshots import CHUNK, read_snapshots, watermarks
@@ -289,12 +290,10 @@ def replay(bootstrap: str, names: dict[str, str], model: str, until: float | Non
                 _add_route(shard, routes[ri][1])
                 ri += 1
             try:
-                batch = decode_batch(m.value)
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                fold_message(lambda _model: shard, m.value, m.ts, m.partition, m.offset)
+            except Undecodable:
                 result.undecodable += 1
                 continue
-            shard.apply(batch, m.ts)
-            shard.events_partition, shard.events_offset = m.partition, m.offset + 1
             result.batches += 1
             result.last_event_ts = m.ts
         bar.close()
