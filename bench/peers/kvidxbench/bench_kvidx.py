@@ -1,0 +1,229 @@
+"""Drives kvidx's pure core (kvidx/core/shard.py ModelShard.apply = the fold; prefix_blocks = the
+lookup AND-walk; kvidx/core/hashing.py prompt_hashes = canonical hashing) from the common event
+file, in process, as bench/bench_fold.py ("apply alone") and bench/bench_lookup.py ("(b')
+shard.prefix_blocks") do. Passes: ingest (events only), mixed (trace order; every query timed),
+tracemalloc (index bytes, untimed), hashing (tokens -> canonical hashes). Prints one JSON object.
+
+One EventBatch per Stored/Removed record (one BlocksStored or BlocksRemoved event each), pre-built
+before timing: the wire decode (msgspec) is excluded, as the peers get pre-built Rust/Go structs.
+
+kvidx is imported from this repository's root (bench/peers/kvidxbench/../../..), or from $KVIDX_ROOT
+(run.sh --rev exports a commit there). Usage: bench_kvidx.py EVENTS_FILE (env HASH_EVERY, PROFILE,
+PROFILE_OUT).
+"""
+import gc
+import json
+import os
+import struct
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+KVIDX = os.path.abspath(os.environ.get("KVIDX_ROOT") or REPO)
+sys.path.insert(0, KVIDX)
+from kvidx.core.hashing import prompt_hashes  # noqa: E402
+from kvidx.core.shard import ModelShard  # noqa: E402
+from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch  # noqa: E402
+
+try:  # the compiled mask map, where the core has one: say which implementation ran
+    from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
+except ImportError:
+    MASKMAP_IMPLEMENTATION = None
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def load(path):
+    data = open(path, "rb").read()
+    assert data[:8] == b"KVEVTS01"
+    nw, bt, n = struct.unpack_from("<IIQ", data, 8)
+    p = 24
+    recs = []
+    u64 = np.dtype("<u8")
+    for _ in range(n):
+        t = data[p]
+        p += 1
+        if t == 0:
+            (k,) = struct.unpack_from("<I", data, p)
+            p += 4
+            seq = np.frombuffer(data, u64, k, p).tolist()
+            p += 8 * k
+            p += 8 * k  # Dynamo local hashes: unused by kvidx
+            ids = np.frombuffer(data, u64, k, p).copy()
+            p += 8 * k
+            recs.append((0, seq, ids))
+        elif t == 1:
+            w, hp, par, k = struct.unpack_from("<IBQI", data, p)
+            p += 17
+            seq = np.frombuffer(data, u64, k, p).tolist()
+            p += 16 * k
+            recs.append((1, w, par if hp else None, seq))
+        elif t == 2:
+            w, k = struct.unpack_from("<II", data, p)
+            p += 8
+            seq = np.frombuffer(data, u64, k, p).tolist()
+            p += 8 * k
+            recs.append((2, w, seq))
+        else:
+            raise ValueError(t)
+    return nw, bt, recs
+
+
+def build_batches(recs, bt):
+    """rec index -> EventBatch for Stored/Removed records (per-replica seq numbers)."""
+    seqs = {}
+    out = [None] * len(recs)
+    ts = 1.7e9
+    for i, r in enumerate(recs):
+        if r[0] == 0:
+            continue
+        w = r[1]
+        s = seqs.get(w, 0)
+        seqs[w] = s + 1
+        if r[0] == 1:
+            # depth is informational for kvidx's fold (the AND-walk does not use it)
+            ev = BlocksStored(tier="GPU", group=0, hashes=r[3], parent=r[2], depth=0)
+        else:
+            ev = BlocksRemoved(tier="GPU", group=0, hashes=r[2])
+        out[i] = EventBatch(v=SCHEMA_VERSION, model="bench-model", replica=f"worker-{w:03d}", dp_rank=0,
+                            epoch=1, seq=s, engine_ts=ts, relay_ts=ts, block_size=bt, events=[ev])
+    return out
+
+
+def pct(a, q):
+    return float(np.percentile(np.asarray(a), q, method="nearest"))
+
+
+def main():
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
+    path = sys.argv[1]
+    if MASKMAP_IMPLEMENTATION is not None:
+        print(f"kvidx.core.maskmap: {MASKMAP_IMPLEMENTATION}", file=sys.stderr)
+    hash_every = int(os.environ.get("HASH_EVERY", "1"))
+    profile = os.environ.get("PROFILE")  # "ingest" | "lookup": cProfile that pass, write to $PROFILE_OUT
+    t0 = time.perf_counter()
+    nw, bt, recs = load(path)
+    batches = build_batches(recs, bt)
+    load_s = time.perf_counter() - t0
+    ev_batches = [b for b in batches if b is not None]
+    block_events = sum(len(r[3]) if r[0] == 1 else len(r[2]) for r in recs if r[0] != 0)
+    gc.collect()
+    rss0 = rss()
+
+    # ---- ingest pass (apply alone, as bench_fold "apply alone") ----
+    shard = ModelShard("bench-model", bt)
+    apply = shard.apply
+    prof = None
+    if profile == "ingest":
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    t = time.perf_counter()
+    for b in ev_batches:
+        apply(b, 1.0)
+    ingest_s = time.perf_counter() - t
+    if prof:
+        prof.disable()
+        prof.dump_stats(os.environ["PROFILE_OUT"])
+    gc.collect()
+    rss1 = rss()
+    entries = sum(st.blocks for st in shard.replicas.values())  # live (block, tier, group, replica)
+    del shard, apply
+    gc.collect()
+
+    # ---- mixed pass: trace order, every query timed (shard.prefix_blocks = the AND-walk) ----
+    shard = ModelShard("bench-model", bt)
+    apply, walk = shard.apply, shard.prefix_blocks
+    clock = time.perf_counter_ns
+    lat = []
+    ev_ns = 0
+    checksum = 0
+    hit_q = 0
+    q_blocks = 0
+    if profile == "lookup":
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    tw = time.perf_counter()
+    for r, b in zip(recs, batches, strict=True):
+        if r[0] == 0:
+            hs = r[1]
+            q_blocks += len(hs)
+            t = clock()
+            res = walk(hs)
+            lat.append(clock() - t)
+            s = sum(res.values())
+            checksum += s
+            hit_q += s > 0
+        else:
+            t = clock()
+            apply(b, 1.0)
+            ev_ns += clock() - t
+    mixed_wall = time.perf_counter() - tw
+    if prof:
+        prof.disable()
+        prof.dump_stats(os.environ["PROFILE_OUT"])
+    lat_us = np.asarray(lat, dtype=float) / 1e3
+    final_shard = shard
+    del apply, walk
+
+    # ---- hashing pass: tokens (hash_id repeated 512x as uint32) -> canonical hashes ----
+    hl = []
+    hb = 0
+    qi = 0
+    mism = 0
+    for r in recs:
+        if r[0] != 0:
+            continue
+        qi += 1
+        if (qi - 1) % hash_every:
+            continue
+        packed = np.repeat(r[2].astype("<u4"), bt).tobytes()
+        t = clock()
+        h = prompt_hashes(packed, bt)
+        hl.append(clock() - t)
+        hb += len(h)
+        mism += h != r[1]
+    hl_us = np.asarray(hl, dtype=float) / 1e3
+
+    # ---- index bytes, untimed: tracemalloc over a rebuild of the final state ----
+    del final_shard, shard
+    gc.collect()
+    tracemalloc.start()
+    m0 = tracemalloc.get_traced_memory()[0]
+    shard = ModelShard("bench-model", bt)
+    for b in ev_batches:
+        shard.apply(b, 1.0)
+    gc.collect()
+    heap_index = tracemalloc.get_traced_memory()[0] - m0
+    tracemalloc.stop()
+
+    out = {
+        "indexer": "kvidx ModelShard (CPython, 1 thread)", "python": sys.version.split()[0],
+        "kvidx_root": KVIDX, "maskmap_implementation": MASKMAP_IMPLEMENTATION,
+        "load_s": round(load_s, 3), "event_msgs": len(ev_batches), "block_events": block_events,
+        "ingest_s": ingest_s, "ingest_blocks_per_s": block_events / ingest_s,
+        "mixed_event_s": ev_ns / 1e9, "mixed_ingest_blocks_per_s": block_events / (ev_ns / 1e9),
+        "mixed_wall_s": mixed_wall, "queries": len(lat), "query_blocks": q_blocks,
+        "lookup_p50_us": pct(lat_us, 50), "lookup_p99_us": pct(lat_us, 99),
+        "lookup_p999_us": pct(lat_us, 99.9),
+        "lookup_mean_us": float(lat_us.mean()), "lookups_per_s": len(lat) / (lat_us.sum() / 1e6),
+        "checksum": checksum, "hit_queries": hit_q, "entries": entries, "index_heap_bytes": heap_index,
+        "rss_base_bytes": rss0, "rss_after_ingest_bytes": rss1,
+        "hash_queries": len(hl), "hash_blocks": hb, "hash_p50_us": pct(hl_us, 50),
+        "hash_p99_us": pct(hl_us, 99),
+        "hash_blocks_per_s": hb / (hl_us.sum() / 1e6), "hash_mismatches": int(mism),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
