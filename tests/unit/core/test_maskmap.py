@@ -1,0 +1,334 @@
+"""The mask map (kvidx/core/maskmap.py): the native MaskMap (native/, Rust) and the pure-Python
+reference PyMaskMap driven side by side by random operation sequences (slots 0..130, so masks wider
+than one 64-bit word are covered), comparing every return value and exception and the final
+contents; the walk, bulk masks and snapshot layout against the shard's own code (walk.py `_walk`,
+snapshot.py `_pack_masks`); `chain` against kvidx.core.hashing.chain.
+
+Without kvidx_native the native half skips (the reference's own checks still run), unless
+KVIDX_REQUIRE_NATIVE=1 (CI), where a missing native module fails."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvidx.core import maskmap
+from kvidx.core.hashing import chain as ref_chain
+from kvidx.core.maskmap import PyMaskMap, py_chain
+from kvidx.core.snapshot import _pack_masks, _unpack_masks
+from kvidx.core.walk import _walk
+from tests.helpers import ROOT
+
+try:
+    import kvidx_native
+except ImportError:
+    kvidx_native = None
+
+REQUIRE = os.environ.get("KVIDX_REQUIRE_NATIVE") == "1"
+
+
+@pytest.fixture(scope="module")
+def native():
+    if kvidx_native is None:
+        if REQUIRE:
+            pytest.fail("KVIDX_REQUIRE_NATIVE=1 but kvidx_native does not import")
+        pytest.skip("kvidx_native is not built (no Rust toolchain): the pure-Python core runs")
+    return kvidx_native
+
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+M64 = (1 << 64) - 1
+POOL = [0, 1, 2, 3, 63, 64, 1 << 32, 1 << 63, M64, M64 - 1, 0x9E3779B97F4A7C15, 12345678901234567]
+hashes = st.one_of(st.sampled_from(POOL), st.integers(0, M64))
+slots = st.one_of(st.integers(0, 7), st.sampled_from([63, 64, 65, 127, 128]), st.integers(0, 130))
+masks = st.sets(slots, min_size=1, max_size=4).map(lambda s: sum(1 << i for i in s))
+N_MAPS = 4  # maps 0..2: tiers of a group; map 3: their union ("any tier")
+
+
+def operations(h: st.SearchStrategy, s: st.SearchStrategy) -> st.SearchStrategy:
+    """One operation on hashes from `h` and slots from `s`."""
+    hl = st.lists(h, max_size=12)
+    m = st.one_of(masks, st.sets(s, min_size=1, max_size=3).map(lambda b: sum(1 << i for i in b)))
+    i = st.integers(0, N_MAPS - 1)
+    fold = st.one_of(  # the shard's fold: the most of a program
+        st.tuples(st.just("tier_store"), st.integers(0, 2), hl, s),
+        st.tuples(st.just("remove"), st.integers(0, 2), hl, s, st.sampled_from(
+            ["tiers", "tiers", "none", "self_union", "self_in_others", "union_in_others"])),
+    )
+    return st.one_of(
+        fold, fold, fold,
+        st.tuples(st.just("store"), i, hl, s),
+        st.tuples(st.just("clear_slot"), i, s),
+        st.tuples(st.just("setitem"), i, h, st.one_of(m, st.just(0))),
+        st.tuples(st.just("delitem"), i, h),
+        st.tuples(st.just("pop"), i, h, st.sampled_from([(), (None,), (7,)])),
+        st.tuples(st.just("get"), i, h),
+        st.tuples(st.just("update"), i, st.lists(st.tuples(h, m), max_size=5)),
+        st.tuples(st.just("export_load"), i, i, st.integers(1, 4)),
+        st.tuples(st.just("or_into"), i, i),
+        st.tuples(st.just("copy"), i, i),
+        st.tuples(st.just("masks"), i, hl),
+        st.tuples(st.just("walk"), i, hl),
+    )
+
+
+@st.composite
+def programs(draw) -> list[tuple]:
+    """A sequence of operations over a few hashes and slots of its own (so that tiers share blocks and
+    slots, as in a shard), now and then any hash or slot; wide slots (>= 64) included."""
+    hp = draw(st.lists(hashes, min_size=1, max_size=6, unique=True))
+    sp = draw(st.lists(slots, min_size=1, max_size=3, unique=True))
+    h = st.one_of(st.sampled_from(hp), st.sampled_from(hp), st.sampled_from(hp), hashes)
+    s = st.one_of(st.sampled_from(sp), st.sampled_from(sp), st.sampled_from(sp), slots)
+    return draw(st.lists(operations(h, s), min_size=10, max_size=60))
+
+
+def apply(maps: list, op: tuple):
+    """Runs one operation on `maps` (one implementation's); its result (or exception type) to compare."""
+    name, i, *args = op
+    d = maps[i]
+    try:
+        if name == "store":
+            return d.store(args[0], args[1])
+        if name == "tier_store":  # as the shard stores: in a tier and in the union
+            return d.store(args[0], args[1]), maps[3].store(args[0], args[1])
+        if name == "remove":
+            hs, slot, mode = args
+            tiers = [maps[j] for j in range(3) if j != i]
+            if mode == "tiers":
+                return d.remove(hs, slot, tiers, maps[3])
+            if mode == "none":
+                return d.remove(hs, slot)
+            if mode == "self_union":  # one tier: the union is the tier's own map
+                return d.remove(hs, slot, [], d)
+            if mode == "self_in_others":
+                return d.remove(hs, slot, [d, *tiers], maps[3])
+            return d.remove(hs, slot, [maps[3]], maps[3])
+        if name == "clear_slot":
+            return d.clear_slot(args[0])
+        if name == "setitem":
+            d[args[0]] = args[1]
+            return None
+        if name == "delitem":
+            del d[args[0]]
+            return None
+        if name == "pop":
+            return d.pop(args[0], *args[1])
+        if name == "get":
+            return (d.get(args[0]), d.get(args[0], -1), args[0] in d, len(d))
+        if name == "update":
+            return d.update(args[0])
+        if name == "export_load":
+            keys, packed = d.export(args[1])
+            maps[args[0]].load(keys, packed, args[1])
+            return len(keys), len(packed)
+        if name == "or_into":
+            return d.or_into(maps[args[0]])
+        if name == "copy":
+            maps[args[0]] = d.copy()
+            return None
+        if name == "masks":
+            return d.masks(args[0])
+        if name == "walk":
+            return d.walk(args[0])
+    except (ValueError, KeyError, OverflowError, TypeError) as e:
+        return type(e)
+    raise AssertionError(name)
+
+
+def contents(d) -> list[tuple[int, int]]:
+    return sorted(d.items())
+
+
+@settings(SETTINGS, max_examples=250)
+@given(programs())
+def test_native_and_reference_agree_on_random_operation_sequences(native, seq):
+    py = [PyMaskMap() for _ in range(N_MAPS)]
+    nat = [native.MaskMap() for _ in range(N_MAPS)]
+    for op in seq:
+        got_py, got_nat = apply(py, op), apply(nat, op)
+        assert got_nat == got_py, op
+    for a, b in zip(py, nat, strict=True):
+        assert contents(b) == contents(a)
+        assert len(b) == len(a)
+        assert all(m > 0 for m in b.values())
+        assert sorted(b.keys()) == sorted(a.keys()) and sorted(b.values()) == sorted(a.values())
+        assert sorted(b) == sorted(a)
+
+
+def _impls(native_mod):
+    return [PyMaskMap] + ([native_mod.MaskMap] if native_mod is not None else [])
+
+
+@SETTINGS
+@given(base=st.lists(st.integers(0, M64), min_size=1, max_size=30, unique=True),
+       held=st.lists(st.tuples(slots, st.integers(0, 30)), max_size=8),
+       probe=st.lists(st.tuples(st.integers(0, 29), st.booleans()), max_size=8))
+def test_walk_and_masks_match_the_shards_walk(base, held, probe):
+    """Slot s holds base[:k] (prefixes, as engines do); the walk of base, of its prefixes and of
+    variants with a foreign hash spliced in matches walk.py `_walk` over a plain dict."""
+    ref: dict[int, int] = {}
+    for s, k in held:
+        for h in base[:k]:
+            ref[h] = ref.get(h, 0) | 1 << s
+    seqs = [base, base[:1], list(reversed(base))]
+    for at, foreign in probe:
+        s = list(base)
+        s.insert(min(at, len(s)), 0x5EED if foreign else base[0])
+        seqs.append(s)
+    for impl in _impls(kvidx_native):
+        d = impl()
+        for s, k in held:
+            d.store(base[:k], s)
+        assert contents(d) == sorted(ref.items())
+        for s in seqs:
+            assert d.walk(s) == _walk(ref.get, s), (impl, s)
+            assert list(d.walk(s).items()) == list(_walk(ref.get, s).items())  # same order too
+            assert d.masks(s) == [ref.get(h, 0) for h in s]
+        assert d.walk([]) == {}
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(0, M64), masks), max_size=30), st.integers(0, 3))
+def test_export_is_the_snapshot_layout_and_load_reads_it_back(pairs, extra_words):
+    for impl in _impls(kvidx_native):
+        d = impl(pairs)
+        n_slots = max((m.bit_length() for m in d.values()), default=0)
+        words = max(1, (n_slots + 63) // 64)
+        keys, packed = d.export(words)
+        # exactly what snapshot.py writes: keys as little-endian u64s, masks by _pack_masks, one order
+        assert keys == np.fromiter(d.keys(), dtype=np.uint64, count=len(d)).tobytes()
+        assert (words, packed) == _pack_masks(d.values(), len(d), n_slots)
+        assert _unpack_masks((words, packed)) == list(d.values())
+        if words > 1:
+            with pytest.raises(ValueError):
+                d.export(words - 1)
+        wide_keys, wide = d.export(words + extra_words)
+        back = impl()
+        back.load(wide_keys, wide, words + extra_words)
+        assert contents(back) == contents(d)
+        back.load(keys, packed, words)  # OR-ing the same entries in again changes nothing
+        assert contents(back) == contents(d)
+
+
+def test_load_ors_into_existing_entries_and_skips_zero_masks():
+    for impl in _impls(kvidx_native):
+        d = impl([(1, 0b01), (2, 1 << 70)])
+        keys = np.array([1, 2, 3, 1], dtype="<u8").tobytes()
+        packed = b"".join(m.to_bytes(16, "little") for m in (0b10, 1, 0, 1 << 100))
+        d.load(keys, packed, 2)
+        assert contents(d) == [(1, 0b11 | 1 << 100), (2, 1 << 70 | 1)], impl
+        with pytest.raises(ValueError):
+            d.load(keys, packed[:-8], 2)
+        with pytest.raises(ValueError):
+            d.load(keys, packed, 0)
+        e = impl()
+        e.load(memoryview(keys), bytearray(packed), 2)  # any bytes-like object
+        assert contents(e) == [(1, 0b10 | 1 << 100), (2, 1)]
+
+
+def test_dict_like_errors_and_copies(native):
+    for impl in (PyMaskMap, native.MaskMap):
+        d = impl([(5, 3), (1 << 63, 1 << 99)])
+        for bad in (0, -1):
+            with pytest.raises(ValueError):
+                d[7] = bad
+        with pytest.raises(OverflowError):
+            d[-1] = 1
+        with pytest.raises(OverflowError):
+            d[1 << 64] = 1
+        with pytest.raises(TypeError):
+            d[7] = "1"
+        with pytest.raises(KeyError):
+            d[7]
+        with pytest.raises(KeyError):
+            del d[7]
+        with pytest.raises(KeyError):
+            d.pop(7)
+        with pytest.raises(ValueError):
+            d.store([1], -1)
+        with pytest.raises(OverflowError):
+            d.store([-1], 0)
+        assert d.get(7) == 0 and d.get("x", None) is None and "x" not in d and -1 not in d
+        assert d.pop(7, None) is None
+        c = d.copy()
+        c.store([5], 200)
+        assert d[5] == 3 and c[5] == 3 | 1 << 200
+        for other in (copy.copy(d), copy.deepcopy(d), pickle.loads(pickle.dumps(d))):
+            assert type(other) is impl and contents(other) == contents(d)
+        assert sorted(iter(d)) == [5, 1 << 63]
+        d.update({9: 1})
+        d.update(d)
+        assert contents(d) == [(5, 3), (9, 1), (1 << 63, 1 << 99)]
+        assert d.memory_bytes() > 0
+        d.clear()
+        assert len(d) == 0 and not d
+
+
+def test_remove_retracts_the_union_only_when_the_last_tier_drops_a_block(native):
+    for impl in (PyMaskMap, native.MaskMap):
+        gpu, cpu, any_ = impl(), impl(), impl()
+        for tier in (gpu, cpu):
+            tier.store([1, 2], 3)
+        gpu.store([1, 2], 100)
+        gpu.or_into(any_)
+        cpu.or_into(any_)
+        assert gpu.remove([1, 2, 9], 3, [cpu], any_) == 2
+        assert contents(any_) == [(1, 8 | 1 << 100), (2, 8 | 1 << 100)]  # cpu still holds slot 3
+        assert cpu.remove([1], 3, [gpu], any_) == 1
+        assert contents(any_) == [(1, 1 << 100), (2, 8 | 1 << 100)]
+        assert gpu.remove([1, 1], 100, [cpu], any_) == 1
+        assert contents(gpu) == [(2, 1 << 100)] and contents(any_) == [(2, 8 | 1 << 100)]
+        assert any_.clear_slot(100) == 1 and contents(any_) == [(2, 8)]
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(1, 20), st.integers(0, M64))
+def test_chain_matches_canonical_hashing(tokens, block_size, parent):
+    packed = np.asarray(tokens, dtype="<u4").tobytes()
+    want = ref_chain(packed, block_size, parent)
+    for f in [py_chain] + ([kvidx_native.chain] if kvidx_native else []):
+        assert f(packed, block_size, parent) == want
+        assert f(memoryview(packed), block_size, parent) == want
+        assert f(bytearray(packed), block_size, parent) == want
+
+
+def test_native_chain_on_long_inputs(native):
+    packed = np.arange(1 << 17, dtype="<u4").tobytes()  # long enough to hash without the GIL
+    for bs in (1, 16, 1000):
+        assert native.chain(packed, bs, 11) == ref_chain(packed, bs, 11)
+    assert native.chain(np.arange(64, dtype="<u4"), 16, 3) == ref_chain(np.arange(64, dtype="<u4").tobytes(),
+                                                                        16, 3)
+    with pytest.raises(ValueError):
+        native.chain(packed, 0, 1)
+
+
+def _select(env: dict, code: str = "") -> subprocess.CompletedProcess:
+    run = ("import sys\n" + code + "\nfrom kvidx.core import maskmap\n"
+           "print(maskmap.IMPLEMENTATION, maskmap.MaskMap.__name__, maskmap.chain.__name__)")
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KVIDX_")} | env
+    return subprocess.run([sys.executable, "-c", run], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_selection_falls_back_or_refuses():
+    p = _select({"KVIDX_NATIVE": "0"})
+    assert p.returncode == 0 and p.stdout.split() == ["python", "PyMaskMap", "py_chain"], p.stderr
+    block = "sys.modules['kvidx_native'] = None"  # as if not built
+    p = _select({}, block)
+    assert p.returncode == 0 and p.stdout.split()[0] == "python", p.stderr
+    p = _select({"KVIDX_REQUIRE_NATIVE": "1"}, block)
+    assert p.returncode != 0 and "ImportError: KVIDX_REQUIRE_NATIVE=1" in p.stderr
+    assert "pip install ./native" in p.stderr
+    if kvidx_native is not None:
+        assert maskmap.IMPLEMENTATION == ("python" if os.environ.get("KVIDX_NATIVE") == "0" else "native")
+        p = _select({"KVIDX_REQUIRE_NATIVE": "1"})
+        assert p.stdout.split() == ["native", "MaskMap", "chain"], p.stderr
