@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh clone: a virtualenv with kvidx and its test tools, and Apache Kafka's jars
-# (fetched once with Maven, cached in ~/.cache/kvidx). Needs python3 (3.11+), java 17+ and mvn.
+# (fetched once with Maven, cached in ~/.cache/kvidx). Needs python3 (3.11+), java 17+ and mvn; with cargo
+# (Rust) it also builds kvidx's compiled core, native/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v java >/dev/null || { echo "setup: java 17+ is needed for the local Kafka broker" >&2; exit 1; }
@@ -12,5 +13,15 @@ fi
 # setuptools tells every editable install, as a warning, to beware of folders named like a package:
 # an FYI (its InformationOnly class), not a problem; real warnings and errors still show
 PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e '.[test]'
+# the compiled core (native/: Rust, built from source by maturin, fetched from PyPI as its build backend);
+# without cargo, kvidx/core/maskmap.py falls back to its pure-Python reference of the same API
+if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"  # rustup's default place, where a login shell's PATH has it
+fi
+if command -v cargo >/dev/null; then
+  .venv/bin/python -m pip install -q ./native
+else
+  echo "setup: no Rust toolchain: kvidx runs its pure-Python core" >&2
+fi
 .venv/bin/kvidx kafka fetch >/dev/null
 echo "setup: done (.venv ready, Kafka jars cached)" >&2

@@ -2,16 +2,19 @@
 //! and canonical block hashing, for kvidx/core/maskmap.py (whose `PyMaskMap` is the pure-Python
 //! reference of the same API; tests/unit/core/test_maskmap.py checks that they agree).
 //!
-//! Layout (memory is the budget): word 0 of every mask (slots 0..63) is stored inline, as the value
-//! of one `HashMap<u64, u64>` (16 bytes a bucket plus a control byte). Words 1.. (slots >= 64) live
-//! in a side map used only by the hashes that have such bits, so a fleet of more than 64 replicas
-//! works at no cost to the small ones. Invariant: a hash is in the map iff it is a key of `lo` (its
-//! word 0 may be 0 when only high bits are set); a `hi` vector is never empty and its last word is
-//! never 0; no entry has an all-zero mask.
+//! Layout (memory is the budget): one `HashMap<u64, u64>` per 64-bit word of the masks. Word 0
+//! (slots 0..63) of every entry is stored inline as the value of the first table (16 bytes a bucket
+//! plus a control byte), which is also the key set. Word w >= 1 (slots 64w..64w+63) is in table w,
+//! only for the entries with a bit there, so a fleet of more than 64 replicas works at no cost to
+//! the small ones, and a wide entry costs one more (key, word) bucket per word it uses, no heap
+//! block of its own. Invariants: a hash is in the map iff it is a key of `lo` (its word 0 may be 0
+//! when only high bits are set); the `hi` tables hold no 0 words and the last one is never empty;
+//! no entry has an all-zero mask.
 //!
 //! The keys are canonical block hashes (xxh3-64 output: already uniformly random), so the tables use
 //! hashbrown's default hasher (foldhash, seeded per process: one folded multiply per key), not SipHash.
 
+use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
 use num_bigint::BigUint;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
@@ -19,142 +22,154 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyTuple};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-/// A mask as words: word 0 inline, then the trimmed high words (empty for a mask below 2**64).
-struct Mask {
-    lo: u64,
-    hi: Vec<u64>,
-}
-
 #[derive(Clone, Default)]
 struct Masks {
     lo: HashMap<u64, u64>,
-    hi: HashMap<u64, Vec<u64>>,
-}
-
-#[inline]
-fn trim(v: &mut Vec<u64>) {
-    while v.last() == Some(&0) {
-        v.pop();
-    }
+    hi: Vec<HashMap<u64, u64>>,  // hi[w - 1]: word w of the entries that have a bit in it
 }
 
 impl Masks {
     #[inline]
-    fn hi_of(&self, h: u64) -> Option<&Vec<u64>> {
-        if self.hi.is_empty() {
-            None
-        } else {
-            self.hi.get(&h)
+    fn word(&self, h: u64, w: usize) -> u64 {
+        let t = if w == 0 { Some(&self.lo) } else { self.hi.get(w - 1) };
+        t.and_then(|t| t.get(&h)).copied().unwrap_or(0)
+    }
+
+    #[inline]
+    fn in_hi(&self, h: u64) -> bool {
+        self.hi.iter().any(|t| t.contains_key(&h))
+    }
+
+    fn trim_hi(&mut self) {
+        while self.hi.last().is_some_and(HashMap::is_empty) {
+            self.hi.pop();
         }
+    }
+
+    /// The words of `h`'s mask (trimmed: no trailing 0 word past the first), None if absent.
+    fn words(&self, h: u64) -> Option<Vec<u64>> {
+        let lo = *self.lo.get(&h)?;
+        let mut out = vec![lo];
+        for t in &self.hi {
+            out.push(t.get(&h).copied().unwrap_or(0));
+        }
+        while out.len() > 1 && out.last() == Some(&0) {
+            out.pop();
+        }
+        Some(out)
     }
 
     #[inline]
     fn has_bit(&self, h: u64, slot: usize) -> bool {
-        if slot < 64 {
-            self.lo.get(&h).is_some_and(|v| v >> slot & 1 != 0)
-        } else {
-            let w = slot / 64 - 1;
-            self.hi_of(h).is_some_and(|v| v.get(w).is_some_and(|x| x >> (slot % 64) & 1 != 0))
-        }
+        self.word(h, slot / 64) >> (slot % 64) & 1 != 0
     }
 
     /// Sets bit `slot` of `h`'s mask; true if it was not set.
     #[inline]
     fn set_bit(&mut self, h: u64, slot: usize) -> bool {
-        if slot < 64 {
-            let b = 1u64 << slot;
-            let v = self.lo.entry(h).or_insert(0);
-            let new = *v & b == 0;
-            *v |= b;
-            new
+        let (w, b) = (slot / 64, 1u64 << (slot % 64));
+        let v = self.lo.entry(h).or_insert(0);
+        let v = if w == 0 {
+            v
         } else {
-            self.lo.entry(h).or_insert(0);
-            let w = slot / 64 - 1;
-            let b = 1u64 << (slot % 64);
-            let v = self.hi.entry(h).or_default();
-            if v.len() <= w {
-                v.resize(w + 1, 0);
+            if self.hi.len() < w {
+                self.hi.resize_with(w, HashMap::new);
             }
-            let new = v[w] & b == 0;
-            v[w] |= b;
-            new
-        }
+            self.hi[w - 1].entry(h).or_insert(0)
+        };
+        let new = *v & b == 0;
+        *v |= b;
+        new
     }
 
     /// Clears bit `slot` of `h`'s mask, deleting the entry when nothing is left; true if it was set.
     #[inline]
     fn clear_bit(&mut self, h: u64, slot: usize) -> bool {
-        if slot < 64 {
-            let b = 1u64 << slot;
-            match self.lo.get_mut(&h) {
-                Some(v) if *v & b != 0 => {
-                    *v &= !b;
-                    if *v == 0 && (self.hi.is_empty() || !self.hi.contains_key(&h)) {
-                        self.lo.remove(&h);
-                    }
-                    true
-                }
-                _ => false,
-            }
-        } else {
-            let w = slot / 64 - 1;
-            let b = 1u64 << (slot % 64);
-            let Some(v) = self.hi.get_mut(&h) else { return false };
-            if v.get(w).is_none_or(|x| x & b == 0) {
+        let (w, b) = (slot / 64, 1u64 << (slot % 64));
+        if w == 0 {
+            let Entry::Occupied(mut e) = self.lo.entry(h) else { return false };  // one probe
+            let v = e.get_mut();
+            if *v & b == 0 {
                 return false;
             }
-            v[w] &= !b;
-            trim(v);
-            if v.is_empty() {
-                self.hi.remove(&h);
-                if self.lo.get(&h) == Some(&0) {
-                    self.lo.remove(&h);
+            *v &= !b;
+            if *v == 0 && !self.hi.iter().any(|t| t.contains_key(&h)) {
+                e.remove();
+            }
+            return true;
+        }
+        let Some(t) = self.hi.get_mut(w - 1) else { return false };
+        let Some(v) = t.get_mut(&h) else { return false };
+        if *v & b == 0 {
+            return false;
+        }
+        *v &= !b;
+        if *v == 0 {
+            t.remove(&h);
+            if self.lo.get(&h) == Some(&0) && !self.in_hi(h) {
+                self.lo.remove(&h);
+            }
+            self.trim_hi();
+        }
+        true
+    }
+
+    /// Sets (replaces) `h`'s mask; `words` must not be all 0.
+    fn insert(&mut self, h: u64, words: &[u64]) {
+        self.lo.insert(h, words[0]);
+        let n = words.iter().rposition(|&x| x != 0).unwrap_or(0) + 1;
+        if self.hi.len() + 1 < n {
+            self.hi.resize_with(n - 1, HashMap::new);
+        }
+        for (i, t) in self.hi.iter_mut().enumerate() {
+            match words.get(i + 1).copied().unwrap_or(0) {
+                0 => {
+                    t.remove(&h);
+                }
+                x => {
+                    t.insert(h, x);
                 }
             }
-            true
         }
+        self.trim_hi();
     }
 
-    fn insert(&mut self, h: u64, m: Mask) {
-        self.lo.insert(h, m.lo);
-        if m.hi.is_empty() {
-            if !self.hi.is_empty() {
-                self.hi.remove(&h);
-            }
-        } else {
-            self.hi.insert(h, m.hi);
-        }
-    }
-
-    /// ORs `lo` and `hi` (trimmed or with trailing zeros) into `h`'s mask; nothing for a zero mask.
-    fn or_in(&mut self, h: u64, lo: u64, hi: &[u64]) {
-        let n = hi.iter().rposition(|&x| x != 0).map_or(0, |i| i + 1);
-        if lo == 0 && n == 0 {
+    /// ORs `words` into `h`'s mask; nothing for an all-zero mask.
+    fn or_in(&mut self, h: u64, words: &[u64]) {
+        if words.iter().all(|&x| x == 0) {
             return;
         }
-        *self.lo.entry(h).or_insert(0) |= lo;
-        if n > 0 {
-            let v = self.hi.entry(h).or_default();
-            if v.len() < n {
-                v.resize(n, 0);
-            }
-            for (a, b) in v.iter_mut().zip(&hi[..n]) {
-                *a |= b;
+        *self.lo.entry(h).or_insert(0) |= words[0];
+        for (i, &x) in words.iter().enumerate().skip(1) {
+            if x != 0 {
+                if self.hi.len() < i {
+                    self.hi.resize_with(i, HashMap::new);
+                }
+                *self.hi[i - 1].entry(h).or_insert(0) |= x;
             }
         }
     }
 
-    fn remove(&mut self, h: u64) -> Option<Mask> {
+    fn remove(&mut self, h: u64) -> Option<Vec<u64>> {
         let lo = self.lo.remove(&h)?;
-        let hi = if self.hi.is_empty() { None } else { self.hi.remove(&h) };
-        Some(Mask { lo, hi: hi.unwrap_or_default() })
+        let mut out = vec![lo];
+        if !self.hi.is_empty() {
+            for t in self.hi.iter_mut() {
+                out.push(t.remove(&h).unwrap_or(0));
+            }
+            while out.len() > 1 && out.last() == Some(&0) {
+                out.pop();
+            }
+            self.trim_hi();
+        }
+        Some(out)
     }
 
     /// Clears bit `slot` everywhere; how many entries had it.
     fn clear_slot(&mut self, slot: usize) -> usize {
+        let (w, b) = (slot / 64, 1u64 << (slot % 64));
         let mut n = 0;
-        if slot < 64 {
-            let b = 1u64 << slot;
+        if w == 0 {
             let hi = &self.hi;
             self.lo.retain(|k, v| {
                 if *v & b == 0 {
@@ -162,43 +177,42 @@ impl Masks {
                 }
                 n += 1;
                 *v &= !b;
-                *v != 0 || (!hi.is_empty() && hi.contains_key(k))
+                *v != 0 || hi.iter().any(|t| t.contains_key(k))
             });
-        } else {
-            let w = slot / 64 - 1;
-            let b = 1u64 << (slot % 64);
-            let mut emptied = Vec::new();
-            self.hi.retain(|k, v| {
-                if v.get(w).is_none_or(|x| x & b == 0) {
-                    return true;
-                }
-                n += 1;
-                v[w] &= !b;
-                trim(v);
-                if v.is_empty() {
-                    emptied.push(*k);
-                    return false;
-                }
-                true
-            });
-            for k in emptied {
-                if self.lo.get(&k) == Some(&0) {
-                    self.lo.remove(&k);
-                }
+            return n;
+        }
+        let Some(t) = self.hi.get_mut(w - 1) else { return 0 };
+        let mut emptied = Vec::new();
+        t.retain(|k, v| {
+            if *v & b == 0 {
+                return true;
+            }
+            n += 1;
+            *v &= !b;
+            if *v == 0 {
+                emptied.push(*k);
+            }
+            *v != 0
+        });
+        for k in emptied {
+            if self.lo.get(&k) == Some(&0) && !self.in_hi(k) {
+                self.lo.remove(&k);
             }
         }
+        self.trim_hi();
         n
     }
 
+    /// Words needed for the widest mask.
     fn width(&self) -> usize {
-        1 + self.hi.values().map(Vec::len).max().unwrap_or(0)
+        1 + self.hi.len()
     }
 
     fn memory_bytes(&self) -> usize {
         std::mem::size_of::<Self>()
             + self.lo.allocation_size()
-            + self.hi.allocation_size()
-            + self.hi.values().map(|v| v.capacity() * 8).sum::<usize>()
+            + self.hi.capacity() * std::mem::size_of::<HashMap<u64, u64>>()
+            + self.hi.iter().map(HashMap::allocation_size).sum::<usize>()
     }
 }
 
@@ -208,51 +222,95 @@ fn slot_of(slot: i64) -> PyResult<usize> {
     usize::try_from(slot).map_err(|_| PyValueError::new_err(format!("slot must be >= 0, not {slot}")))
 }
 
-/// A Python int as a non-zero mask: ValueError for 0 or a negative int, TypeError for a non-int.
-fn mask_from_py(ob: &Bound<'_, PyAny>) -> PyResult<Mask> {
-    if let Ok(v) = ob.extract::<u64>() {
-        if v == 0 {
-            return Err(PyValueError::new_err("a mask is never 0 (delete the entry instead)"));
-        }
-        return Ok(Mask { lo: v, hi: Vec::new() });
-    }
+/// A Python int as the words of a non-zero mask: ValueError for 0 or a negative int, TypeError for
+/// a non-int.
+fn mask_from_py(ob: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if !ob.is_instance_of::<PyInt>() {
         return Err(PyTypeError::new_err(format!(
             "a mask is an int, not {}",
             ob.get_type().name().map(|n| n.to_string()).unwrap_or_default()
         )));
     }
-    let big: BigUint = ob
-        .extract()
-        .map_err(|_| PyValueError::new_err("a mask is a positive int (bit i: slot i)"))?;
-    let mut words = big.to_u64_digits();
-    let lo = words[0];
-    words.remove(0);
-    Ok(Mask { lo, hi: words })
+    let bad = || PyValueError::new_err("a mask is a positive int (bit i: slot i); never 0: delete the entry");
+    if let Ok(v) = u64_of(ob) {
+        return if v == 0 { Err(bad()) } else { Ok(vec![v]) };
+    }
+    if let Ok(v) = ob.extract::<u128>() {
+        return Ok(vec![v as u64, (v >> 64) as u64]);
+    }
+    let big: BigUint = ob.extract().map_err(|_| bad())?;
+    Ok(big.to_u64_digits())
 }
 
-fn mask_to_py<'py>(py: Python<'py>, lo: u64, hi: Option<&Vec<u64>>) -> PyResult<Bound<'py, PyAny>> {
-    match hi {
-        None => Ok(lo.into_pyobject(py)?.into_any()),
-        Some(hi) => {
-            let mut digits = Vec::with_capacity(2 + 2 * hi.len());
-            for w in std::iter::once(&lo).chain(hi.iter()) {
-                digits.push(*w as u32);
-                digits.push((*w >> 32) as u32);
-            }
+/// A mask's words as a Python int.
+fn mask_to_py<'py>(py: Python<'py>, words: &[u64]) -> PyResult<Bound<'py, PyAny>> {
+    match words {
+        [lo] => Ok(lo.into_pyobject(py)?.into_any()),
+        [lo, hi] => Ok(((*hi as u128) << 64 | *lo as u128).into_pyobject(py)?.into_any()),
+        _ => {
+            let digits = words.iter().flat_map(|w| [*w as u32, (*w >> 32) as u32]).collect();
             Ok(BigUint::new(digits).into_pyobject(py)?.into_any())
         }
     }
 }
 
-fn mask_obj<'py>(py: Python<'py>, m: &Mask) -> PyResult<Bound<'py, PyAny>> {
-    mask_to_py(py, m.lo, if m.hi.is_empty() { None } else { Some(&m.hi) })
+impl Masks {
+    /// `h`'s mask as a Python int (word 0 straight from the table where no entry is wide).
+    #[inline]
+    fn get_py<'py>(&self, py: Python<'py>, h: u64) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if self.hi.is_empty() {
+            return match self.lo.get(&h) {
+                Some(lo) => Ok(Some(lo.into_pyobject(py)?.into_any())),
+                None => Ok(None),
+            };
+        }
+        let Some(&lo) = self.lo.get(&h) else { return Ok(None) };
+        if self.hi.len() > 3 {
+            return Ok(Some(mask_to_py(py, &self.words(h).unwrap_or_default())?));
+        }
+        let mut buf = [lo, 0, 0, 0];  // no allocation for masks of up to 256 slots
+        let mut n = 1;
+        for (i, t) in self.hi.iter().enumerate() {
+            if let Some(&x) = t.get(&h) {
+                buf[i + 1] = x;
+                n = i + 2;
+            }
+        }
+        Ok(Some(mask_to_py(py, &buf[..n])?))
+    }
+}
+
+/// An int as a u64 (OverflowError if negative or too big, TypeError if not an int).
+/// CPython 3.11's PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray for every int above
+/// 2**30 (every block hash): PyLong_AsUnsignedLong (64 bits where `long` is) reads the digits directly.
+#[inline]
+fn u64_of(ob: &Bound<'_, PyAny>) -> PyResult<u64> {
+    #[cfg(all(not(windows), target_pointer_width = "64"))]
+    {
+        // SAFETY: `ob` is a live object and the GIL is held; the error indicator is checked as the C
+        // API asks (the value -1 as unsigned is both a valid result and the error marker)
+        let v = unsafe { pyo3::ffi::PyLong_AsUnsignedLong(ob.as_ptr()) };
+        if v == std::os::raw::c_ulong::MAX {
+            if let Some(e) = PyErr::take(ob.py()) {
+                return Err(e);
+            }
+        }
+        Ok(v as u64)
+    }
+    #[cfg(not(all(not(windows), target_pointer_width = "64")))]
+    {
+        ob.extract::<u64>()
+    }
 }
 
 /// A key that can be in the map (a u64), or None for anything else (never present).
 #[inline]
 fn key_of(ob: &Bound<'_, PyAny>) -> Option<u64> {
-    ob.extract::<u64>().ok()
+    if ob.is_instance_of::<PyInt>() {
+        u64_of(ob).ok()
+    } else {
+        None
+    }
 }
 
 /// Calls `f` on each hash of a list, tuple or other iterable of ints.
@@ -260,15 +318,15 @@ fn key_of(ob: &Bound<'_, PyAny>) -> Option<u64> {
 fn for_each_hash(hashes: &Bound<'_, PyAny>, mut f: impl FnMut(u64)) -> PyResult<()> {
     if let Ok(list) = hashes.cast::<PyList>() {
         for item in list.iter() {
-            f(item.extract::<u64>()?);
+            f(u64_of(&item)?);
         }
     } else if let Ok(tup) = hashes.cast::<PyTuple>() {
         for item in tup.iter() {
-            f(item.extract::<u64>()?);
+            f(u64_of(&item)?);
         }
     } else {
         for item in hashes.try_iter()? {
-            f(item?.extract::<u64>()?);
+            f(u64_of(&item?)?);
         }
     }
     Ok(())
@@ -319,9 +377,10 @@ impl MaskMap {
             pairs.try_iter()?
         };
         for item in iter {
-            let (h, mask): (u64, Bound<'_, PyAny>) = item?.extract()?;
+            let (h, mask): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
+            let h = u64_of(&h)?;
             let m = mask_from_py(&mask)?;
-            self.m.insert(h, m);
+            self.m.insert(h, &m);
         }
         Ok(())
     }
@@ -345,8 +404,8 @@ impl MaskMap {
     fn get<'py>(&self, py: Python<'py>, h: &Bound<'py, PyAny>, default: &Bound<'py, PyTuple>
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Some(k) = key_of(h) {
-            if let Some(&lo) = self.m.lo.get(&k) {
-                return mask_to_py(py, lo, self.m.hi_of(k));
+            if let Some(m) = self.m.get_py(py, k)? {
+                return Ok(m);
             }
         }
         match default.len() {
@@ -358,16 +417,17 @@ impl MaskMap {
 
     fn __getitem__<'py>(&self, py: Python<'py>, h: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         if let Some(k) = key_of(h) {
-            if let Some(&lo) = self.m.lo.get(&k) {
-                return mask_to_py(py, lo, self.m.hi_of(k));
+            if let Some(m) = self.m.get_py(py, k)? {
+                return Ok(m);
             }
         }
         Err(PyKeyError::new_err(h.clone().unbind()))
     }
 
-    fn __setitem__(&mut self, h: u64, mask: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn __setitem__(&mut self, h: &Bound<'_, PyAny>, mask: &Bound<'_, PyAny>) -> PyResult<()> {
+        let h = u64_of(h)?;
         let m = mask_from_py(mask)?;
-        self.m.insert(h, m);
+        self.m.insert(h, &m);
         Ok(())
     }
 
@@ -387,7 +447,7 @@ impl MaskMap {
                                                     1 + default.len())));
         }
         match key_of(h).and_then(|k| self.m.remove(k)) {
-            Some(m) => mask_obj(py, &m),
+            Some(m) => mask_to_py(py, &m),
             None if default.len() == 1 => default.get_item(0),
             None => Err(PyKeyError::new_err(h.clone().unbind())),
         }
@@ -418,17 +478,16 @@ impl MaskMap {
             return PyList::new(py, self.m.lo.values());
         }
         let out = PyList::empty(py);
-        for (k, &lo) in &self.m.lo {
-            out.append(mask_to_py(py, lo, self.m.hi_of(*k))?)?;
+        for k in self.m.lo.keys() {
+            out.append(self.m.get_py(py, *k)?)?;
         }
         Ok(out)
     }
 
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
-        for (k, &lo) in &self.m.lo {
-            let t = PyTuple::new(py, [k.into_pyobject(py)?.into_any(), mask_to_py(py, lo, self.m.hi_of(*k))?])?;
-            out.append(t)?;
+        for k in self.m.lo.keys() {
+            out.append(PyTuple::new(py, [k.into_pyobject(py)?.into_any(), self.m.get_py(py, *k)?.unwrap()])?)?;
         }
         Ok(out)
     }
@@ -525,8 +584,8 @@ impl MaskMap {
         }
         let out = PyList::empty(py);
         for h in hs {
-            match self.m.lo.get(&h) {
-                Some(&lo) => out.append(mask_to_py(py, lo, self.m.hi_of(h))?)?,
+            match self.m.get_py(py, h)? {
+                Some(m) => out.append(m)?,
                 None => out.append(0u64)?,
             }
         }
@@ -549,7 +608,7 @@ impl MaskMap {
         if n == 0 {
             return Ok(out);
         }
-        let at = |i: usize| -> PyResult<u64> { list.get_item(i)?.extract::<u64>() };
+        let at = |i: usize| -> PyResult<u64> { u64_of(&list.get_item(i)?) };
         if self.m.hi.is_empty() {
             let mut alive = self.m.lo.get(&at(0)?).copied().unwrap_or(0);
             let mut i = 1;
@@ -571,30 +630,19 @@ impl MaskMap {
             }
             return Ok(out);
         }
-        // wide masks: the same walk over words
-        let words_of = |h: u64, into: &mut Vec<u64>| {
-            into.iter_mut().for_each(|w| *w = 0);
-            if let Some(&lo) = self.m.lo.get(&h) {
-                into[0] = lo;
-                if let Some(hi) = self.m.hi_of(h) {
-                    for (i, w) in hi.iter().enumerate().take(into.len() - 1) {
-                        into[i + 1] = *w;
-                    }
-                }
-            }
-        };
+        // wide masks: the same walk over words (only the words still alive are looked up)
         let first = at(0)?;
-        let nw = 1 + self.m.hi_of(first).map_or(0, Vec::len);
-        let mut alive = vec![0u64; nw];
-        words_of(first, &mut alive);
-        let mut cur = vec![0u64; nw];
-        let mut any = alive.iter().any(|&w| w != 0);
+        let Some(mut alive) = self.m.words(first) else { return Ok(out) };
         let mut i = 1;
+        let mut any = true;
         while any && i < n {
-            words_of(at(i)?, &mut cur);
+            let h = at(i)?;
             any = false;
-            for (w, (a, c)) in alive.iter_mut().zip(&cur).enumerate() {
-                let m = *c & *a;
+            for (w, a) in alive.iter_mut().enumerate() {
+                if *a == 0 {
+                    continue;
+                }
+                let m = self.m.word(h, w) & *a;
                 let mut lost = *a & !m;
                 while lost != 0 {
                     out.set_item(64 * w + lost.trailing_zeros() as usize, i)?;
@@ -623,9 +671,14 @@ impl MaskMap {
         let me = slf.try_borrow()?;
         let mut o = other.try_borrow_mut()?;
         for (&k, &lo) in &me.m.lo {
-            match me.m.hi_of(k) {
-                None => *o.m.lo.entry(k).or_insert(0) |= lo,
-                Some(hi) => o.m.or_in(k, lo, hi),
+            *o.m.lo.entry(k).or_insert(0) |= lo;
+        }
+        if o.m.hi.len() < me.m.hi.len() {
+            o.m.hi.resize_with(me.m.hi.len(), HashMap::new);
+        }
+        for (t, ot) in me.m.hi.iter().zip(o.m.hi.iter_mut()) {
+            for (&k, &x) in t {
+                *ot.entry(k).or_insert(0) |= x;
             }
         }
         Ok(())
@@ -649,9 +702,8 @@ impl MaskMap {
         for (&k, &lo) in &self.m.lo {
             keys.extend_from_slice(&k.to_le_bytes());
             masks.extend_from_slice(&lo.to_le_bytes());
-            let hi = self.m.hi_of(k).map_or(&[][..], Vec::as_slice);
-            for w in 0..words - 1 {
-                masks.extend_from_slice(&hi.get(w).copied().unwrap_or(0).to_le_bytes());
+            for w in 1..words {
+                masks.extend_from_slice(&self.m.word(k, w).to_le_bytes());
             }
         }
         Ok((PyBytes::new(py, &keys), PyBytes::new(py, &masks)))
@@ -675,20 +727,20 @@ impl MaskMap {
                 if m.lo.is_empty() {
                     m.lo.reserve(n);  // a fresh map (a restore): exactly what it will hold
                 }
-                let mut hi = vec![0u64; words - 1];
+                let mut mask = vec![0u64; words];
                 for i in 0..n {
                     let k = read_u64(kb, i);
-                    let lo = read_u64(mb, i * words);
                     if words == 1 {
+                        let lo = read_u64(mb, i);
                         if lo != 0 {
                             *m.lo.entry(k).or_insert(0) |= lo;
                         }
                         continue;
                     }
-                    for (w, x) in hi.iter_mut().enumerate() {
-                        *x = read_u64(mb, i * words + 1 + w);
+                    for (w, x) in mask.iter_mut().enumerate() {
+                        *x = read_u64(mb, i * words + w);
                     }
-                    m.or_in(k, lo, &hi);
+                    m.or_in(k, &mask);
                 }
                 Ok(())
             })

@@ -1,8 +1,9 @@
 """The mask map (kvidx/core/maskmap.py): the native MaskMap (native/, Rust) and the pure-Python
 reference PyMaskMap driven side by side by random operation sequences (slots 0..130, so masks wider
 than one 64-bit word are covered), comparing every return value and exception and the final
-contents; the walk, bulk masks and snapshot layout against the shard's own code (walk.py `_walk`,
-snapshot.py `_pack_masks`); `chain` against kvidx.core.hashing.chain.
+contents; the walk, bulk masks and snapshot layout against the shard's code as it was before the
+mask map (walk.py's AND-walk, snapshot format 2's mask packing, both copied here); `chain` against
+kvidx.core.hashing.chain.
 
 Without kvidx_native the native half skips (the reference's own checks still run), unless
 KVIDX_REQUIRE_NATIVE=1 (CI), where a missing native module fails."""
@@ -23,8 +24,6 @@ from hypothesis import strategies as st
 from kvidx.core import maskmap
 from kvidx.core.hashing import chain as ref_chain
 from kvidx.core.maskmap import PyMaskMap, py_chain
-from kvidx.core.snapshot import _pack_masks, _unpack_masks
-from kvidx.core.walk import _walk
 from tests.helpers import ROOT
 
 try:
@@ -144,6 +143,54 @@ def apply(maps: list, op: tuple):
     raise AssertionError(name)
 
 
+def _pack_masks(values, n: int, n_slots: int) -> tuple[int, bytes]:
+    """Snapshot format 2's masks as snapshot.py wrote them before the mask map (`words` little-endian
+    uint64 words each): what `export` must keep producing for old and new snapshots to agree."""
+    words = max(1, (n_slots + 63) // 64)
+    if words == 1:
+        return 1, np.fromiter(values, dtype=np.uint64, count=n).tobytes()
+    buf = bytearray()
+    for m in values:
+        buf += m.to_bytes(words * 8, "little")
+    return words, bytes(buf)
+
+
+def _unpack_masks(packed) -> list[int]:
+    words, data = packed
+    if words == 1:
+        return np.frombuffer(data, dtype=np.uint64).tolist()
+    w = words * 8
+    return [int.from_bytes(data[i:i + w], "little") for i in range(0, len(data), w)]
+
+
+def _walk(get, hashes: list[int]) -> dict[int, int]:
+    """The shard's AND-walk as walk.py wrote it before the mask map: slot -> leading blocks held, for
+    every slot holding block 0."""
+    alive = get(hashes[0], 0)
+    out: dict[int, int] = {}
+    if not alive:
+        return out
+    i = 1
+    n = len(hashes)
+    while i < n:
+        m = get(hashes[i], 0) & alive
+        if m != alive:
+            lost = alive & ~m
+            while lost:
+                low = lost & -lost
+                out[low.bit_length() - 1] = i
+                lost ^= low
+            alive = m
+            if not alive:
+                return out
+        i += 1
+    while alive:
+        low = alive & -alive
+        out[low.bit_length() - 1] = n
+        alive ^= low
+    return out
+
+
 def contents(d) -> list[tuple[int, int]]:
     return sorted(d.items())
 
@@ -174,7 +221,7 @@ def _impls(native_mod):
        probe=st.lists(st.tuples(st.integers(0, 29), st.booleans()), max_size=8))
 def test_walk_and_masks_match_the_shards_walk(base, held, probe):
     """Slot s holds base[:k] (prefixes, as engines do); the walk of base, of its prefixes and of
-    variants with a foreign hash spliced in matches walk.py `_walk` over a plain dict."""
+    variants with a foreign hash spliced in matches the shard's AND-walk over a plain dict."""
     ref: dict[int, int] = {}
     for s, k in held:
         for h in base[:k]:
