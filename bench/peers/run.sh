@@ -157,7 +157,7 @@ for W in $WORKLOADS; do
       if ! nice -n "$NICE" "$@" > "$R/round${r}_$key.json" 2> "$R/round${r}_$key.err"; then
         tail -5 "$R/round${r}_$key.err" >&2; echo "$key failed (round $r)" >&2; STATUS=1
       fi
-      echo "    $key: $(python3 -c "import json,sys; d=json.loads(open(sys.argv[1]).read().splitlines()[-1]); \
+      echo "    $key: $("$PY" -c "import json,sys; d=json.loads(open(sys.argv[1]).read().splitlines()[-1]); \
 print(f\"ingest {d['ingest_blocks_per_s']:,.0f}/s, lookup p50 {d['lookup_p50_us']:.1f} us, \
 p99 {d['lookup_p99_us']:.1f} us\")" "$R/round${r}_$key.json" 2>/dev/null || echo '?')"
     }
