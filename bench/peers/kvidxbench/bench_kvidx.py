@@ -207,7 +207,8 @@ def main():
     tracemalloc.stop()
     if MASKMAP_IMPLEMENTATION == "native":  # the compiled maps' heap is not Python's: they count it
         maps = {id(d): d for g in shard.groups.values() for d in [g.any, *g.tiers.values()]}
-        heap_index += sum(d.memory_bytes() for d in maps.values())
+        # (only maps that are native: a core whose shard still uses dicts has none)
+        heap_index += sum(d.memory_bytes() for d in maps.values() if hasattr(d, "memory_bytes"))
 
     out = {
         "indexer": "kvidx ModelShard (CPython, 1 thread)", "python": sys.version.split()[0],
