@@ -14,6 +14,8 @@ Evolution rule (see README "Schema versions"):
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 SCHEMA_VERSION = 1
@@ -37,6 +39,12 @@ TIERS = ("GPU", "CPU", "DISK", "NODE_SHARED", "POOL")  # fastest first
 TIER_IDS = {t: i for i, t in enumerate(TIERS)}
 
 
+# A canonical block hash: an unsigned 64-bit int (kvidx.core.hashing). A negative one is refused at
+# decode (the batch goes to the dead letters), never folded; msgpack holds no int above 2**64 - 1
+# (msgspec cannot bound an int beyond int64 itself)
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     """A chain of blocks newly cached (first live copy) in one tier and KV-cache group.
 
@@ -45,7 +53,7 @@ class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     (EventBatch.part > 0) the hashes are live blocks in depth order, not one chain (parent None)."""
     tier: str
     group: int
-    hashes: list[int]
+    hashes: list[BlockHash]
     parent: int | None
     depth: int
     engine_hashes: list[int] = []  # engine block hashes (u64; 32-byte digests folded to their last 8)
@@ -60,7 +68,7 @@ class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
     """Blocks whose last copy in this tier and group was evicted."""
     tier: str
     group: int
-    hashes: list[int]
+    hashes: list[BlockHash]
     engine_hashes: list[int] = []
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
+from schemas.events import BlockHash
+
 ROUTES_VERSION = 1
 
 
@@ -15,7 +17,7 @@ class RouteDecision(msgspec.Struct, array_like=True):
     model: str
     replica: str
     dp_rank: int
-    block_hashes: list[int]  # the prompt's canonical block hashes (index block size of the model)
+    block_hashes: list[BlockHash]  # the prompt's canonical block hashes (index block size of the model)
     prompt_tokens: int
     credited_tokens: int  # what the index credited on this replica when the router chose it
     ts: float  # when the decision was made (s since the epoch)

@@ -19,6 +19,8 @@ import msgspec
 import numpy as np
 import xxhash
 
+from kvidx.core.maskmap import chain as plain_chain
+
 _xxh = xxhash.xxh3_64_intdigest
 ROOT_SEED = 0x6B76_6964_7831  # "kvidx1": the seed of a chain's first block without namespace
 
@@ -48,21 +50,18 @@ def chain(packed: bytes | memoryview, block_size: int, parent: int,
 
     `extras[i]` (optional) are block i's extra keys. A trailing partial block is not hashed.
     """
+    if extras is None:
+        return plain_chain(packed, block_size, parent)  # compiled where built (kvidx.core.maskmap)
     step = block_size * 4
     mv = memoryview(packed)
     n = len(mv) // step
     out = [0] * n
     h = parent
-    if extras is None:
-        for i in range(n):
-            h = _xxh(mv[i * step:(i + 1) * step], seed=h)
-            out[i] = h
-    else:
-        for i in range(n):
-            e = extras[i] if i < len(extras) else None
-            seed = h if e is None else extra_seed(h, e)
-            h = _xxh(mv[i * step:(i + 1) * step], seed=seed)
-            out[i] = h
+    for i in range(n):
+        e = extras[i] if i < len(extras) else None
+        seed = h if e is None else extra_seed(h, e)
+        h = _xxh(mv[i * step:(i + 1) * step], seed=seed)
+        out[i] = h
     return out
 
 

@@ -1,10 +1,11 @@
 """A per-model index shard: the fold of relay events and the lookup walk. Pure: no I/O.
 
 Layout (memory is the budget): each (replica, DP rank) gets a slot number; per KV-cache group and
-tier, one dict maps a canonical block hash to the bitmask of slots holding it. A lookup walks the
-prompt's hashes once for all replicas, AND-ing masks: a slot drops out at its first missing block
-(a block is reusable only if every block before it is). With one tier (the common case) the "any
-tier" map is the tier's own dict, so a block held by several replicas costs one dict entry.
+tier, one mask map (kvidx.core.maskmap: compiled where built, else a dict) maps a canonical block hash
+to the bitmask of slots holding it. A lookup walks the prompt's hashes once for all replicas, AND-ing
+masks: a slot drops out at its first missing block (a block is reusable only if every block before
+it is). With one tier (the common case) the "any tier" map is the tier's own map, so a block held by
+several replicas costs one entry. The fold hands each event's hashes to the map in one call.
 
 Idempotence: a batch is applied only if its (epoch, seq) is newer than the slot's last applied one,
 so Kafka redeliveries change nothing.
@@ -17,7 +18,8 @@ from collections.abc import Iterable
 import msgspec
 
 from kvidx.core.answers import Tier
-from kvidx.core.masks import shared_mask, slot_bit
+from kvidx.core.maskmap import MaskMap
+from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
 from kvidx.core.snapshot import ShardSnapshot
 from kvidx.core.walk import FULL_KINDS, ShardWalk
@@ -47,25 +49,29 @@ class ReplicaState(msgspec.Struct):
 
 
 class GroupIndex:
-    def __init__(self, kind: str = "full_attention", window: int | None = None):
+    def __init__(self, kind: str = "full_attention", window: int | None = None, new_map: type = MaskMap):
         self.kind = kind
         self.window = window
-        self.tiers: dict[int, dict[int, int]] = {}  # tier id -> block hash -> slot mask
-        self.any: dict[int, int] = {}  # block hash -> slot mask over all tiers
+        self.new_map = new_map
+        self.tiers: dict[int, MaskMap] = {}  # tier id -> block hash -> slot mask
+        self.any = new_map()  # block hash -> slot mask over all tiers
 
-    def tier_map(self, tier: int) -> dict[int, int]:
+    def tier_map(self, tier: int) -> MaskMap:
         d = self.tiers.get(tier)
         if d is None:
-            d = {}
+            d = self.new_map()
             if not self.tiers:
-                self.any = d  # one tier: share the dict
+                self.any = d  # one tier: share the map
             elif len(self.tiers) == 1:
-                self.any = dict(self.any)  # a second tier: the union needs its own map
+                self.any = self.any.copy()  # a second tier: the union needs its own map
             self.tiers[tier] = d
         return d
 
 
 class ModelShard(ShardWalk, ShardSnapshot):
+    # the mask map class: the compiled one where built; property tests pin the pure-Python reference
+    new_map: type = MaskMap
+
     def __init__(self, model: str, block_size: int, unreported_eviction_kinds: Iterable[str] = ()):
         self.model = model
         self.block_size = block_size  # the index block size (tokens per canonical hash)
@@ -87,6 +93,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.pool_readers: dict[str, frozenset[str]] = {}
         self._pool_cache: tuple[int, dict[int, int]] | None = None  # (pool slot mask, pool bits -> readers)
         self.pending = PendingCredits()
+        self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
 
     # ---- topology ---------------------------------------------------------------------------
     def set_pools(self, pools: dict[str, Iterable[str]]) -> None:
@@ -144,8 +151,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         fa = self._lookup_group(None)
         if fa is not None:  # blocks the replica already holds are the index's, not pending: an
             bit = slot_bit(st.slot)  # eviction of one must show at once
-            held = fa.any.get
-            hashes = [h for h in hashes if not held(h, 0) & bit]
+            hashes = [h for h, m in zip(hashes, fa.any.masks(hashes), strict=True) if not m & bit]
         self.pending.add(st.slot, hashes, expires, max(0, n_tokens - credited))
 
     def apply(self, batch: EventBatch, now: float) -> bool:
@@ -156,14 +162,13 @@ class ModelShard(ShardWalk, ShardSnapshot):
             return False
         if batch.epoch == st.epoch and batch.seq > st.seq + 1:
             st.seq_gaps += batch.seq - st.seq - 1
-        bit = slot_bit(st.slot)
         for ev in batch.events:
             if isinstance(ev, BlocksStored):
-                self._store(ev, bit, st)
+                self._store(ev, st)
             elif isinstance(ev, BlocksRemoved):
-                self._remove(ev, bit, st)
+                self._remove(ev, st)
             elif isinstance(ev, ReplicaCleared):
-                self._clear(bit, st)
+                self._clear(st)
         st.epoch, st.seq, st.part = batch.epoch, batch.seq, batch.part
         st.recompute = batch.recompute_tokens
         st.block_size = batch.block_size or st.block_size
@@ -174,24 +179,16 @@ class ModelShard(ShardWalk, ShardSnapshot):
     def _group(self, gid: int, kind: str = "full_attention", window: int | None = None) -> GroupIndex:
         g = self.groups.get(gid)
         if g is None:
-            g = self.groups[gid] = GroupIndex(kind, window)
+            g = self.groups[gid] = GroupIndex(kind, window, self.new_map)
+            self._lookup_cache = None
         return g
 
-    def _store(self, ev: BlocksStored, bit: int, st: ReplicaState) -> None:
+    def _store(self, ev: BlocksStored, st: ReplicaState) -> None:
         g = self._group(ev.group, ev.group_kind, ev.sliding_window)
         d = g.tier_map(TIER_IDS.get(ev.tier, len(TIERS) - 1))
-        get = d.get
-        new = 0
-        for h in ev.hashes:
-            m = get(h, 0)
-            if not m & bit:
-                d[h] = m | bit if m else bit  # a lone holder shares its slot's mask object
-                new += 1
+        new = d.store(ev.hashes, st.slot)
         if g.any is not d:
-            a = g.any
-            for h in ev.hashes:
-                m = a.get(h, 0)
-                a[h] = m | bit if m else bit
+            g.any.store(ev.hashes, st.slot)
         st.blocks += new
         if self.pending.masks and g.kind in FULL_KINDS:
             self.pending.confirm(st.slot, ev.hashes)
@@ -202,7 +199,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
             st.unit = ev.block_size
         self.blocks_applied += len(ev.hashes)
 
-    def _remove(self, ev: BlocksRemoved, bit: int, st: ReplicaState) -> None:
+    def _remove(self, ev: BlocksRemoved, st: ReplicaState) -> None:
         g = self.groups.get(ev.group)
         if g is None:
             return
@@ -210,47 +207,23 @@ class ModelShard(ShardWalk, ShardSnapshot):
         d = g.tiers.get(tid)
         if d is None:
             return
-        others = [m for t, m in g.tiers.items() if t != tid]
-        clear = ~bit
-        gone = 0
-        for h in ev.hashes:
-            m = d.get(h, 0)
-            if not m & bit:
-                continue
-            gone += 1
-            m &= clear
-            if m:
-                d[h] = shared_mask(m)
-            else:
-                del d[h]
-            if others and not any(o.get(h, 0) & bit for o in others):
-                a = g.any.get(h, 0) & clear  # retract only when the last tier drops it
-                if a:
-                    g.any[h] = shared_mask(a)
-                else:
-                    g.any.pop(h, None)
+        if len(g.tiers) == 1:
+            gone = d.remove(ev.hashes, st.slot)  # the map is its own union
+        else:  # retract from the union only where no other tier still holds the block there
+            gone = d.remove(ev.hashes, st.slot, [m for t, m in g.tiers.items() if t != tid], g.any)
         st.blocks -= gone
         if gone:
             st.group_blocks[ev.group] = st.group_blocks.get(ev.group, 0) - gone
         self.blocks_applied += len(ev.hashes)
 
-    def _clear(self, bit: int, st: ReplicaState) -> None:
-        clear = ~bit
+    def _clear(self, st: ReplicaState) -> None:
         for g in self.groups.values():
-            maps = list(g.tiers.values())
-            if g.any is not (maps[0] if maps else None):
-                maps.append(g.any)
-            for d in maps:
-                held = [h for h, m in d.items() if m & bit]
-                for h in held:
-                    m = d[h] & clear
-                    if m:
-                        d[h] = m
-                    else:
-                        del d[h]
+            for d in g.tiers.values():
+                d.clear_slot(st.slot)
+            if len(g.tiers) != 1:
+                g.any.clear_slot(st.slot)
         st.blocks = 0
         st.group_blocks = {}
-
 
     def stats(self) -> dict:
         return {

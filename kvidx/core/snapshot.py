@@ -6,9 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import msgspec
-import numpy as np
 
-from kvidx.core.masks import shared_mask
 from schemas.events import TIER_IDS, TIERS
 
 if TYPE_CHECKING:
@@ -35,25 +33,6 @@ def _tier_id(stored: int | str, fmt: int) -> int:
     return tid
 
 
-def _pack_masks(values, n: int, n_slots: int) -> tuple[int, bytes]:
-    """Slot masks as `words` little-endian uint64 words each."""
-    words = max(1, (n_slots + 63) // 64)
-    if words == 1:
-        return 1, np.fromiter(values, dtype=np.uint64, count=n).tobytes()
-    buf = bytearray()
-    for m in values:
-        buf += m.to_bytes(words * 8, "little")
-    return words, bytes(buf)
-
-
-def _unpack_masks(packed) -> list[int]:
-    words, data = packed
-    if words == 1:
-        return np.frombuffer(data, dtype=np.uint64).tolist()
-    w = words * 8
-    return [int.from_bytes(data[i:i + w], "little") for i in range(0, len(data), w)]
-
-
 class ShardSnapshot:
     """snapshot() / restore() of ModelShard."""
 
@@ -62,11 +41,12 @@ class ShardSnapshot:
         """The shard as bytes, format SNAPSHOT_FORMAT: tiers stored by name (a tier added to the
         speed order later cannot shift what a stored id means)."""
         groups = {}
+        words = max(1, (len(self.by_slot) + 63) // 64)
         for gid, g in self.groups.items():
             tiers = {}
             for tid, d in g.tiers.items():
-                keys = np.fromiter(d.keys(), dtype=np.uint64, count=len(d))
-                tiers[TIERS[tid]] = (keys.tobytes(), _pack_masks(d.values(), len(d), len(self.by_slot)))
+                keys, masks = d.export(words)  # keys as uint64, masks as `words` uint64 words each
+                tiers[TIERS[tid]] = (keys, (words, masks))
             groups[gid] = (g.kind, g.window, tiers)
         return msgspec.msgpack.encode({
             "format": SNAPSHOT_FORMAT, "model": self.model, "block_size": self.block_size,
@@ -99,13 +79,11 @@ class ShardSnapshot:
         for gid, (kind, window, tiers) in raw["groups"].items():
             g = shard._group(int(gid), kind, window)
             for name, (keys, masks) in sorted(tiers.items(), key=lambda kv: _tier_id(kv[0], fmt)):
-                d = g.tier_map(_tier_id(name, fmt))
-                hashes = np.frombuffer(keys, dtype=np.uint64).tolist()
-                d.update(zip(hashes, map(shared_mask, _unpack_masks(masks)), strict=True))
-            if len(g.tiers) > 1:
-                a: dict[int, int] = {}
+                words, packed = masks
+                g.tier_map(_tier_id(name, fmt)).load(keys, packed, words)
+            if len(g.tiers) > 1:  # the union of the tiers, as the fold keeps it
+                a = shard.new_map()
                 for d in g.tiers.values():
-                    for h, m in d.items():
-                        a[h] = a.get(h, 0) | m
+                    d.or_into(a)
                 g.any = a
         return shard

@@ -32,12 +32,11 @@ class ShardWalk:
         g = self._lookup_group(group)
         if g is None or not hashes:
             return {}
-        get = g.any.get
         pool_mask = self._pools()[0] if self.pool_readers else 0
         pend = self.pending.masks if pending else None
         if pool_mask or pend:
-            get = self._overlay_get(get, pool_mask, pend)
-        return _walk(get, hashes)
+            return _walk(self._overlay_get(g.any.get, pool_mask, pend), hashes)
+        return g.any.walk(hashes)  # one call: the map walks the prompt itself
 
     def _overlay_get(self, get, pool_mask: int, pend: dict[int, int] | None):
         """A mask getter where a pool's bit also lights its readers', and pending credit adds in."""
@@ -62,12 +61,14 @@ class ShardWalk:
         return lambda h, default=0: expand(get(h, 0))
 
     def _lookup_group(self, group: int | None) -> GroupIndex | None:
+        """`group`, or by default the first full-attention group (else the first group)."""
         if group is not None:
             return self.groups.get(group)
-        for gid in sorted(self.groups):
-            if self.groups[gid].kind in FULL_KINDS:
-                return self.groups[gid]
-        return next(iter(self.groups.values()), None)
+        cached = self._lookup_cache
+        if cached is None:
+            fa = [self.groups[gid] for gid in sorted(self.groups) if self.groups[gid].kind in FULL_KINDS]
+            cached = self._lookup_cache = (fa[0] if fa else next(iter(self.groups.values()), None),)
+        return cached[0]
 
     def tier_runs(self, hashes: list[int], slot: int, n_blocks: int, group: int | None = None
                   ) -> list[tuple[str, int]]:
@@ -265,15 +266,14 @@ class ShardWalk:
         checks = []  # (gid, fn(e) -> mask of slots valid at index position e)
         reach = []  # per check: the slots valid anywhere (others are settled at once: no hit)
         for gid, g in cons:
-            get = g.any.get
             if g.kind in STATE_KINDS:
                 # checkpoints at the step boundaries only: masks[i] is the state after (i+1)*step tokens
                 sub = step // ibs
-                masks = [get(h, 0) for h in hashes[sub - 1:n_idx:sub]]
+                masks = g.any.masks(hashes[sub - 1:n_idx:sub])
                 checks.append((gid, lambda e, masks=masks, sub=sub: masks[e // sub - 1]))
             else:
                 need = -(-(g.window - 1) // ebs) * k  # index blocks per window
-                masks = [get(h, 0) for h in hashes[:n_idx]]
+                masks = g.any.masks(hashes[:n_idx])
                 checks.append((gid, _window_and(masks, max(1, need))))
             r = 0
             for m in masks:
@@ -321,8 +321,7 @@ class ShardWalk:
         out: dict[int, dict[int, int]] = {}
         n_slots = len(self.by_slot)
         for gid, g in self.groups.items():
-            get = g.any.get
-            out[gid] = _bit_counts([get(h, 0) for h in hashes], n_slots)
+            out[gid] = _bit_counts(g.any.masks(hashes), n_slots)
         return out
 
 

@@ -6,13 +6,12 @@ misread."""
 import time
 
 import msgspec
-import numpy as np
 import pytest
 
 import kvidx.core.snapshot as snapshot_mod
 import kvidx.core.walk as walk_mod
 from kvidx.core.shard import ModelShard
-from kvidx.core.snapshot import SNAPSHOT_FORMAT, V1_TIERS, SnapshotFormatError, _pack_masks
+from kvidx.core.snapshot import SNAPSHOT_FORMAT, V1_TIERS, SnapshotFormatError
 from schemas.events import SCHEMA_VERSION, TIERS, BlocksStored, EventBatch
 
 HASHES = list(range(1000, 1010))
@@ -37,9 +36,9 @@ def v1_bytes(s: ModelShard) -> bytes:
     for gid, g in s.groups.items():
         tiers = {}
         for tid, d in g.tiers.items():
-            keys = np.fromiter(d.keys(), dtype=np.uint64, count=len(d))
-            tiers[V1_TIERS.index(TIERS[tid])] = (keys.tobytes(),
-                                                           _pack_masks(d.values(), len(d), len(s.by_slot)))
+            words = max(1, (len(s.by_slot) + 63) // 64)
+            keys, masks = d.export(words)  # the mask layout is the same in both formats
+            tiers[V1_TIERS.index(TIERS[tid])] = (keys, (words, masks))
         groups[gid] = (g.kind, g.window, tiers)
     return msgspec.msgpack.encode({"model": s.model, "block_size": s.block_size,
                                    "replicas": [st for st in s.by_slot if st is not None], "groups": groups,
