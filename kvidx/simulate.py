@@ -438,9 +438,6 @@ def _kafka_overrides(args: argparse.Namespace, say: Say, stack: ExitStack) -> di
         broker = LocalKafka(log=lambda m: say(f"kafka: {m}"))
         bootstrap = broker.start(tmp / "kafka")
         stack.callback(_best_effort, broker.stop)
-    else:
-        from kvidx.kafka.reach import require_broker
-        require_broker(bootstrap)  # a given cluster that does not answer: one line, exit 1
     prefix = args.topic_prefix or f"sim{time.time_ns()}."
     ensure_topics(bootstrap, topic_names(prefix))
     say(f"Kafka at {bootstrap}, topics {topic_names(prefix)['events']} ...: the kv run's events go "
@@ -532,6 +529,10 @@ def run(args: argparse.Namespace) -> dict:
     _quiet_relays()
     say = _sayer(args.quiet)
     engines, policies, trace = _check_args(args, say)
+    given = args.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if args.kafka and given:  # an operator's broker that does not answer: say so before the workload
+        from kvidx.kafka.reach import require_broker
+        require_broker(given)
     wl = {"kind": args.workload, "trace": trace, "requests": args.requests, "models": args.models,
           "block_tokens": args.trace_block_tokens, "chat_rate": args.chat_rate, "seed": args.seed}
     reqs = _workload(wl)
