@@ -12,6 +12,8 @@ Series:
 - kvidx_replica_event_age_max_seconds{model}  age of the stalest replica's last applied engine batch
 - kvidx_batches_applied_total               batches the store folded
 - kvidx_ready                               1 once the store was rebuilt
+- kvidx_core_info{maskmap}                  1, labelled with the index core that runs: native (the
+                                            compiled mask map) or python (the reference fallback)
 - kvidx_consumer_lag_messages               event batches published but not yet applied here
 Per replica (model, replica, dp_rank; only replicas that sent events, so routes to unknown replicas do
 not add series), read from the shards at scrape:
@@ -35,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from index_service.store import ShardStore
+from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
 
 FORMS = ("json", "binary", "rank", "routes")
 # Lookups take ~50 us (short prompt, binary) to a few ms (32k tokens as JSON on a loaded box).
@@ -73,6 +76,10 @@ class _StoreCollector:
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)
         yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))
+        core = GaugeMetricFamily("kvidx_core_info", "The index core that runs (maskmap: native | python)",
+                                 labels=["maskmap"])
+        core.add_metric([MASKMAP_IMPLEMENTATION], 1)
+        yield core
         yield from self._replicas(now)
         yield GaugeMetricFamily("kvidx_consumer_lag_messages",
                                 "Event batches published but not yet applied here (all partitions)",

@@ -28,6 +28,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvidx.config import ShardSettings
 from kvidx.core.fold import Undecodable, fold_message
+from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
 from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.config import client_config, faust_credentials
@@ -45,6 +46,8 @@ SNAP = Histogram("kvidx_worker_snapshot_seconds", "Time to write one shard snaps
 LOCAL_ERRORS = Counter("kvidx_worker_local_store_errors_total",
                        "Snapshots the local RocksDB could not store (full disk ...)")
 INDEXED = Gauge("kvidx_worker_indexed_blocks", "Distinct blocks in the shard", ["model", "group"])
+CORE = Gauge("kvidx_core_info", "The index core that runs (maskmap: native | python)", ["maskmap"])
+CORE.labels(MASKMAP_IMPLEMENTATION).set(1)
 
 
 class _ConsumerLag:

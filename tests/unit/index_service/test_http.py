@@ -347,6 +347,8 @@ def test_metrics(world):
     assert f'kvidx_replicas{{model="{SYNTH}"}} 2.0' in text
     assert "kvidx_batches_applied_total 2.0" in text
     assert "kvidx_ready 1.0" in text
+    from kvidx.core.maskmap import IMPLEMENTATION
+    assert f'kvidx_core_info{{maskmap="{IMPLEMENTATION}"}} 1.0' in text
     assert f'kvidx_lookup_prompt_tokens_total{{model="{MODEL}"}}' in text
     assert 'model="nope"' not in text  # client-chosen names never become label values
     # a second app in the same process has its own registry: its counters start at zero
