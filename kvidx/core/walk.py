@@ -137,8 +137,29 @@ class ShardWalk:
             ranked.append((res + pending, pending, st))
         ranked.sort(key=_by_first_desc)
         answers = []
+        idle = self._idle_groups if held is None else None
         for res, pending, st in ranked if top_k is None else ranked[:top_k]:
             slot = st.slot
+            if not pending and slot not in resume and slot not in hits:
+                # nothing of this prompt here (most replicas of most lookups): only the state the
+                # replica's events change, kept from one lookup to the next until they change it
+                seen = st.batches > 0
+                if idle is not None:
+                    cached = idle.get(slot)
+                    if cached is None or cached[0] != st.batches:
+                        cached = idle[slot] = (st.batches, [Group(gid, kind, 0, st.group_blocks.get(gid, 0),
+                                                                  window or None)
+                                                            for gid, kind, window, _ in group_info])
+                    groups = cached[1]
+                else:
+                    groups = [Group(gid, kind, 0, st.group_blocks.get(gid, 0), window or None,
+                                    held[gid].get(slot, 0)) for gid, kind, window, _ in group_info]
+                answers.append(ReplicaAnswer(
+                    st.replica, st.dp_rank, 0, [], 0, 0, groups, 0, inflight.get(slot, 0) if inflight else 0,
+                    False, [], Freshness(int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
+                                         int((st.applied_ts - st.engine_ts) * 1e6) / 1e3 if seen else None,
+                                         st.epoch, st.seq, st.seq_gaps)))
+                continue
             nb = hits.get(slot, 0)
             fa_hit, _, ghits = resume.get(slot, _NO_HIT)
             groups = [Group(gid, kind, (ghits.get(gid, 0) if ghits else 0) if own else fa_hit,
@@ -213,10 +234,13 @@ class ShardWalk:
         fine_ok = bool(cons) and not any(g.kind in WINDOW_KINDS for _, g in cons)
         out: dict[int, tuple[int, int, dict[int, int] | None]] = {}
         classes: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (engine block, step) -> [(slot, top)]
+        fine_any = fine_ok and fa is not None
         for st in self.by_slot:
             if st is None or (slots is not None and st.slot not in slots):
                 continue
             slot = st.slot
+            if slot not in hits and not (fine_any and st.unit > 1):
+                continue  # no block of the prompt: no hit (callers read a missing slot as _NO_HIT)
             ebs = st.block_size or ibs
             n_tokens = n_prompt - (st.recompute - 1)  # the engine's own limit: below the last token(s)
             cached = min(hits.get(slot, 0) * ibs, n_tokens)
