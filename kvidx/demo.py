@@ -84,115 +84,17 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
         stack += [e.close for e in engines]
         say(f"{replicas} simulated vLLM 0.32 replicas (block {ENGINE_BLOCK}, 48 blocks each) publishing "
             f"KV events on {', '.join(e.endpoint for e in engines)}")
-
         # 2. the transport: in process, or Kafka + a faust worker + a follower
         if kafka:
-            from schemas.events import topic_names
-            bootstrap = bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-            if not bootstrap:
-                from kvidx.kafka.local import LocalKafka
-                broker = LocalKafka(log=lambda m: say(f"kafka: {m}"))
-                bootstrap = broker.start(tmp / "kafka")
-                stack.append(broker.stop)
-            else:
-                from kvidx.kafka.reach import require_broker
-                require_broker(bootstrap)  # a given cluster that does not answer: one line, exit 1
-            prefix = f"demo{int(time.time())}."
-            names = topic_names(prefix)
-            from kvidx.kafka.topics import ensure_topics
-            ensure_topics(bootstrap, names)
-            say(f"Kafka at {bootstrap}; topics {names['events']}, {names['snapshots']} (compacted)")
-            worker = subprocess.Popen(
-                [sys.executable, "-m", "kvidx.cli", "worker", "--bootstrap", bootstrap, "--topic-prefix",
-                 prefix, "--data-dir", str(tmp / "worker"), "--web-port", "0", "--snapshot-interval", "1"],
-                stdout=open(tmp / "worker.log", "w"), stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
-            stack.append(lambda: (worker.terminate(), worker.wait(20)))
-            say(f"faust worker (pid {worker.pid}) folds events into RocksDB shards; log {tmp / 'worker.log'}")
-            sinks = [KafkaSink(bootstrap, names["events"], names["dead_letters"]) for _ in engines]
-            stack += [s.close for s in sinks]
-            follower = KafkaFollower(store, bootstrap, names["events"], names["snapshots"]).start()
-            stack.append(follower.stop)
+            sinks = _kafka_transport(store, len(engines), bootstrap, tmp, stack)
         else:
             sinks = [StoreSink(store) for _ in engines]
             store.ready = True
             say("in-process mode: relays fold straight into the shards (no broker)")
-
-        # 3. one relay per replica
-        relays = []
-        for i, (e, sink) in enumerate(zip(engines, sinks, strict=True)):
-            core = VllmPublisherRelay(MODEL, f"replica-{i}", INDEX_BLOCK)
-            relay = Relay(core, sink, ZmqSource(e.endpoint, e.replay_endpoint, topic=b"kv"))
-            relay.start_fresh()
-            t = threading.Thread(target=relay.run_live, args=(0.05,), daemon=True, name=f"relay-{i}")
-            t.start()
-            relays.append(relay)
-            stack.append(lambda r=relay, th=t: (r.close(), th.join(5)))  # before its sink closes
-        time.sleep(0.3)  # ZMQ subscriptions take a moment to reach the publishers
-
-        # 4. the lookup service
-        port = port or _free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(store), host="127.0.0.1", port=port,
-                                               log_level="warning"))
-        threading.Thread(target=server.run, daemon=True, name="http").start()
-        stack.append(lambda: setattr(server, "should_exit", True))
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{base}/healthz", timeout=1) as r:
-                    if json.loads(r.read()).get("ready"):
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        # the router starts once the index knows every replica (their relays' start batches are
-        # applied; through Kafka that takes a moment): before that the model is unknown and the
-        # first lookup would be a 404
-        while time.monotonic() < deadline and not all(_known(store, f"replica-{j}") for j in range(replicas)):
-            time.sleep(0.01)
-        say(f"lookup service on {base} (POST /v1/lookup, /v1/lookup/binary; GET /healthz, /metrics)")
-
-        # 5. a router: lookup, route to the best replica, serve, compare
-        work = workload_requests(seed, requests, systems=4, sys_len=(64, 200), user_len=(16, 80))
-        say(f"routing {len(work)} requests (shared system prompts, multi-turn conversations)")
-        agreement = Agreement()
-        waits = []
-        load = [0] * replicas
-        shown = 0
-        for i, (prompt, output) in enumerate(work):
-            # the index must have seen every event the engines published (the router's view lags the
-            # engines by the event latency; wait for it so the agreement measures the index, not races)
-            t0 = time.perf_counter()
-            while any(_applied_seq(store, f"replica-{j}") < e.next_seq - 1 for j, e in enumerate(engines)):
-                if time.perf_counter() - t0 > 2:
-                    break
-                time.sleep(0.0005)
-            waits.append(time.perf_counter() - t0)
-            # the router: the cheapest replica by prefix price (queue + load + prefill left), then the
-            # decision is recorded so that every router credits the prompt there at once
-            answers = _rank(base, prompt)
-            by_replica = {a.replica: a for a in answers}
-            ranked = [int(a.replica.rsplit("-", 1)[1]) for a in answers]
-            best = ranked[0] if ranked else min(range(replicas), key=lambda j: load[j])
-            chosen = by_replica.get(f"replica-{best}")
-            credited = chosen.resumable_tokens if chosen else 0
-            _post(base, "/v1/routes", {"request_id": f"demo-{i}", "model": MODEL, "token_ids": prompt,
-                                       "replica": f"replica-{best}", "credited_tokens": credited, "ttl_s": 5})
-            reused = engines[best].serve(prompt, output)
-            load[best] += 1
-            agreement.add(i, len(prompt), reused, credited)
-            if credited and shown < 3:
-                shown += 1
-                tiers = ", ".join(f"{t.tokens} on {t.tier}" for t in chosen.tiers)
-                say(f"request {i}: {len(prompt)} prompt tokens -> replica-{best}: index says "
-                    f"{credited} resumable ({tiers}), engine reused {reused}")
-        summary = agreement.summary()
-        w = np.asarray(waits) * 1000
-        say(f"requests per replica: {load}")
-        say(f"index caught up with the engines before a lookup in p50 {np.percentile(w, 50):.2f} ms, "
-            f"p99 {np.percentile(w, 99):.2f} ms")
-        say("agreement (credited vs reused, per request): " + json.dumps(summary))
+        # 3. one relay per replica; 4. the lookup service; 5. a router
+        _start_relays(engines, sinks, stack)
+        base = _start_service(store, port, replicas, stack)
+        summary = _route(base, store, engines, requests, seed)
         dead = sum(len(getattr(s, "dead", ())) for s in sinks)
         say(f"dead letters: {dead}; blocks indexed: "
             f"{sum(len(g.any) for g in store.shards[MODEL].groups.values()) if MODEL in store.shards else 0}")
@@ -211,6 +113,120 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
             except Exception:  # best effort: keep stopping the rest
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kafka_transport(store: ShardStore, n: int, bootstrap: str | None, tmp: Path, stack: list) -> list:
+    """A broker (the given one, or a local one started here), the demo's topics, a faust worker and a
+    follower folding into `store`; one Kafka sink per relay."""
+    from schemas.events import topic_names
+    bootstrap = bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not bootstrap:
+        from kvidx.kafka.local import LocalKafka
+        broker = LocalKafka(log=lambda m: say(f"kafka: {m}"))
+        bootstrap = broker.start(tmp / "kafka")
+        stack.append(broker.stop)
+    else:
+        from kvidx.kafka.reach import require_broker
+        require_broker(bootstrap)  # a given cluster that does not answer: one line, exit 1
+    prefix = f"demo{int(time.time())}."
+    names = topic_names(prefix)
+    from kvidx.kafka.topics import ensure_topics
+    ensure_topics(bootstrap, names)
+    say(f"Kafka at {bootstrap}; topics {names['events']}, {names['snapshots']} (compacted)")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "kvidx.cli", "worker", "--bootstrap", bootstrap, "--topic-prefix",
+         prefix, "--data-dir", str(tmp / "worker"), "--web-port", "0", "--snapshot-interval", "1"],
+        stdout=open(tmp / "worker.log", "w"), stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+    stack.append(lambda: (worker.terminate(), worker.wait(20)))
+    say(f"faust worker (pid {worker.pid}) folds events into RocksDB shards; log {tmp / 'worker.log'}")
+    sinks = [KafkaSink(bootstrap, names["events"], names["dead_letters"]) for _ in range(n)]
+    stack += [s.close for s in sinks]
+    follower = KafkaFollower(store, bootstrap, names["events"], names["snapshots"]).start()
+    stack.append(follower.stop)
+    return sinks
+
+
+def _start_relays(engines: list[SimVllmEngine], sinks: list, stack: list) -> None:
+    for i, (e, sink) in enumerate(zip(engines, sinks, strict=True)):
+        core = VllmPublisherRelay(MODEL, f"replica-{i}", INDEX_BLOCK)
+        relay = Relay(core, sink, ZmqSource(e.endpoint, e.replay_endpoint, topic=b"kv"))
+        relay.start_fresh()
+        t = threading.Thread(target=relay.run_live, args=(0.05,), daemon=True, name=f"relay-{i}")
+        t.start()
+        stack.append(lambda r=relay, th=t: (r.close(), th.join(5)))  # before its sink closes
+    time.sleep(0.3)  # ZMQ subscriptions take a moment to reach the publishers
+
+
+def _start_service(store: ShardStore, port: int, replicas: int, stack: list) -> str:
+    """The lookup service on loopback, once ready and knowing every replica; its base URL."""
+    port = port or _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(store), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True, name="http").start()
+    stack.append(lambda: setattr(server, "should_exit", True))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/healthz", timeout=1) as r:
+                if json.loads(r.read()).get("ready"):
+                    break
+        except OSError:
+            pass
+        time.sleep(0.1)
+    # the router starts once the index knows every replica (their relays' start batches are
+    # applied; through Kafka that takes a moment): before that the model is unknown and the
+    # first lookup would be a 404
+    while time.monotonic() < deadline and not all(_known(store, f"replica-{j}") for j in range(replicas)):
+        time.sleep(0.01)
+    say(f"lookup service on {base} (POST /v1/lookup, /v1/lookup/binary; GET /healthz, /metrics)")
+    return base
+
+
+def _route(base: str, store: ShardStore, engines: list[SimVllmEngine], requests: int, seed: int) -> dict:
+    """A router: rank, record the decision, serve on the chosen engine, compare credit with reuse."""
+    replicas = len(engines)
+    work = workload_requests(seed, requests, systems=4, sys_len=(64, 200), user_len=(16, 80))
+    say(f"routing {len(work)} requests (shared system prompts, multi-turn conversations)")
+    agreement = Agreement()
+    waits = []
+    load = [0] * replicas
+    shown = 0
+    for i, (prompt, output) in enumerate(work):
+        # the index must have seen every event the engines published (the router's view lags the
+        # engines by the event latency; wait for it so the agreement measures the index, not races)
+        t0 = time.perf_counter()
+        while any(_applied_seq(store, f"replica-{j}") < e.next_seq - 1 for j, e in enumerate(engines)):
+            if time.perf_counter() - t0 > 2:
+                break
+            time.sleep(0.0005)
+        waits.append(time.perf_counter() - t0)
+        # the router: the cheapest replica by prefix price (queue + load + prefill left), then the
+        # decision is recorded so that every router credits the prompt there at once
+        answers = _rank(base, prompt)
+        by_replica = {a.replica: a for a in answers}
+        ranked = [int(a.replica.rsplit("-", 1)[1]) for a in answers]
+        best = ranked[0] if ranked else min(range(replicas), key=lambda j: load[j])
+        chosen = by_replica.get(f"replica-{best}")
+        credited = chosen.resumable_tokens if chosen else 0
+        _post(base, "/v1/routes", {"request_id": f"demo-{i}", "model": MODEL, "token_ids": prompt,
+                                   "replica": f"replica-{best}", "credited_tokens": credited, "ttl_s": 5})
+        reused = engines[best].serve(prompt, output)
+        load[best] += 1
+        agreement.add(i, len(prompt), reused, credited)
+        if credited and shown < 3:
+            shown += 1
+            tiers = ", ".join(f"{t.tokens} on {t.tier}" for t in chosen.tiers)
+            say(f"request {i}: {len(prompt)} prompt tokens -> replica-{best}: index says "
+                f"{credited} resumable ({tiers}), engine reused {reused}")
+    summary = agreement.summary()
+    w = np.asarray(waits) * 1000
+    say(f"requests per replica: {load}")
+    say(f"index caught up with the engines before a lookup in p50 {np.percentile(w, 50):.2f} ms, "
+        f"p99 {np.percentile(w, 99):.2f} ms")
+    say("agreement (credited vs reused, per request): " + json.dumps(summary))
+    return summary
 
 
 def _known(store: ShardStore, replica: str) -> bool:
