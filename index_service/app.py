@@ -57,6 +57,7 @@ from fastapi_offline import FastAPIOffline
 from index_service.auth import add_bearer_auth
 from index_service.context import ServiceContext, kv, log
 from index_service.errors import one_error_shape
+from index_service.hot_path import HotPath
 from index_service.lookup_routes import add_binary_lookup, add_json_lookup
 from index_service.metrics import ServiceMetrics
 from index_service.openapi import document_responses
@@ -82,8 +83,6 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     app.state.publish_usage = publish_usage
     app.state.usage_recent = deque(maxlen=10_000)
     app.state.feedback = feedback
-    if auth_token:
-        add_bearer_auth(app, auth_token)
     metrics = ServiceMetrics(store)
     app.state.store = store
     app.state.metrics = metrics
@@ -93,5 +92,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     add_routing_routes(app, ctx, auth)
     add_binary_lookup(app, ctx, auth)
     add_status_routes(app, ctx, auth)
+    app.add_middleware(HotPath, ctx=ctx)  # the lookups, past the router
+    if auth_token:  # added last: outermost, so it guards the lookups too
+        add_bearer_auth(app, auth_token)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))
     return app
