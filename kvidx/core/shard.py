@@ -158,18 +158,19 @@ class ModelShard(ShardWalk, ShardSnapshot):
 
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
-        st = self.replica(batch.replica, batch.dp_rank)
+        st = self.replicas.get((batch.replica, batch.dp_rank)) or self.replica(batch.replica, batch.dp_rank)
         if (batch.epoch, batch.seq, batch.part) <= (st.epoch, st.seq, st.part):
             st.duplicates += 1
             return False
         if batch.epoch == st.epoch and batch.seq > st.seq + 1:
             st.seq_gaps += batch.seq - st.seq - 1
         for ev in batch.events:
-            if isinstance(ev, BlocksStored):
+            kind = type(ev)  # the event structs are final: no subclass to miss
+            if kind is BlocksStored:
                 self._store(ev, st)
-            elif isinstance(ev, BlocksRemoved):
+            elif kind is BlocksRemoved:
                 self._remove(ev, st)
-            elif isinstance(ev, ReplicaCleared):
+            elif kind is ReplicaCleared:
                 self._clear(st)
         st.epoch, st.seq, st.part = batch.epoch, batch.seq, batch.part
         st.recompute = batch.recompute_tokens
@@ -186,8 +187,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
         return g
 
     def _store(self, ev: BlocksStored, st: ReplicaState) -> None:
-        g = self._group(ev.group, ev.group_kind, ev.sliding_window)
-        d = g.tier_map(TIER_IDS.get(ev.tier, len(TIERS) - 1))
+        g = self.groups.get(ev.group) or self._group(ev.group, ev.group_kind, ev.sliding_window)
+        tid = TIER_IDS.get(ev.tier, len(TIERS) - 1)
+        d = g.tiers.get(tid) or g.tier_map(tid)
         new = d.store(ev.hashes, st.slot)
         if g.any is not d:
             g.any.store(ev.hashes, st.slot)
