@@ -17,7 +17,7 @@ Semantics both implement:
   its mask becomes 0); for each of those, unless a map of `others` has the bit, it is cleared in
   `union` too (the "any tier" map: retract only when the last tier drops it);
 - clear_slot(slot) -> how many entries had the bit (cleared everywhere);
-- masks(hashes) -> [mask or 0]; walk(hashes) -> {slot: leading hashes held} (walk.py `_walk`);
+- masks(hashes) -> [mask or 0]; walk(hashes) -> {slot: leading hashes held} (`walk_masks`);
 - or_into(other): OR every entry into other;
 - export(words) -> (keys, masks) bytes (little-endian u64 keys; `words` little-endian u64 words per
   mask, same order: snapshot.py `_pack_masks`; ValueError if a mask needs more words);
@@ -61,6 +61,37 @@ def _check(h: int, mask: int) -> None:
 def _pairs(pairs) -> Iterable:
     items = getattr(pairs, "items", None)
     return items() if items is not None else pairs
+
+
+def walk_masks(get, hashes: list[int]) -> dict[int, int]:
+    """The AND-walk over a mask getter `get(hash, 0)`: slot -> leading hashes held, for every slot
+    holding hashes[0]. The reference map's walk, and the shard's where pools or pending credit
+    overlay the masks (kvidx.core.walk)."""
+    if not hashes:
+        return {}
+    alive = get(hashes[0], 0)
+    out: dict[int, int] = {}
+    if not alive:
+        return out
+    i = 1
+    n = len(hashes)
+    while i < n:
+        m = get(hashes[i], 0) & alive
+        if m != alive:
+            lost = alive & ~m
+            while lost:
+                low = lost & -lost
+                out[low.bit_length() - 1] = i
+                lost ^= low
+            alive = m
+            if not alive:
+                return out
+        i += 1
+    while alive:
+        low = alive & -alive
+        out[low.bit_length() - 1] = n
+        alive ^= low
+    return out
 
 
 class PyMaskMap(dict):
@@ -164,34 +195,7 @@ class PyMaskMap(dict):
 
     def walk(self, hashes: list[int]) -> dict[int, int]:
         """slot -> number of leading hashes it holds, for every slot holding hashes[0]."""
-        if not isinstance(hashes, list):
-            hashes = list(hashes)
-        if not hashes:
-            return {}
-        get = super().get
-        alive = get(hashes[0], 0)
-        out: dict[int, int] = {}
-        if not alive:
-            return out
-        i = 1
-        n = len(hashes)
-        while i < n:
-            m = get(hashes[i], 0) & alive
-            if m != alive:
-                lost = alive & ~m
-                while lost:
-                    low = lost & -lost
-                    out[low.bit_length() - 1] = i
-                    lost ^= low
-                alive = m
-                if not alive:
-                    return out
-            i += 1
-        while alive:
-            low = alive & -alive
-            out[low.bit_length() - 1] = n
-            alive ^= low
-        return out
+        return walk_masks(super().get, hashes if isinstance(hashes, list) else list(hashes))
 
     def or_into(self, other: PyMaskMap) -> None:
         if other is self:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvidx.core.answers import Freshness, Group, ReplicaAnswer, Tier
+from kvidx.core.maskmap import walk_masks
 from schemas.events import TIERS
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class ShardWalk:
         pool_mask = self._pools()[0] if self.pool_readers else 0
         pend = self.pending.masks if pending else None
         if pool_mask or pend:
-            return _walk(self._overlay_get(g.any.get, pool_mask, pend), hashes)
+            return walk_masks(self._overlay_get(g.any.get, pool_mask, pend), hashes)
         return g.any.walk(hashes)  # one call: the map walks the prompt itself
 
     def _overlay_get(self, get, pool_mask: int, pend: dict[int, int] | None):
@@ -399,33 +400,6 @@ def _bit_counts(masks: list[int], n_slots: int) -> dict[int, int]:
         counts = np.unpackbits(arr.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little").sum(axis=0)
         for b in np.flatnonzero(counts).tolist():
             out[64 * w + b] = int(counts[b])
-    return out
-
-
-def _walk(get, hashes: list[int]) -> dict[int, int]:
-    """The AND-walk: slot -> leading blocks held, for every slot holding block 0."""
-    alive = get(hashes[0], 0)
-    out: dict[int, int] = {}
-    if not alive:
-        return out
-    i = 1
-    n = len(hashes)
-    while i < n:
-        m = get(hashes[i], 0) & alive
-        if m != alive:
-            lost = alive & ~m
-            while lost:
-                low = lost & -lost
-                out[low.bit_length() - 1] = i
-                lost ^= low
-            alive = m
-            if not alive:
-                return out
-        i += 1
-    while alive:
-        low = alive & -alive
-        out[low.bit_length() - 1] = n
-        alive ^= low
     return out
 
 
