@@ -14,7 +14,6 @@ from index_service.metrics import ServiceMetrics
 from index_service.query import QueryPipeline
 from index_service.store import ShardStore
 from index_service.wire import Reject, decode
-from kvidx.core.answers import LookupAnswer
 
 log = logging.getLogger("kvidx.index_service")
 
@@ -91,18 +90,17 @@ class ServiceContext:
         """The body (at most `limit` bytes, by default what max_tokens ids need) as the decoder's struct."""
         return decode(decoder, await self.read_body(request, limit or self.max_json_bytes, "JSON body"))
 
-    def respond(self, form: str, t0: float, answer: LookupAnswer, blocks: int) -> Response:
-        """A lookup answer (QueryPipeline.answer, for a prompt of `blocks` hashes) encoded, counted in
-        the metrics and logged at debug."""
-        body = encode(answer)
+    def respond(self, form: str, t0: float, model: str, prompt_tokens: int, answer: tuple[bytes, int, int],
+                blocks: int) -> Response:
+        """A lookup answer (QueryPipeline.answer_json: its bytes, best resumable tokens and replicas,
+        for a prompt of `blocks` hashes), counted in the metrics and logged at debug."""
+        body, best, replicas = answer
         dt = time.perf_counter() - t0
-        replicas = answer.replicas
-        best = replicas[0].resumable_tokens if replicas else 0
         self.metrics.observe(form, 200, dt)
-        self.metrics.answered(answer.model, answer.prompt_tokens, best)
+        self.metrics.answered(model, prompt_tokens, best)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s", kv(event="lookup", form=form, model=answer.model,
-                               prompt_tokens=answer.prompt_tokens, blocks=blocks, replicas=len(replicas),
+            log.debug("%s", kv(event="lookup", form=form, model=model,
+                               prompt_tokens=prompt_tokens, blocks=blocks, replicas=replicas,
                                best_resumable=best, us=round(dt * 1e6)))
         return Response(body, media_type=JSON)
 

@@ -31,8 +31,8 @@ async def json_lookup(ctx: ServiceContext, request: Request, form: str, rank: bo
         req = await ctx.read_json(request, LOOKUP_DECODER)
         model = req.model
         shard, hashes, n = ctx.pipeline.prompt(req)
-        answer = ctx.pipeline.answer(shard, hashes, n, rank, req.top_k, ctx.app.state.feedback)
-        return ctx.respond(form, t0, answer, len(hashes))
+        answer = ctx.pipeline.answer_json(shard, hashes, n, rank, req.top_k, ctx.app.state.feedback)
+        return ctx.respond(form, t0, shard.model, n, answer, len(hashes))
     except Exception as e:  # noqa: BLE001 - every failure becomes a JSON error response
         return ctx.rejected(form, e, model)
 
@@ -60,9 +60,9 @@ async def binary_lookup(ctx: ServiceContext, request: Request) -> Response:
         top_k = q.get("top_k")
         if top_k is not None and not top_k.isdigit():
             raise Reject(422, f"query parameter 'top_k' must be a positive integer, got {top_k[:20]!r}")
-        answer = ctx.pipeline.answer(shard, hashes, n, top_k=int(top_k) if top_k else None,
-                                     feedback=ctx.app.state.feedback)
-        return ctx.respond("binary", t0, answer, len(hashes))
+        answer = ctx.pipeline.answer_json(shard, hashes, n, top_k=int(top_k) if top_k else None,
+                                          feedback=ctx.app.state.feedback)
+        return ctx.respond("binary", t0, shard.model, n, answer, len(hashes))
     except Exception as e:  # noqa: BLE001
         return ctx.rejected("binary", e, model)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from index_service.store import ShardStore
 from index_service.wire import (
     MAX_TOP_K,
@@ -30,6 +32,7 @@ from schemas.routes import ROUTES_VERSION, RouteDecision
 from schemas.usage import USAGE_VERSION, UsageReport
 
 MAX_MODELS_LISTED = 10  # in the 404 for an unknown model
+_encode = msgspec.json.Encoder().encode
 
 
 def _by_price(answer: ReplicaAnswer) -> float:
@@ -135,6 +138,23 @@ class QueryPipeline:
         if top_k is not None:
             del replicas[top_k:]
         return LookupAnswer(shard.model, n_tokens, shard.block_size, replicas)
+
+    def answer_json(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
+                    top_k: int | None = None, feedback=None) -> tuple[bytes, int, int]:
+        """`answer` as JSON: (bytes, the first replica's resumable tokens, how many replicas). Written
+        by the compiled core where the shard allows (ShardWalk.lookup_json), else the typed answer
+        encoded; the same answer either way (tests/unit/index_service/test_answer_json.py)."""
+        if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
+            raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
+        if feedback is None or not feedback.by_model.get(shard.model):  # feedback caps need the structs
+            pricer = self.pricer(shard.model)
+            fast = shard.lookup_json(hashes, n_tokens, time.time(), pricer.per_token, pricer.load_cost,
+                                     rank, top_k)
+            if fast is not None:
+                return fast
+        answer = self.answer(shard, hashes, n_tokens, rank, top_k, feedback)
+        replicas = answer.replicas
+        return _encode(answer), replicas[0].resumable_tokens if replicas else 0, len(replicas)
 
     def lookup(self, req: LookupRequest, rank: bool = False, feedback=None) -> LookupAnswer:
         """A JSON lookup request (token_ids or block_hashes + prompt_tokens) answered."""

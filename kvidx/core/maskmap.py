@@ -292,3 +292,6 @@ _mod = _native()
 MaskMap: type = _mod.MaskMap if _mod is not None else PyMaskMap
 chain = _mod.chain if _mod is not None else py_chain
 IMPLEMENTATION = "native" if _mod is not None else "python"
+# a lookup answer written as JSON by the compiled core (kvidx.core.walk.ShardWalk.lookup_json); None:
+# the typed answer, encoded by msgspec, everywhere
+lookup_json = getattr(_mod, "lookup_json", None)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvidx.core.answers import Freshness, Group, ReplicaAnswer, Tier
+from kvidx.core.maskmap import lookup_json as native_lookup_json
 from kvidx.core.maskmap import walk_masks
 from schemas.events import TIERS
 
@@ -182,6 +183,32 @@ class ShardWalk:
                           int((st.applied_ts - st.engine_ts) * 1e6) / 1e3 if seen else None,
                           st.epoch, st.seq, st.seq_gaps)))
         return answers
+
+    def lookup_json(self, hashes: list[int], n_tokens: int, now: float, per_token: float,
+                    load_cost: dict[str, float], rank: bool = False, top_k: int | None = None
+                    ) -> tuple[bytes, int, int] | None:
+        """`lookup`, priced (kvidx.core.price.Pricer's rates), ranked by price if `rank`, cut to
+        `top_k`, as the JSON of a LookupAnswer with (its bytes, the first replica's resumable tokens,
+        how many replicas), written by the compiled core with no object per replica: for the common
+        shard (one full-attention group in one tier, no pools, nothing whose evictions go unreported).
+        None where that does not apply or nothing was compiled: the caller encodes the typed answer."""
+        if native_lookup_json is None or len(self.groups) != 1 or self.pool_readers:
+            return None
+        ((gid, g),) = self.groups.items()
+        if g.kind not in FULL_KINDS or g.kind in self.unreported_eviction_kinds or len(g.tiers) != 1:
+            return None
+        (tier,) = (TIERS[t] for t in g.tiers)
+        if tier in self.unreported_eviction_tiers:
+            return None
+        if len(self.pending):
+            self.pending.expire(now)
+        hits = self.prefix_blocks(hashes)
+        with_pending = self.prefix_blocks(hashes, pending=True) if self._pending_applies() else None
+        pending_bs = (max((r.block_size for r in self.by_slot if r is not None), default=0)
+                      or self.block_size) if with_pending else 0  # engine_block_size's fallback
+        return native_lookup_json(self.model, n_tokens, self.block_size, self.by_slot, hits, with_pending,
+                                  self.pending.inflight or None, gid, g.kind, tier, now, pending_bs,
+                                  per_token, load_cost.get(tier, 0.0), rank, top_k)
 
     def credited(self, hashes: list[int], n_tokens: int, replica: str | None = None,
                  dp_rank: int | None = None, now: float | None = None) -> int:
