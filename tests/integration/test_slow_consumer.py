@@ -19,13 +19,13 @@ pytestmark = pytest.mark.kafka
 
 def test_slow_consumer_under_a_burst(kafka_bootstrap, topics, monkeypatch):
     store = ShardStore(16)
-    slow_apply = store.apply
+    fold = store.fold  # what the follower folds each events-topic message with
 
-    def apply(batch, now=None):
+    def slow_fold(raw, partition=-1, offset=-1, now=None):
         time.sleep(0.01)  # a consumer ten times slower than the burst
-        return slow_apply(batch, now)
+        return fold(raw, partition, offset, now)
 
-    monkeypatch.setattr(store, "apply", apply)
+    monkeypatch.setattr(store, "fold", slow_fold)
     follower = KafkaFollower(store, kafka_bootstrap, topics["events"], topics["snapshots"]).start()
     try:
         wait_for(lambda: store.ready, what="follower ready")
