@@ -13,7 +13,7 @@ from starlette.datastructures import QueryParams
 from index_service.context import ServiceContext
 from index_service.openapi import binary_lookup_extra, json_body
 from index_service.responses import errors, ok
-from index_service.wire import LOOKUP_DECODER, LOOKUP_SCHEMA, Reject
+from index_service.wire import LOOKUP_SCHEMA, Reject, read_lookup
 
 _BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt", "top_k"})
 
@@ -28,7 +28,7 @@ async def json_lookup(ctx: ServiceContext, request: Request, form: str, rank: bo
     t0 = time.perf_counter()
     model = None
     try:
-        req = await ctx.read_json(request, LOOKUP_DECODER)
+        req = read_lookup(await ctx.read_body(request, ctx.max_json_bytes, "JSON body"))
         model = req.model
         shard, hashes, n = ctx.pipeline.prompt(req)
         answer = ctx.pipeline.answer_json(shard, hashes, n, rank, req.top_k, ctx.app.state.feedback)

@@ -68,14 +68,15 @@ class QueryPipeline:
         raise Reject(422, "give token_ids, or block_hashes and prompt_tokens")
 
     def _token_prompt(self, req: LookupRequest | RouteRequest) -> tuple[ModelShard, list[int], int]:
-        n = len(req.token_ids)
+        ids = req.token_ids  # a list, or packed uint32 bytes (wire.read_lookup)
+        n = len(ids) // 4 if isinstance(ids, bytes) else len(ids)
         if n == 0:
             raise Reject(422, "token_ids is empty: a prompt has at least one token")
         if n > self.max_tokens:
             raise Reject(413, f"token_ids has {n} tokens, more than max_tokens={self.max_tokens}")
         if req.prompt_tokens is not None and req.prompt_tokens != n:
             raise Reject(422, f"prompt_tokens={req.prompt_tokens} differs from the {n} token_ids")
-        packed = pack_tokens(req.token_ids)
+        packed = pack_tokens(ids)
         shard = self.shard(req.model)
         return shard, prompt_hashes(packed, shard.block_size, req.lora_name, req.cache_salt), n
 

@@ -9,6 +9,8 @@ from array import array
 
 import msgspec
 
+from kvidx.core.maskmap import parse_token_ids
+
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 MAX_TOP_K = 4096
@@ -59,7 +61,14 @@ class UsageRequest(msgspec.Struct, forbid_unknown_fields=True):
     router: str = ""
 
 
+class _RawTokensLookup(LookupRequest, forbid_unknown_fields=True):
+    """A lookup body with its token ids left as JSON text, for the compiled parser (read_lookup)."""
+    token_ids: msgspec.Raw = msgspec.Raw(b"null")  # msgspec takes no Raw in a union
+
+
 LOOKUP_DECODER = msgspec.json.Decoder(LookupRequest)
+_RAW_TOKENS_DECODER = msgspec.json.Decoder(_RawTokensLookup)
+_NULL = msgspec.Raw(b"null")
 ROUTE_DECODER = msgspec.json.Decoder(RouteRequest)
 USAGE_DECODER = msgspec.json.Decoder(UsageRequest)
 # The bodies' schemas inline (no $ref), for the routes' requestBody in the OpenAPI document
@@ -87,8 +96,28 @@ def decode(decoder: msgspec.json.Decoder, body: bytes):
         raise Reject(400, f"invalid JSON: {e}") from None
 
 
-def pack_tokens(token_ids: list[int]) -> bytes:
-    """Token ids as packed little-endian uint32 (what prompt_hashes hashes), range-checked in C."""
+def read_lookup(body: bytes) -> LookupRequest:
+    """A JSON lookup body. Where the compiled core is built, its token ids go from JSON text straight
+    to packed uint32 bytes (`token_ids` is then those bytes: no Python int per token); a body it does
+    not take is decoded the ordinary way, so its error is the ordinary one."""
+    if parse_token_ids is not None:
+        try:
+            req = _RAW_TOKENS_DECODER.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            req = None
+        if req is not None and req.token_ids != _NULL:
+            packed = parse_token_ids(bytes(req.token_ids))
+            if packed is not None:
+                req.token_ids = packed
+                return req
+    return decode(LOOKUP_DECODER, body)
+
+
+def pack_tokens(token_ids: list[int] | bytes) -> bytes:
+    """Token ids as packed little-endian uint32 (what prompt_hashes hashes), range-checked in C;
+    bytes are packed already (read_lookup)."""
+    if isinstance(token_ids, bytes):
+        return token_ids
     try:
         a = array(_U32_CODE, token_ids)
     except (OverflowError, TypeError):

@@ -1,0 +1,65 @@
+"""JSON lookup bodies read with the compiled token parser where built (index_service.wire.read_lookup):
+the same request, packed the same, or refused with the same error, as msgspec's ordinary decode."""
+
+import random
+
+import msgspec
+import pytest
+
+from index_service.wire import LOOKUP_DECODER, Reject, decode, pack_tokens, read_lookup
+
+BODIES = [
+    b'{"model": "m", "token_ids": [1, 2, 3]}',
+    b'{"model":"m","token_ids":[ 0 ,4294967295 ],"top_k":2}',
+    b'{"model": "m", "token_ids": []}',
+    b'{"model": "m", "token_ids": [4294967296]}',
+    b'{"model": "m", "token_ids": [-1]}',
+    b'{"model": "m", "token_ids": [1.0]}',
+    b'{"model": "m", "token_ids": [1, "2"]}',
+    b'{"model": "m", "token_ids": [1,]}',
+    b'{"model": "m", "token_ids": [01]}',
+    b'{"model": "m", "token_ids": null, "block_hashes": [5], "prompt_tokens": 16}',
+    b'{"model": "m", "block_hashes": [5], "prompt_tokens": 16}',
+    b'{"model": "m", "token_ids": [1], "extra": 1}',
+    b'{"model": 3, "token_ids": [1]}',
+    b'{"model": "m", "token_ids": [1]',
+    b'not json',
+]
+
+
+def _ordinary(body: bytes):
+    try:
+        req = decode(LOOKUP_DECODER, body)
+    except Reject as e:
+        return ("reject", e.status, e.error)
+    ids = req.token_ids
+    try:
+        packed = pack_tokens(ids) if ids is not None else None
+    except Reject as e:
+        return ("reject", e.status, e.error)
+    return (req.model, packed, req.block_hashes, req.prompt_tokens, req.top_k)
+
+
+def _read(body: bytes):
+    try:
+        req = read_lookup(body)
+    except Reject as e:
+        return ("reject", e.status, e.error)
+    try:
+        packed = pack_tokens(req.token_ids) if req.token_ids is not None else None
+    except Reject as e:
+        return ("reject", e.status, e.error)
+    return (req.model, packed, req.block_hashes, req.prompt_tokens, req.top_k)
+
+
+@pytest.mark.parametrize("body", BODIES)
+def test_read_lookup_is_the_ordinary_decode(body):
+    assert _read(body) == _ordinary(body)
+
+
+def test_random_token_lists():
+    r = random.Random(3)
+    for _ in range(200):
+        ids = [r.choice([0, 1, 9, 10, 2**32 - 1, r.randrange(2**32)]) for _ in range(r.randint(0, 50))]
+        body = msgspec.json.encode({"model": "m", "token_ids": ids})
+        assert _read(body) == _ordinary(body)
