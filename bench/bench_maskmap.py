@@ -11,6 +11,13 @@ second slot too. Then:
   chain    canonical hashing of a --prompt-blocks * 16-token prompt (ns per block)
   bytes/entry  native: MaskMap.memory_bytes(); Python: tracemalloc of the dict built the shard's way,
                its key ints and mask ints included
+
+--events FILE (bench/peers' common event file, e.g. bench/peers/.build/results/A/events.bin): also
+replays its map calls alone, as the shard makes them with one tier (one MaskMap, slot = worker;
+store(hashes, slot) per stored record, remove(hashes, slot) per removed one), --replay-reps times in
+process CPU time (the machine may be shared), printing ns per block event of each repetition and
+bytes per entry after the replay; then a mixed pass in trace order times each query's walk (wall
+clock per call: most walks stop within a few blocks, and most return ~one entry per replica).
 Nothing here asserts on timings: it measures and prints.
 """
 
@@ -18,12 +25,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import struct
 import sys
 import time
 import tracemalloc
 from pathlib import Path
 
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # no BLAS here: no idle BLAS threads in process time
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python bench/bench_maskmap.py`
@@ -106,6 +117,79 @@ def measure(impl, label: str, args, keys, stores, removes, packed: bytes, chain_
     return out
 
 
+def load_events(path: str) -> tuple[list[tuple], int]:
+    """The records of bench/peers' event file (kvidxbench/bench_kvidx.py `load`): (0, query hashes),
+    (1, worker, stored hashes), (2, worker, removed hashes); and the number of workers."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"KVEVTS01", path
+    nw, _bt, n = struct.unpack_from("<IIQ", data, 8)
+    p = 24
+    u64 = np.dtype("<u8")
+    recs: list[tuple] = []
+    for _ in range(n):
+        t = data[p]
+        p += 1
+        if t == 0:
+            (k,) = struct.unpack_from("<I", data, p)
+            p += 4
+            recs.append((0, np.frombuffer(data, u64, k, p).tolist()))
+            p += 24 * k  # sequence hashes, Dynamo local hashes, hash ids
+        elif t == 1:
+            w, _hp, _par, k = struct.unpack_from("<IBQI", data, p)
+            p += 17
+            recs.append((1, w, np.frombuffer(data, u64, k, p).tolist()))
+            p += 16 * k
+        elif t == 2:
+            w, k = struct.unpack_from("<II", data, p)
+            p += 8
+            recs.append((2, w, np.frombuffer(data, u64, k, p).tolist()))
+            p += 8 * k
+        else:
+            raise ValueError(t)
+    return recs, nw
+
+
+def replay(impl, label: str, recs: list[tuple], reps: int) -> None:
+    """The event file's map calls alone (ns per block event, process CPU time), then trace order
+    with every query's walk timed (ns per query block)."""
+    events = [(r[0] == 1, r[1], r[2]) for r in recs if r[0] != 0]
+    n_blocks = sum(len(h) for _, _, h in events)
+    ns = []
+    d = None
+    for _ in range(reps):
+        del d
+        gc.collect()
+        d = impl()
+        store, remove = d.store, d.remove
+        t = time.process_time_ns()
+        for stored, w, h in events:
+            if stored:
+                store(h, w)
+            else:
+                remove(h, w)
+        ns.append((time.process_time_ns() - t) / n_blocks)
+    mem = d.memory_bytes() / max(1, len(d)) if impl is not PyMaskMap else float("nan")
+    d = impl()
+    store, remove, walk = d.store, d.remove, d.walk
+    clock = time.perf_counter_ns
+    q_ns = q_blocks = queries = 0
+    for r in recs:
+        if r[0] == 0:
+            t = clock()
+            walk(r[1])
+            q_ns += clock() - t
+            q_blocks += len(r[1])
+            queries += 1
+        elif r[0] == 1:
+            store(r[2], r[1])
+        else:
+            remove(r[2], r[1])
+    print(f"{label:>7} replay: {n_blocks:,} block events  store/remove " + " ".join(f"{x:.1f}" for x in ns)
+          + f" ns/block (min {min(ns):.1f})  {len(d):,} entries  {mem:.1f} bytes/entry   "
+          f"mixed walk {q_ns / max(1, q_blocks):.1f} ns/query block "
+          f"({q_ns / max(1, queries) / 1e3:.2f} us/query)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries", type=int, default=1_000_000, help="distinct block hashes (default 1M)")
@@ -117,21 +201,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=20, help="runs of walk/masks/chain, the best kept")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--python-only", action="store_true", help="skip the native map even if built")
+    ap.add_argument("--native-only", action="store_true", help="skip the Python reference")
+    ap.add_argument("--events", help="also replay this bench/peers event file's map calls")
+    ap.add_argument("--replay-reps", type=int, default=3, help="repetitions of the replay (default 3)")
+    ap.add_argument("--replay-only", action="store_true", help="only the replay of --events")
     args = ap.parse_args(argv)
+    if args.events:
+        recs, nw = load_events(args.events)
+        print(f"replay of {args.events}: {len(recs):,} records, {nw} workers (ns per block; lower is better)")
+        if not args.native_only:
+            replay(PyMaskMap, "python", recs, args.replay_reps)
+        if kvidx_native is not None and not args.python_only:
+            replay(kvidx_native.MaskMap, "native", recs, args.replay_reps)
+        if args.replay_only:
+            return 0
     keys, stores, removes = workload(args)
     packed = np.random.default_rng(args.seed).integers(0, 2**17, size=args.prompt_blocks * 16,
                                                        dtype="<u4").tobytes()
     assert py_chain(packed, 16, 7) == ref_chain(packed, 16, 7)
     print(f"mask map: {args.entries:,} blocks over {args.replicas} slots, events of {args.batch} hashes; "
           f"prompt {args.prompt_blocks} blocks (ns per block; lower is better)")
-    res = {"python": measure(PyMaskMap, "python", args, keys, stores, removes, packed, py_chain)}
+    res = {}
+    if not args.native_only:
+        res["python"] = measure(PyMaskMap, "python", args, keys, stores, removes, packed, py_chain)
     if kvidx_native is not None and not args.python_only:
         res["native"] = measure(kvidx_native.MaskMap, "native", args, keys, stores, removes, packed,
                                 kvidx_native.chain)
-        p, n = res["python"], res["native"]
-        print("speed-up: " + "  ".join(f"{k} x{p[k] / n[k]:.1f}" for k in ("store", "remove", "walk", "masks",
-                                                                            "chain"))
-              + f"   memory x{p['bytes/entry'] / n['bytes/entry']:.1f} less")
+        p, n = res.get("python"), res["native"]
+        if p is not None:
+            print("speed-up: " + "  ".join(f"{k} x{p[k] / n[k]:.1f}" for k in ("store", "remove", "walk",
+                                                                                "masks", "chain"))
+                  + f"   memory x{p['bytes/entry'] / n['bytes/entry']:.1f} less")
     elif not args.python_only:
         print("native: kvidx_native is not built (scripts/setup.sh builds it where cargo exists)")
     return 0

@@ -2,56 +2,77 @@
 //! and canonical block hashing, for kvidx/core/maskmap.py (whose `PyMaskMap` is the pure-Python
 //! reference of the same API; tests/unit/core/test_maskmap.py checks that they agree).
 //!
-//! Layout (memory is the budget): one `HashMap<u64, u64>` per 64-bit word of the masks. Word 0
-//! (slots 0..63) of every entry is stored inline as the value of the first table (16 bytes a bucket
-//! plus a control byte), which is also the key set. Word w >= 1 (slots 64w..64w+63) is in table w,
-//! only for the entries with a bit there, so a fleet of more than 64 replicas works at no cost to
-//! the small ones, and a wide entry costs one more (key, word) bucket per word it uses, no heap
-//! block of its own. Invariants: a hash is in the map iff it is a key of `lo` (its word 0 may be 0
-//! when only high bits are set); the `hi` tables hold no 0 words and the last one is never empty;
-//! no entry has an all-zero mask.
+//! Layout (memory is the budget): one hash table (table.rs: u64 -> u64, 16-byte slots, open
+//! addressing) per 64-bit word of the masks. Word 0 (slots 0..63) of every entry is stored inline as
+//! the value of the first table, which is also the key set. Word w >= 1 (slots 64w..64w+63) is in
+//! table w, only for the entries with a bit there, so a fleet of more than 64 replicas works at no
+//! cost to the small ones, and a wide entry costs one more (key, word) slot per word it uses, no
+//! heap block of its own. Invariants: a hash is in the map iff it is a key of `lo` (its word 0 may
+//! be 0 when only high bits are set); the `hi` tables hold no 0 words and the last one is never
+//! empty; no entry has an all-zero mask.
 //!
-//! The keys are canonical block hashes (xxh3-64 output: already uniformly random), so the tables use
-//! hashbrown's default hasher (foldhash, seeded per process: one folded multiply per key), not SipHash.
+//! The batched operations (store, remove, masks, walk) read the hashes of a list or tuple in place
+//! and keep the memory busy ahead of the work (`Hashes::run`): the int objects of the hashes
+//! 2 * AHEAD ahead and the buckets of those AHEAD ahead are loaded while a hash is worked on, so the
+//! cache misses of an event (~20 hashes, buckets all over a table of megabytes) overlap instead of
+//! following one another.
 
-use hashbrown::hash_map::Entry;
-use hashbrown::HashMap;
+mod answer;
+mod table;
+mod tokens;
+
 use num_bigint::BigUint;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyTuple};
+use table::{mix, unmix, Table};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+// Every key below is a *mixed* hash (table::mix of the block hash): mixed once where it comes from
+// Python, unmixed where it goes back.
 
 #[derive(Clone, Default)]
 struct Masks {
-    lo: HashMap<u64, u64>,
-    hi: Vec<HashMap<u64, u64>>,  // hi[w - 1]: word w of the entries that have a bit in it
+    lo: Table,
+    hi: Vec<Table>,  // hi[w - 1]: word w of the entries that have a bit in it
 }
 
 impl Masks {
     #[inline]
     fn word(&self, h: u64, w: usize) -> u64 {
         let t = if w == 0 { Some(&self.lo) } else { self.hi.get(w - 1) };
-        t.and_then(|t| t.get(&h)).copied().unwrap_or(0)
+        t.and_then(|t| t.get(h)).unwrap_or(0)
     }
 
     #[inline]
     fn in_hi(&self, h: u64) -> bool {
-        self.hi.iter().any(|t| t.contains_key(&h))
+        self.hi.iter().any(|t| t.contains(h))
     }
 
     fn trim_hi(&mut self) {
-        while self.hi.last().is_some_and(HashMap::is_empty) {
+        while self.hi.last().is_some_and(Table::is_empty) {
             self.hi.pop();
+        }
+    }
+
+    /// Starts loading what `set_bit`/`clear_bit` of word `w` will read for `h`.
+    #[inline(always)]
+    fn prefetch(&self, h: u64, w: usize) {
+        self.lo.prefetch(h);
+        if w > 0 {
+            if let Some(t) = self.hi.get(w - 1) {
+                t.prefetch(h);
+            }
         }
     }
 
     /// The words of `h`'s mask (trimmed: no trailing 0 word past the first), None if absent.
     fn words(&self, h: u64) -> Option<Vec<u64>> {
-        let lo = *self.lo.get(&h)?;
+        let lo = self.lo.get(h)?;
         let mut out = vec![lo];
         for t in &self.hi {
-            out.push(t.get(&h).copied().unwrap_or(0));
+            out.push(t.get(h).unwrap_or(0));
         }
         while out.len() > 1 && out.last() == Some(&0) {
             out.pop();
@@ -65,49 +86,59 @@ impl Masks {
     }
 
     /// Sets bit `slot` of `h`'s mask; true if it was not set.
-    #[inline]
-    fn set_bit(&mut self, h: u64, slot: usize) -> bool {
-        let (w, b) = (slot / 64, 1u64 << (slot % 64));
-        let v = self.lo.entry(h).or_insert(0);
-        let v = if w == 0 {
-            v
-        } else {
-            if self.hi.len() < w {
-                self.hi.resize_with(w, HashMap::new);
+    #[inline(always)]
+    fn set_bit(&mut self, h: u64, w: usize, b: u64) -> bool {
+        if w == 0 {
+            let (pos, new) = self.lo.get_or_insert(h, b);
+            if new {
+                return true;
             }
-            self.hi[w - 1].entry(h).or_insert(0)
-        };
+            let v = self.lo.value_mut(pos);
+            let new = *v & b == 0;
+            *v |= b;
+            return new;
+        }
+        self.lo.get_or_insert(h, 0);
+        if self.hi.len() < w {
+            self.hi.resize_with(w, Table::default);
+        }
+        let t = &mut self.hi[w - 1];
+        let (pos, new) = t.get_or_insert(h, b);
+        if new {
+            return true;
+        }
+        let v = t.value_mut(pos);
         let new = *v & b == 0;
         *v |= b;
         new
     }
 
     /// Clears bit `slot` of `h`'s mask, deleting the entry when nothing is left; true if it was set.
-    #[inline]
-    fn clear_bit(&mut self, h: u64, slot: usize) -> bool {
-        let (w, b) = (slot / 64, 1u64 << (slot % 64));
+    #[inline(always)]
+    fn clear_bit(&mut self, h: u64, w: usize, b: u64) -> bool {
         if w == 0 {
-            let Entry::Occupied(mut e) = self.lo.entry(h) else { return false };  // one probe
-            let v = e.get_mut();
+            let Some(pos) = self.lo.find(h) else { return false };  // one probe
+            let v = self.lo.value_mut(pos);
             if *v & b == 0 {
                 return false;
             }
             *v &= !b;
-            if *v == 0 && !self.hi.iter().any(|t| t.contains_key(&h)) {
-                e.remove();
+            if *v == 0 && !self.hi.iter().any(|t| t.contains(h)) {
+                self.lo.remove_at(pos);
             }
             return true;
         }
         let Some(t) = self.hi.get_mut(w - 1) else { return false };
-        let Some(v) = t.get_mut(&h) else { return false };
+        let Some(pos) = t.find(h) else { return false };
+        let v = t.value_mut(pos);
         if *v & b == 0 {
             return false;
         }
         *v &= !b;
         if *v == 0 {
-            t.remove(&h);
-            if self.lo.get(&h) == Some(&0) && !self.in_hi(h) {
-                self.lo.remove(&h);
+            t.remove_at(pos);
+            if self.lo.get(h) == Some(0) && !self.in_hi(h) {
+                self.lo.remove(h);
             }
             self.trim_hi();
         }
@@ -119,12 +150,12 @@ impl Masks {
         self.lo.insert(h, words[0]);
         let n = words.iter().rposition(|&x| x != 0).unwrap_or(0) + 1;
         if self.hi.len() + 1 < n {
-            self.hi.resize_with(n - 1, HashMap::new);
+            self.hi.resize_with(n - 1, Table::default);
         }
         for (i, t) in self.hi.iter_mut().enumerate() {
             match words.get(i + 1).copied().unwrap_or(0) {
                 0 => {
-                    t.remove(&h);
+                    t.remove(h);
                 }
                 x => {
                     t.insert(h, x);
@@ -139,23 +170,26 @@ impl Masks {
         if words.iter().all(|&x| x == 0) {
             return;
         }
-        *self.lo.entry(h).or_insert(0) |= words[0];
+        let (pos, _) = self.lo.get_or_insert(h, 0);
+        *self.lo.value_mut(pos) |= words[0];
         for (i, &x) in words.iter().enumerate().skip(1) {
             if x != 0 {
                 if self.hi.len() < i {
-                    self.hi.resize_with(i, HashMap::new);
+                    self.hi.resize_with(i, Table::default);
                 }
-                *self.hi[i - 1].entry(h).or_insert(0) |= x;
+                let t = &mut self.hi[i - 1];
+                let (pos, _) = t.get_or_insert(h, 0);
+                *t.value_mut(pos) |= x;
             }
         }
     }
 
     fn remove(&mut self, h: u64) -> Option<Vec<u64>> {
-        let lo = self.lo.remove(&h)?;
+        let lo = self.lo.remove(h)?;
         let mut out = vec![lo];
         if !self.hi.is_empty() {
             for t in self.hi.iter_mut() {
-                out.push(t.remove(&h).unwrap_or(0));
+                out.push(t.remove(h).unwrap_or(0));
             }
             while out.len() > 1 && out.last() == Some(&0) {
                 out.pop();
@@ -177,7 +211,7 @@ impl Masks {
                 }
                 n += 1;
                 *v &= !b;
-                *v != 0 || hi.iter().any(|t| t.contains_key(k))
+                *v != 0 || hi.iter().any(|t| t.contains(k))
             });
             return n;
         }
@@ -190,13 +224,13 @@ impl Masks {
             n += 1;
             *v &= !b;
             if *v == 0 {
-                emptied.push(*k);
+                emptied.push(k);
             }
             *v != 0
         });
         for k in emptied {
-            if self.lo.get(&k) == Some(&0) && !self.in_hi(k) {
-                self.lo.remove(&k);
+            if self.lo.get(k) == Some(0) && !self.in_hi(k) {
+                self.lo.remove(k);
             }
         }
         self.trim_hi();
@@ -211,8 +245,8 @@ impl Masks {
     fn memory_bytes(&self) -> usize {
         std::mem::size_of::<Self>()
             + self.lo.allocation_size()
-            + self.hi.capacity() * std::mem::size_of::<HashMap<u64, u64>>()
-            + self.hi.iter().map(HashMap::allocation_size).sum::<usize>()
+            + self.hi.capacity() * std::mem::size_of::<Table>()
+            + self.hi.iter().map(Table::allocation_size).sum::<usize>()
     }
 }
 
@@ -258,20 +292,17 @@ impl Masks {
     /// `h`'s mask as a Python int (word 0 straight from the table where no entry is wide).
     #[inline]
     fn get_py<'py>(&self, py: Python<'py>, h: u64) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(lo) = self.lo.get(h) else { return Ok(None) };
         if self.hi.is_empty() {
-            return match self.lo.get(&h) {
-                Some(lo) => Ok(Some(lo.into_pyobject(py)?.into_any())),
-                None => Ok(None),
-            };
+            return Ok(Some(lo.into_pyobject(py)?.into_any()));
         }
-        let Some(&lo) = self.lo.get(&h) else { return Ok(None) };
         if self.hi.len() > 3 {
             return Ok(Some(mask_to_py(py, &self.words(h).unwrap_or_default())?));
         }
         let mut buf = [lo, 0, 0, 0];  // no allocation for masks of up to 256 slots
         let mut n = 1;
         for (i, t) in self.hi.iter().enumerate() {
-            if let Some(&x) = t.get(&h) {
+            if let Some(x) = t.get(h) {
                 buf[i + 1] = x;
                 n = i + 2;
             }
@@ -285,13 +316,21 @@ impl Masks {
 /// 2**30 (every block hash): PyLong_AsUnsignedLong (64 bits where `long` is) reads the digits directly.
 #[inline]
 fn u64_of(ob: &Bound<'_, PyAny>) -> PyResult<u64> {
+    // SAFETY: `ob` is a live object and the GIL is held
+    unsafe { u64_of_ptr(ob.py(), ob.as_ptr()) }
+}
+
+/// `u64_of` of a borrowed object pointer.
+/// SAFETY: `ob` must be a live object and the GIL held.
+#[inline(always)]
+unsafe fn u64_of_ptr(py: Python<'_>, ob: *mut ffi::PyObject) -> PyResult<u64> {
     #[cfg(all(not(windows), target_pointer_width = "64"))]
     {
-        // SAFETY: `ob` is a live object and the GIL is held; the error indicator is checked as the C
-        // API asks (the value -1 as unsigned is both a valid result and the error marker)
-        let v = unsafe { pyo3::ffi::PyLong_AsUnsignedLong(ob.as_ptr()) };
+        // the error indicator is checked as the C API asks (the value -1 as unsigned is both a
+        // valid result and the error marker)
+        let v = ffi::PyLong_AsUnsignedLong(ob);
         if v == std::os::raw::c_ulong::MAX {
-            if let Some(e) = PyErr::take(ob.py()) {
+            if let Some(e) = PyErr::take(py) {
                 return Err(e);
             }
         }
@@ -299,43 +338,217 @@ fn u64_of(ob: &Bound<'_, PyAny>) -> PyResult<u64> {
     }
     #[cfg(not(all(not(windows), target_pointer_width = "64")))]
     {
-        ob.extract::<u64>()
+        Bound::from_borrowed_ptr(py, ob).extract::<u64>()
     }
 }
 
-/// A key that can be in the map (a u64), or None for anything else (never present).
+/// A key that can be in the map (a u64, mixed), or None for anything else (never present).
 #[inline]
 fn key_of(ob: &Bound<'_, PyAny>) -> Option<u64> {
     if ob.is_instance_of::<PyInt>() {
-        u64_of(ob).ok()
+        u64_of(ob).ok().map(mix)
     } else {
         None
     }
 }
 
-/// Calls `f` on each hash of a list, tuple or other iterable of ints.
-#[inline]
-fn for_each_hash(hashes: &Bound<'_, PyAny>, mut f: impl FnMut(u64)) -> PyResult<()> {
-    if let Ok(list) = hashes.cast::<PyList>() {
-        for item in list.iter() {
-            f(u64_of(&item)?);
-        }
-    } else if let Ok(tup) = hashes.cast::<PyTuple>() {
-        for item in tup.iter() {
-            f(u64_of(&item)?);
-        }
-    } else {
-        for item in hashes.try_iter()? {
-            f(u64_of(&item?)?);
-        }
-    }
-    Ok(())
+/// The hashes of a batched call: a list or tuple read in place (item by item, as they are used),
+/// or any other iterable of ints converted up front.
+enum Hashes<'a, 'py> {
+    List(&'a Bound<'py, PyList>),
+    Tuple(&'a Bound<'py, PyTuple>),
+    Vec(Vec<u64>, std::cell::Cell<Option<PyErr>>),  // mixed; the iterable's error after them
 }
 
-fn hashes_vec(hashes: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    let mut out = Vec::with_capacity(hashes.len().unwrap_or(0));
-    for_each_hash(hashes, |h| out.push(h))?;
-    Ok(out)
+/// How many hashes ahead of the one in hand the batched operations start loading buckets: the
+/// cache misses of a window overlap instead of following one another.
+const AHEAD: usize = 16;
+/// How many hashes ahead the int objects of a list or tuple start loading (they may be cold, as
+/// in a replay of pre-built events): their values are needed AHEAD hashes ahead.
+const OBJ_AHEAD: usize = 2 * AHEAD;
+
+impl<'a, 'py> Hashes<'a, 'py> {
+    fn of(ob: &'a Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(l) = ob.cast::<PyList>() {
+            return Ok(Hashes::List(l));
+        }
+        if let Ok(t) = ob.cast::<PyTuple>() {
+            return Ok(Hashes::Tuple(t));
+        }
+        let mut out = Vec::with_capacity(ob.len().unwrap_or(0));
+        for item in ob.try_iter()? {
+            match item.and_then(|h| u64_of(&h)) {
+                Ok(h) => out.push(mix(h)),
+                Err(e) => return Ok(Hashes::Vec(out, Some(e).into())),  // raised where it was
+            }
+        }
+        Ok(Hashes::Vec(out, None.into()))
+    }
+
+    /// Hash i (mixed): None past the end (the list's length now: it is read in place), Err if
+    /// item i is not a u64.
+    #[inline(always)]
+    fn get(&self, i: usize) -> Option<PyResult<u64>> {
+        // SAFETY: the GIL is held; the index is checked against the current size and the borrowed
+        // item is converted before anything else can run
+        unsafe {
+            let (py, ob) = match self {
+                Hashes::List(l) => {
+                    if i >= ffi::PyList_GET_SIZE(l.as_ptr()) as usize {
+                        return None;
+                    }
+                    (l.py(), ffi::PyList_GET_ITEM(l.as_ptr(), i as ffi::Py_ssize_t))
+                }
+                Hashes::Tuple(t) => {
+                    if i >= ffi::PyTuple_GET_SIZE(t.as_ptr()) as usize {
+                        return None;
+                    }
+                    (t.py(), ffi::PyTuple_GET_ITEM(t.as_ptr(), i as ffi::Py_ssize_t))
+                }
+                Hashes::Vec(v, err) => {
+                    return match v.get(i) {
+                        Some(&h) => Some(Ok(h)),
+                        None if i == v.len() => err.take().map(Err),
+                        None => None,
+                    };
+                }
+            };
+            Some(u64_of_ptr(py, ob).map(mix))
+        }
+    }
+
+    /// Starts loading the int object of item i (read in place), if there is one.
+    #[inline(always)]
+    fn prefetch_item(&self, i: usize) {
+        // SAFETY: the GIL is held; the index is checked against the current size; a prefetch never
+        // faults
+        unsafe {
+            let ob = match self {
+                Hashes::List(l) if i < ffi::PyList_GET_SIZE(l.as_ptr()) as usize => {
+                    ffi::PyList_GET_ITEM(l.as_ptr(), i as ffi::Py_ssize_t)
+                }
+                Hashes::Tuple(t) if i < ffi::PyTuple_GET_SIZE(t.as_ptr()) as usize => {
+                    ffi::PyTuple_GET_ITEM(t.as_ptr(), i as ffi::Py_ssize_t)
+                }
+                _ => return,
+            };
+            // the header and the digits (an int of 64 bits: 36 bytes, maybe over two lines)
+            table::prefetch(ob as *const u8);
+            table::prefetch((ob as *const u8).wrapping_add(32));
+        }
+    }
+
+    /// Starts loading the item pointers from..from+n (the list's or tuple's array of them).
+    #[inline(always)]
+    fn prefetch_items(&self, from: usize, n: usize) {
+        // SAFETY: the GIL is held; the array pointer and size are read from a live list or tuple; a
+        // prefetch never faults
+        unsafe {
+            let (base, size) = match self {
+                Hashes::List(l) => ((*(l.as_ptr() as *mut ffi::PyListObject)).ob_item as *const u8,
+                                    ffi::PyList_GET_SIZE(l.as_ptr()) as usize),
+                Hashes::Tuple(t) => (std::ptr::addr_of!((*(t.as_ptr() as *mut ffi::PyTupleObject)).ob_item)
+                                         as *const u8, ffi::PyTuple_GET_SIZE(t.as_ptr()) as usize),
+                Hashes::Vec(..) => return,
+            };
+            let end = size.min(from + n);
+            let mut j = from;
+            while j < end {
+                table::prefetch(base.wrapping_add(8 * j));
+                j += 8;  // a cache line of pointers
+            }
+            if from < end {
+                table::prefetch(base.wrapping_add(8 * (end - 1)));
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Hashes::List(l) => l.len(),
+            Hashes::Tuple(t) => t.len(),
+            Hashes::Vec(v, _) => v.len(),
+        }
+    }
+
+    /// Runs `f(state, i, h)` on hashes `from`.. in order while it returns true, calling
+    /// `pf(state, h)` on each hash AHEAD hashes before. A hash that is not a u64 is an error once
+    /// `f` has had all those before it (and wants more), as a plain loop would be.
+    #[inline(always)]
+    fn run<S>(&self, from: usize, st: &mut S, pf: impl Fn(&S, u64),
+              mut f: impl FnMut(&mut S, usize, u64) -> PyResult<bool>) -> PyResult<()> {
+        let mut ring = [0u64; AHEAD];
+        let mut end = usize::MAX;  // the first index past the usable hashes
+        let mut err = None;
+        let mut fetch = |st: &S, j: usize, ring: &mut [u64; AHEAD], end: &mut usize| {
+            match self.get(j) {
+                Some(Ok(h)) => {
+                    ring[j % AHEAD] = h;
+                    pf(st, h);
+                }
+                Some(Err(e)) => {
+                    err = Some(e);
+                    *end = j;
+                }
+                None => *end = j,
+            }
+        };
+        self.prefetch_items(from, OBJ_AHEAD + AHEAD);
+        for j in from..from + OBJ_AHEAD {
+            self.prefetch_item(j);
+        }
+        for j in from..from + AHEAD {
+            fetch(st, j, &mut ring, &mut end);
+            if end != usize::MAX {
+                break;
+            }
+        }
+        let mut i = from;
+        while i < end {
+            let h = ring[i % AHEAD];
+            if end == usize::MAX {
+                self.prefetch_item(i + OBJ_AHEAD);
+                fetch(st, i + AHEAD, &mut ring, &mut end);
+            }
+            if !f(st, i, h)? {
+                return Ok(());
+            }
+            i += 1;
+        }
+        match err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+unsafe extern "C" {
+    // CPython's (cpython/dictobject.h, exported by every CPython 3, outside the limited API, which
+    // this crate does not use): a dict with room for `minused` items, as the compiler makes for
+    // dict displays; not in pyo3's bindings (its name is private)
+    fn _PyDict_NewPresized(minused: ffi::Py_ssize_t) -> *mut ffi::PyObject;
+}
+
+/// The walk's result: a dict of the (slot, depth) pairs in this order, sized for them up front
+/// (a walk's first block is often held by every replica: 64 items, 4 resizes saved).
+fn depth_dict<'py>(py: Python<'py>, pairs: &[(usize, usize)]) -> PyResult<Bound<'py, PyDict>> {
+    // SAFETY: the GIL is held; the dict is a new reference (or NULL with an exception set); each
+    // int is a new reference, released once the dict holds its own
+    unsafe {
+        let d = Bound::from_owned_ptr_or_err(py, _PyDict_NewPresized(pairs.len() as ffi::Py_ssize_t))?
+            .cast_into_unchecked::<PyDict>();
+        for &(s, k) in pairs {
+            let ks = ffi::PyLong_FromSize_t(s);
+            let vs = ffi::PyLong_FromSize_t(k);
+            let bad = ks.is_null() || vs.is_null() || ffi::PyDict_SetItem(d.as_ptr(), ks, vs) != 0;
+            ffi::Py_XDECREF(ks);
+            ffi::Py_XDECREF(vs);
+            if bad {
+                return Err(PyErr::fetch(py));
+            }
+        }
+        Ok(d)
+    }
 }
 
 /// Runs `f` on the bytes of a bytes-like object (bytes without a copy; bytearray, memoryview ...).
@@ -378,7 +591,7 @@ impl MaskMap {
         };
         for item in iter {
             let (h, mask): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
-            let h = u64_of(&h)?;
+            let h = mix(u64_of(&h)?);
             let m = mask_from_py(&mask)?;
             self.m.insert(h, &m);
         }
@@ -425,7 +638,7 @@ impl MaskMap {
     }
 
     fn __setitem__(&mut self, h: &Bound<'_, PyAny>, mask: &Bound<'_, PyAny>) -> PyResult<()> {
-        let h = u64_of(h)?;
+        let h = mix(u64_of(h)?);
         let m = mask_from_py(mask)?;
         self.m.insert(h, &m);
         Ok(())
@@ -458,7 +671,7 @@ impl MaskMap {
     }
 
     fn __contains__(&self, h: &Bound<'_, PyAny>) -> bool {
-        key_of(h).is_some_and(|k| self.m.lo.contains_key(&k))
+        key_of(h).is_some_and(|k| self.m.lo.contains(k))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -470,24 +683,25 @@ impl MaskMap {
     }
 
     fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.m.lo.keys())
+        PyList::new(py, self.m.lo.iter().map(|(k, _)| unmix(k)))
     }
 
     fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         if self.m.hi.is_empty() {
-            return PyList::new(py, self.m.lo.values());
+            return PyList::new(py, self.m.lo.iter().map(|(_, v)| v));
         }
         let out = PyList::empty(py);
-        for k in self.m.lo.keys() {
-            out.append(self.m.get_py(py, *k)?)?;
+        for (k, _) in self.m.lo.iter() {
+            out.append(self.m.get_py(py, k)?)?;
         }
         Ok(out)
     }
 
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
-        for k in self.m.lo.keys() {
-            out.append(PyTuple::new(py, [k.into_pyobject(py)?.into_any(), self.m.get_py(py, *k)?.unwrap()])?)?;
+        for (k, _) in self.m.lo.iter() {
+            out.append(PyTuple::new(py, [unmix(k).into_pyobject(py)?.into_any(),
+                                         self.m.get_py(py, k)?.unwrap()])?)?;
         }
         Ok(out)
     }
@@ -523,13 +737,19 @@ impl MaskMap {
     }
 
     // ---- batched ------------------------------------------------------------------------------
+    // Each loads the buckets of the hashes AHEAD of the one it works on (Hashes::run).
+
     /// Sets bit `slot` on every hash; how many did not have it.
     fn store(&mut self, hashes: &Bound<'_, PyAny>, slot: i64) -> PyResult<usize> {
         let s = slot_of(slot)?;
-        let mut new = 0;
-        let m = &mut self.m;
-        for_each_hash(hashes, |h| new += m.set_bit(h, s) as usize)?;
-        Ok(new)
+        let (w, b) = (s / 64, 1u64 << (s % 64));
+        let hs = Hashes::of(hashes)?;
+        let mut st = (&mut self.m, 0usize);
+        hs.run(0, &mut st, |st, h| st.0.prefetch(h, w), |st, _, h| {
+            st.1 += st.0.set_bit(h, w, b) as usize;
+            Ok(true)
+        })?;
+        Ok(st.1)
     }
 
     /// Clears bit `slot` on every hash that has it here (an entry goes when its mask becomes 0);
@@ -539,34 +759,48 @@ impl MaskMap {
     fn remove(slf: &Bound<'_, Self>, hashes: &Bound<'_, PyAny>, slot: i64, others: Option<&Bound<'_, PyAny>>,
               union: Option<Bound<'_, MaskMap>>) -> PyResult<usize> {
         let s = slot_of(slot)?;
+        let (w, b) = (s / 64, 1u64 << (s % 64));
         let union = union.filter(|u| !u.is(slf));  // clearing self again changes nothing
         let others: Vec<Bound<'_, MaskMap>> = match (&union, others) {
             (Some(_), Some(o)) => o.extract()?,
             _ => Vec::new(),
         };
-        let mut gone = 0;
+        let hs = Hashes::of(hashes)?;
         let mut dropped = Vec::new();
-        {
+        let gone = {
             let mut me = slf.try_borrow_mut()?;
             let keep = union.is_some();
-            for_each_hash(hashes, |h| {
-                if me.m.clear_bit(h, s) {
-                    gone += 1;
+            let mut st = (&mut me.m, 0usize, &mut dropped);
+            hs.run(0, &mut st, |st, h| st.0.prefetch(h, w), |st, _, h| {
+                if st.0.clear_bit(h, w, b) {
+                    st.1 += 1;
                     if keep {
-                        dropped.push(h);
+                        st.2.push(h);
                     }
                 }
+                Ok(true)
             })?;
-        }
+            st.1
+        };
         if let Some(u) = union {
             if !others.is_empty() {
                 let os = others.iter().map(|o| o.try_borrow()).collect::<Result<Vec<_>, _>>()?;
-                dropped.retain(|&h| !os.iter().any(|o| o.m.has_bit(h, s)));
+                let held = |h: u64| os.iter().any(|o| o.m.has_bit(h, s));
+                if dropped.len() <= 4 * AHEAD {
+                    for &h in &dropped {
+                        for o in &os {
+                            o.m.prefetch(h, w);
+                        }
+                    }
+                }
+                dropped.retain(|&h| !held(h));
             }
             let mut um = u.try_borrow_mut()?;
-            for h in dropped {
-                um.m.clear_bit(h, s);
-            }
+            let hs = Hashes::Vec(dropped, Default::default());
+            hs.run(0, &mut um.m, |m, h| m.prefetch(h, w), |m, _, h| {
+                m.clear_bit(h, w, b);
+                Ok(true)
+            })?;
         }
         Ok(gone)
     }
@@ -578,89 +812,95 @@ impl MaskMap {
 
     /// The mask of every hash (0 for an absent one).
     fn masks<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        let hs = hashes_vec(hashes)?;
-        if self.m.hi.is_empty() {
-            return PyList::new(py, hs.iter().map(|h| self.m.lo.get(h).copied().unwrap_or(0)));
+        let hs = Hashes::of(hashes)?;
+        let m = &self.m;
+        if m.hi.is_empty() {
+            let mut out = Vec::with_capacity(hs.len());
+            hs.run(0, &mut out, |_, h| m.lo.prefetch(h), |o, _, h| {
+                o.push(m.lo.get(h).unwrap_or(0));
+                Ok(true)
+            })?;
+            return PyList::new(py, out);
         }
         let out = PyList::empty(py);
-        for h in hs {
-            match self.m.get_py(py, h)? {
-                Some(m) => out.append(m)?,
+        hs.run(0, &mut (), |_, h| m.prefetch(h, 1), |_, _, h| {
+            match m.get_py(py, h)? {
+                Some(x) => out.append(x)?,
                 None => out.append(0u64)?,
             }
-        }
+            Ok(true)
+        })?;
         Ok(out)
     }
 
     /// The AND-walk (kvidx/core/walk.py `_walk`): slot -> how many leading hashes it holds, for
-    /// every slot holding hashes[0].
+    /// every slot holding hashes[0]. Hash 0 is looked up alone (most walks stop there); then the
+    /// walk loads buckets AHEAD of where it is.
     fn walk<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
-        let out = PyDict::new(py);
-        let owned;
-        let list = match hashes.cast::<PyList>() {
-            Ok(l) => l.clone(),
-            Err(_) => {
-                owned = PyList::new(py, hashes_vec(hashes)?)?;
-                owned
-            }
+        let hs = Hashes::of(hashes)?;
+        let first = match hs.get(0) {
+            None => return Ok(PyDict::new(py)),
+            Some(h) => h?,
         };
-        let n = list.len();
-        if n == 0 {
-            return Ok(out);
-        }
-        let at = |i: usize| -> PyResult<u64> { u64_of(&list.get_item(i)?) };
-        if self.m.hi.is_empty() {
-            let mut alive = self.m.lo.get(&at(0)?).copied().unwrap_or(0);
-            let mut i = 1;
-            while alive != 0 && i < n {
-                let m = self.m.lo.get(&at(i)?).copied().unwrap_or(0) & alive;
-                if m != alive {
-                    let mut lost = alive & !m;
+        let n = hs.len();
+        let m = &self.m;
+        // the walk first, then the dict: (slot, depth) in the order the reference inserts them
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        if m.hi.is_empty() {
+            let mut alive = m.lo.get(first).unwrap_or(0);
+            out.reserve_exact(alive.count_ones() as usize);
+            if alive != 0 {
+                hs.run(1, &mut alive, |_, h| m.lo.prefetch(h), |alive, i, h| {
+                    let x = m.lo.get(h).unwrap_or(0) & *alive;
+                    let mut lost = *alive & !x;
                     while lost != 0 {
-                        out.set_item(lost.trailing_zeros(), i)?;
+                        out.push((lost.trailing_zeros() as usize, i));
                         lost &= lost - 1;
                     }
-                    alive = m;
-                }
-                i += 1;
+                    *alive = x;
+                    Ok(x != 0)
+                })?;
             }
             while alive != 0 {
-                out.set_item(alive.trailing_zeros(), n)?;
+                out.push((alive.trailing_zeros() as usize, n));
                 alive &= alive - 1;
             }
-            return Ok(out);
+            return depth_dict(py, &out);
         }
         // wide masks: the same walk over words (only the words still alive are looked up)
-        let first = at(0)?;
-        let Some(mut alive) = self.m.words(first) else { return Ok(out) };
-        let mut i = 1;
-        let mut any = true;
-        while any && i < n {
-            let h = at(i)?;
-            any = false;
+        let Some(mut alive) = m.words(first) else { return depth_dict(py, &out) };
+        out.reserve_exact(alive.iter().map(|a| a.count_ones() as usize).sum());
+        let pf = |_: &Vec<u64>, h: u64| {
+            m.lo.prefetch(h);
+            for t in &m.hi {
+                t.prefetch(h);
+            }
+        };
+        hs.run(1, &mut alive, pf, |alive, i, h| {
+            let mut any = false;
             for (w, a) in alive.iter_mut().enumerate() {
                 if *a == 0 {
                     continue;
                 }
-                let m = self.m.word(h, w) & *a;
-                let mut lost = *a & !m;
+                let x = m.word(h, w) & *a;
+                let mut lost = *a & !x;
                 while lost != 0 {
-                    out.set_item(64 * w + lost.trailing_zeros() as usize, i)?;
+                    out.push((64 * w + lost.trailing_zeros() as usize, i));
                     lost &= lost - 1;
                 }
-                *a = m;
-                any |= m != 0;
+                *a = x;
+                any |= x != 0;
             }
-            i += 1;
-        }
+            Ok(any)
+        })?;
         for (w, a) in alive.iter().enumerate() {
             let mut a = *a;
             while a != 0 {
-                out.set_item(64 * w + a.trailing_zeros() as usize, n)?;
+                out.push((64 * w + a.trailing_zeros() as usize, n));
                 a &= a - 1;
             }
         }
-        Ok(out)
+        depth_dict(py, &out)
     }
 
     /// ORs every entry of self into `other` (the union of tiers).
@@ -670,15 +910,19 @@ impl MaskMap {
         }
         let me = slf.try_borrow()?;
         let mut o = other.try_borrow_mut()?;
-        for (&k, &lo) in &me.m.lo {
-            *o.m.lo.entry(k).or_insert(0) |= lo;
+        let o = &mut o.m;
+        o.lo.reserve(me.m.lo.len().saturating_sub(o.lo.len()));
+        for (k, lo) in me.m.lo.iter() {
+            let (pos, _) = o.lo.get_or_insert(k, 0);
+            *o.lo.value_mut(pos) |= lo;
         }
-        if o.m.hi.len() < me.m.hi.len() {
-            o.m.hi.resize_with(me.m.hi.len(), HashMap::new);
+        if o.hi.len() < me.m.hi.len() {
+            o.hi.resize_with(me.m.hi.len(), Table::default);
         }
-        for (t, ot) in me.m.hi.iter().zip(o.m.hi.iter_mut()) {
-            for (&k, &x) in t {
-                *ot.entry(k).or_insert(0) |= x;
+        for (t, ot) in me.m.hi.iter().zip(o.hi.iter_mut()) {
+            for (k, x) in t.iter() {
+                let (pos, _) = ot.get_or_insert(k, 0);
+                *ot.value_mut(pos) |= x;
             }
         }
         Ok(())
@@ -699,8 +943,8 @@ impl MaskMap {
         let n = self.m.lo.len();
         let mut keys = Vec::with_capacity(n * 8);
         let mut masks = Vec::with_capacity(n * 8 * words);
-        for (&k, &lo) in &self.m.lo {
-            keys.extend_from_slice(&k.to_le_bytes());
+        for (k, lo) in self.m.lo.iter() {
+            keys.extend_from_slice(&unmix(k).to_le_bytes());
             masks.extend_from_slice(&lo.to_le_bytes());
             for w in 1..words {
                 masks.extend_from_slice(&self.m.word(k, w).to_le_bytes());
@@ -729,11 +973,12 @@ impl MaskMap {
                 }
                 let mut mask = vec![0u64; words];
                 for i in 0..n {
-                    let k = read_u64(kb, i);
+                    let k = mix(read_u64(kb, i));
                     if words == 1 {
                         let lo = read_u64(mb, i);
                         if lo != 0 {
-                            *m.lo.entry(k).or_insert(0) |= lo;
+                            let (pos, _) = m.lo.get_or_insert(k, 0);
+                            *m.lo.value_mut(pos) |= lo;
                         }
                         continue;
                     }
@@ -779,5 +1024,7 @@ fn chain<'py>(py: Python<'py>, packed: &Bound<'py, PyAny>, block_size: i64, pare
 fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MaskMap>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
+    m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens::parse_token_ids, m)?)?;
     Ok(())
 }

@@ -45,7 +45,36 @@ def native():
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 M64 = (1 << 64) - 1
-POOL = [0, 1, 2, 3, 63, 64, 1 << 32, 1 << 63, M64, M64 - 1, 0x9E3779B97F4A7C15, 12345678901234567]
+PHI = 0x9E3779B97F4A7C15
+
+
+def mix(k: int) -> int:
+    """native/src/table.rs `mix`: the stored form of a key (its top bits pick the home bucket)."""
+    return ((k ^ (k >> 32)) * PHI) & M64
+
+
+def unmix(m: int) -> int:
+    """The key whose stored form is `m` (table.rs `unmix`): keys that land where a test wants."""
+    x = (m * pow(PHI, -1, 1 << 64)) & M64
+    return x ^ (x >> 32)
+
+
+def crowd(kind: str, n: int, at: int = 0) -> list[int]:
+    """n keys the native table must hold together: "end": stored forms at the very top (all in the
+    last bucket at any size: runs past the end of the array, into its slack), "start": just above 0
+    (all in bucket 0), "run": consecutive stored forms from `at` (one long run: insertions and
+    backward-shift deletions shift it), "small": 1..n (what tests use as hashes)."""
+    if kind == "end":
+        return [unmix(M64 - i) for i in range(n)]
+    if kind == "start":
+        return [unmix(1 + i) for i in range(n)]
+    if kind == "run":
+        return [unmix((at + i) & M64) for i in range(n)]
+    return list(range(1, n + 1))
+
+
+POOL = [0, 1, 2, 3, 63, 64, 1 << 32, 1 << 63, M64, M64 - 1, PHI, 12345678901234567,
+        unmix(M64), unmix(M64 - 1), unmix(1), unmix(1 << 63)]  # the ends of the table too
 hashes = st.one_of(st.sampled_from(POOL), st.integers(0, M64))
 slots = st.one_of(st.integers(0, 7), st.sampled_from([63, 64, 65, 127, 128]), st.integers(0, 130))
 masks = st.sets(slots, min_size=1, max_size=4).map(lambda s: sum(1 << i for i in s))
@@ -379,3 +408,103 @@ def test_selection_falls_back_or_refuses():
         assert maskmap.IMPLEMENTATION == ("python" if os.environ.get("KVIDX_NATIVE") == "0" else "native")
         p = _select({"KVIDX_REQUIRE_NATIVE": "1"})
         assert p.stdout.split() == ["native", "MaskMap", "chain"], p.stderr
+
+
+def test_the_mixer_is_a_bijection():
+    for k in POOL + list(range(100)):
+        assert unmix(mix(k)) == k and mix(unmix(k)) == k
+    assert mix(0) == 0
+
+
+def _same(py: PyMaskMap, nat) -> None:
+    assert len(nat) == len(py)
+    assert contents(nat) == contents(py)
+    keys = list(py)
+    assert nat.masks(keys) == py.masks(keys)
+    assert all(h in nat for h in keys)
+
+
+@SETTINGS
+@given(kind=st.sampled_from(["end", "start", "run", "small"]), n=st.integers(1, 300),
+       at=st.integers(0, M64), ops=st.lists(st.tuples(st.sampled_from(["store", "remove", "del", "set",
+                                                                        "clear_slot", "walk"]),
+                                                       st.integers(0, 299), st.integers(1, 40),
+                                                       st.sampled_from([0, 1, 5, 63, 64, 100])),
+                                             min_size=1, max_size=40))
+def test_crowded_keys_agree(native, kind, n, at, ops):
+    """Keys that share buckets (long runs, the ends of the array, small ints): growth, insertions
+    into a run, backward-shift deletion chains, the slack past the last bucket."""
+    keys = crowd(kind, n, at)
+    py, nat = PyMaskMap(), native.MaskMap()
+    for name, i, k, slot in ops:
+        hs = keys[i % n:i % n + k]
+        if name == "store":
+            assert nat.store(hs, slot) == py.store(hs, slot)
+        elif name == "remove":
+            assert nat.remove(hs, slot) == py.remove(hs, slot)
+        elif name == "del":
+            for h in hs:
+                assert nat.pop(h, None) == py.pop(h, None)
+        elif name == "set":
+            for h in hs:
+                nat[h] = py[h] = 1 << slot | 1
+        elif name == "clear_slot":
+            assert nat.clear_slot(slot) == py.clear_slot(slot)
+        else:
+            assert nat.walk(hs) == py.walk(hs)
+        _same(py, nat)
+    for m in (nat.copy(), pickle.loads(pickle.dumps(nat))):
+        assert contents(m) == contents(py)
+
+
+def test_every_key_of_a_long_run_survives_deletions_from_anywhere(native):
+    """One run of 200 keys (consecutive stored forms) with deletions from its start, middle and end,
+    each checked against the reference: backward-shift deletion keeps every other key findable."""
+    for at in (0, 1 << 63, M64 - 500, 12345 << 40):
+        keys = crowd("run", 200, at)
+        py, nat = PyMaskMap(), native.MaskMap()
+        for d in (py, nat):
+            d.store(keys, 3)
+            d.store(keys[::3], 70)  # a word past the first on some
+        for victims in (keys[:5], keys[100:140:2], keys[-7:], keys[50:60], keys[::7]):
+            assert nat.remove(victims, 3) == py.remove(victims, 3)
+            _same(py, nat)
+            assert nat.walk(keys) == py.walk(keys)
+        assert nat.clear_slot(70) == py.clear_slot(70)
+        _same(py, nat)
+
+
+def test_large_maps_grow_and_shrink_like_the_reference(native):
+    """Past 2 MiB a native table is a mapping of its own, grown in place: 300k random keys (and
+    crowded ones) stored in events, half removed, cleared slots, wide masks; the same contents,
+    lookups, walks, copies and snapshots as the reference, and memory within 40 bytes an entry (+ a
+    constant) all through the growth."""
+    rng = np.random.default_rng(7)
+    keys = rng.integers(0, M64, size=300_000, dtype=np.uint64, endpoint=True).tolist()
+    keys += crowd("end", 300) + crowd("start", 300) + crowd("small", 300) + [0, M64]
+    py, nat = PyMaskMap(), native.MaskMap()
+    for i in range(0, len(keys), 25):
+        ev, slot = keys[i:i + 25], i % 61
+        assert nat.store(ev, slot) == py.store(ev, slot)
+        assert nat.memory_bytes() <= 40 * len(nat) + 2048  # (+ the slack, the struct)
+    _same(py, nat)
+    assert nat.memory_bytes() <= 46 * len(nat)
+    for i in range(0, len(keys), 1000):
+        assert nat.store(keys[i:i + 25], 64 + i % 70) == py.store(keys[i:i + 25], 64 + i % 70)
+    sample = keys[::997]
+    assert nat.masks(sample) == py.masks(sample)
+    for i in range(0, len(keys), 50):
+        ev, slot = keys[i:i + 25], i % 67
+        assert nat.remove(ev, slot) == py.remove(ev, slot)
+    assert nat.clear_slot(5) == py.clear_slot(5) and nat.clear_slot(64) == py.clear_slot(64)
+    _same(py, nat)
+    for s in range(0, len(keys) - 40, 4999):
+        assert nat.walk(keys[s:s + 40]) == py.walk(keys[s:s + 40])
+    words = 2
+    k, m = nat.export(words)
+    back = native.MaskMap()
+    back.load(k, m, words)
+    assert contents(back) == contents(py) == contents(nat.copy())
+    for h in keys[:2000]:
+        assert nat.pop(h, 0) == py.pop(h, 0)
+    _same(py, nat)
