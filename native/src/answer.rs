@@ -1,0 +1,257 @@
+//! A lookup answer written straight to JSON bytes, for the common shard: one full-attention group in
+//! one tier, no shared pools, no group kinds or tiers whose evictions go unreported. kvidx/core/walk.py
+//! `ShardWalk.lookup_json` decides when it applies and passes what the walk found; everything per
+//! replica (resume point, pending credit, tiers, groups, freshness, price, ranking) is done here, in
+//! the order and with the arithmetic of the Python lookup (`ShardWalk.lookup`, `Pricer`), which stays
+//! the reference: tests/unit/core/test_answer_json.py compares the two on random shards.
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+struct Row {
+    name: String,
+    dp_rank: i64,
+    cached: i64,
+    tier_tokens: i64,
+    resumable: i64,
+    fa_hit: i64,
+    blocks: i64,
+    pending: i64,
+    inflight: i64,
+    freshness: Option<(f64, f64)>,
+    epoch: i64,
+    seq: i64,
+    seq_gaps: i64,
+    prefill: i64,
+    prefill_s: f64,
+    load_s: f64,
+    queue_s: f64,
+    total_s: f64,
+}
+
+/// Engines never serve the last prompt token from cache and resume at a block boundary
+/// (walk.py `resumable`).
+fn resumable(cached: i64, n_tokens: i64, block: i64) -> i64 {
+    if n_tokens <= 1 || block <= 0 {
+        return 0;
+    }
+    (cached.min(n_tokens - 1)).div_euclid(block) * block
+}
+
+fn get_i64(d: Option<&Bound<'_, PyDict>>, slot: i64) -> PyResult<i64> {
+    match d {
+        Some(d) => match d.get_item(slot)? {
+            Some(v) => v.extract(),
+            None => Ok(0),
+        },
+        None => Ok(0),
+    }
+}
+
+/// Python's float(int(x * 1e6)) / 1e3: milliseconds, truncated to the microsecond.
+fn ms(seconds: f64) -> f64 {
+    ((seconds * 1e6).trunc() as i64) as f64 / 1e3
+}
+
+fn push_str(out: &mut Vec<u8>, s: &str) {
+    out.push(b'"');
+    for &b in s.as_bytes() {
+        match b {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            0..=0x1f => out.extend_from_slice(format!("\\u{:04x}", b).as_bytes()),
+            _ => out.push(b),
+        }
+    }
+    out.push(b'"');
+}
+
+fn push_int(out: &mut Vec<u8>, v: i64) {
+    out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+}
+
+fn push_float(out: &mut Vec<u8>, v: f64) {
+    out.extend_from_slice(ryu::Buffer::new().format(v).as_bytes());
+}
+
+#[allow(clippy::too_many_arguments)]
+#[pyfunction]
+#[pyo3(signature = (model, n_tokens, block_size, states, hits, with_pending, inflight, group, kind, tier,
+                    now, pending_block_size, per_token, load_cost, rank, top_k))]
+pub fn lookup_json<'py>(
+    py: Python<'py>,
+    model: &str,
+    n_tokens: i64,
+    block_size: i64,
+    states: &Bound<'py, PyList>,
+    hits: &Bound<'py, PyDict>,
+    with_pending: Option<&Bound<'py, PyDict>>,
+    inflight: Option<&Bound<'py, PyDict>>,
+    group: i64,
+    kind: &str,
+    tier: &str,
+    now: f64,
+    pending_block_size: i64,
+    per_token: f64,
+    load_cost: f64,
+    rank: bool,
+    top_k: Option<usize>,
+) -> PyResult<(Bound<'py, PyBytes>, i64, usize)> {
+    let bs = block_size;
+    let mut rows: Vec<Row> = Vec::with_capacity(states.len());
+    for st in states.iter() {
+        if st.is_none() {
+            continue;
+        }
+        let slot: i64 = st.getattr(intern!(py, "slot"))?.extract()?;
+        let ebs0: i64 = st.getattr(intern!(py, "block_size"))?.extract()?;
+        let recompute: i64 = st.getattr(intern!(py, "recompute"))?.extract()?;
+        let unit: i64 = st.getattr(intern!(py, "unit"))?.extract()?;
+        let nb = get_i64(Some(hits), slot)?;
+        let n_eff = n_tokens - (recompute - 1);
+        // the resume point (walk.py resume_points, one full-attention group): token-granular reuse
+        // (unit 1) at index granularity, else at the engine's block size
+        let top = if nb > 0 {
+            let cached = (nb * bs).min(n_eff);
+            resumable(cached, n_eff, if unit == 1 { bs } else if ebs0 != 0 { ebs0 } else { bs })
+        } else {
+            0
+        };
+        let mut pending = 0;
+        if with_pending.is_some() {
+            let w = get_i64(with_pending, slot)?;
+            if w > nb {
+                let ebs = if ebs0 != 0 { ebs0 } else { pending_block_size };
+                pending = (resumable((w * bs).min(n_eff), n_eff, ebs) - top).max(0);
+            }
+        }
+        let group_blocks = st.getattr(intern!(py, "group_blocks"))?;
+        let blocks: i64 = match group_blocks.cast::<PyDict>()?.get_item(group)? {
+            Some(v) => v.extract()?,
+            None => 0,
+        };
+        let batches: i64 = st.getattr(intern!(py, "batches"))?.extract()?;
+        let freshness = if batches > 0 {
+            let ets: f64 = st.getattr(intern!(py, "engine_ts"))?.extract()?;
+            let ats: f64 = st.getattr(intern!(py, "applied_ts"))?.extract()?;
+            Some((ms(now - ets), ms(ats - ets)))
+        } else {
+            None
+        };
+        rows.push(Row {
+            name: st.getattr(intern!(py, "replica"))?.extract()?,
+            dp_rank: st.getattr(intern!(py, "dp_rank"))?.extract()?,
+            cached: (nb * bs).min(n_tokens),
+            tier_tokens: nb * bs,
+            resumable: top + pending,
+            fa_hit: top,
+            blocks,
+            pending,
+            inflight: get_i64(inflight, slot)?,
+            freshness,
+            epoch: st.getattr(intern!(py, "epoch"))?.extract()?,
+            seq: st.getattr(intern!(py, "seq"))?.extract()?,
+            seq_gaps: st.getattr(intern!(py, "seq_gaps"))?.extract()?,
+            prefill: 0,
+            prefill_s: 0.0,
+            load_s: 0.0,
+            queue_s: 0.0,
+            total_s: 0.0,
+        });
+    }
+    rows.sort_by(|a, b| b.resumable.cmp(&a.resumable)); // stable: slot order among equals
+    if let (Some(k), false) = (top_k, rank) {
+        rows.truncate(k);
+    }
+    for r in rows.iter_mut() {
+        // the prefix price (kvidx/core/price.py Pricer), in its operation order
+        r.load_s = if r.resumable > 0 && r.tier_tokens > 0 {
+            r.tier_tokens.min(r.resumable) as f64 * load_cost
+        } else {
+            0.0
+        };
+        r.prefill = n_tokens - r.resumable;
+        r.prefill_s = r.prefill as f64 * per_token;
+        r.queue_s = r.inflight as f64 * per_token;
+        r.total_s = r.queue_s + r.load_s + r.prefill_s;
+    }
+    if rank {
+        rows.sort_by(|a, b| a.total_s.partial_cmp(&b.total_s).unwrap_or(std::cmp::Ordering::Equal));
+        if let Some(k) = top_k {
+            rows.truncate(k);
+        }
+    }
+    let mut out: Vec<u8> = Vec::with_capacity(128 + rows.len() * 560);
+    out.extend_from_slice(b"{\"model\":");
+    push_str(&mut out, model);
+    out.extend_from_slice(b",\"prompt_tokens\":");
+    push_int(&mut out, n_tokens);
+    out.extend_from_slice(b",\"block_size\":");
+    push_int(&mut out, bs);
+    out.extend_from_slice(b",\"replicas\":[");
+    for (i, r) in rows.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"{\"replica\":");
+        push_str(&mut out, &r.name);
+        out.extend_from_slice(b",\"dp_rank\":");
+        push_int(&mut out, r.dp_rank);
+        out.extend_from_slice(b",\"cached_tokens\":");
+        push_int(&mut out, r.cached);
+        out.extend_from_slice(b",\"tiers\":[");
+        if r.tier_tokens > 0 {
+            out.extend_from_slice(b"{\"tier\":");
+            push_str(&mut out, tier);
+            out.extend_from_slice(b",\"tokens\":");
+            push_int(&mut out, r.tier_tokens);
+            out.push(b'}');
+        }
+        out.extend_from_slice(b"],\"resumable_tokens\":");
+        push_int(&mut out, r.resumable);
+        out.extend_from_slice(b",\"full_attention_hit_tokens\":");
+        push_int(&mut out, r.fa_hit);
+        out.extend_from_slice(b",\"groups\":[{\"group\":");
+        push_int(&mut out, group);
+        out.extend_from_slice(b",\"kind\":");
+        push_str(&mut out, kind);
+        out.extend_from_slice(b",\"hit_tokens\":");
+        push_int(&mut out, r.fa_hit);
+        out.extend_from_slice(b",\"blocks\":");
+        push_int(&mut out, r.blocks);
+        out.extend_from_slice(b"}],\"pending_tokens\":");
+        push_int(&mut out, r.pending);
+        out.extend_from_slice(b",\"inflight_prefill_tokens\":");
+        push_int(&mut out, r.inflight);
+        out.extend_from_slice(b",\"upper_bound\":false,\"upper_bound_groups\":[],\"freshness\":{\"last_event_age_ms\":");
+        match r.freshness {
+            Some((age, lag)) => {
+                push_float(&mut out, age);
+                out.extend_from_slice(b",\"apply_lag_ms\":");
+                push_float(&mut out, lag);
+            }
+            None => out.extend_from_slice(b"null,\"apply_lag_ms\":null"),
+        }
+        out.extend_from_slice(b",\"epoch\":");
+        push_int(&mut out, r.epoch);
+        out.extend_from_slice(b",\"seq\":");
+        push_int(&mut out, r.seq);
+        out.extend_from_slice(b",\"seq_gaps\":");
+        push_int(&mut out, r.seq_gaps);
+        out.extend_from_slice(b"},\"price\":{\"prefill_tokens\":");
+        push_int(&mut out, r.prefill);
+        out.extend_from_slice(b",\"prefill_s\":");
+        push_float(&mut out, r.prefill_s);
+        out.extend_from_slice(b",\"load_s\":");
+        push_float(&mut out, r.load_s);
+        out.extend_from_slice(b",\"queue_s\":");
+        push_float(&mut out, r.queue_s);
+        out.extend_from_slice(b",\"total_s\":");
+        push_float(&mut out, r.total_s);
+        out.extend_from_slice(b"}}");
+    }
+    out.extend_from_slice(b"]}");
+    let best = rows.first().map(|r| r.resumable).unwrap_or(0);
+    Ok((PyBytes::new(py, &out), best, rows.len()))
+}
