@@ -1,9 +1,9 @@
 """The mask map (kvidx/core/maskmap.py): the native MaskMap (native/, Rust) and the pure-Python
 reference PyMaskMap driven side by side by random operation sequences (slots 0..130, so masks wider
 than one 64-bit word are covered), comparing every return value and exception and the final
-contents; the walk, bulk masks and snapshot layout against the shard's code as it was before the
-mask map (walk.py's AND-walk, snapshot format 2's mask packing, both copied here); `chain` against
-kvidx.core.hashing.chain.
+contents; the walk and bulk masks against the AND-walk over a plain dict (maskmap.walk_masks), the
+snapshot layout against format 2's mask packing as it was before the mask map (copied here); `chain`
+against kvidx.core.hashing.chain.
 
 Without kvidx_native the native half skips (the reference's own checks still run), unless
 KVIDX_REQUIRE_NATIVE=1 (CI), where a missing native module fails."""
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvidx.core import maskmap
 from kvidx.core.hashing import chain as ref_chain
-from kvidx.core.maskmap import PyMaskMap, py_chain
+from kvidx.core.maskmap import PyMaskMap, py_chain, walk_masks
 from tests.helpers import ROOT
 
 try:
@@ -192,34 +192,6 @@ def _unpack_masks(packed) -> list[int]:
     return [int.from_bytes(data[i:i + w], "little") for i in range(0, len(data), w)]
 
 
-def _walk(get, hashes: list[int]) -> dict[int, int]:
-    """The shard's AND-walk as walk.py wrote it before the mask map: slot -> leading blocks held, for
-    every slot holding block 0."""
-    alive = get(hashes[0], 0)
-    out: dict[int, int] = {}
-    if not alive:
-        return out
-    i = 1
-    n = len(hashes)
-    while i < n:
-        m = get(hashes[i], 0) & alive
-        if m != alive:
-            lost = alive & ~m
-            while lost:
-                low = lost & -lost
-                out[low.bit_length() - 1] = i
-                lost ^= low
-            alive = m
-            if not alive:
-                return out
-        i += 1
-    while alive:
-        low = alive & -alive
-        out[low.bit_length() - 1] = n
-        alive ^= low
-    return out
-
-
 def contents(d) -> list[tuple[int, int]]:
     return sorted(d.items())
 
@@ -266,8 +238,8 @@ def test_walk_and_masks_match_the_shards_walk(base, held, probe):
             d.store(base[:k], s)
         assert contents(d) == sorted(ref.items())
         for s in seqs:
-            assert d.walk(s) == _walk(ref.get, s), (impl, s)
-            assert list(d.walk(s).items()) == list(_walk(ref.get, s).items())  # same order too
+            assert d.walk(s) == walk_masks(ref.get, s), (impl, s)
+            assert list(d.walk(s).items()) == list(walk_masks(ref.get, s).items())  # same order too
             assert d.masks(s) == [ref.get(h, 0) for h in s]
         assert d.walk([]) == {}
 
