@@ -19,7 +19,10 @@ if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
   export PATH="$HOME/.cargo/bin:$PATH"  # rustup's default place, where a login shell's PATH has it
 fi
 if command -v cargo >/dev/null; then
-  .venv/bin/python -m pip install -q ./native
+  if ! .venv/bin/python -m pip install -q ./native; then
+    [ "${KVIDX_REQUIRE_NATIVE:-}" = 1 ] && { echo "setup: the compiled core (native/) did not build" >&2; exit 1; }
+    echo "setup: the compiled core (native/) did not build (above): kvidx runs its pure-Python core" >&2
+  fi
 else
   echo "setup: no Rust toolchain: kvidx runs its pure-Python core" >&2
 fi
