@@ -94,8 +94,6 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self._pool_cache: tuple[int, dict[int, int]] | None = None  # (pool slot mask, pool bits -> readers)
         self.pending = PendingCredits()
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
-        # slot -> (its batches applied, its groups in an answer without a hit): rebuilt after its events
-        self._idle_groups: dict[int, tuple[int, list]] = {}
 
     # ---- topology ---------------------------------------------------------------------------
     def set_pools(self, pools: dict[str, Iterable[str]]) -> None:

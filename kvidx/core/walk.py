@@ -139,29 +139,8 @@ class ShardWalk:
             ranked.append((res + pending, pending, st))
         ranked.sort(key=_by_first_desc)
         answers = []
-        idle = self._idle_groups if held is None else None
         for res, pending, st in ranked if top_k is None else ranked[:top_k]:
             slot = st.slot
-            if not pending and slot not in resume and slot not in hits:
-                # nothing of this prompt here (most replicas of most lookups): only the state the
-                # replica's events change, kept from one lookup to the next until they change it
-                seen = st.batches > 0
-                if idle is not None:
-                    cached = idle.get(slot)
-                    if cached is None or cached[0] != st.batches:
-                        cached = idle[slot] = (st.batches, [Group(gid, kind, 0, st.group_blocks.get(gid, 0),
-                                                                  window or None)
-                                                            for gid, kind, window, _ in group_info])
-                    groups = cached[1]
-                else:
-                    groups = [Group(gid, kind, 0, st.group_blocks.get(gid, 0), window or None,
-                                    held[gid].get(slot, 0)) for gid, kind, window, _ in group_info]
-                answers.append(ReplicaAnswer(
-                    st.replica, st.dp_rank, 0, [], 0, 0, groups, 0, inflight.get(slot, 0) if inflight else 0,
-                    False, [], Freshness(int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
-                                         int((st.applied_ts - st.engine_ts) * 1e6) / 1e3 if seen else None,
-                                         st.epoch, st.seq, st.seq_gaps)))
-                continue
             nb = hits.get(slot, 0)
             fa_hit, _, ghits = resume.get(slot, _NO_HIT)
             groups = [Group(gid, kind, (ghits.get(gid, 0) if ghits else 0) if own else fa_hit,
