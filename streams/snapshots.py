@@ -1,19 +1,27 @@
 """Durable shard snapshots: a local RocksDB (rocksdict) and a compacted Kafka topic.
 
-A snapshot of a model's shard is split into chunks (Kafka messages stay well under 1 MB), keyed
-`<model>/<slot>/<i>`, plus a manifest `<model>/manifest` naming the slot, chunk count and snapshot
-id, written last. Slots alternate (double buffering), so a new snapshot never overwrites the chunks
-the current manifest points to: a reader never mixes two snapshots. The
-topic is compacted, so it keeps only the newest snapshot of every model: a worker on a new machine
-rebuilds its shards from it without the relays, then resumes the events topic from the offsets it
-committed when that snapshot was written (events after it are folded again; the fold is idempotent).
-Snapshots go to the same partition as the model's events, so partition ownership covers both.
+What a snapshot costs is what changed since the last one, not what the shard holds
+(kvidx/core/snapshot.py has the parts): every snapshot writes a *delta* (the masks of the keys the
+fold touched), and a *base* (every key, in pieces by key segment) is rewritten only once the deltas
+since the current base outweigh it REBASE_AT times, a few pieces per snapshot beside the deltas (the
+fuzzy checkpoint: a base may be taken over many snapshots). So at steady churn a snapshot writes
+about the changed entries and, amortized, at most 1 / REBASE_AT as much again for the bases.
+
+Keys (the topic's and the RocksDB's): a part's chunks are `<key>/<i>` (Kafka messages stay well under
+1 MB) with `<model>/d/<snapshot id>` for a delta and `<model>/b<generation % 2>/<first segment>` for a
+base piece; the manifest `<model>/manifest` names the base and the deltas since it began and is
+written last, so a reader never sees a manifest whose parts are not there. A new base goes to the
+other generation's keys; once it is complete the old base and the deltas it covers are deleted
+(tombstones: compaction drops them). Snapshots go to the same partition as the model's events, so
+partition ownership covers both. Format-2 snapshots (one blob, `chunks` in the manifest) are read as
+before and replaced by a base at the first snapshot.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -21,29 +29,173 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 from rocksdict import Options, Rdict
 
 from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import PART_FORMAT, SEGMENTS, SnapshotFormatError
 from kvidx.kafka.config import client_config
 
 log = logging.getLogger("kvidx.streams")
 CHUNK = 512 * 1024
+PIECE_BYTES = 1 << 20  # a base piece's target size before chunking
+REBASE_AT = 1.5  # a new base once the deltas since the current one began outweigh it this much
+BASE_SNAPSHOTS = 256  # a new base is written within about this many snapshots (a floor on its pace)
+
+Item = tuple[str, bytes | None]  # a key and its value (None: delete it)
+
+
+class PartRef(msgspec.Struct, array_like=True):
+    key: str  # the part's chunks are f"{key}/{i}"
+    chunks: int
+    nbytes: int
 
 
 class Manifest(msgspec.Struct):
     model: str
     snapshot_id: int
-    chunks: int
     blocks: int
     created: float
+    format: int = 2  # format-2 manifests have no field: one snapshot() blob in `chunks` chunks
+    chunks: int = 0
+    base_gen: int = 0
+    base: list[PartRef] = []  # the base's pieces
+    deltas: list[PartRef] = []  # every delta since the base began, oldest first
+
+    def parts(self) -> list[PartRef]:
+        if self.format == 2:
+            return [PartRef(f"{self.model}/{self.snapshot_id % 2}", self.chunks, 0)]
+        return self.base + self.deltas
 
 
-def chunk_key(m: Manifest, i: int) -> str:
-    return f"{m.model}/{m.snapshot_id % 2}/{i}"
+def manifest_key(model: str) -> str:
+    return f"{model}/manifest"
 
 
-def split(model: str, data: bytes, snapshot_id: int, blocks: int) -> list[tuple[str, bytes]]:
+def chunk_keys(ref: PartRef) -> list[str]:
+    return [f"{ref.key}/{i}" for i in range(ref.chunks)]
+
+
+def _chunked(key: str, data: bytes) -> tuple[PartRef, list[Item]]:
     chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
-    manifest = Manifest(model, snapshot_id, len(chunks), blocks, time.time())
-    return [(chunk_key(manifest, i), c) for i, c in enumerate(chunks)] + [
-        (f"{model}/manifest", msgspec.msgpack.encode(manifest))]
+    ref = PartRef(key, len(chunks), len(data))
+    return ref, list(zip(chunk_keys(ref), chunks, strict=True))
+
+
+def split(model: str, data: bytes, snapshot_id: int, blocks: int) -> list[Item]:
+    """A format-2 snapshot (one `snapshot()` blob) as items: how a tool puts a whole shard in."""
+    ref, items = _chunked(f"{model}/{snapshot_id % 2}", data)
+    m = Manifest(model, snapshot_id, blocks, time.time(), chunks=ref.chunks)
+    return items + [(manifest_key(model), msgspec.msgpack.encode(m))]
+
+
+class IncompleteSnapshot(LookupError):
+    pass
+
+
+def assemble(m: Manifest, get: Callable[[str], bytes | None]) -> ModelShard:
+    """The shard a manifest describes, its parts read with `get(key)` one at a time (each is dropped
+    once applied); IncompleteSnapshot if one is missing, SnapshotFormatError if unreadable."""
+    if m.format not in (2, PART_FORMAT):
+        raise SnapshotFormatError(f"snapshot manifest of model {m.model!r} has format {m.format}; this "
+                                  f"kvidx reads formats 2-{PART_FORMAT}: upgrade kvidx to read it")
+
+    def data(ref: PartRef) -> bytes:
+        chunks = [get(k) for k in chunk_keys(ref)]
+        if any(c is None for c in chunks):
+            raise IncompleteSnapshot(f"snapshot of model {m.model!r} lacks part {ref.key}")
+        return b"".join(chunks)
+
+    if m.format == 2:
+        shard = ModelShard.restore(data(m.parts()[0]))
+    else:
+        shard = ModelShard.from_parts(data(ref) for ref in m.parts())
+    shard.snapshot_id = m.snapshot_id
+    return shard
+
+
+class Snapshot(msgspec.Struct):
+    """One planned snapshot of a model: its items (manifest last) and its manifest."""
+
+    items: list[Item]
+    manifest: Manifest
+    nbytes: dict[str, int]  # bytes written by kind: delta, base, manifest
+
+
+class _Build(msgspec.Struct):
+    gen: int
+    from_delta: int  # the snapshot id it began at: the deltas from it on complete it
+    next_segment: int = 0
+    pieces: list[PartRef] = []
+
+
+class SnapshotLog:
+    """What a model's durable snapshot is made of (its manifest) and what the next one writes:
+    `plan(shard)` changes nothing; `done(plan, shard)` once it is durable."""
+
+    def __init__(self, model: str, manifest: Manifest | None = None):
+        self.model = model
+        self.snapshot_id = manifest.snapshot_id if manifest is not None else 0
+        self.legacy: list[str] = []  # format-2 chunks, deleted once a base replaces them
+        self.base: list[PartRef] = []
+        self.deltas: list[PartRef] = []
+        self.gen = 0
+        if manifest is not None and manifest.format == 2:
+            self.legacy = chunk_keys(manifest.parts()[0])
+        elif manifest is not None:
+            self.base, self.deltas, self.gen = list(manifest.base), list(manifest.deltas), manifest.base_gen
+        self.build: _Build | None = None
+        self._next: tuple | None = None  # the state after the last plan, once it is durable
+
+    @staticmethod
+    def _delta_id(ref: PartRef) -> int:
+        return int(ref.key.rsplit("/", 1)[1])
+
+    def plan(self, shard: ModelShard) -> Snapshot:
+        sid = self.snapshot_id + 1
+        delta_ref, items = _chunked(f"{self.model}/d/{sid}", shard.snapshot_delta())
+        nbytes = {"delta": delta_ref.nbytes, "base": 0, "manifest": 0}
+        base_bytes = sum(p.nbytes for p in self.base)
+        build = self.build
+        if build is None and (not self.base or sum(d.nbytes for d in self.deltas) >= REBASE_AT * base_bytes):
+            build = _Build(self.gen + 1 if self.base else 0, sid)
+        base, deltas, gen, dead = self.base, self.deltas + [delta_ref], self.gen, []
+        if build is not None:
+            # a first base is written whole; a new one beside the deltas, at least as fast as they come
+            budget = (float("inf") if not self.base
+                      else max(delta_ref.nbytes, base_bytes / BASE_SNAPSHOTS, PIECE_BYTES))
+            build = msgspec.structs.replace(build, pieces=list(build.pieces))
+            per_segment = max(shard.segment_bytes(), 1.0)
+            written = 0
+            while build.next_segment < SEGMENTS and written < budget:
+                first = build.next_segment
+                last = min(SEGMENTS, first + max(1, int(PIECE_BYTES / per_segment)))
+                key = f"{self.model}/b{build.gen % 2}/{first}"
+                ref, piece = _chunked(key, shard.snapshot_segments(first, last))
+                items += piece
+                build.pieces.append(ref)
+                build.next_segment = last
+                written += ref.nbytes
+            nbytes["base"] = written
+            if build.next_segment == SEGMENTS:  # complete: it replaces the base and the deltas before it
+                dead = [k for p in self.base for k in chunk_keys(p)] + self.legacy
+                dead += [k for d in deltas if self._delta_id(d) < build.from_delta for k in chunk_keys(d)]
+                deltas = [d for d in deltas if self._delta_id(d) >= build.from_delta]
+                base, gen, build = build.pieces, build.gen, None
+        m = Manifest(self.model, sid, shard.blocks_applied, time.time(), PART_FORMAT, base_gen=gen, base=base,
+                     deltas=deltas)
+        encoded = msgspec.msgpack.encode(m)
+        nbytes["manifest"] = len(encoded)
+        items.append((manifest_key(self.model), encoded))
+        items += [(k, None) for k in dead]  # after the manifest that no longer needs them
+        self._next = (build, base, deltas, gen, bool(dead))
+        return Snapshot(items, m, nbytes)
+
+    def done(self, snap: Snapshot, shard: ModelShard) -> None:
+        """`snap` (the last plan) is durable: it is the model's snapshot now."""
+        build, base, deltas, gen, replaced = self._next
+        self.build, self.base, self.deltas, self.gen = build, base, deltas, gen
+        if replaced:
+            self.legacy = []
+        self.snapshot_id = snap.manifest.snapshot_id
+        shard.snapshot_id = self.snapshot_id
+        shard.delta_written()
 
 
 def _rocks_options() -> Options:
@@ -53,7 +205,7 @@ def _rocks_options() -> Options:
 
 
 class LocalStore:
-    """The worker's RocksDB: the last snapshot of each shard it owns, for a fast local restart."""
+    """The worker's RocksDB: the same items as the topic, for a fast local restart."""
 
     def __init__(self, path: str | Path):
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -61,19 +213,24 @@ class LocalStore:
         # pass the options again on every open: rocksdict otherwise reopens without them
         self.db = Rdict(str(path), options=opts)
 
-    def save(self, items: list[tuple[str, bytes]]) -> None:
-        for k, v in items:  # chunks first, manifest last: a torn write keeps the old manifest
-            self.db[k.encode()] = v
+    def save(self, items: list[Item]) -> None:
+        for k, v in items:  # parts first, manifest next, deletions last: a torn write keeps a whole one
+            if v is None:
+                del self.db[k.encode()]
+            else:
+                self.db[k.encode()] = v
 
-    def load(self, model: str) -> ModelShard | None:
-        raw = self.db.get(f"{model}/manifest".encode())
+    def load(self, model: str) -> tuple[ModelShard, Manifest] | None:
+        """The model's snapshot here, or None (none, or incomplete: a save failed part way)."""
+        raw = self.db.get(manifest_key(model).encode())
         if raw is None:
             return None
         m = msgspec.msgpack.decode(raw, type=Manifest)
-        data = b"".join(self.db[chunk_key(m, i).encode()] for i in range(m.chunks))
-        shard = ModelShard.restore(data)
-        shard.snapshot_id = m.snapshot_id
-        return shard
+        try:
+            return assemble(m, lambda k: self.db.get(k.encode())), m
+        except IncompleteSnapshot as e:
+            log.warning("event=local_snapshot_incomplete model=%s detail=%s", model, e)
+            return None
 
     def close(self) -> None:
         self.db.close()
@@ -86,10 +243,15 @@ class SnapshotTopic:
         self.producer = Producer({**client_config(), "bootstrap.servers": bootstrap,
                                   "enable.idempotence": True, "message.max.bytes": 4 << 20})
 
-    def publish(self, items: list[tuple[str, bytes]], partition: int) -> None:
+    def publish(self, items: list[Item], partition: int) -> None:
         for k, v in items:
-            self.producer.produce(self.topic, key=k.encode(), value=v, partition=partition)
-        if self.producer.flush(30) > 0:
+            while True:
+                try:
+                    self.producer.produce(self.topic, key=k.encode(), value=v, partition=partition)
+                    break
+                except BufferError:  # the producer's queue is full (a large base): let it drain
+                    self.producer.poll(0.1)
+        if self.producer.flush(60) > 0:
             raise RuntimeError(f"snapshot to {self.topic} not acknowledged")
 
 
@@ -105,10 +267,9 @@ def watermarks(c: Consumer, topic: str, partition: int, timeout_s: float = 30.0)
             time.sleep(0.2)
 
 
-def read_snapshots(bootstrap: str, topic: str, partitions: list[int] | None = None,
-                   timeout_s: float = 30.0) -> dict[str, ModelShard]:
-    """The newest complete snapshot of every model in the compacted topic (all partitions unless
-    given)."""
+def _read_to_end(bootstrap: str, topic: str, partitions: list[int] | None,
+                 timeout_s: float) -> Iterator[tuple[str, bytes | None, int]]:
+    """(key, value, partition) of every message of the topic up to its end now."""
     c = Consumer({**client_config(), "bootstrap.servers": bootstrap,
                   "group.id": f"kvidx-snapshot-reader-{time.time_ns()}",
                   "enable.auto.commit": False, "fetch.max.bytes": 64 << 20})
@@ -116,7 +277,7 @@ def read_snapshots(bootstrap: str, topic: str, partitions: list[int] | None = No
         md = c.list_topics(topic, timeout=10)
         tmeta = md.topics.get(topic)
         if tmeta is None or tmeta.error is not None:
-            return {}
+            return
         parts = sorted(tmeta.partitions) if partitions is None else partitions
         ends = {}
         for p in parts:
@@ -124,33 +285,70 @@ def read_snapshots(bootstrap: str, topic: str, partitions: list[int] | None = No
             if hi > lo:
                 ends[p] = hi
         if not ends:
-            return {}
+            return
         c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        latest: dict[str, bytes] = {}
-        partition_of: dict[str, int] = {}
         deadline = time.monotonic() + timeout_s
         while ends and time.monotonic() < deadline:
             for msg in c.consume(1000, 0.5):
                 if msg.error():
                     continue
-                latest[msg.key().decode()] = msg.value()
-                partition_of[msg.key().decode()] = msg.partition()
+                yield msg.key().decode(), msg.value(), msg.partition()
                 if msg.offset() + 1 >= ends.get(msg.partition(), 0):
                     ends.pop(msg.partition(), None)
         if ends:
             raise TimeoutError(f"could not read {topic} to its end in {timeout_s}s")
     finally:
         c.close()
-    shards = {}
-    for key, raw in latest.items():
-        if not key.endswith("/manifest") or raw is None:
-            continue
-        m = msgspec.msgpack.decode(raw, type=Manifest)
-        parts_ = [latest.get(chunk_key(m, i)) for i in range(m.chunks)]
-        if any(p is None for p in parts_):
-            log.warning("event=snapshot_incomplete model=%s", m.model)
-            continue
-        shards[m.model] = ModelShard.restore(b"".join(parts_))
-        shards[m.model].snapshot_id = m.snapshot_id
-        shards[m.model].events_partition = partition_of[key]
-    return shards
+
+
+def read_snapshot_logs(bootstrap: str, topic: str, partitions: list[int] | None = None,
+                       timeout_s: float = 120.0, attempts: int = 3,
+                       keep: Callable[[list[Item]], None] | None = None
+                       ) -> dict[str, tuple[ModelShard, Manifest]]:
+    """The newest complete snapshot of every model in the compacted topic (all partitions unless
+    given), with its manifest. Read again if a part went missing meanwhile (a new base replaced it).
+    `keep(items)`: also given each model's snapshot items (a worker's local copy)."""
+    for attempt in range(attempts):
+        latest: dict[str, bytes] = {}
+        partition_of: dict[str, int] = {}
+        for key, value, partition in _read_to_end(bootstrap, topic, partitions, timeout_s):
+            if value is None:
+                latest.pop(key, None)
+            else:
+                latest[key] = value
+                partition_of[key] = partition
+        manifests = [msgspec.msgpack.decode(v, type=Manifest) for k, v in latest.items()
+                     if k.endswith("/manifest")]
+        out, missing = {}, []
+        for m in manifests:
+            kept: list[Item] = []
+
+            def get(key: str, kept=kept, latest=latest) -> bytes | None:
+                value = latest.pop(key, None)  # each part dropped once applied
+                if keep is not None and value is not None:
+                    kept.append((key, value))
+                    if len(kept) >= 64:
+                        keep(kept[:])
+                        kept.clear()
+                return value
+
+            try:
+                shard = assemble(m, get)
+            except IncompleteSnapshot as e:
+                missing.append(str(e))
+                continue
+            if keep is not None:
+                keep(kept + [(manifest_key(m.model), msgspec.msgpack.encode(m))])
+            shard.events_partition = partition_of[manifest_key(m.model)]
+            out[m.model] = (shard, m)
+        if not missing:
+            return out
+        log.warning("event=snapshot_incomplete attempt=%d detail=%s", attempt + 1, missing[0])
+    return out
+
+
+def read_snapshots(bootstrap: str, topic: str, partitions: list[int] | None = None,
+                   timeout_s: float = 120.0) -> dict[str, ModelShard]:
+    """The newest complete snapshot of every model in the compacted topic (all partitions unless
+    given)."""
+    return {m: s for m, (s, _) in read_snapshot_logs(bootstrap, topic, partitions, timeout_s).items()}

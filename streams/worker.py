@@ -3,7 +3,8 @@
 - Consumes `kvidx.events.v1` (key = model) in batches (`take_events`), folds each batch into the
   model's shard (kvidx.core.shard: the same fold the embedded and shadow paths run).
 - Durability: every `snapshot_interval` seconds the dirty shards are written to the local RocksDB and
-  to the compacted snapshot topic; only then are the folded events acknowledged, so the committed
+  to the compacted snapshot topic (streams.snapshots: what changed since the last snapshot, and now
+  and then pieces of a new base); only then are the folded events acknowledged, so the committed
   offsets never run ahead of what a restarted worker can rebuild. Redelivered events are skipped by
   the shard's (epoch, seq) check.
 - A restarted or new worker rebuilds a shard on its first event: local RocksDB if it has it,
@@ -33,7 +34,7 @@ from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.config import client_config, faust_credentials
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC
-from streams.snapshots import LocalStore, SnapshotTopic, read_snapshots, split
+from streams.snapshots import LocalStore, SnapshotLog, SnapshotTopic, read_snapshot_logs
 
 log = logging.getLogger("kvidx.streams")
 
@@ -43,6 +44,8 @@ DEAD = Counter("kvidx_worker_dead_letters_total", "Undecodable event messages", 
 LAG = Histogram("kvidx_worker_apply_lag_seconds", "Engine event time to applied in the shard",
                 ["model"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30))
 SNAP = Histogram("kvidx_worker_snapshot_seconds", "Time to write one shard snapshot", ["model"])
+SNAP_BYTES = Counter("kvidx_worker_snapshot_bytes_total", "Snapshot bytes written to the compacted topic "
+                     "(and the same to RocksDB), by part", ["model", "part"])
 LOCAL_ERRORS = Counter("kvidx_worker_local_store_errors_total",
                        "Snapshots the local RocksDB could not store (full disk ...)")
 INDEXED = Gauge("kvidx_worker_indexed_blocks", "Distinct blocks in the shard", ["model", "group"])
@@ -95,9 +98,10 @@ class ShardWorker:
         self.dead_letter_topic = dead_letter_topic
         self.settings = settings or ShardSettings(index_block_size=16)
         self.shards: dict[str, ModelShard] = {}
+        self.logs: dict[str, SnapshotLog] = {}  # what each model's durable snapshot is made of
         self.partition_of: dict[str, int] = {}
         self.dirty: set[str] = set()
-        self._topic_cache: dict[int, dict[str, ModelShard]] = {}  # partition -> its snapshots, at load
+        self._topic_cache: dict[int, dict] = {}  # partition -> its (shard, manifest) by model, at load
         self._dlq: Producer | None = None
         self.batches_folded = 0
         self.last_snapshot_at: float | None = None
@@ -121,16 +125,20 @@ class ShardWorker:
         # from the id it loaded.
         local = self.local.load(model)
         if partition not in self._topic_cache:  # one read of the partition for all its models
-            self._topic_cache[partition] = read_snapshots(self.bootstrap, self.snapshot_topic,
-                                                          [partition])
+            # (what it reads is kept in the local RocksDB too: the next snapshots only add to it)
+            self._topic_cache[partition] = read_snapshot_logs(self.bootstrap, self.snapshot_topic,
+                                                              [partition], keep=self._keep_local)
         remote = self._topic_cache[partition].pop(model, None)
-        s, source = local, "rocksdb"
-        if remote is not None and (local is None or remote.snapshot_id > local.snapshot_id):
-            s, source = remote, "snapshot_topic"
-        if s is None:
-            s, source = self.settings.new_shard(model), "new"
+        found, source = local, "rocksdb"
+        if remote is not None and (local is None or remote[1].snapshot_id > local[1].snapshot_id):
+            found, source = remote, "snapshot_topic"
+        if found is None:
+            s, manifest, source = self.settings.new_shard(model), None, "new"
         else:
+            (s, manifest) = found
             self.settings.configure(s)
+        s.track_changes()
+        self.logs[model] = SnapshotLog(model, manifest)
         if s.block_size != self.settings.block_size(model):
             log.warning("event=block_size_changed model=%s snapshot=%d configured=%d: the snapshot "
                         "keeps its own (the relays hash with theirs)", model, s.block_size,
@@ -139,6 +147,13 @@ class ShardWorker:
                  s.blocks_applied)
         self.shards[model] = s
         return s
+
+    def _keep_local(self, items: list[tuple[str, bytes]]) -> None:
+        try:
+            self.local.save(items)
+        except Exception as e:  # noqa: BLE001 - as in snapshot_dirty: the topic has it
+            LOCAL_ERRORS.inc()
+            log.error("event=local_snapshot_failed error=%s", str(e)[:200])
 
     def fold(self, raw: bytes, partition: int, offset: int = -1, now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -163,6 +178,7 @@ class ShardWorker:
         gone = [m for m, p in self.partition_of.items() if p in partitions]
         for m in gone:
             self.shards.pop(m, None)
+            self.logs.pop(m, None)
             self.partition_of.pop(m, None)
             self.dirty.discard(m)
         for p in partitions:
@@ -177,17 +193,18 @@ class ShardWorker:
         for model in sorted(self.dirty):
             shard = self.shards[model]
             t0 = time.perf_counter()
-            # the id (and so the slot) moves on only once the topic has the snapshot: a retry after a
-            # failed publish rewrites the same slot, never the one the current manifest points to
-            sid = shard.snapshot_id + 1
-            items = split(model, shard.snapshot(), sid, shard.blocks_applied)
+            # nothing moves on until the topic has the snapshot: a retry after a failed publish
+            # writes the same ids again, with every change since the last durable one
+            snap = self.logs[model].plan(shard)
             # the compacted topic is the durable copy; the local RocksDB only speeds up a restart
             # here, so a full or failing disk is reported and survived, not fatal
-            self.topic.publish(items, self.partition_of[model])
-            shard.snapshot_id = sid
+            self.topic.publish(snap.items, self.partition_of[model])
+            self.logs[model].done(snap, shard)
             self.dirty.discard(model)
+            for part, nbytes in snap.nbytes.items():
+                SNAP_BYTES.labels(model, part).inc(nbytes)
             try:
-                self.local.save(items)
+                self.local.save(snap.items)
             except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exceptions on I/O errors
                 LOCAL_ERRORS.inc()
                 log.error("event=local_snapshot_failed model=%s error=%s", model, str(e)[:200])

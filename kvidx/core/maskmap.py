@@ -22,6 +22,11 @@ Semantics both implement:
 - export(words) -> (keys, masks) bytes (little-endian u64 keys; `words` little-endian u64 words per
   mask, same order: snapshot.py `_pack_masks`; ValueError if a mask needs more words);
   load(keys, masks, words): OR those entries in (a zero mask adds nothing);
+  export_segments(first, last, bits, words): export() of the keys whose segment, the top `bits` bits
+  of mix(key), is in [first, last), ordered by mix(key) (a snapshot's base pieces);
+  export_keys(keys, words) -> the masks of those keys, all-zero for an absent one;
+  assign(keys, masks, words): set those masks, replacing (an all-zero one deletes the key);
+  reserve(n): room for n entries in all (a rebuild that knows its size);
 - memory_bytes(): the native map's heap estimate (the reference: its dict's sizes, a lower bound).
 """
 
@@ -41,6 +46,36 @@ _dget = dict.get
 _dset = dict.__setitem__
 _ddel = dict.__delitem__
 _xxh = xxhash.xxh3_64_intdigest
+
+
+_PHI = 0x9E3779B97F4A7C15
+
+
+def mix(h: int) -> int:
+    """The stored form of a key in the native table (native/src/table.rs `mix`, a bijection): its
+    top bits are the key's snapshot segment."""
+    return ((h ^ (h >> 32)) * _PHI) & _M64
+
+
+def _words(words: int) -> int:
+    if words < 1:
+        raise ValueError(f"words must be >= 1, not {words}")
+    return words
+
+
+def _split_masks(mb, n: int, words: int) -> list[int]:
+    if words == 1:
+        return np.frombuffer(mb, dtype="<u8").tolist()
+    w = words * 8
+    return [int.from_bytes(mb[i * w:(i + 1) * w], "little") for i in range(n)]
+
+
+def _layout(keys, masks, words: int) -> tuple[memoryview, memoryview]:
+    kb, mb = memoryview(keys).cast("B"), memoryview(masks).cast("B")
+    if len(kb) % 8 or len(mb) != len(kb) * words:
+        raise ValueError(f"{len(kb)} key bytes and {len(mb)} mask bytes are not n keys of 8 bytes and "
+                         f"n masks of {8 * words} bytes")
+    return kb, mb
 
 
 def _bit(slot: int) -> int:
@@ -207,32 +242,50 @@ class PyMaskMap(dict):
 
     # ---- snapshot -------------------------------------------------------------------------------
     def export(self, words: int) -> tuple[bytes, bytes]:
-        if words < 1:
-            raise ValueError(f"words must be >= 1, not {words}")
-        n = len(self)
-        keys = np.fromiter(self.keys(), dtype="<u8", count=n).tobytes()
+        return self._export(list(self.items()), words)
+
+    def _export(self, items: list[tuple[int, int]], words: int) -> tuple[bytes, bytes]:
+        _words(words)
+        n = len(items)
+        keys = np.fromiter((h for h, _ in items), dtype="<u8", count=n).tobytes()
         try:
             if words == 1:
-                return keys, np.fromiter(self.values(), dtype="<u8", count=n).tobytes()
+                return keys, np.fromiter((m for _, m in items), dtype="<u8", count=n).tobytes()
             w = words * 8
-            return keys, b"".join([m.to_bytes(w, "little") for m in self.values()])
+            return keys, b"".join([m.to_bytes(w, "little") for _, m in items])
         except OverflowError:
             need = max((m.bit_length() + 63) // 64 for m in self.values())
             raise ValueError(f"a mask needs {need} words, more than {words}") from None
 
-    def load(self, keys: bytes, masks: bytes, words: int) -> None:
-        if words < 1:
-            raise ValueError(f"words must be >= 1, not {words}")
-        kb, mb = memoryview(keys).cast("B"), memoryview(masks).cast("B")
-        if len(kb) % 8 or len(mb) != len(kb) * words:
-            raise ValueError(f"{len(kb)} key bytes and {len(mb)} mask bytes are not n keys of 8 bytes and "
-                             f"n masks of {8 * words} bytes")
+    def export_segments(self, first: int, last: int, bits: int, words: int) -> tuple[bytes, bytes]:
+        if not (1 <= bits <= 32 and 0 <= first < last <= 1 << bits):
+            raise ValueError(f"segments [{first}, {last}) of 2**{bits}: need 1 <= bits <= 32 and "
+                             f"first < last <= 2**bits")
+        shift = 64 - bits
+        items = sorted(((mix(h), h, m) for h, m in self.items() if first <= mix(h) >> shift < last))
+        return self._export([(h, m) for _, h, m in items], words)
+
+    def export_keys(self, keys: bytes, words: int) -> bytes:
+        _words(words)
+        kb = memoryview(keys).cast("B")
+        if len(kb) % 8:
+            raise ValueError(f"{len(kb)} key bytes are not n keys of 8 bytes")
+        get = super().get
+        return self._export([(h, get(h, 0)) for h in np.frombuffer(kb, dtype="<u8").tolist()], words)[1]
+
+    def assign(self, keys: bytes, masks: bytes, words: int) -> None:
+        kb, mb = _layout(keys, masks, _words(words))
         hashes = np.frombuffer(kb, dtype="<u8").tolist()
-        if words == 1:
-            vals = np.frombuffer(mb, dtype="<u8").tolist()
-        else:
-            w = words * 8
-            vals = [int.from_bytes(mb[i:i + w], "little") for i in range(0, len(mb), w)]
+        for h, m in zip(hashes, _split_masks(mb, len(hashes), words), strict=True):
+            if m:
+                _dset(self, h, shared_mask(m))
+            else:
+                self.pop(h, None)
+
+    def load(self, keys: bytes, masks: bytes, words: int) -> None:
+        kb, mb = _layout(keys, masks, _words(words))
+        hashes = np.frombuffer(kb, dtype="<u8").tolist()
+        vals = _split_masks(mb, len(hashes), words)
         if not self and 0 not in vals:  # a fresh map (a restore): one C-level update
             dict.update(self, zip(hashes, map(shared_mask, vals), strict=True))
             if len(self) == len(hashes):
@@ -243,6 +296,9 @@ class PyMaskMap(dict):
             if m:
                 o = get(h, 0)
                 _dset(self, h, shared_mask(o | m) if o else shared_mask(m))
+
+    def reserve(self, n: int) -> None:
+        """Room for n entries (a dict needs no hint)."""
 
     def memory_bytes(self) -> int:
         """The dict's own size plus its int objects (shared single-slot masks counted once): what

@@ -189,6 +189,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         tid = TIER_IDS.get(ev.tier, len(TIERS) - 1)
         d = g.tiers.get(tid) or g.tier_map(tid)
         new = d.store(ev.hashes, st.slot)
+        if self.journal is not None:
+            self.journal.touch(ev.group, tid, ev.hashes)
         if g.any is not d:
             g.any.store(ev.hashes, st.slot)
         st.blocks += new
@@ -209,6 +211,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         d = g.tiers.get(tid)
         if d is None:
             return
+        if self.journal is not None:
+            self.journal.touch(ev.group, tid, ev.hashes)
         if len(g.tiers) == 1:
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
         else:  # retract from the union only where no other tier still holds the block there
@@ -219,6 +223,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.blocks_applied += len(ev.hashes)
 
     def _clear(self, st: ReplicaState) -> None:
+        if self.journal is not None:
+            self.journal.cleared.add(st.slot)
         for g in self.groups.values():
             for d in g.tiers.values():
                 d.clear_slot(st.slot)

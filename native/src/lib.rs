@@ -561,6 +561,23 @@ fn with_bytes<R>(ob: &Bound<'_, PyAny>, f: impl FnOnce(&[u8]) -> PyResult<R>) ->
     f(copy.cast::<PyBytes>()?.as_bytes())
 }
 
+/// `words` of a load or an assign: >= 1.
+fn words_arg(words: i64) -> PyResult<usize> {
+    if words < 1 {
+        return Err(PyValueError::new_err(format!("words must be >= 1, not {words}")));
+    }
+    Ok(words as usize)
+}
+
+fn check_layout(kb: &[u8], mb: &[u8], words: usize) -> PyResult<()> {
+    if kb.len() % 8 != 0 || mb.len() != kb.len() * words {
+        return Err(PyValueError::new_err(format!(
+            "{} key bytes and {} mask bytes are not n keys of 8 bytes and n masks of {} bytes",
+            kb.len(), mb.len(), 8 * words)));
+    }
+    Ok(())
+}
+
 #[inline]
 fn read_u64(b: &[u8], i: usize) -> u64 {
     u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap())
@@ -577,6 +594,26 @@ struct MaskMap {
 }
 
 impl MaskMap {
+    /// `words` of an export, checked: >= 1 and enough for the widest mask.
+    fn export_words(&self, words: i64) -> PyResult<usize> {
+        let need = self.m.width();
+        words_arg(words)?;
+        if need > words as usize {
+            return Err(PyValueError::new_err(format!("a mask needs {need} words, more than {words}")));
+        }
+        Ok(words as usize)
+    }
+
+    /// Appends stored key `k` (word 0: `lo`) in `export`'s layout.
+    #[inline]
+    fn put(&self, k: u64, lo: u64, words: usize, keys: &mut Vec<u8>, masks: &mut Vec<u8>) {
+        keys.extend_from_slice(&unmix(k).to_le_bytes());
+        masks.extend_from_slice(&lo.to_le_bytes());
+        for w in 1..words {
+            masks.extend_from_slice(&self.m.word(k, w).to_le_bytes());
+        }
+    }
+
     fn items_from(&mut self, pairs: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = pairs.py();
         let iter = if let Ok(d) = pairs.cast::<PyDict>() {
@@ -932,41 +969,85 @@ impl MaskMap {
     /// (keys, masks): the keys as little-endian u64s and the masks as `words` little-endian u64
     /// words each, in the same order (snapshot.py `_pack_masks`); ValueError if a mask needs more.
     fn export<'py>(&self, py: Python<'py>, words: i64) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-        if words < 1 {
-            return Err(PyValueError::new_err(format!("words must be >= 1, not {words}")));
-        }
-        let words = words as usize;
-        let need = self.m.width();
-        if need > words {
-            return Err(PyValueError::new_err(format!("a mask needs {need} words, more than {words}")));
-        }
+        let words = self.export_words(words)?;
         let n = self.m.lo.len();
         let mut keys = Vec::with_capacity(n * 8);
         let mut masks = Vec::with_capacity(n * 8 * words);
         for (k, lo) in self.m.lo.iter() {
-            keys.extend_from_slice(&unmix(k).to_le_bytes());
-            masks.extend_from_slice(&lo.to_le_bytes());
-            for w in 1..words {
-                masks.extend_from_slice(&self.m.word(k, w).to_le_bytes());
-            }
+            self.put(k, lo, words, &mut keys, &mut masks);
         }
         Ok((PyBytes::new(py, &keys), PyBytes::new(py, &masks)))
     }
 
-    /// ORs in the entries of `export`'s layout (a zero mask adds nothing).
-    fn load(&mut self, keys: &Bound<'_, PyAny>, masks: &Bound<'_, PyAny>, words: i64) -> PyResult<()> {
-        if words < 1 {
-            return Err(PyValueError::new_err(format!("words must be >= 1, not {words}")));
+    /// `export` of the keys whose segment (the top `bits` bits of their stored form, table::mix) is
+    /// in [first, last), in stored order: the pieces of a snapshot's base (snapshot.py).
+    fn export_segments<'py>(&self, py: Python<'py>, first: u64, last: u64, bits: u32, words: i64)
+                            -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let words = self.export_words(words)?;
+        if !(1..=32).contains(&bits) || first >= last || last > 1u64 << bits {
+            return Err(PyValueError::new_err(format!(
+                "segments [{first}, {last}) of 2**{bits}: need 1 <= bits <= 32 and first < last <= 2**bits")));
         }
-        let words = words as usize;
+        let shift = 64 - bits;
+        let hi = if last == 1u64 << bits { None } else { Some(last << shift) };
+        let (mut keys, mut masks) = (Vec::new(), Vec::new());
+        for (k, lo) in self.m.lo.range(first << shift, hi) {
+            self.put(k, lo, words, &mut keys, &mut masks);
+        }
+        Ok((PyBytes::new(py, &keys), PyBytes::new(py, &masks)))
+    }
+
+    /// The masks of `keys` (little-endian u64s) in `export`'s layout, all-zero for an absent key.
+    fn export_keys<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>, words: i64) -> PyResult<Bound<'py, PyBytes>> {
+        let words = self.export_words(words)?;
+        with_bytes(keys, |kb| {
+            if kb.len() % 8 != 0 {
+                return Err(PyValueError::new_err(format!("{} key bytes are not n keys of 8 bytes", kb.len())));
+            }
+            let n = kb.len() / 8;
+            let mut masks = Vec::with_capacity(n * 8 * words);
+            for i in 0..n {
+                let k = mix(read_u64(kb, i));
+                for w in 0..words {
+                    masks.extend_from_slice(&self.m.word(k, w).to_le_bytes());
+                }
+            }
+            Ok(PyBytes::new(py, &masks))
+        })
+    }
+
+    /// Sets the masks of entries in `export`'s layout, replacing what was there (an all-zero mask
+    /// deletes the key): a snapshot delta's changes.
+    fn assign(&mut self, keys: &Bound<'_, PyAny>, masks: &Bound<'_, PyAny>, words: i64) -> PyResult<()> {
+        let words = words_arg(words)?;
         let m = &mut self.m;
         with_bytes(keys, |kb| {
             with_bytes(masks, |mb| {
-                if kb.len() % 8 != 0 || mb.len() != kb.len() * words {
-                    return Err(PyValueError::new_err(format!(
-                        "{} key bytes and {} mask bytes are not n keys of 8 bytes and n masks of {} bytes",
-                        kb.len(), mb.len(), 8 * words)));
+                check_layout(kb, mb, words)?;
+                let mut mask = vec![0u64; words];
+                for i in 0..kb.len() / 8 {
+                    let k = mix(read_u64(kb, i));
+                    for (w, x) in mask.iter_mut().enumerate() {
+                        *x = read_u64(mb, i * words + w);
+                    }
+                    if mask.iter().all(|&x| x == 0) {
+                        m.remove(k);
+                    } else {
+                        m.insert(k, &mask);
+                    }
                 }
+                Ok(())
+            })
+        })
+    }
+
+    /// ORs in the entries of `export`'s layout (a zero mask adds nothing).
+    fn load(&mut self, keys: &Bound<'_, PyAny>, masks: &Bound<'_, PyAny>, words: i64) -> PyResult<()> {
+        let words = words_arg(words)?;
+        let m = &mut self.m;
+        with_bytes(keys, |kb| {
+            with_bytes(masks, |mb| {
+                check_layout(kb, mb, words)?;
                 let n = kb.len() / 8;
                 if m.lo.is_empty() {
                     m.lo.reserve(n);  // a fresh map (a restore): exactly what it will hold
@@ -990,6 +1071,13 @@ impl MaskMap {
                 Ok(())
             })
         })
+    }
+
+    /// Makes room for `n` entries in all without growing (a rebuild that knows its size: keys loaded
+    /// in stored order would otherwise crowd the low buckets of a table sized for fewer).
+    fn reserve(&mut self, n: usize) {
+        let have = self.m.lo.len();
+        self.m.lo.reserve(n.saturating_sub(have));
     }
 
     /// An estimate of the heap bytes held (table capacities, not just the live entries).

@@ -639,6 +639,27 @@ impl Table {
         self.zero.map(|v| (0, v)).into_iter().chain(slots.iter().filter(|s| s.k != 0).map(|s| (s.k, s.v)))
     }
 
+    /// The (mixed key, word) pairs with lo <= key < hi (hi None: to the end), in key order, read from
+    /// lo's home bucket on: the array is sorted by key and no key sits before its home.
+    pub fn range(&self, lo: u64, hi: Option<u64>) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let slots: &[Slot] = if self.slots.is_null() {
+            &[]
+        } else {
+            // SAFETY: as `iter`
+            unsafe { std::slice::from_raw_parts(self.slots, self.total) }
+        };
+        let start = if self.cap == 0 { 0 } else { bucket(lo, self.cap) };
+        let zero = if lo == 0 { self.zero.map(|v| (0, v)) } else { None };
+        zero.into_iter().chain(
+            slots[start..]
+                .iter()
+                .filter(|s| s.k != 0)
+                .skip_while(move |s| s.k < lo)
+                .take_while(move |s| hi.is_none_or(|h| s.k < h))
+                .map(|s| (s.k, s.v)),
+        )
+    }
+
     /// Checks the invariants (tests).
     #[cfg(test)]
     fn check(&self) {
@@ -707,6 +728,19 @@ mod tests {
         let mut want: Vec<(u64, u64)> = r.into_iter().collect();
         want.sort();
         assert_eq!(got, want);
+        // ranges of stored keys: each the sorted keys in it, together all of them
+        let all: Vec<(u64, u64)> = t.iter().collect();
+        for bits in [1u32, 3, 8] {
+            let step = 1u64 << (64 - bits);
+            let mut joined = Vec::new();
+            for i in 0..(1u64 << bits) {
+                let hi = if i + 1 == 1 << bits { None } else { Some((i + 1) * step) };
+                let part: Vec<(u64, u64)> = t.range(i * step, hi).collect();
+                assert!(part.iter().all(|&(m, _)| m >= i * step && hi.is_none_or(|h| m < h)));
+                joined.extend(part);
+            }
+            assert_eq!(joined, all);
+        }
         let c = t.clone();
         c.check();
         t.retain(|m, v| {
