@@ -11,7 +11,7 @@ topic alone, and its content is checked against the worker's, byte for byte.
 Figures (the issue's bars): snapshot bytes/s during the churn against the changed entries' size
 (changed entries/s x 16 B: the block hash and its replica-mask word, what a snapshot stores of an
 entry), at most 2x; RSS of the worker and of the rebuilt process per entry, at most 46 B; the rebuild,
-at most 120 s; lookup (the AND-walk) p99 at --entries against the same at --small entries.
+at most 120 s; lookup (the AND-walk) p99 at --entries against the same walks at --small entries.
 
 Broker: $KAFKA_BOOTSTRAP_SERVERS if set, else a LocalKafka (kvidx.kafka.local) in a temp dir.
 """
@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"p50 {big_p50:.2f} us")
         figs.add(f"lookup (walk) p99 at {args.small / 1e6:g}M entries", small_p99, "us", "",
                  f"p50 {small_p50:.2f} us")
-        figs.add("lookup p99 ratio (large / small)", big_p99 / small_p99, "x", "<= 1.5")
+        figs.add("lookup p99 ratio (large / small)", big_p99 / small_p99, "x", "",
+                 "the same walks; a large table misses the CPU caches on every block")
         figs.write(args.json, {"machine": c.machine_info(), "snapshots": snaps, "snapshot_s": snap_s})
         worker.close()
         return 0 if exact else 1

@@ -79,6 +79,21 @@ def render(results: list[tuple[str, dict | None, str, float, int]], quick: bool,
     return "\n".join(out)
 
 
+# sections of RESULTS.md that benchmarks run on their own write (bench/peers, bench_durability.py):
+# a rewrite of the report keeps them
+STANDALONE = ("Peers side by side", "Durability")
+
+
+def standalone_sections(old: str) -> str:
+    keep, on = [], False
+    for line in old.splitlines():
+        if line.startswith("## "):
+            on = line[3:].startswith(STANDALONE)
+        if on:
+            keep.append(line)
+    return "\n".join(keep).rstrip()
+
+
 def busy_note(info: dict) -> list[str]:
     """A warning when other jobs kept the 2 cores busy (1-min load >= 1.5 at the start or the end)."""
     loads = [info["loadavg"][0], *info.get("loadavg_end", [0])[:1]]
@@ -134,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.notes and Path(args.notes).exists():  # before the logs
         head, sep, logs = report.partition("\n## Logs\n")
         report = head + "\n" + Path(args.notes).read_text().rstrip() + "\n" + sep + logs
+    kept = standalone_sections(Path(args.out).read_text()) if Path(args.out).exists() else ""
+    if kept:
+        head, sep, logs = report.partition("\n## Logs\n")
+        report = head + "\n" + kept + "\n" + sep + logs
     Path(args.out).write_text(report + "\n")
     c.log(f"wrote {args.out}")
     print()

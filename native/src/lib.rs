@@ -27,7 +27,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyTuple};
 use table::{mix, unmix, Table};
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use twox_hash::XxHash3_64;
 
 // Every key below is a *mixed* hash (table::mix of the block hash): mixed once where it comes from
 // Python, unmixed where it goes back.
@@ -1099,7 +1099,7 @@ fn chain<'py>(py: Python<'py>, packed: &Bound<'py, PyAny>, block_size: i64, pare
         let run = || {
             let mut h = parent;
             b.chunks_exact(step).map(|c| {
-                h = xxh3_64_with_seed(c, h);
+                h = XxHash3_64::oneshot_with_seed(h, c);
                 h
             }).collect::<Vec<u64>>()
         };
