@@ -17,7 +17,8 @@ Semantics both implement:
   its mask becomes 0); for each of those, unless a map of `others` has the bit, it is cleared in
   `union` too (the "any tier" map: retract only when the last tier drops it);
 - clear_slot(slot) -> how many entries had the bit (cleared everywhere);
-- masks(hashes) -> [mask or 0]; walk(hashes) -> {slot: leading hashes held} (`walk_masks`);
+- masks(hashes) -> [mask or 0]; walk(hashes) -> {slot: leading hashes held} (`walk_masks`; the
+  native map returns it as a read-only Mapping, `kvidx_native.Depths`, with no object per slot);
 - or_into(other): OR every entry into other;
 - export(words) -> (keys, masks) bytes (little-endian u64 keys; `words` little-endian u64 words per
   mask, same order: snapshot.py `_pack_masks`; ValueError if a mask needs more words);
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import xxhash
@@ -345,6 +346,8 @@ def _native():
 
 
 _mod = _native()
+if _mod is not None:
+    Mapping.register(_mod.Depths)
 MaskMap: type = _mod.MaskMap if _mod is not None else PyMaskMap
 chain = _mod.chain if _mod is not None else py_chain
 IMPLEMENTATION = "native" if _mod is not None else "python"

@@ -8,6 +8,7 @@
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+use crate::Depths;
 
 struct Row {
     name: String,
@@ -39,12 +40,14 @@ fn resumable(cached: i64, n_tokens: i64, block: i64) -> i64 {
     (cached.min(n_tokens - 1)).div_euclid(block) * block
 }
 
-fn get_i64(d: Option<&Bound<'_, PyDict>>, slot: i64) -> PyResult<i64> {
-    match d {
-        Some(d) => match d.get_item(slot)? {
-            Some(v) => v.extract(),
-            None => Ok(0),
-        },
+/// A walk's depth of `slot` (MaskMap.walk's Depths, or a dict from the Python walk), 0 if absent.
+fn get_i64(d: Option<&Bound<'_, PyAny>>, slot: i64) -> PyResult<i64> {
+    let Some(d) = d else { return Ok(0) };
+    if let Ok(x) = d.cast::<Depths>() {
+        return Ok(x.get().depth(slot) as i64);
+    }
+    match d.cast::<PyDict>()?.get_item(slot)? {
+        Some(v) => v.extract(),
         None => Ok(0),
     }
 }
@@ -85,8 +88,8 @@ pub fn lookup_json<'py>(
     n_tokens: i64,
     block_size: i64,
     states: &Bound<'py, PyList>,
-    hits: &Bound<'py, PyDict>,
-    with_pending: Option<&Bound<'py, PyDict>>,
+    hits: &Bound<'py, PyAny>,
+    with_pending: Option<&Bound<'py, PyAny>>,
     inflight: Option<&Bound<'py, PyDict>>,
     group: i64,
     kind: &str,
@@ -148,7 +151,7 @@ pub fn lookup_json<'py>(
             fa_hit: top,
             blocks,
             pending,
-            inflight: get_i64(inflight, slot)?,
+            inflight: get_i64(inflight.map(|d| d.as_any()), slot)?,
             freshness,
             epoch: st.getattr(intern!(py, "epoch"))?.extract()?,
             seq: st.getattr(intern!(py, "seq"))?.extract()?,

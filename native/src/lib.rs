@@ -522,32 +522,103 @@ impl<'a, 'py> Hashes<'a, 'py> {
     }
 }
 
-unsafe extern "C" {
-    // CPython's (cpython/dictobject.h, exported by every CPython 3, outside the limited API, which
-    // this crate does not use): a dict with room for `minused` items, as the compiler makes for
-    // dict displays; not in pyo3's bindings (its name is private)
-    fn _PyDict_NewPresized(minused: ffi::Py_ssize_t) -> *mut ffi::PyObject;
+/// The AND-walk's answer (MaskMap.walk): slot -> leading hashes held, a read-only mapping built
+/// without a Python object per slot (a 64-entry dict costs more than the walk itself). Iterates in
+/// the order the reference's dict would (maskmap.walk_masks); equal to a dict with the same items.
+#[pyclass(name = "Depths", module = "kvidx_native", frozen, mapping)]
+pub struct Depths {
+    pub order: Vec<(u32, u32)>,  // (slot, depth), as the reference inserts them
+    pub by_slot: Vec<u32>,       // depth of slot i (0: absent; a present slot has depth >= 1)
 }
 
-/// The walk's result: a dict of the (slot, depth) pairs in this order, sized for them up front
-/// (a walk's first block is often held by every replica: 64 items, 4 resizes saved).
-fn depth_dict<'py>(py: Python<'py>, pairs: &[(usize, usize)]) -> PyResult<Bound<'py, PyDict>> {
-    // SAFETY: the GIL is held; the dict is a new reference (or NULL with an exception set); each
-    // int is a new reference, released once the dict holds its own
-    unsafe {
-        let d = Bound::from_owned_ptr_or_err(py, _PyDict_NewPresized(pairs.len() as ffi::Py_ssize_t))?
-            .cast_into_unchecked::<PyDict>();
+impl Depths {
+    fn new(pairs: &[(usize, usize)]) -> Self {
+        let top = pairs.iter().map(|p| p.0 + 1).max().unwrap_or(0);
+        let mut by_slot = vec![0u32; top];
         for &(s, k) in pairs {
-            let ks = ffi::PyLong_FromSize_t(s);
-            let vs = ffi::PyLong_FromSize_t(k);
-            let bad = ks.is_null() || vs.is_null() || ffi::PyDict_SetItem(d.as_ptr(), ks, vs) != 0;
-            ffi::Py_XDECREF(ks);
-            ffi::Py_XDECREF(vs);
-            if bad {
-                return Err(PyErr::fetch(py));
-            }
+            by_slot[s] = k as u32;
+        }
+        Depths { order: pairs.iter().map(|&(s, k)| (s as u32, k as u32)).collect(), by_slot }
+    }
+
+    #[inline]
+    pub fn depth(&self, slot: i64) -> u32 {
+        if slot < 0 { 0 } else { self.by_slot.get(slot as usize).copied().unwrap_or(0) }
+    }
+
+    fn slot_key(key: &Bound<'_, PyAny>) -> Option<i64> {
+        if key.is_instance_of::<pyo3::types::PyBool>() {
+            return None;
+        }
+        key.cast::<PyInt>().ok().and_then(|k| k.extract::<i64>().ok())
+    }
+}
+
+#[pymethods]
+impl Depths {
+    fn __len__(&self) -> usize {
+        self.order.len()
+    }
+
+    fn __getitem__(&self, key: &Bound<'_, PyAny>) -> PyResult<u32> {
+        match Self::slot_key(key).map(|s| self.depth(s)) {
+            Some(d) if d > 0 => Ok(d),
+            _ => Err(PyKeyError::new_err(key.clone().unbind())),
+        }
+    }
+
+    fn __contains__(&self, key: &Bound<'_, PyAny>) -> bool {
+        Self::slot_key(key).is_some_and(|s| self.depth(s) > 0)
+    }
+
+    #[pyo3(signature = (key, default=None))]
+    fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>, default: Option<Bound<'py, PyAny>>
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match Self::slot_key(key).map(|s| self.depth(s)) {
+            Some(d) if d > 0 => Ok(d.into_pyobject(py)?.into_any()),
+            _ => Ok(default.unwrap_or_else(|| py.None().into_bound(py))),
+        }
+    }
+
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.order.iter().map(|p| p.0))
+    }
+
+    fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.order.iter().map(|p| p.1))
+    }
+
+    fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.order.iter().copied())
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.keys(py)?.into_any().try_iter().map(|i| i.into_any())
+    }
+
+    /// The answer as a plain dict.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for &(s, k) in &self.order {
+            d.set_item(s, k)?;
         }
         Ok(d)
+    }
+
+    fn __eq__<'py>(&self, py: Python<'py>, other: &Bound<'py, PyAny>) -> PyResult<bool> {
+        if let Ok(o) = other.cast::<Depths>() {
+            let o = o.get();
+            return Ok(self.order.len() == o.order.len() && self.order.iter().all(|&(s, k)| o.depth(s as i64) == k));
+        }
+        if other.cast::<PyDict>().is_ok() || other.hasattr("items")? {
+            return self.to_dict(py)?.eq(other);
+        }
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        let items: Vec<String> = self.order.iter().map(|(s, k)| format!("{s}: {k}")).collect();
+        format!("Depths({{{}}})", items.join(", "))
     }
 }
 
@@ -873,10 +944,10 @@ impl MaskMap {
     /// The AND-walk (kvidx/core/walk.py `_walk`): slot -> how many leading hashes it holds, for
     /// every slot holding hashes[0]. Hash 0 is looked up alone (most walks stop there); then the
     /// walk loads buckets AHEAD of where it is.
-    fn walk<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    fn walk(&self, hashes: &Bound<'_, PyAny>) -> PyResult<Depths> {
         let hs = Hashes::of(hashes)?;
         let first = match hs.get(0) {
-            None => return Ok(PyDict::new(py)),
+            None => return Ok(Depths::new(&[])),
             Some(h) => h?,
         };
         let n = hs.len();
@@ -902,10 +973,10 @@ impl MaskMap {
                 out.push((alive.trailing_zeros() as usize, n));
                 alive &= alive - 1;
             }
-            return depth_dict(py, &out);
+            return Ok(Depths::new(&out));
         }
         // wide masks: the same walk over words (only the words still alive are looked up)
-        let Some(mut alive) = m.words(first) else { return depth_dict(py, &out) };
+        let Some(mut alive) = m.words(first) else { return Ok(Depths::new(&out)) };
         out.reserve_exact(alive.iter().map(|a| a.count_ones() as usize).sum());
         let pf = |_: &Vec<u64>, h: u64| {
             m.lo.prefetch(h);
@@ -937,7 +1008,7 @@ impl MaskMap {
                 a &= a - 1;
             }
         }
-        depth_dict(py, &out)
+        Ok(Depths::new(&out))
     }
 
     /// ORs every entry of self into `other` (the union of tiers).
@@ -1111,6 +1182,7 @@ fn chain<'py>(py: Python<'py>, packed: &Bound<'py, PyAny>, block_size: i64, pare
 #[pymodule]
 fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MaskMap>()?;
+    m.add_class::<Depths>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::parse_token_ids, m)?)?;

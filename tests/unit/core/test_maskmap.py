@@ -480,3 +480,24 @@ def test_large_maps_grow_and_shrink_like_the_reference(native):
     for h in keys[:2000]:
         assert nat.pop(h, 0) == py.pop(h, 0)
     _same(py, nat)
+
+
+def test_the_native_walk_answers_as_a_read_only_mapping(native):
+    """MaskMap.walk's Depths: a Mapping equal to the reference's dict, in its order, with a dict's
+    lookups (a missing or non-int key: KeyError / the default / not in)."""
+    from collections.abc import Mapping
+
+    nat, ref = native.MaskMap(), PyMaskMap()
+    hs = [11, 12, 13]
+    for slot, n in ((0, 3), (5, 1), (70, 2), (3, 3)):
+        nat.store(hs[:n], slot)
+        ref.store(hs[:n], slot)
+    got, want = nat.walk(hs), ref.walk(hs)
+    assert isinstance(got, Mapping) and got == want and want == got.to_dict()
+    assert list(got.items()) == list(want.items()) and list(got) == list(want) and len(got) == 4
+    assert got[70] == 2 and got.get(5) == 1 and got.get(6) is None and got.get(6, 0) == 0
+    assert 3 in got and 4 not in got and "3" not in got and True not in got and -1 not in got
+    with pytest.raises(KeyError):
+        got[4]
+    assert dict(got) == want and got != {0: 3} and nat.walk([]) == {} and not nat.walk([99])
+    assert nat.walk(hs) == got  # Depths == Depths
