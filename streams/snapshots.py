@@ -19,6 +19,7 @@ before and replaced by a base at the first snapshot.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -301,6 +302,16 @@ def _read_to_end(bootstrap: str, topic: str, partitions: list[int] | None,
         c.close()
 
 
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc keeps them after a rebuild's many chunk-sized
+    buffers: freed large buffers raise its mmap threshold, so later ones come from the heap); a
+    no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def read_snapshot_logs(bootstrap: str, topic: str, partitions: list[int] | None = None,
                        timeout_s: float = 120.0, attempts: int = 3,
                        keep: Callable[[list[Item]], None] | None = None
@@ -342,6 +353,8 @@ def read_snapshot_logs(bootstrap: str, topic: str, partitions: list[int] | None 
             shard.events_partition = partition_of[manifest_key(m.model)]
             out[m.model] = (shard, m)
         if not missing:
+            latest.clear()
+            release_free_memory()
             return out
         log.warning("event=snapshot_incomplete attempt=%d detail=%s", attempt + 1, missing[0])
     return out
