@@ -25,6 +25,8 @@ from kvidx.core.snapshot import ShardSnapshot
 from kvidx.core.walk import FULL_KINDS, ShardWalk
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
+_LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)
+
 
 class ReplicaState(msgspec.Struct):
     slot: int
@@ -157,11 +159,14 @@ class ModelShard(ShardWalk, ShardSnapshot):
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
         st = self.replicas.get((batch.replica, batch.dp_rank)) or self.replica(batch.replica, batch.dp_rank)
-        if (batch.epoch, batch.seq, batch.part) <= (st.epoch, st.seq, st.part):
+        epoch, seq = batch.epoch, batch.seq
+        # (epoch, seq, part) <= the slot's, compared without building the tuples (the hot path)
+        if epoch <= st.epoch and (epoch < st.epoch or seq < st.seq
+                                  or (seq == st.seq and batch.part <= st.part)):
             st.duplicates += 1
             return False
-        if batch.epoch == st.epoch and batch.seq > st.seq + 1:
-            st.seq_gaps += batch.seq - st.seq - 1
+        if epoch == st.epoch and seq > st.seq + 1:
+            st.seq_gaps += seq - st.seq - 1
         for ev in batch.events:
             kind = type(ev)  # the event structs are final: no subclass to miss
             if kind is BlocksStored:
@@ -170,7 +175,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
                 self._remove(ev, st)
             elif kind is ReplicaCleared:
                 self._clear(st)
-        st.epoch, st.seq, st.part = batch.epoch, batch.seq, batch.part
+        st.epoch, st.seq, st.part = epoch, seq, batch.part
         st.recompute = batch.recompute_tokens
         st.block_size = batch.block_size or st.block_size
         st.engine_ts, st.relay_ts, st.applied_ts = batch.engine_ts, batch.relay_ts, now
@@ -185,29 +190,30 @@ class ModelShard(ShardWalk, ShardSnapshot):
         return g
 
     def _store(self, ev: BlocksStored, st: ReplicaState) -> None:
-        g = self.groups.get(ev.group) or self._group(ev.group, ev.group_kind, ev.sliding_window)
-        tid = TIER_IDS.get(ev.tier, len(TIERS) - 1)
+        gid, hashes = ev.group, ev.hashes
+        g = self.groups.get(gid) or self._group(gid, ev.group_kind, ev.sliding_window)
+        tid = TIER_IDS.get(ev.tier, _LAST_TIER)
         d = g.tiers.get(tid) or g.tier_map(tid)
-        new = d.store(ev.hashes, st.slot)
+        new = d.store(hashes, st.slot)
         if self.journal is not None:
-            self.journal.touch(ev.group, tid, ev.hashes)
+            self.journal.touch(gid, tid, hashes)
         if g.any is not d:
-            g.any.store(ev.hashes, st.slot)
-        st.blocks += new
+            g.any.store(hashes, st.slot)
         if self.pending.masks and g.kind in FULL_KINDS:
-            self.pending.confirm(st.slot, ev.hashes)
+            self.pending.confirm(st.slot, hashes)
         if new:
+            st.blocks += new
             gb = st.group_blocks
-            gb[ev.group] = gb.get(ev.group, 0) + new
+            gb[gid] = gb.get(gid, 0) + new
         if ev.block_size and (not st.unit or ev.block_size < st.unit):
             st.unit = ev.block_size
-        self.blocks_applied += len(ev.hashes)
+        self.blocks_applied += len(hashes)
 
     def _remove(self, ev: BlocksRemoved, st: ReplicaState) -> None:
         g = self.groups.get(ev.group)
         if g is None:
             return
-        tid = TIER_IDS.get(ev.tier, len(TIERS) - 1)
+        tid = TIER_IDS.get(ev.tier, _LAST_TIER)
         d = g.tiers.get(tid)
         if d is None:
             return
@@ -217,8 +223,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
         else:  # retract from the union only where no other tier still holds the block there
             gone = d.remove(ev.hashes, st.slot, [m for t, m in g.tiers.items() if t != tid], g.any)
-        st.blocks -= gone
         if gone:
+            st.blocks -= gone
             st.group_blocks[ev.group] = st.group_blocks.get(ev.group, 0) - gone
         self.blocks_applied += len(ev.hashes)
 
