@@ -7,11 +7,12 @@
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::ffi;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use crate::Depths;
 
-struct Row {
-    name: String,
+struct Row<'py> {
+    name: Bound<'py, PyString>,
     dp_rank: i64,
     cached: i64,
     tier_tokens: i64,
@@ -52,6 +53,42 @@ fn get_i64(d: Option<&Bound<'_, PyAny>>, slot: i64) -> PyResult<i64> {
     }
 }
 
+/// An int attribute, read through the C API (a replica's dozen fields, 64 replicas a lookup: pyo3's
+/// getattr + extract per field was a third of the answer's time).
+#[inline]
+fn attr_i64(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
+    // SAFETY: the GIL is held (ob is bound); v is a new reference, released before returning
+    unsafe {
+        let v = ffi::PyObject_GetAttr(ob.as_ptr(), name.as_ptr());
+        if v.is_null() {
+            return Err(PyErr::fetch(ob.py()));
+        }
+        let x = ffi::PyLong_AsLongLong(v);
+        ffi::Py_DECREF(v);
+        if x == -1 && !ffi::PyErr_Occurred().is_null() {
+            return Err(PyErr::fetch(ob.py()));
+        }
+        Ok(x)
+    }
+}
+
+#[inline]
+fn attr_f64(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<f64> {
+    // SAFETY: as attr_i64
+    unsafe {
+        let v = ffi::PyObject_GetAttr(ob.as_ptr(), name.as_ptr());
+        if v.is_null() {
+            return Err(PyErr::fetch(ob.py()));
+        }
+        let x = ffi::PyFloat_AsDouble(v);
+        ffi::Py_DECREF(v);
+        if x == -1.0 && !ffi::PyErr_Occurred().is_null() {
+            return Err(PyErr::fetch(ob.py()));
+        }
+        Ok(x)
+    }
+}
+
 /// Python's float(int(x * 1e6)) / 1e3: milliseconds, truncated to the microsecond.
 fn ms(seconds: f64) -> f64 {
     ((seconds * 1e6).trunc() as i64) as f64 / 1e3
@@ -74,8 +111,41 @@ fn push_int(out: &mut Vec<u8>, v: i64) {
     out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
 }
 
-fn push_float(out: &mut Vec<u8>, v: f64) {
-    out.extend_from_slice(ryu::Buffer::new().format(v).as_bytes());
+/// Floats as Python's repr writes them (ryu), the last few remembered: an answer's prices repeat
+/// across replicas with the same hit (and 0.0 is most of them), so most are copied, not formatted.
+struct Floats {
+    bits: [u64; 8],
+    text: [[u8; 24]; 8],
+    len: [u8; 8],
+    next: usize,
+}
+
+impl Floats {
+    fn new() -> Self {
+        Floats { bits: [u64::MAX; 8], text: [[0; 24]; 8], len: [0; 8], next: 0 }
+    }
+
+    fn push(&mut self, out: &mut Vec<u8>, v: f64) {
+        let b = v.to_bits();
+        if b == 0 {
+            out.extend_from_slice(b"0.0");
+            return;
+        }
+        if let Some(i) = self.bits.iter().position(|&x| x == b) {
+            out.extend_from_slice(&self.text[i][..self.len[i] as usize]);
+            return;
+        }
+        let mut buf = ryu::Buffer::new();
+        let t = buf.format(v).as_bytes();
+        out.extend_from_slice(t);
+        if t.len() <= 24 {
+            let i = self.next;
+            self.next = (i + 1) % 8;
+            self.bits[i] = b;
+            self.text[i][..t.len()].copy_from_slice(t);
+            self.len[i] = t.len() as u8;
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -102,15 +172,15 @@ pub fn lookup_json<'py>(
     top_k: Option<usize>,
 ) -> PyResult<(Bound<'py, PyBytes>, i64, usize)> {
     let bs = block_size;
-    let mut rows: Vec<Row> = Vec::with_capacity(states.len());
+    let mut rows: Vec<Row<'py>> = Vec::with_capacity(states.len());
     for st in states.iter() {
         if st.is_none() {
             continue;
         }
-        let slot: i64 = st.getattr(intern!(py, "slot"))?.extract()?;
-        let ebs0: i64 = st.getattr(intern!(py, "block_size"))?.extract()?;
-        let recompute: i64 = st.getattr(intern!(py, "recompute"))?.extract()?;
-        let unit: i64 = st.getattr(intern!(py, "unit"))?.extract()?;
+        let slot: i64 = attr_i64(&st, intern!(py, "slot"))?;
+        let ebs0: i64 = attr_i64(&st, intern!(py, "block_size"))?;
+        let recompute: i64 = attr_i64(&st, intern!(py, "recompute"))?;
+        let unit: i64 = attr_i64(&st, intern!(py, "unit"))?;
         let nb = get_i64(Some(hits), slot)?;
         let n_eff = n_tokens - (recompute - 1);
         // the resume point (walk.py resume_points, one full-attention group): token-granular reuse
@@ -134,17 +204,17 @@ pub fn lookup_json<'py>(
             Some(v) => v.extract()?,
             None => 0,
         };
-        let batches: i64 = st.getattr(intern!(py, "batches"))?.extract()?;
+        let batches: i64 = attr_i64(&st, intern!(py, "batches"))?;
         let freshness = if batches > 0 {
-            let ets: f64 = st.getattr(intern!(py, "engine_ts"))?.extract()?;
-            let ats: f64 = st.getattr(intern!(py, "applied_ts"))?.extract()?;
+            let ets: f64 = attr_f64(&st, intern!(py, "engine_ts"))?;
+            let ats: f64 = attr_f64(&st, intern!(py, "applied_ts"))?;
             Some((ms(now - ets), ms(ats - ets)))
         } else {
             None
         };
         rows.push(Row {
-            name: st.getattr(intern!(py, "replica"))?.extract()?,
-            dp_rank: st.getattr(intern!(py, "dp_rank"))?.extract()?,
+            name: st.getattr(intern!(py, "replica"))?.cast_into::<PyString>()?,
+            dp_rank: attr_i64(&st, intern!(py, "dp_rank"))?,
             cached: (nb * bs).min(n_tokens),
             tier_tokens: nb * bs,
             resumable: top + pending,
@@ -153,9 +223,9 @@ pub fn lookup_json<'py>(
             pending,
             inflight: get_i64(inflight.map(|d| d.as_any()), slot)?,
             freshness,
-            epoch: st.getattr(intern!(py, "epoch"))?.extract()?,
-            seq: st.getattr(intern!(py, "seq"))?.extract()?,
-            seq_gaps: st.getattr(intern!(py, "seq_gaps"))?.extract()?,
+            epoch: attr_i64(&st, intern!(py, "epoch"))?,
+            seq: attr_i64(&st, intern!(py, "seq"))?,
+            seq_gaps: attr_i64(&st, intern!(py, "seq_gaps"))?,
             prefill: 0,
             prefill_s: 0.0,
             load_s: 0.0,
@@ -186,6 +256,7 @@ pub fn lookup_json<'py>(
         }
     }
     let mut out: Vec<u8> = Vec::with_capacity(128 + rows.len() * 560);
+    let mut floats = Floats::new();
     out.extend_from_slice(b"{\"model\":");
     push_str(&mut out, model);
     out.extend_from_slice(b",\"prompt_tokens\":");
@@ -198,7 +269,7 @@ pub fn lookup_json<'py>(
             out.push(b',');
         }
         out.extend_from_slice(b"{\"replica\":");
-        push_str(&mut out, &r.name);
+        push_str(&mut out, r.name.to_str()?);
         out.extend_from_slice(b",\"dp_rank\":");
         push_int(&mut out, r.dp_rank);
         out.extend_from_slice(b",\"cached_tokens\":");
@@ -230,9 +301,9 @@ pub fn lookup_json<'py>(
         out.extend_from_slice(b",\"upper_bound\":false,\"upper_bound_groups\":[],\"freshness\":{\"last_event_age_ms\":");
         match r.freshness {
             Some((age, lag)) => {
-                push_float(&mut out, age);
+                floats.push(&mut out, age);
                 out.extend_from_slice(b",\"apply_lag_ms\":");
-                push_float(&mut out, lag);
+                floats.push(&mut out, lag);
             }
             None => out.extend_from_slice(b"null,\"apply_lag_ms\":null"),
         }
@@ -245,13 +316,13 @@ pub fn lookup_json<'py>(
         out.extend_from_slice(b"},\"price\":{\"prefill_tokens\":");
         push_int(&mut out, r.prefill);
         out.extend_from_slice(b",\"prefill_s\":");
-        push_float(&mut out, r.prefill_s);
+        floats.push(&mut out, r.prefill_s);
         out.extend_from_slice(b",\"load_s\":");
-        push_float(&mut out, r.load_s);
+        floats.push(&mut out, r.load_s);
         out.extend_from_slice(b",\"queue_s\":");
-        push_float(&mut out, r.queue_s);
+        floats.push(&mut out, r.queue_s);
         out.extend_from_slice(b",\"total_s\":");
-        push_float(&mut out, r.total_s);
+        floats.push(&mut out, r.total_s);
         out.extend_from_slice(b"}}");
     }
     out.extend_from_slice(b"]}");
