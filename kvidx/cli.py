@@ -360,7 +360,8 @@ def cmd_serve(args) -> int:
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        # no access log: the service counts and logs lookups itself (kvidx_lookups_total, debug lines)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
         for f in feedback:
             f.stop()
