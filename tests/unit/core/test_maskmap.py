@@ -501,3 +501,31 @@ def test_the_native_walk_answers_as_a_read_only_mapping(native):
         got[4]
     assert dict(got) == want and got != {0: 3} and nat.walk([]) == {} and not nat.walk([99])
     assert nat.walk(hs) == got  # Depths == Depths
+
+
+EDGE_IDS = [0, 9, 10, 99999999, 100000000, 4294967295, 4294967296]
+
+
+@given(st.lists(st.one_of(st.integers(0, 2**32 + 5), st.integers(0, 999), st.sampled_from(EDGE_IDS)),
+                max_size=40),
+       st.sampled_from(["", " ", "\n", "\t ", "0", "-", ".5", "e1", "x", "00"]), st.integers(0, 3))
+@SETTINGS
+def test_parse_token_ids_is_strict_json(native, ids, junk, where):
+    """The compiled token parser (8 digits at a time) reads exactly what a JSON decoder reads into
+    uint32s, and refuses (None) everything else: out of range, leading zeros, signs, fractions."""
+    sep = [",", ", ", " ,", ",\n"][where]
+    text = "[" + sep.join(map(str, ids)) + "]"
+    if where == 3 and junk:
+        text = text[:-1] + (junk if ids else "") + "]"
+    import json
+    try:
+        want = json.loads(text)
+        ok = isinstance(want, list) and all(type(x) is int and 0 <= x < 2**32 for x in want)
+        ok = ok and not any(f"{sep}0" + d in text or "[0" + d in text for d in "0123456789")
+    except ValueError:
+        ok = False
+    got = native.parse_token_ids(text.encode())
+    if ok:
+        assert got is not None and np.frombuffer(got, dtype="<u4").tolist() == want, text
+    else:
+        assert got is None, text
