@@ -67,9 +67,13 @@ class ZmqSource:
         return Frame(parts[0], int.from_bytes(parts[1], "big", signed=True), parts[2], now,
                      self.endpoint, src)
 
-    def replay(self, start_seq: int, timeout_s: float = 2.0) -> list[Frame] | None:
+    def replay(self, start_seq: int, timeout_s: float = 2.0, max_s: float = 120.0) -> list[Frame] | None:
         """Ask the engine's replay endpoint for every buffered batch from `start_seq` on. None if
-        there is no replay endpoint or it does not answer in time."""
+        there is no replay endpoint, or it goes `timeout_s` without a frame, or the replay takes more
+        than `max_s` in all. The wait restarts with every frame: an engine sends its whole buffer
+        (vLLM 0.33: up to 2 * (buffer_steps + 1) frames queued at once), which can take longer than
+        any fixed deadline for the whole replay. A fresh socket each time: an abandoned replay's
+        tail (and its end marker) never reaches the next one."""
         if not self.replay_endpoint:
             return None
         sock = self.ctx.socket(zmq.DEALER)
@@ -78,9 +82,9 @@ class ZmqSource:
         try:
             sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)])
             out: list[Frame] = []
-            deadline = time.monotonic() + timeout_s
+            give_up = time.monotonic() + max_s
             while True:
-                left = deadline - time.monotonic()
+                left = min(timeout_s, give_up - time.monotonic())
                 if left <= 0 or not sock.poll(int(left * 1000)):
                     return None
                 parts = sock.recv_multipart()
