@@ -78,7 +78,8 @@ class QueryPipeline:
             raise Reject(422, f"prompt_tokens={req.prompt_tokens} differs from the {n} token_ids")
         packed = pack_tokens(ids)
         shard = self.shard(req.model)
-        return shard, prompt_hashes(packed, shard.block_size, req.lora_name, req.cache_salt), n
+        return shard, prompt_hashes(packed, shard.block_size, req.lora_name, req.cache_salt,
+                                    lookahead=shard.lookahead), n
 
     def _hashes_prompt(self, req: LookupRequest | RouteRequest) -> tuple[ModelShard, list[int], int]:
         n = req.prompt_tokens
@@ -91,10 +92,11 @@ class QueryPipeline:
         shard = self.shard(req.model)
         hashes = req.block_hashes
         check_hashes(hashes)
-        bs = shard.block_size
-        if len(hashes) > n // bs:
+        bs, la = shard.block_size, shard.lookahead
+        if len(hashes) > (n - la) // bs:
             raise Reject(422, f"block_hashes has {len(hashes)} hashes but prompt_tokens={n} holds "
-                              f"only {n // bs} full blocks of {bs} tokens")
+                              f"only {(n - la) // bs} full blocks of {bs} tokens"
+                              + (f" followed by the {la} lookahead tokens their hashes cover" if la else ""))
         return shard, hashes, n
 
     def binary_prompt(self, model: str, body: bytes, lora_name: str | None = None,
@@ -107,7 +109,8 @@ class QueryPipeline:
         if not body:
             raise Reject(422, "binary body is empty: a prompt has at least one token")
         shard = self.shard(model)
-        return shard, prompt_hashes(body, shard.block_size, lora_name, cache_salt), len(body) // 4
+        return shard, prompt_hashes(body, shard.block_size, lora_name, cache_salt,
+                                    lookahead=shard.lookahead), len(body) // 4
 
     def pricer(self, model: str) -> Pricer:
         pricer = self.pricers.get(model)

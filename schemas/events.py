@@ -97,6 +97,9 @@ class EventBatch(msgspec.Struct, array_like=True):
     # prompt tokens the engine always recomputes at the end (1; 2 for SGLang with EAGLE, which
     # matches on token pairs): it resumes from at most n - recompute_tokens of n tokens
     recompute_tokens: int = 1
+    # vLLM >= 0.33 lookahead block hashing (EAGLE, MTP): the L prompt tokens after a block that its
+    # hash covers; the index keys blocks with them, and a prompt of n tokens has (n - L) // B blocks
+    lookahead_tokens: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -88,14 +88,24 @@ def mm_start_extras(n_blocks: int, block_size: int, mm: Sequence[tuple[str, int]
 
 def prompt_hashes(token_ids: Sequence[int] | np.ndarray | bytes, block_size: int,
                   lora_name: str | None = None, cache_salt: str | None = None,
-                  mm: Sequence[tuple[str, int]] | None = None) -> list[int]:
+                  mm: Sequence[tuple[str, int]] | None = None, lookahead: int = 0) -> list[int]:
     """What a router (or the lookup service) computes for a prompt: the canonical hashes of its full
     blocks. The cache salt is an extra key of the first block only, as in vLLM; later blocks carry it
     through their parent. `mm`: multimodal items as (identifier, start position in the prompt), the
-    identifiers vLLM uses (its mm_hash / mm_feature.identifier); see `mm_start_extras`."""
+    identifiers vLLM uses (its mm_hash / mm_feature.identifier); see `mm_start_extras`. `lookahead`:
+    the model's engines hash a block with the L tokens after it (vLLM >= 0.33 with EAGLE or MTP): each
+    block's last extra key is ["la", *those tokens], and only the blocks with L tokens after them are
+    hashed ((n - L) // block_size of n), as the engine can reuse no others."""
     packed = token_ids if isinstance(token_ids, bytes | memoryview) else pack_tokens(token_ids)
     extras: list[object] | None = [[cache_salt]] if cache_salt else None
+    n = len(packed) // (4 * block_size)
     if mm:
-        n = len(packed) // (4 * block_size)
         extras = mm_start_extras(n, block_size, mm, extras)
+    if lookahead:
+        tokens = np.frombuffer(packed, dtype="<u4")
+        n = max(0, (len(tokens) - lookahead) // block_size)
+        extras = [[*((extras[i] or []) if extras and i < len(extras) else []),
+                   ["la", *tokens[(i + 1) * block_size:(i + 1) * block_size + lookahead].tolist()]]
+                  for i in range(n)]
+        packed = packed[:n * block_size * 4]
     return chain(packed, block_size, namespace_seed(lora_name), extras)

@@ -48,6 +48,7 @@ class ReplicaState(msgspec.Struct):
     unit: int = 0
     part: int = 0  # the last mirror-replay part applied after batch `seq` (see EventBatch.part)
     recompute: int = 1  # prompt tokens the engine always recomputes at the end (EventBatch)
+    lookahead: int = 0  # tokens after a block its engine's hash covers (EventBatch.lookahead_tokens)
 
 
 class GroupIndex:
@@ -95,6 +96,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.pool_readers: dict[str, frozenset[str]] = {}
         self._pool_cache: tuple[int, dict[int, int]] | None = None  # (pool slot mask, pool bits -> readers)
         self.pending = PendingCredits()
+        self.lookahead = 0  # see _lookahead_changed
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
 
     # ---- topology ---------------------------------------------------------------------------
@@ -128,6 +130,13 @@ class ModelShard(ShardWalk, ShardSnapshot):
     def _upper_bound_tiers(self, tiers: list[Tier]) -> bool:
         return bool(self.unreported_eviction_tiers) and any(
             t.tier in self.unreported_eviction_tiers for t in tiers)
+
+    def _lookahead_changed(self) -> None:
+        """`lookahead`: the L of the model's lookahead block hashing (vLLM >= 0.33 with EAGLE or MTP),
+        which prompts are hashed with (kvidx.core.hashing.prompt_hashes): the largest any replica
+        announced (the engines of one model share their speculative config; one that differs has
+        keys a prompt hashed this way does not reach: it is credited nothing rather than too much)."""
+        self.lookahead = max((st.lookahead for st in self.by_slot if st is not None), default=0)
 
     def engine_block_size(self, st: ReplicaState) -> int:
         """The block size the replica's engine resumes at; before its first event, the model's."""
@@ -177,6 +186,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
                 self._clear(st)
         st.epoch, st.seq, st.part = epoch, seq, batch.part
         st.recompute = batch.recompute_tokens
+        if batch.lookahead_tokens != st.lookahead:
+            st.lookahead = batch.lookahead_tokens
+            self._lookahead_changed()
         st.block_size = batch.block_size or st.block_size
         st.engine_ts, st.relay_ts, st.applied_ts = batch.engine_ts, batch.relay_ts, now
         st.batches += 1

@@ -182,6 +182,7 @@ class ShardSnapshot:
             self.by_slot[st.slot] = st
             self.replicas[(st.replica, st.dp_rank)] = st
         self._pool_cache = None
+        self._lookahead_changed()
 
     def _apply_part(self, raw: dict) -> None:
         self._set_state(raw)

@@ -154,7 +154,8 @@ class SequencedRelay:
             dp_rank=self.dp_rank or 0, epoch=self.epoch, seq=seq,
             engine_ts=engine_ts or frame.recv_ns / 1e9, relay_ts=frame.recv_ns / 1e9,
             block_size=self.mirror.block_size, events=events,
-            recompute_tokens=getattr(self.mirror, "recompute_tokens", 1))
+            recompute_tokens=getattr(self.mirror, "recompute_tokens", 1),
+            lookahead_tokens=getattr(self.mirror, "lookahead_tokens", 0))
 
     def resync(self, max_blocks: int = 4096) -> Iterator[EventBatch]:
         """Replay the mirror (when the index lost this replica's state): a ReplicaCleared, then the

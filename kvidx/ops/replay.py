@@ -394,7 +394,8 @@ def load_prompts(path: str | Path) -> list[dict]:
 def lookup_prompts(r: Replay, prompts: list[dict]) -> list[dict]:
     out = []
     for p in prompts:
-        hashes = prompt_hashes(p["token_ids"], r.shard.block_size, p["lora_name"], p["cache_salt"])
+        hashes = prompt_hashes(p["token_ids"], r.shard.block_size, p["lora_name"], p["cache_salt"],
+                               lookahead=r.shard.lookahead)
         out.append({"name": p["name"], "prompt_tokens": len(p["token_ids"]),
                     "replicas": r.shard.lookup(hashes, len(p["token_ids"]), r.at)})
     return out

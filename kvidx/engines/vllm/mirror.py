@@ -71,11 +71,13 @@ from schemas.events import BlocksRemoved, BlocksStored, Event
 class VllmMirror:
     def __init__(self, index_block_size: int, memo_limit: int = 1 << 21,
                  group_kinds: dict[int, tuple[str, int | None]] | None = None, cpu_chunk_blocks: int = 1,
-                 lmcache: LmcacheConfig | None = None):
+                 lmcache: LmcacheConfig | None = None, lookahead: bool = True):
         """`group_kinds`: KV-cache groups known from configuration (group -> (kind, window)), for
         engines whose events do not say (the events' own metadata wins when they carry it).
         `cpu_chunk_blocks`: engine blocks per offloaded chunk of vLLM's offloading connector (its
-        block_size / the GPU block size); `lmcache`: how LMCache's chunks are aged and placed."""
+        block_size / the GPU block size); `lmcache`: how LMCache's chunks are aged and placed;
+        `lookahead`: whether the engine's release may send lookahead tokens (vLLM >= 0.33; a release
+        pinned older refuses them rather than credit blocks the engine will not reuse)."""
         self.index_block_size = index_block_size
         self.memo_limit = memo_limit
         # engine hash -> (canonical hashes of its index sub-blocks, depth of the first one)
@@ -94,6 +96,8 @@ class VllmMirror:
         self.cpu_chunk_blocks = max(1, cpu_chunk_blocks)
         self.eparent: dict[EngineHash, EngineHash | None] = {}  # only with cpu_chunk_blocks > 1
         self.lmcache = LmcacheChunks(index_block_size, self.refs, lmcache)
+        self.accepts_lookahead = lookahead
+        self.lookahead_tokens = 0  # L of the engine's lookahead block hashing, once seen (EventBatch)
 
     @property
     def hybrid(self) -> bool:
@@ -218,6 +222,8 @@ class VllmMirror:
         # than the listed hashes, which are the last nb blocks.
         skip = n_token_blocks - nb
         extras = _index_block_extras(ev.extra_keys, ev.lora_name, skip, nb, k, ibs, ebs)
+        if ev.lookahead_token_ids is not None:
+            extras = self._lookahead_extras(ev, extras, n_token_blocks, nb, ibs, ebs)
         packed = pack_tokens(ev.token_ids[: n_token_blocks * ebs])
         canon = chain(packed, ibs, parent, extras)
         if self.lmcache.seen and not state and extras is None:
@@ -262,6 +268,31 @@ class VllmMirror:
         for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, parent, depth0, engine_new):
             out.append(BlocksStored(tier, group, hashes, run_parent, depth, engine, kind,
                                     ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
+
+    def _lookahead_extras(self, ev: BlockStored, extras: list | None, n_token_blocks: int, nb: int,
+                          ibs: int, ebs: int) -> list:
+        """vLLM >= 0.33's lookahead hashing: an engine block is reusable only where the prompt goes on
+        with the L tokens after it, so every index block is keyed with the L tokens after it (an
+        extra key ["la", *tokens], kvidx.core.hashing.prompt_hashes(lookahead=L) does the same)."""
+        la = ev.lookahead_token_ids
+        if not self.accepts_lookahead:
+            raise MirrorError("wrong_engine", "BlockStored carries lookahead_token_ids (vLLM >= 0.33 with "
+                                              "EAGLE/MTP): run the relay with --engine-version 0.33.0")
+        n_la = len(la[0]) if la else 0
+        if len(la) != nb or any(len(x) != n_la for x in la) or n_la == 0:
+            raise MirrorError("bad_lookahead", f"{len(la)} lookahead token lists of lengths "
+                                               f"{sorted({len(x) for x in la})} for {nb} blocks")
+        if self.lookahead_tokens and n_la != self.lookahead_tokens:
+            raise MirrorError("lookahead_changed", f"lookahead of {n_la} tokens after "
+                                                   f"{self.lookahead_tokens}: the engine restarted with "
+                                                   "another speculative config")
+        self.lookahead_tokens = n_la
+        tokens = [*ev.token_ids[: n_token_blocks * ebs], *la[-1]]  # then the L after the last block
+        out = list(extras) if extras is not None else [None] * (n_token_blocks * (ebs // ibs))
+        for i in range(len(out)):
+            end = (i + 1) * ibs
+            out[i] = [*(out[i] or []), ["la", *tokens[end:end + n_la]]]
+        return out
 
     def _placeholder(self, ev: BlockStored, out: list[Event]) -> None:
         """An offloading-connector store without tokens: its hash is the engine hash of the last GPU

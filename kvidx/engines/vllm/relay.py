@@ -17,10 +17,10 @@ class VllmPublisherRelay(SequencedRelay):
         """`engine_version`: the engine's vLLM release, checked against the pinned ones at start-up
         (kvidx.engines.vllm.wire.check_engine_version raises UnsupportedEngineVersion); `mirror_options`
         go to VllmMirror (cpu_chunk_blocks, lmcache)."""
-        if engine_version is not None:
-            check_engine_version(engine_version)
+        spec = check_engine_version(engine_version) if engine_version is not None else None
         self.engine_version = engine_version
-        self.mirror = VllmMirror(index_block_size, group_kinds=group_kinds, **mirror_options)
+        self.mirror = VllmMirror(index_block_size, group_kinds=group_kinds,
+                                 lookahead=spec is None or spec.lookahead, **mirror_options)
         super().__init__(model, replica, index_block_size, dp_rank, epoch)
 
     def decode(self, payload: bytes):

