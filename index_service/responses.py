@@ -53,6 +53,9 @@ class ModelFreshness(msgspec.Struct):
 class ModelInfo(msgspec.Struct):
     model: str
     block_size: int
+    # tokens after a block that its hash covers (vLLM 0.33 lookahead hashing; 0: none): routers that
+    # send block_hashes hash with prompt_hashes(..., lookahead=lookahead_tokens)
+    lookahead_tokens: int
     replicas: int
     groups: dict[str, dict[str, Any]]  # per group id: kind, blocks, entries
     blocks_applied: int

@@ -50,7 +50,8 @@ def add_status_routes(app: FastAPI, ctx: ServiceContext, auth: tuple[int, ...]) 
         out = []
         with store.lock:  # stats iterate the shards' dicts: not while a batch is folded
             for model, shard in sorted(store.shards.items()):
-                out.append({"model": model, "block_size": shard.block_size, **shard.stats(),
+                out.append({"model": model, "block_size": shard.block_size,
+                            "lookahead_tokens": shard.lookahead, **shard.stats(),
                             "freshness": freshness(shard, now)})
         return json_response({"models": out})
 
