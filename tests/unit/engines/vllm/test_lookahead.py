@@ -42,32 +42,33 @@ def store_events(prompt: list[int], la: int) -> list[BlockStored]:
                         if la else None)]
 
 
-def shard_for(prompt: list[int], la: int) -> ModelShard:
-    mirror = VllmMirror(B)
+def shard_for(prompt: list[int], la: int, ibs: int = B) -> ModelShard:
+    mirror = VllmMirror(ibs)
     events = mirror.apply(store_events(prompt, la))
-    shard = ModelShard("m", B)
+    shard = ModelShard("m", ibs)
     shard.apply(EventBatch(SCHEMA_VERSION, "m", "r0", 0, 1, 0, 1.0, 1.0, B, events,
                            lookahead_tokens=mirror.lookahead_tokens), 1.0)
     return shard
 
 
+@pytest.mark.parametrize("ibs", [B, 4], ids=["index16", "index4"])
 @pytest.mark.parametrize("la", [1, 3])
-def test_divergence_at_every_position_near_block_boundaries_is_credited_exactly(la):
+def test_divergence_at_every_position_near_block_boundaries_is_credited_exactly(la, ibs):
     r = random.Random(la)
     cached = [r.randrange(1000) for _ in range(5 * B + 7)]
-    shard = shard_for(cached, la)
+    shard = shard_for(cached, la, ibs)
     assert shard.lookahead == la
     checked = 0
     for cut in range(1, len(cached) + 1):  # the prompt shares `cut` tokens, then differs
         prompt = cached[:cut] + [1000 + (cached[cut] if cut < len(cached) else 0)] * 9
         for p in (prompt, cached[:cut]):
-            hashes = prompt_hashes(p, B, lookahead=shard.lookahead)
+            hashes = prompt_hashes(p, ibs, lookahead=shard.lookahead)
             assert shard.credited(hashes, len(p)) == engine_hit(cached, p, la), (cut, len(p))
             checked += 1
     assert checked > 150
     # without the lookahead in the keys, a prompt diverging right after a boundary would be credited
     p = cached[:2 * B] + [999_999 % 1000 + 1]
-    assert engine_hit(cached, p, la) == B and shard.credited(prompt_hashes(p, B, lookahead=la), len(p)) == B
+    assert engine_hit(cached, p, la) == B and shard.credited(prompt_hashes(p, ibs, lookahead=la), len(p)) == B
 
 
 def test_no_lookahead_is_the_plain_hashing():
