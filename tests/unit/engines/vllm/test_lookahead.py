@@ -92,3 +92,10 @@ def test_a_relay_pinned_before_033_refuses_lookahead_and_033_is_accepted():
     with pytest.raises(MirrorError) as e:  # the same engine cannot change L without a restart
         new.mirror.apply([BlockStored([7], None, prompt[:B], B, lookahead_token_ids=[prompt[B:B + 2]])])
     assert e.value.reason == "lookahead_changed"
+
+
+def test_the_models_lookahead_survives_snapshots():
+    shard = shard_for(list(range(3 * B + 2)), 3)
+    assert ModelShard.restore(shard.snapshot()).lookahead == 3
+    shard.track_changes()
+    assert ModelShard.from_parts([shard.snapshot_segments(0, 4096), shard.snapshot_delta()]).lookahead == 3
