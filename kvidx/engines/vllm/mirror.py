@@ -15,6 +15,9 @@ It turns the engine's events into canonical index events by vLLM's rules (vllm/v
   every group of the request in one batch with the same hash list, token_ids exactly covering it,
   and the hit it reports is cached: the full-attention groups hold every listed hash and each other
   group holds the last one (see `_reannounced`). Anything else re-storing a live hash is a copy;
+- stores that skip blocks (sliding window, mamba) list hashes that are not always the range's last
+  blocks (vLLM's reachable_block_mask keeps the window before the replay boundary): each goes to the
+  block the same batch's dense (full-attention) store, or an earlier store, put that engine hash at;
 - state-space ("mamba") groups: vLLM announces a state checkpoint as one hash at the last block of
   the chunk's token range (token_ids cover the whole chunk, parent null): it is placed at that block,
   chained from the root over all tokens, and kept under its last index block only (a checkpoint is
@@ -92,7 +95,7 @@ class VllmMirror:
         self.stats = {"stored": 0, "removed": 0, "restored_live": 0, "extra_copies": 0,
                       "remove_unknown": 0, "orphan_blocks": 0, "cleared": 0, "hashless_stored": 0,
                       "reannounced": 0, "partial_blocks": 0, "partial_unaligned": 0,
-                      "placeholder_stored": 0, "placeholder_unknown": 0}
+                      "placeholder_stored": 0, "placeholder_unknown": 0, "placed_inner": 0}
         self.cpu_chunk_blocks = max(1, cpu_chunk_blocks)
         self.eparent: dict[EngineHash, EngineHash | None] = {}  # only with cpu_chunk_blocks > 1
         self.lmcache = LmcacheChunks(index_block_size, self.refs, lmcache)
@@ -109,6 +112,7 @@ class VllmMirror:
         out: list[Event] = []
         events = _merge_removals(events)
         reannounced = self._reannounced(events)
+        dense = _dense_positions(events)
         for i, ev in enumerate(events):
             if isinstance(ev, BlockStored):
                 if is_lmcache_store(ev):
@@ -122,7 +126,7 @@ class VllmMirror:
                     self.stats["reannounced"] += 1
                     self.stats["restored_live"] += len(ev.block_hashes)
                     continue
-                self._stored(ev, out)
+                self._stored(ev, out, dense)
             elif isinstance(ev, BlockRemoved):
                 self._removed(ev, out)
             else:
@@ -172,7 +176,10 @@ class VllmMirror:
                 out.update(idx)
         return out or None
 
-    def _stored(self, ev: BlockStored, out: list[Event]) -> None:
+    def _stored(self, ev: BlockStored, out: list[Event],
+                dense: dict[EngineHash, tuple[EngineHash | None, int, int]] | None = None) -> None:
+        """`dense`: where the batch's stores that list every block of their token range put each
+        engine hash (see `_positions`)."""
         nb = len(ev.block_hashes)
         if nb == 0:
             # vLLM's mamba groups announce chunks whose state blocks were all skipped (blocks filled
@@ -218,10 +225,13 @@ class VllmMirror:
                 return
             parent, depth0 = known[0][-1], known[1] + len(known[0])
 
-        # Sliding-window groups may skip blocks that left the window: token_ids then start earlier
-        # than the listed hashes, which are the last nb blocks.
+        # Sliding-window and mamba groups skip blocks (null ones outside the window, and the ones
+        # vLLM's reachable_block_mask leaves out): token_ids then cover more blocks than are listed.
         skip = n_token_blocks - nb
-        extras = _index_block_extras(ev.extra_keys, ev.lora_name, skip, nb, k, ibs, ebs)
+        pos = (list(range(nb)) if not skip
+               else self._positions(ev.block_hashes, ev.parent_block_hash, ebs, n_token_blocks, depth0, k,
+                                 dense))
+        extras = _index_block_extras(ev.extra_keys, ev.lora_name, pos, n_token_blocks, k, ibs, ebs)
         if ev.lookahead_token_ids is not None:
             extras = self._lookahead_extras(ev, extras, n_token_blocks, nb, ibs, ebs)
         packed = pack_tokens(ev.token_ids[: n_token_blocks * ebs])
@@ -246,7 +256,7 @@ class VllmMirror:
         new_pos: list[int] = []  # positions in `canon` of index blocks that became cached here
         engine_new: list[int] = []
         for j, eh in enumerate(ev.block_hashes):
-            first = (skip + j) * k
+            first = pos[j] * k
             sub = tuple(canon[first:first + k])
             self._remember(eh, sub, depth0 + first)
             if state:  # a state checkpoint is a point: the state after the block's last token
@@ -268,6 +278,37 @@ class VllmMirror:
         for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, parent, depth0, engine_new):
             out.append(BlocksStored(tier, group, hashes, run_parent, depth, engine, kind,
                                     ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
+
+    def _positions(self, hashes: list[EngineHash], parent: EngineHash | None, ebs: int, n_token_blocks: int,
+                   depth0: int, k: int, dense: dict[EngineHash, tuple[EngineHash | None, int, int]] | None
+                   ) -> list[int]:
+        """The engine blocks (0 = the first of the token range) that a store skipping blocks lists.
+        They are not always the last ones: with vLLM 0.32's default prefix_cache_retention_interval 0,
+        a sliding-window group caches only the ceil((w-1)/B) blocks before the prompt's replay
+        boundary (SlidingWindowManager.reachable_block_mask), e.g. block 6 of the blocks 6-7 of a
+        256-token prompt. Engine hashes are content hashes, so a hash's block is the one another
+        group's dense store of this batch (vLLM lists every group of a step, full attention dense)
+        or an earlier store put it at; when that is not known for every hash, the last blocks (the
+        blocks that left the window lead)."""
+        out: list[int] = []
+        memo = self.memo
+        for eh in hashes:
+            got = dense.get(eh) if dense else None
+            if got is not None and got[:2] == (parent, ebs):
+                p = got[2]
+            else:
+                known = memo.get(eh)
+                if known is None or (known[1] - depth0) % k:
+                    break
+                p = (known[1] - depth0) // k
+            if not 0 <= p < n_token_blocks or (out and p <= out[-1]):
+                break
+            out.append(p)
+        else:
+            if out != list(range(n_token_blocks - len(hashes), n_token_blocks)):
+                self.stats["placed_inner"] += 1
+            return out
+        return list(range(n_token_blocks - len(hashes), n_token_blocks))
 
     def _lookahead_extras(self, ev: BlockStored, extras: list | None, n_token_blocks: int, nb: int,
                           ibs: int, ebs: int) -> list:
@@ -375,7 +416,7 @@ class VllmMirror:
         return len(self.live)
 
 
-def _index_block_extras(extra_keys: list | None, lora_name: str | None, skip: int, nb: int,
+def _index_block_extras(extra_keys: list | None, lora_name: str | None, blocks: list[int], n_blocks: int,
                         k: int, ibs: int = 0, ebs: int = 0) -> list[object] | None:
     """Per index block extra keys, by the canonical rule (kvidx.core.hashing.mm_start_extras): an
     engine block's plain keys (minus the LoRA name, which namespaces the whole chain: the cache salt,
@@ -384,12 +425,12 @@ def _index_block_extras(extra_keys: list | None, lora_name: str | None, skip: in
     the item's start (a negative offset continues an item that started in an earlier block)."""
     if not extra_keys:
         return None
-    out: list[object] = [None] * ((skip + nb) * k)
+    out: list[object] = [None] * (n_blocks * k)
     any_key = False
-    for j, keys in enumerate(extra_keys[:nb]):
+    for j, keys in enumerate(extra_keys[:len(blocks)]):  # one per listed block (`blocks`: its engine block)
         if not keys:
             continue
-        base = (skip + j) * k
+        base = blocks[j] * k
         plain: list[object] = []
         mm: list[tuple[int, list]] = []
         lora_left = bool(lora_name)
@@ -412,6 +453,21 @@ def _index_block_extras(extra_keys: list | None, lora_name: str | None, skip: in
             out[pos] = [*(cur or []), key]
             any_key = True
     return out if any_key else None
+
+
+def _dense_positions(events: list) -> dict[EngineHash, tuple[EngineHash | None, int, int]] | None:
+    """engine hash -> (parent, block size, engine block in the token range) from the batch's stores
+    that list every block of their range (full attention); None unless some store skips blocks (its
+    hashes are placed by them: VllmMirror._positions)."""
+    stores = [ev for ev in events if isinstance(ev, BlockStored) and ev.block_size > 0 and ev.block_hashes]
+    if not any(len(ev.token_ids) // ev.block_size > len(ev.block_hashes) for ev in stores):
+        return None
+    out: dict[EngineHash, tuple[EngineHash | None, int, int]] = {}
+    for ev in stores:
+        if len(ev.token_ids) // ev.block_size == len(ev.block_hashes):
+            for j, eh in enumerate(ev.block_hashes):
+                out.setdefault(eh, (ev.parent_block_hash, ev.block_size, j))
+    return out
 
 
 def _merge_removals(events: Iterable) -> list:

@@ -50,6 +50,9 @@ def test_resume_point_matches_reference_on_random_cases():
 def test_gemma2_recording_agrees():
     agreement, _ = run_shadow(GEMMA / "frames.jsonl", GEMMA / "requests.jsonl")
     s = agreement.summary()
-    # the recording ran 4 requests at a time: the two misses are races of events and requests
+    # the recording ran 4 requests at a time: the one miss is a race (request 3 reuses request 1's
+    # blocks, cached by the engine before the index hears of them); request 22 (301 tokens) resumes at
+    # 224, where the window group holds the block before the 256-token prompt's replay boundary
     assert s["requests"] == 61 and s["reused_tokens"] == 6304
-    assert s["recall"] >= 0.985 and s["over_credit"] <= 0.01, s
+    assert s["recall"] >= 0.985 and s["over_credit"] == 0.0 and s["exact_requests"] == 60, s
+    assert [m["i"] for m in agreement.mismatches] == [3]

@@ -200,6 +200,25 @@ def test_sliding_window_skip_with_engine_block_32_index_16():
     assert e.hashes == H16[4:6] and e.depth == 4
 
 
+def test_sliding_window_block_before_the_replay_boundary_is_placed_by_its_hash():
+    # vLLM 0.32 (prefix_cache_retention_interval 0) caches in a sliding-window group only the block
+    # before the replay boundary (n - 1 rounded down): for a 128-token prompt, block 2 of 0-3 (engine
+    # hash 3), not the last one; the full-attention store of the same step lists every block
+    m = VllmMirror(16)
+    swa = dict(group_idx=0, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=32)
+    fa = dict(group_idx=1, kv_cache_spec_kind="full_attention")
+    out = m.apply([S([3], None, T[:128], bs=32, **swa), S([1, 2, 3, 4], None, T[:128], bs=32, **fa)])
+    (e,) = [e for e in out if e.group == 0]
+    assert e.hashes == H16[4:6] and e.depth == 4 and m.stats["placed_inner"] == 1
+    assert removed(m.apply([R([3], group_idx=0)])) == H16[4:6]
+    # later stores find the block through the memo (engine hashes are content hashes)
+    (e,) = m.apply([S([3], None, T[:128], bs=32, **swa)])
+    assert e.hashes == H16[4:6]
+    # unknown hashes: the last blocks, as before (the blocks that left the window lead)
+    (e,) = m.apply([S([9], None, T[:64], bs=32, **swa)])
+    assert e.hashes == H16[2:4] and m.stats["placed_inner"] == 2
+
+
 def test_engine_block_32_index_16():
     m = VllmMirror(16)
     (e,) = m.apply([S([1, 2], None, T[:64], bs=32)])
