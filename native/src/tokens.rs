@@ -33,6 +33,13 @@ fn digits8(raw: &[u8], i: usize) -> Option<(u64, usize)> {
 
 #[pyfunction]
 pub fn parse_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<Bound<'py, PyBytes>> {
+    // a large body (a long prompt: ~7 bytes a token) is parsed without the GIL, so a service that
+    // parses it off its event loop serves other lookups meanwhile
+    let out = if raw.len() >= 1 << 16 { py.detach(|| parse(raw)) } else { parse(raw) };
+    out.map(|v| PyBytes::new(py, &v))
+}
+
+fn parse(raw: &[u8]) -> Option<Vec<u8>> {
     let ws = |b: u8| b == b' ' || b == b'\n' || b == b'\r' || b == b'\t';
     let mut i = 0;
     let n = raw.len();
@@ -98,5 +105,5 @@ pub fn parse_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<Bound<'py, Py
     if i != n {
         return None;
     }
-    Some(PyBytes::new(py, &out))
+    Some(out)
 }
