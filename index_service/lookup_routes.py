@@ -4,7 +4,6 @@ encode its answer (ServiceContext.respond)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import FastAPI, Request
@@ -17,7 +16,6 @@ from index_service.responses import errors, ok
 from index_service.wire import LOOKUP_SCHEMA, Reject, read_lookup
 
 _BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt", "top_k"})
-BIG_BODY = 256 * 1024
 
 
 def lookup_responses(auth: tuple[int, ...]) -> dict:
@@ -30,10 +28,7 @@ async def json_lookup(ctx: ServiceContext, request: Request, form: str, rank: bo
     t0 = time.perf_counter()
     model = None
     try:
-        body = await ctx.read_body(request, ctx.max_json_bytes, "JSON body")
-        # a long prompt's token ids (~1 ms a 1 MB body) are parsed off the event loop (the compiled
-        # parser lets go of the GIL), so the lookups behind it are not held up
-        req = read_lookup(body) if len(body) < BIG_BODY else await asyncio.to_thread(read_lookup, body)
+        req = read_lookup(await ctx.read_body(request, ctx.max_json_bytes, "JSON body"))
         model = req.model
         shard, hashes, n = ctx.pipeline.prompt(req)
         answer = ctx.pipeline.answer_json(shard, hashes, n, rank, req.top_k, ctx.app.state.feedback)

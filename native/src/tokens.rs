@@ -33,13 +33,6 @@ fn digits8(raw: &[u8], i: usize) -> Option<(u64, usize)> {
 
 #[pyfunction]
 pub fn parse_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<Bound<'py, PyBytes>> {
-    // a large body (a long prompt: ~7 bytes a token) is parsed without the GIL, so a service that
-    // parses it off its event loop serves other lookups meanwhile
-    let out = if raw.len() >= 1 << 16 { py.detach(|| parse(raw)) } else { parse(raw) };
-    out.map(|v| PyBytes::new(py, &v))
-}
-
-fn parse(raw: &[u8]) -> Option<Vec<u8>> {
     let ws = |b: u8| b == b' ' || b == b'\n' || b == b'\r' || b == b'\t';
     let mut i = 0;
     let n = raw.len();
@@ -105,5 +98,5 @@ fn parse(raw: &[u8]) -> Option<Vec<u8>> {
     if i != n {
         return None;
     }
-    Some(out)
+    Some(PyBytes::new(py, &out))
 }
