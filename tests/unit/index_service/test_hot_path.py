@@ -36,3 +36,17 @@ def test_one_piece_chunked_and_too_large_bodies():
         packed = b"".join(t.to_bytes(4, "little") for t in range(1000, 1000 + 10 * 16))
         r = client.post(f"/v1/lookup/binary?model={MODEL}", content=chunks(packed, 100))
         assert r.status_code == 200 and credit(r.json()) == credit(whole.json())
+
+
+def test_a_long_prompt_answers_as_its_binary_form():
+    app = create_app(seeded_store(), max_tokens=131072)
+    tokens = list(range(1000, 1000 + 10 * 16)) + [777] * 90000  # a 630 KB JSON body
+    body = msgspec.json.encode({"model": MODEL, "token_ids": tokens})
+    packed = b"".join(t.to_bytes(4, "little") for t in tokens)
+    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        long = client.post("/v1/lookup", content=body, headers={"content-type": "application/json"})
+        assert long.status_code == 200 and long.json()["prompt_tokens"] == len(tokens)
+        binary = client.post(f"/v1/lookup/binary?model={MODEL}", content=packed)
+        assert credit(long.json()) == credit(binary.json()) and any(c for _, c, _ in credit(long.json()))
+        bad = client.post("/v1/lookup", content=body[:-2] + b",-1]}", headers={"content-type": "json"})
+        assert bad.status_code == 422 and "token_ids" in bad.json()["error"]
