@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import struct
 import sys
 import time
 import tracemalloc
@@ -118,35 +117,14 @@ def measure(impl, label: str, args, keys, stores, removes, packed: bytes, chain_
 
 
 def load_events(path: str) -> tuple[list[tuple], int]:
-    """The records of bench/peers' event file (kvidxbench/bench_kvidx.py `load`): (0, query hashes),
-    (1, worker, stored hashes), (2, worker, removed hashes); and the number of workers."""
-    data = Path(path).read_bytes()
-    assert data[:8] == b"KVEVTS01", path
-    nw, _bt, n = struct.unpack_from("<IIQ", data, 8)
-    p = 24
-    u64 = np.dtype("<u8")
-    recs: list[tuple] = []
-    for _ in range(n):
-        t = data[p]
-        p += 1
-        if t == 0:
-            (k,) = struct.unpack_from("<I", data, p)
-            p += 4
-            recs.append((0, np.frombuffer(data, u64, k, p).tolist()))
-            p += 24 * k  # sequence hashes, Dynamo local hashes, hash ids
-        elif t == 1:
-            w, _hp, _par, k = struct.unpack_from("<IBQI", data, p)
-            p += 17
-            recs.append((1, w, np.frombuffer(data, u64, k, p).tolist()))
-            p += 16 * k
-        elif t == 2:
-            w, k = struct.unpack_from("<II", data, p)
-            p += 8
-            recs.append((2, w, np.frombuffer(data, u64, k, p).tolist()))
-            p += 8 * k
-        else:
-            raise ValueError(t)
-    return recs, nw
+    """The records of bench/peers' event file, as its kvidx driver reads them (kvidxbench/bench_kvidx.py
+    `load`): (0, query hashes), (1, worker, stored hashes), (2, worker, removed hashes); and the
+    number of workers."""
+    sys.path.insert(0, str(Path(__file__).parent / "peers" / "kvidxbench"))
+    from bench_kvidx import load
+
+    nw, _bt, recs = load(path)
+    return [(0, r[1]) if r[0] == 0 else (1, r[1], r[3]) if r[0] == 1 else r for r in recs], nw
 
 
 def replay(impl, label: str, recs: list[tuple], reps: int) -> None:

@@ -53,19 +53,21 @@ fn get_i64(d: Option<&Bound<'_, PyAny>>, slot: i64) -> PyResult<i64> {
     }
 }
 
-/// An int attribute, read through the C API (a replica's dozen fields, 64 replicas a lookup: pyo3's
-/// getattr + extract per field was a third of the answer's time).
+/// An attribute converted by the C API's `conv` (which returns `failed` with an exception set on
+/// error): a replica's dozen fields, 64 replicas a lookup, where pyo3's getattr + extract per field
+/// was a third of the answer's time.
 #[inline]
-fn attr_i64(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
+fn attr<T: Copy + PartialEq>(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>,
+                             conv: unsafe extern "C" fn(*mut ffi::PyObject) -> T, failed: T) -> PyResult<T> {
     // SAFETY: the GIL is held (ob is bound); v is a new reference, released before returning
     unsafe {
         let v = ffi::PyObject_GetAttr(ob.as_ptr(), name.as_ptr());
         if v.is_null() {
             return Err(PyErr::fetch(ob.py()));
         }
-        let x = ffi::PyLong_AsLongLong(v);
+        let x = conv(v);
         ffi::Py_DECREF(v);
-        if x == -1 && !ffi::PyErr_Occurred().is_null() {
+        if x == failed && !ffi::PyErr_Occurred().is_null() {
             return Err(PyErr::fetch(ob.py()));
         }
         Ok(x)
@@ -73,20 +75,13 @@ fn attr_i64(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> 
 }
 
 #[inline]
+fn attr_i64(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
+    attr(ob, name, ffi::PyLong_AsLongLong, -1)
+}
+
+#[inline]
 fn attr_f64(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<f64> {
-    // SAFETY: as attr_i64
-    unsafe {
-        let v = ffi::PyObject_GetAttr(ob.as_ptr(), name.as_ptr());
-        if v.is_null() {
-            return Err(PyErr::fetch(ob.py()));
-        }
-        let x = ffi::PyFloat_AsDouble(v);
-        ffi::Py_DECREF(v);
-        if x == -1.0 && !ffi::PyErr_Occurred().is_null() {
-            return Err(PyErr::fetch(ob.py()));
-        }
-        Ok(x)
-    }
+    attr(ob, name, ffi::PyFloat_AsDouble, -1.0)
 }
 
 /// Python's float(int(x * 1e6)) / 1e3: milliseconds, truncated to the microsecond.
