@@ -59,6 +59,9 @@ class ModelInfo(msgspec.Struct):
     replicas: int
     groups: dict[str, dict[str, Any]]  # per group id: kind, blocks, entries
     blocks_applied: int
+    # live partial-block keys (engines that resume inside blocks: SGLang small pages, TensorRT-LLM
+    # partial reuse); lookups by token ids credit them to the token, by block hashes they cannot
+    tail_keys: int
     freshness: ModelFreshness
 
 

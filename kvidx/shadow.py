@@ -134,7 +134,8 @@ def shadow_batches(batches, requests: list[dict], shard: ModelShard, pending_ttl
     bs = shard.block_size
     for r in replay_requests(batches, requests, lambda t_ns, b: shard.apply(b, t_ns / 1e9)):
         tokens = r["prompt_token_ids"]
-        hashes = prompt_hashes(tokens, bs, r.get("lora"), r.get("cache_salt"), lookahead=shard.lookahead)
+        hashes = prompt_hashes(tokens, bs, r.get("lora"), r.get("cache_salt"), lookahead=shard.lookahead,
+                               tails=True)
         to = replica if replica is not None else r.get("replica")
         credited = shard.credited(hashes, len(tokens), to, r.get("dp_rank"), now=r["t_send"])
         if pending_ttl > 0 and r.get("replica", "") is not None:  # an explicit null: not routed

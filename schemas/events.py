@@ -62,6 +62,10 @@ class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     # the engine block size of these blocks when it differs from the batch's (vLLM's partial blocks
     # under --prefix-match-unit: a finer unit the engine may resume at); 0 = the batch's block size
     block_size: int = 0
+    # True: `hashes` are partial-block keys (kvidx.core.hashing.tail_key: a block's first tokens hashed
+    # from its parent) of an engine that resumes inside blocks; parent and depth are unused. Readers
+    # before this field store them as blocks no prompt hash reaches (only their counts are off)
+    tail: bool = False
 
 
 class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
@@ -70,6 +74,7 @@ class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
     group: int
     hashes: list[BlockHash]
     engine_hashes: list[int] = []
+    tail: bool = False  # partial-block keys (BlocksStored.tail)
 
 
 class ReplicaCleared(msgspec.Struct, tag="cleared", array_like=True):

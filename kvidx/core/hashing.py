@@ -65,6 +65,35 @@ def chain(packed: bytes | memoryview, block_size: int, parent: int,
     return out
 
 
+def tail_key(seed: int, packed: bytes | memoryview) -> int:
+    """The key of a partial block: its first tokens (fewer than the index block size), hashed like a
+    block from `seed` (its parent's canonical hash, the namespace seed at the root, with a first
+    block's extra keys mixed in). A full block's hash is the same function over all its tokens, so
+    a partial key differs from every block hash by its length."""
+    return _xxh(packed, seed=seed)
+
+
+class PromptHashes(list):
+    """A prompt's canonical block hashes (a list) that can also key the prompt's partial block at any
+    depth: what a lookup needs to credit an engine that resumes inside blocks (partial tails,
+    BlocksStored.tail). Made by `prompt_hashes(..., tails=True)`; a router's own block hashes are a
+    plain list and credit whole blocks only."""
+
+    __slots__ = ("packed", "block_size", "seeds0")
+
+    def tail_keys(self, depth: int, unit: int = 1) -> list[int]:
+        """Keys of the prompt's first 1, 2 ... tokens after its `depth` full blocks (fewer than a
+        block: at most the prompt's end): key l-1 covers l tokens."""
+        bs = self.block_size
+        start = depth * bs * 4
+        end = min(len(self.packed), start + (bs - 1) * 4)
+        if end <= start or depth > len(self):
+            return []
+        seed = self[depth - 1] if depth else self.seeds0
+        mv = memoryview(self.packed)
+        return [_xxh(mv[start:start + 4 * k], seed=seed) for k in range(1, (end - start) // 4 + 1)]
+
+
 def mm_start_extras(n_blocks: int, block_size: int, mm: Sequence[tuple[str, int]] | None,
                     extras: list[object] | None = None) -> list[object] | None:
     """Add multimodal items to per-block extra keys by the canonical rule: an item `(identifier,
@@ -88,15 +117,23 @@ def mm_start_extras(n_blocks: int, block_size: int, mm: Sequence[tuple[str, int]
 
 def prompt_hashes(token_ids: Sequence[int] | np.ndarray | bytes, block_size: int,
                   lora_name: str | None = None, cache_salt: str | None = None,
-                  mm: Sequence[tuple[str, int]] | None = None, lookahead: int = 0) -> list[int]:
+                  mm: Sequence[tuple[str, int]] | None = None, lookahead: int = 0,
+                  tails: bool = False) -> list[int]:
     """What a router (or the lookup service) computes for a prompt: the canonical hashes of its full
     blocks. The cache salt is an extra key of the first block only, as in vLLM; later blocks carry it
     through their parent. `mm`: multimodal items as (identifier, start position in the prompt), the
     identifiers vLLM uses (its mm_hash / mm_feature.identifier); see `mm_start_extras`. `lookahead`:
     the model's engines hash a block with the L tokens after it (vLLM >= 0.33 with EAGLE or MTP): each
     block's last extra key is ["la", *those tokens], and only the blocks with L tokens after them are
-    hashed ((n - L) // block_size of n), as the engine can reuse no others."""
+    hashed ((n - L) // block_size of n), as the engine can reuse no others. `tails`: a PromptHashes,
+    which keys partial blocks too (not with `mm` or `lookahead`, whose engines resume at blocks)."""
     packed = token_ids if isinstance(token_ids, bytes | memoryview) else pack_tokens(token_ids)
+    if tails and not mm and not lookahead:
+        out = PromptHashes(chain(packed, block_size, namespace_seed(lora_name),
+                                 [[cache_salt]] if cache_salt else None))
+        out.packed, out.block_size = bytes(packed), block_size
+        out.seeds0 = extra_seed(namespace_seed(lora_name), [cache_salt] if cache_salt else None)
+        return out
     extras: list[object] | None = [[cache_salt]] if cache_salt else None
     n = len(packed) // (4 * block_size)
     if mm:

@@ -49,6 +49,7 @@ class ReplicaState(msgspec.Struct):
     part: int = 0  # the last mirror-replay part applied after batch `seq` (see EventBatch.part)
     recompute: int = 1  # prompt tokens the engine always recomputes at the end (EventBatch)
     lookahead: int = 0  # tokens after a block its engine's hash covers (EventBatch.lookahead_tokens)
+    tails: int = 0  # live partial-block keys (BlocksStored.tail): the engine resumes inside blocks
 
 
 class GroupIndex:
@@ -97,6 +98,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self._pool_cache: tuple[int, dict[int, int]] | None = None  # (pool slot mask, pool bits -> readers)
         self.pending = PendingCredits()
         self.lookahead = 0  # see _lookahead_changed
+        self.tail_keys = 0  # live partial-block keys of all replicas: lookups key the partial block
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
 
     # ---- topology ---------------------------------------------------------------------------
@@ -211,6 +213,11 @@ class ModelShard(ShardWalk, ShardSnapshot):
             self.journal.touch(gid, tid, hashes)
         if g.any is not d:
             g.any.store(hashes, st.slot)
+        if ev.tail:  # partial-block keys: in the same maps (no block hash reaches them), counted apart
+            st.tails += new
+            self.tail_keys += new
+            self.blocks_applied += len(hashes)
+            return
         if self.pending.masks and g.kind in FULL_KINDS:
             self.pending.confirm(st.slot, hashes)
         if new:
@@ -235,7 +242,10 @@ class ModelShard(ShardWalk, ShardSnapshot):
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
         else:  # retract from the union only where no other tier still holds the block there
             gone = d.remove(ev.hashes, st.slot, [m for t, m in g.tiers.items() if t != tid], g.any)
-        if gone:
+        if ev.tail:
+            st.tails -= gone
+            self.tail_keys -= gone
+        elif gone:
             st.blocks -= gone
             st.group_blocks[ev.group] = st.group_blocks.get(ev.group, 0) - gone
         self.blocks_applied += len(ev.hashes)
@@ -250,6 +260,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
                 g.any.clear_slot(st.slot)
         st.blocks = 0
         st.group_blocks = {}
+        self.tail_keys -= st.tails
+        st.tails = 0
 
     def stats(self) -> dict:
         return {
@@ -258,4 +270,5 @@ class ModelShard(ShardWalk, ShardSnapshot):
                              "entries": sum(len(d) for d in g.tiers.values())}
                        for gid, g in self.groups.items()},
             "blocks_applied": self.blocks_applied,
+            "tail_keys": self.tail_keys,
         }

@@ -183,6 +183,7 @@ class ShardSnapshot:
             self.replicas[(st.replica, st.dp_rank)] = st
         self._pool_cache = None
         self._lookahead_changed()
+        self.tail_keys = sum(st.tails for st in self.by_slot if st is not None)
 
     def _apply_part(self, raw: dict) -> None:
         self._set_state(raw)

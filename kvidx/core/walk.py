@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvidx.core.answers import Freshness, Group, ReplicaAnswer, Tier
+from kvidx.core.hashing import PromptHashes
 from kvidx.core.maskmap import lookup_json as native_lookup_json
 from kvidx.core.maskmap import walk_masks
 from schemas.events import TIERS
@@ -72,6 +73,42 @@ class ShardWalk:
             cached = self._lookup_cache = (fa[0] if fa else next(iter(self.groups.values()), None),)
         return cached[0]
 
+    def tail_hits(self, hashes: list[int], hits: dict[int, int]) -> dict[int, int]:
+        """slot -> tokens of the prompt's partial block, after the slot's `hits` full blocks, that the
+        slot's engine holds (its partial-block keys, BlocksStored.tail: engines that resume inside
+        blocks). The longest keyed prefix: the relays key every prefix a prompt can leave the engine's
+        cache at, except along the one path to a single full block (kvidx.engines.common.PartialTails),
+        so where a key is missing the answer is short, never long. Only prompts hashed with their
+        tokens (PromptHashes) have partial keys; slots grouped by depth, one batched probe each."""
+        if not self.tail_keys or not isinstance(hashes, PromptHashes):
+            return {}
+        g = self._lookup_group(None)
+        if g is None or g.kind not in FULL_KINDS or len(self.groups) > 1:
+            return {}
+        by_depth: dict[int, int] = {}
+        for st in self.by_slot:
+            if st is not None and st.tails:
+                d = hits.get(st.slot, 0)
+                by_depth[d] = by_depth.get(d, 0) | (1 << st.slot)
+        out: dict[int, int] = {}
+        for d, want in by_depth.items():
+            masks = g.any.masks(hashes.tail_keys(d))
+            for k in range(len(masks), 0, -1):
+                got = masks[k - 1] & want
+                if got:
+                    for slot in _bits(got):
+                        out[slot] = k
+                    want &= ~got
+                    if not want:
+                        break
+        return out
+
+    def _tail_tier(self, hashes: PromptHashes, slot: int, depth: int, n: int) -> str:
+        """The fastest tier holding a slot's partial block of `n` tokens at `depth`."""
+        key = hashes.tail_keys(depth)[n - 1]
+        order = sorted(self._lookup_group(None).tiers.items())
+        return next((TIERS[t] for t, d in order if d.get(key, 0) >> slot & 1), TIERS[-1])
+
     def tier_runs(self, hashes: list[int], slot: int, n_blocks: int, group: int | None = None
                   ) -> list[tuple[str, int]]:
         """The hit prefix of one slot split into runs by the fastest tier holding each block:
@@ -111,7 +148,8 @@ class ShardWalk:
         if len(self.pending):
             self.pending.expire(now)
         hits = self.prefix_blocks(hashes)
-        resume = self.resume_points(hashes, n_tokens, hits)
+        tails = self.tail_hits(hashes, hits)
+        resume = self.resume_points(hashes, n_tokens, hits, tails=tails)
         with_pending = self.prefix_blocks(hashes, pending=True) if self._pending_applies() else hits
         inflight = self.pending.inflight
         held = self._prompt_held(hashes) if len(self.groups) > 1 else None
@@ -142,20 +180,26 @@ class ShardWalk:
         for res, pending, st in ranked if top_k is None else ranked[:top_k]:
             slot = st.slot
             nb = hits.get(slot, 0)
+            tail = tails.get(slot, 0) if tails else 0
             fa_hit, _, ghits = resume.get(slot, _NO_HIT)
             groups = [Group(gid, kind, (ghits.get(gid, 0) if ghits else 0) if own else fa_hit,
                             st.group_blocks.get(gid, 0), window or None,
                             None if held is None else held[gid].get(slot, 0))
                       for gid, kind, window, own in group_info]
-            if not nb:
+            if not nb and not tail:
                 tiers = []
             elif single_tier is not None:
-                tiers = [Tier(single_tier, nb * bs)]
+                tiers = [Tier(single_tier, nb * bs + tail)]
             else:
-                tiers = [Tier(t, k) for t, k in self.tier_runs(hashes, slot, nb)]
+                runs = self.tier_runs(hashes, slot, nb)
+                if tail:
+                    t = self._tail_tier(hashes, slot, nb, tail)
+                    runs = (runs[:-1] + [(t, runs[-1][1] + tail)] if runs and runs[-1][0] == t
+                            else runs + [(t, tail)])
+                tiers = [Tier(t, k) for t, k in runs]
             seen = st.batches > 0
             answers.append(ReplicaAnswer(
-                st.replica, st.dp_rank, min(nb * bs, n_tokens), tiers, res, fa_hit, groups, pending,
+                st.replica, st.dp_rank, min(nb * bs + tail, n_tokens), tiers, res, fa_hit, groups, pending,
                 inflight.get(slot, 0) if inflight else 0,
                 bool(res and (unreported or self._upper_bound_tiers(tiers))), unreported if res else [],
                 Freshness(int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
@@ -171,7 +215,8 @@ class ShardWalk:
         how many replicas), written by the compiled core with no object per replica: for the common
         shard (one full-attention group in one tier, no pools, nothing whose evictions go unreported).
         None where that does not apply or nothing was compiled: the caller encodes the typed answer."""
-        if native_lookup_json is None or len(self.groups) != 1 or self.pool_readers:
+        if (native_lookup_json is None or len(self.groups) != 1 or self.pool_readers
+                or (self.tail_keys and isinstance(hashes, PromptHashes))):  # partial blocks: typed answer
             return None
         ((gid, g),) = self.groups.items()
         if g.kind not in FULL_KINDS or g.kind in self.unreported_eviction_kinds or len(g.tiers) != 1:
@@ -197,7 +242,8 @@ class ShardWalk:
                  if (replica is None or rep == replica) and (dp_rank is None or rank == dp_rank)]
         if not slots:
             return 0
-        resume = self.resume_points(hashes, n_tokens, self.prefix_blocks(hashes), set(slots))
+        hits = self.prefix_blocks(hashes)
+        resume = self.resume_points(hashes, n_tokens, hits, set(slots), self.tail_hits(hashes, hits))
         best = max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
         if now is not None and len(self.pending):
             self.pending.expire(now)
@@ -216,7 +262,8 @@ class ShardWalk:
         return self.resume_points(hashes, n_tokens, hits, {st.slot}).get(st.slot, _NO_HIT)[1]
 
     def resume_points(self, hashes: list[int], n_tokens: int, hits: dict[int, int],
-                      slots: set[int] | None = None) -> dict[int, tuple[int, int, dict[int, int] | None]]:
+                      slots: set[int] | None = None, tails: dict[int, int] | None = None
+                      ) -> dict[int, tuple[int, int, dict[int, int] | None]]:
         """slot -> (full-attention hit, resumable tokens, {group: its own hit} or None), vLLM's rule
         (vllm/v1/core/kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit):
 
@@ -232,7 +279,8 @@ class ShardWalk:
         hash unit is finer than the mamba block, and never with sliding-window groups
         (partial_hash_hits_enabled); then p steps by the unit and the full-attention hit may end at a
         partial block inside the first block it does not hold whole. Otherwise partial blocks are
-        indexed but credit stays at engine block boundaries."""
+        indexed but credit stays at engine block boundaries. `tails` (tail_hits): tokens of the
+        partial block after a slot's full blocks that its engine holds; they count in its hit."""
         ibs = self.block_size
         n_prompt = n_tokens
         cons = [(gid, g) for gid, g in sorted(self.groups.items())
@@ -246,16 +294,17 @@ class ShardWalk:
             if st is None or (slots is not None and st.slot not in slots):
                 continue
             slot = st.slot
-            if slot not in hits and not (fine_any and st.unit > 1):
+            tail = tails.get(slot, 0) if tails else 0
+            if slot not in hits and not tail and not (fine_any and st.unit > 1):
                 continue  # no block of the prompt: no hit (callers read a missing slot as _NO_HIT)
             ebs = st.block_size or ibs
             n_tokens = n_prompt - (st.recompute - 1)  # the engine's own limit: below the last token(s)
-            cached = min(hits.get(slot, 0) * ibs, n_tokens)
+            cached = min(hits.get(slot, 0) * ibs + tail, n_tokens)
             step = ebs
             if st.unit == 1 and not cons:
                 # token-granular partial reuse (TensorRT-LLM, kvidx/engines/trtllm/mirror.py): the engine
-                # resumes inside any block, so the hit below the last token counts at index granularity
-                top = resumable(cached, n_tokens, ibs)
+                # resumes at any token below the last one, so the hit (with its partial block) counts whole
+                top = resumable(cached, n_tokens, 1)
             elif fine_ok and st.unit > 1 and st.unit < ebs and ebs % st.unit == 0 and fa is not None:
                 step = st.unit
                 top = self._fine_fa_hit(hashes, n_tokens, slot, fa, cached, ebs, step)

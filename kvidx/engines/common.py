@@ -5,6 +5,7 @@ block), and the split of newly cached blocks into contiguous runs."""
 
 from __future__ import annotations
 
+from kvidx.core.hashing import tail_key as _tail_key
 from schemas.events import Event, ReplicaCleared
 
 
@@ -71,3 +72,103 @@ def engine_cache_reset(mirror, out: list[Event]) -> None:
     mirror.clear()
     mirror.stats["cleared"] += 1
     out.append(ReplicaCleared("engine_cache_reset"))
+
+
+class PartialTails:
+    """Partial-block keys of one engine cache that resumes inside blocks (SGLang pages below the index
+    block, TensorRT-LLM partial reuse): what lets the index credit to the token without keying every
+    token.
+
+    Under each index block's parent, the engine's cache is a small token trie; its *ends* are the
+    full index blocks (already indexed by their hashes) and the open tails (a sequence that stops
+    inside a block). A prompt that leaves the trie inside a block is reusable up to where it left.
+    The key of a prefix (kvidx.core.hashing.tail_key) is published unless the prefix lies on the one
+    path to a single full block: an open tail's prefixes and the shared part of branches are keyed,
+    so a tail costs at most one key per token of it (per unit), and a full block alone costs nothing
+    more. A prompt diverging inside a full block that nothing else shares is credited to the block
+    boundary before it (the engine reuses a few tokens more: the safe side).
+
+    Ends are reference counted per tier (copies); changes are collected per batch and `flush` gives
+    the net keys stored and removed per tier."""
+
+    def __init__(self, index_block_size: int, unit: int = 1):
+        self.ibs = index_block_size
+        self.unit = unit  # the engine's resume granularity (page size; 1: any token)
+        self.ends: dict[tuple[int, str], int] = {}  # (end key, tier) -> holders
+        self.prefixes: dict[tuple[int, str], list[int]] = {}  # (key, tier) -> [ends below, full ends]
+        self._was: dict[tuple[int, str], bool] = {}  # published before this batch, for touched keys
+
+    @staticmethod
+    def _published(c: list[int] | None) -> bool:
+        return c is not None and c[0] > 0 and not (c[0] == 1 and c[1] == 1)
+
+    def _keys(self, seed: int, packed: bytes, full: bool) -> list[int]:
+        n = len(packed) // 4
+        top = self.ibs - 1 if full else n
+        return [_tail_key(seed, packed[:4 * k]) for k in range(self.unit, top + 1, self.unit)]
+
+    def add(self, tier: str, seed: int, packed: bytes, full: bool) -> None:
+        """One more holder of the end `packed` (a block's first tokens, or all of them if `full`)
+        under parent `seed`."""
+        ek = (_tail_key(seed, packed), tier)
+        h = self.ends.get(ek, 0)
+        self.ends[ek] = h + 1
+        if not h:
+            self._count(tier, self._keys(seed, packed, full), 1, 1 if full else 0)
+
+    def drop(self, tier: str, seed: int, packed: bytes, full: bool) -> None:
+        ek = (_tail_key(seed, packed), tier)
+        h = self.ends.get(ek, 0)
+        if h > 1:
+            self.ends[ek] = h - 1
+            return
+        if not h:
+            return
+        del self.ends[ek]
+        self._count(tier, self._keys(seed, packed, full), -1, -1 if full else 0)
+
+    def _count(self, tier: str, keys: list[int], d_ends: int, d_full: int) -> None:
+        prefixes, was = self.prefixes, self._was
+        for k in keys:
+            pk = (k, tier)
+            c = prefixes.get(pk)
+            if pk not in was:
+                was[pk] = self._published(c)
+            if c is None:
+                c = prefixes[pk] = [0, 0]
+            c[0] += d_ends
+            c[1] += d_full
+            if c[0] <= 0:
+                del prefixes[pk]
+
+    def flush(self) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """({tier: keys newly published}, {tier: keys no longer published}) since the last flush."""
+        stored: dict[str, list[int]] = {}
+        removed: dict[str, list[int]] = {}
+        for pk, before in self._was.items():
+            now = self._published(self.prefixes.get(pk))
+            if now != before:
+                (stored if now else removed).setdefault(pk[1], []).append(pk[0])
+        self._was = {}
+        return stored, removed
+
+    def events(self, group: int = 0) -> list[Event]:
+        """`flush` as index events (stores first)."""
+        from schemas.events import BlocksRemoved, BlocksStored
+
+        stored, removed = self.flush()
+        return ([BlocksStored(t, group, ks, None, 0, tail=True) for t, ks in stored.items()]
+                + [BlocksRemoved(t, group, ks, tail=True) for t, ks in removed.items()])
+
+    def published(self) -> dict[str, list[int]]:
+        """tier -> every key published now (a mirror replay)."""
+        out: dict[str, list[int]] = {}
+        for (k, tier), c in self.prefixes.items():
+            if self._published(c):
+                out.setdefault(tier, []).append(k)
+        return out
+
+    def clear(self) -> None:
+        self.ends.clear()
+        self.prefixes.clear()
+        self._was = {}

@@ -182,6 +182,9 @@ class SequencedRelay:
                 kind, window = self.mirror.group_kinds.get(group, ("full_attention", None))
                 events.append(BlocksStored(tier, group, hashes, None, 0, group_kind=kind,
                                            sliding_window=window))
+            if i >= len(plan) and getattr(self.mirror, "tails", None) is not None:  # the last part
+                events += [BlocksStored(tier, 0, keys, None, 0, tail=True)
+                           for tier, keys in self.mirror.tails.published().items()]
             self.resync_part += 1
             now = time.time()
             yield EventBatch(v=SCHEMA_VERSION, model=self.model, replica=self.replica,

@@ -179,10 +179,10 @@ pub fn lookup_json<'py>(
         let nb = get_i64(Some(hits), slot)?;
         let n_eff = n_tokens - (recompute - 1);
         // the resume point (walk.py resume_points, one full-attention group): token-granular reuse
-        // (unit 1) at index granularity, else at the engine's block size
+        // (unit 1) at any token below the last, else at the engine's block size
         let top = if nb > 0 {
             let cached = (nb * bs).min(n_eff);
-            resumable(cached, n_eff, if unit == 1 { bs } else if ebs0 != 0 { ebs0 } else { bs })
+            resumable(cached, n_eff, if unit == 1 { 1 } else if ebs0 != 0 { ebs0 } else { bs })
         } else {
             0
         };

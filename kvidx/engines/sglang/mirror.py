@@ -44,10 +44,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvidx.core.hashing import chain, namespace_seed, pack_tokens
+from kvidx.core.hashing import chain, extra_seed, namespace_seed, pack_tokens
 from kvidx.core.spec_decode import SpecDecodeError, is_bigram_page, unpair_tokens
 from kvidx.engines.common import (
     MirrorError,
+    PartialTails,
     engine_cache_reset,
     hold,
     normalize_tier,
@@ -80,6 +81,12 @@ class SglangMirror:
                       "bigram_pages": 0}
         self.recompute_tokens = 1  # prompt tokens the engine recomputes at the end (EAGLE: 2)
         self._placed: dict[int, tuple] = {}  # <= 0.5.3: engine hash -> a different place seen
+        # pages below the index block (the engine resumes at any page): the partial-block keys, and per
+        # live page (engine hash, tier) [the page before it in its index block or None, its live
+        # child pages there, the seed and tokens of the end it is while childless, whether that is a
+        # full block]
+        self.tails: PartialTails | None = None
+        self.pages: dict[tuple[int, str], list] = {}
 
     def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
               now: float | None = None) -> list[Event]:
@@ -143,6 +150,12 @@ class SglangMirror:
         engine_new: list[int] = []
         done = 0  # index blocks completed by the pages so far
         refs = self.refs
+        if P < B and self.tails is None:
+            self.tails = PartialTails(B, P)
+        tails = self.tails if P < B else None
+        seed0 = extra_seed(seed, [salt]) if salt and depth_blocks == 0 else seed  # block 0's seed
+        packed_stream = pack_tokens(stream) if tails is not None else b""
+        prev = parent if lp else None  # the page before this one in its index block
         for j, eh in enumerate(ev.block_hashes):
             end = lp + (j + 1) * P  # stream offset after page j
             upto = end // B
@@ -158,14 +171,47 @@ class SglangMirror:
                 self.live[key] = [1, sub, [sub]]
                 self.stats["stored"] += 1
                 engine_new.append(u64(eh))
+                if tails is not None:
+                    full = end % B == 0
+                    b = (end - 1) // B  # the index block (stream position) the page lies in
+                    self._page_stored(tails, eh, tier, prev, canon[b - 1] if b else seed0,
+                                      packed_stream[4 * b * B:4 * end], full)
             else:
                 entry[0] += 1
                 entry[1] = sub
                 entry[2].append(sub)
                 self.stats["extra_copies"] += 1
             hold(refs, sub, tier, GROUP, first, new_pos)
+            prev = eh if end % B else None
         for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, seed, depth_blocks, engine_new):
             out.append(BlocksStored(tier, GROUP, hashes, run_parent, depth, engine))
+        if tails is not None:
+            out.extend(tails.events(GROUP))
+
+    def _page_stored(self, tails: PartialTails, eh: int, tier: str, prev: int | None, seed: int,
+                     packed: bytes, full: bool) -> None:
+        """A page's first live copy: it is an end of its block's trie (no child yet); the page before
+        it in the block has one child more (and is an end no longer)."""
+        self.pages[(eh, tier)] = [prev, 0, seed, packed, full]
+        tails.add(tier, seed, packed, full)
+        before = self.pages.get((prev, tier)) if prev is not None else None
+        if before is not None:
+            if not before[1]:
+                tails.drop(tier, before[2], before[3], before[4])
+            before[1] += 1
+
+    def _page_removed(self, tails: PartialTails, eh: int, tier: str) -> None:
+        """A page's last live copy went: the page before it may be an end again (leaf-first eviction)."""
+        page = self.pages.pop((eh, tier), None)
+        if page is None:
+            return
+        if not page[1]:
+            tails.drop(tier, page[2], page[3], page[4])
+        before = self.pages.get((page[0], tier)) if page[0] is not None else None
+        if before is not None:
+            before[1] -= 1
+            if not before[1]:
+                tails.add(tier, before[2], before[3], before[4])
 
     def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:
         tier = normalize_tier(ev.medium)
@@ -185,9 +231,13 @@ class SglangMirror:
                 del self.live[key]
                 self.stats["removed"] += 1
                 engine.append(u64(eh))
+                if self.tails is not None:
+                    self._page_removed(self.tails, eh, tier)
             release(self.refs, sub, tier, GROUP, hashes)
         if hashes or engine:
             out.append(BlocksRemoved(tier, GROUP, hashes, engine))
+        if self.tails is not None:
+            out.extend(self.tails.events(GROUP))
 
     def _remember(self, eh: int, state: tuple) -> None:
         memo = self.memo
@@ -210,6 +260,9 @@ class SglangMirror:
     def clear(self) -> None:
         self.live.clear()
         self.refs.clear()
+        self.pages.clear()
+        if self.tails is not None:
+            self.tails.clear()
 
     def live_blocks(self) -> int:
         return len(self.live)

@@ -52,7 +52,7 @@ import os
 from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from kvidx.engines.common import MirrorError
+from kvidx.engines.common import MirrorError, PartialTails
 from kvidx.engines.trtllm.wire import PRIMARY, Created, Removed, Stored, Updated, check_hash
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
 
@@ -64,10 +64,10 @@ def tier_of(level: int | None) -> str:
 
 
 class Node:
-    __slots__ = ("parent", "children", "tier", "sub", "depth", "tokens", "seed")
+    __slots__ = ("parent", "children", "tier", "sub", "depth", "tokens", "seed", "plain")
 
     def __init__(self, parent: int | None, tier: str, sub: tuple[int, ...], depth: int, tokens: bytes,
-                 seed: int):
+                 seed: int, plain: bool = True):
         self.parent = parent  # engine hash of the parent block (None: the root)
         self.children: dict[int, None] = {}  # engine hashes, insertion-ordered
         self.tier = tier
@@ -75,6 +75,7 @@ class Node:
         self.depth = depth  # index depth of sub[0]
         self.tokens = tokens  # packed token ids (relay memory only)
         self.seed = seed  # the canonical hash the block's chain starts from (its parent's end)
+        self.plain = plain  # no extra ids: a router's prompt hashes can reach its partial keys
 
 
 class TrtllmMirror:
@@ -86,6 +87,8 @@ class TrtllmMirror:
         self.roots: dict[int, None] = {}  # children of the tree root
         self.refs: dict[tuple[int, str], int] = {}  # (canonical hash, tier) -> live blocks covering it
         self.capacity: list[int] = []
+        # with partial reuse the engine resumes at any token: partial-block keys of its tree
+        self.tails = PartialTails(index_block_size, 1) if partial_reuse else None
         self.stats = {"stored": 0, "removed": 0, "cascaded": 0, "moved": 0, "restored_live": 0,
                       "remove_unknown": 0, "update_unknown": 0, "orphan_blocks": 0, "partial_blocks": 0,
                       "taken_over": 0, "priority_updates": 0, "extra_id_blocks": 0}
@@ -148,8 +151,9 @@ class TrtllmMirror:
             else:
                 if self.partial_reuse and siblings:
                     self._retract_taken_over(siblings, packed, out)
-                node = Node(parent, tier, sub, depth, packed, seed)
+                node = Node(parent, tier, sub, depth, packed, seed, extras is None)
                 self.nodes[eh] = node
+                self._ends(node, tier, True)
                 siblings[eh] = None
                 self.stats["stored"] += 1
                 if partial:
@@ -163,6 +167,24 @@ class TrtllmMirror:
             seed = sub[-1] if sub else seed
             depth += len(sub)
         self._emit_stored(new, out)
+        if self.tails is not None:
+            out.extend(self.tails.events())
+
+    def _ends(self, node: Node, tier: str, add: bool) -> None:
+        """The block's index blocks and its partial tail, as ends of the partial-key tries (add or
+        drop them in `tier`)."""
+        tails = self.tails
+        if tails is None or not node.plain:
+            return
+        step = 4 * self.index_block_size
+        seed, packed = node.seed, node.tokens
+        op = tails.add if add else tails.drop
+        for i in range(len(node.sub)):
+            op(tier, seed, packed[i * step:(i + 1) * step], True)
+            seed = node.sub[i]
+        rest = packed[len(node.sub) * step:]
+        if rest:
+            op(tier, seed, rest, False)
 
     def _ref(self, sub: tuple[int, ...], tier: str) -> list[tuple[int, int]]:
         """Count a block's index blocks in `tier`; returns [(position, hash)] of those newly cached."""
@@ -249,9 +271,12 @@ class TrtllmMirror:
             g = gone.setdefault(n.tier, ([], []))
             g[0].extend(self._unref(n.sub, n.tier))
             g[1].append(h)
+            self._ends(n, n.tier, False)
         for tier, (hashes, engine) in gone.items():
             if hashes:
                 out.append(BlocksRemoved(tier, 0, hashes, engine))
+        if self.tails is not None:
+            out.extend(self.tails.events())
 
     def _unlink(self, eh: int, node: Node) -> None:
         if node.parent is None:
@@ -283,11 +308,17 @@ class TrtllmMirror:
         gone = self._unref(node.sub, old)  # after the store: a move never shows as a loss
         if gone:
             out.append(BlocksRemoved(old, 0, gone, [eh]))
+        if self.tails is not None:
+            self._ends(node, new_tier, True)
+            self._ends(node, old, False)
+            out.extend(self.tails.events())  # a batch is folded whole: no lookup sees it halfway
 
     def clear(self) -> None:
         self.nodes.clear()
         self.roots.clear()
         self.refs.clear()
+        if self.tails is not None:
+            self.tails.clear()
 
     def cleared(self, reason: str) -> list[Event]:
         self.clear()

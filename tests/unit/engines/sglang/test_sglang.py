@@ -192,13 +192,18 @@ def test_page_size_one_aggregates_into_index_blocks():
     toks = [9, 8, 7, 6, 5, 4, 3]
     hs = list(range(100, 107))
     out = m.apply([_st(hs[:3], None, toks[:3], 1)])
-    assert out == [] and not m.cached_index_blocks()  # 3 of the 4 pages of index block 0
+    # 3 of the 4 pages of index block 0: no block, an open tail of 3 tokens (a partial key each)
+    assert [e.tail for e in out] == [True] and len(out[0].hashes) == 3 and not m.cached_index_blocks()
     out = m.apply([_st(hs[3:], 102, toks[3:], 1)])  # a second node continues mid-index-block
     assert m.cached_index_blocks() == set(prompt_hashes(toks, 4))
     assert isinstance(out[0], BlocksStored) and out[0].depth == 0 and out[0].parent is None
+    # block 0 is full and alone: its prefixes are no longer keyed; block 1 is an open tail of 3
+    assert {len(e.hashes) for e in out if isinstance(e, BlocksRemoved) and e.tail} == {3}
+    assert sorted(m.tails.published()["GPU"]) == sorted(prompt_hashes(toks, 4, tails=True).tail_keys(1))
     # evicting the leaf node's pages (tip first) retracts the index block its pages completed
     out = m.apply([BlockRemoved(hs[3:][::-1], "GPU")])
     assert out[0].hashes == prompt_hashes(toks, 4) and not m.cached_index_blocks()
+    assert sorted(m.tails.published()["GPU"]) == sorted(prompt_hashes(toks, 4, tails=True).tail_keys(0)[:3])
     # the same tokens stored again under the surviving parent come back
     m.apply([_st(hs[3:], 102, toks[3:], 1)])
     assert m.cached_index_blocks() == set(prompt_hashes(toks, 4))

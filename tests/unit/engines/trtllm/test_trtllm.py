@@ -156,19 +156,32 @@ def test_cache_level_move_is_never_a_loss():
 
 
 def test_partial_block_and_token_granular_credit():
-    """The partial last block is indexed; the shard credits inside a block (unit 1), below the last
-    prompt token, at the index block size."""
-    for ibs, want in ((1, 45), (4, 44)):
+    """The partial last block is indexed: its full index blocks as blocks, the tokens past them as
+    partial keys, so the shard credits to the token (unit 1) below the last prompt token at any index
+    block size; a router's block hashes (no tokens) credit whole index blocks."""
+    for ibs in (1, 4, 16):
         relay = TrtllmPollRelay("m", "r", ibs, 32, epoch=0)
         shard = ModelShard("m", ibs)
         toks = list(range(45))
         for b in relay.on_poll([stored(None, [(1, toks[:32]), (2, toks[32:])], eid=0)], 0).batches:
-            assert all(e.block_size == 1 for e in b.events)  # "resumes at any token"
+            assert all(e.block_size == 1 for e in b.events if not e.tail)  # "resumes at any token"
+            assert sum(len(e.hashes) for e in b.events if e.tail) == 45 % ibs  # the tail's prefixes
             shard.apply(b, 0)
         prompt = toks + [500, 501]  # the engine matches 45 of its 46 usable tokens
-        assert shard.credited(prompt_hashes(prompt, ibs), len(prompt), "r") == want
+        assert shard.credited(prompt_hashes(prompt, ibs, tails=True), len(prompt), "r") == 45
+        assert shard.credited(prompt_hashes(prompt, ibs), len(prompt), "r") == 45 // ibs * ibs
         # a prompt ending inside the cached partial block: at most n - 1 tokens
-        assert shard.credited(prompt_hashes(toks[:40], ibs), 40, "r") == 39 // ibs * ibs
+        assert shard.credited(prompt_hashes(toks[:40], ibs, tails=True), 40, "r") == 39
+        # leaving the partial block after 3 of its tokens: those 3 count where they are in its tail
+        # (past its last full index block); inside a full index block nothing else shares, the block
+        # boundary before them
+        other = toks[:35] + [900] * 10
+        want = 35 if 35 >= 45 // ibs * ibs else 35 // ibs * ibs
+        assert shard.credited(prompt_hashes(other, ibs, tails=True), len(other), "r") == want
+        # the full block alone (no other path shares it): a prompt leaving it inside an index block
+        # is credited to the index block before (the engine reuses up to the token: the safe side)
+        inside = toks[:20] + [900] * 30
+        assert shard.credited(prompt_hashes(inside, ibs, tails=True), len(inside), "r") == 20 // ibs * ibs
 
 
 def test_taken_over_leaf_is_retracted_when_its_successor_is_stored():
@@ -279,16 +292,18 @@ def test_conformance_fixture(case, host):
 
 
 # ---- shadow ---------------------------------------------------------------------------------------
-def test_shadow_exact_with_partial_reuse_and_index_block_size_tradeoff(tmp_path):
+def test_shadow_exact_with_partial_reuse_at_any_index_block_size(tmp_path):
     eng = SimTrtllmEngine(num_blocks=40, block_size=B)
     ev, rq = tmp_path / "events.jsonl", tmp_path / "requests.jsonl"
     record(eng, chat(3, n_conv=14, turns=6), str(ev), str(rq))
     assert eng.stats["partial_matches"] > 10 and eng.stats["evicted"] > 0
-    ag1, _, _ = run_shadow(ev, rq, index_block_size=1)
+    ag1, shard1, _ = run_shadow(ev, rq, index_block_size=1)
     assert ag1.exact == ag1.requests  # token-exact, including the partially reused blocks
-    ag16, _, _ = run_shadow(ev, rq, index_block_size=16)
-    s16 = ag16.summary()
-    assert s16["over_credit"] == 0.0 and 0.85 < s16["recall"] < 1.0  # rounded down inside blocks
+    # with the default index block, partial keys make it token-exact too, at a fraction of the entries
+    ag16, shard16, _ = run_shadow(ev, rq, index_block_size=16)
+    assert ag16.exact == ag16.requests and ag16.over_tokens == 0
+    entries = [sum(len(d) for g in s.groups.values() for d in g.tiers.values()) for s in (shard1, shard16)]
+    assert 0 < shard16.tail_keys and entries[1] * 4 < entries[0]
 
 
 def test_shadow_host_tier_self_eviction_and_rc2_serializer_bug(tmp_path):
