@@ -425,8 +425,9 @@ def _common(sp, kafka=True, shards=True):
         sp.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
                         help="prefix of every topic name (several deployments on one cluster)")
     sp.add_argument("--index-block-size", type=int, default=None, metavar="N",
-                    help="tokens per canonical index block; must divide every engine's block size "
-                         "(default: the model's in --config, else 16)")
+                    help="tokens per canonical index block, for tuning: it must divide every engine's "
+                         "block size (SGLang pages may be smaller: partial-block keys credit them to the "
+                         "page) (default: the model's in --config, else 16)")
     if shards:
         sp.add_argument("--unreported-eviction-kinds", nargs="*", default=[], metavar="KIND",
                         help="KV-cache group kinds whose evictions engines do not report (e.g. "
@@ -551,8 +552,9 @@ def _add_shadow(sub, engine_names) -> None:
                                     "cached_tokens for every request of the request log.")
     _common(sh, kafka=False)
     sh.add_argument("--engine", default="vllm", choices=engine_names,
-                    help="trtllm reads a recording of polls (events.jsonl); use --index-block-size 1 "
-                         "there for token-exact partial-block credit")
+                    help="trtllm reads a recording of polls (events.jsonl); engines that resume inside "
+                         "blocks (SGLang pages below the index block, TensorRT-LLM partial reuse) are "
+                         "credited to the token with the default index block size")
     sh.add_argument("--engine-version", help="the engine's release (default: the newest checked)")
     sh.add_argument("--recording", required=True, help="frames.jsonl")
     sh.add_argument("--requests", required=True, help="requests.jsonl")

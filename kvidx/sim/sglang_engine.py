@@ -452,3 +452,29 @@ class SimSglangEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def record(engine: SimSglangEngine, requests: list[tuple[list[int], list[int]]], endpoint: str = "tcp://sim:5557"
+           ) -> tuple[list, list[dict]]:
+    """Serve requests one at a time on an engine built with a stepping `clock` and no endpoint: (its
+    frames as a recording would hold them, the request log with each request's reuse)."""
+    from kvidx.engines.contract import Frame
+
+    log = []
+    for i, (prompt, output) in enumerate(requests):
+        ts = engine.clock()
+        log.append({"i": i, "t_send": ts + 5e-7, "prompt_token_ids": prompt,
+                    "cached_tokens": engine.serve(prompt, output)})
+    frames = [Frame(engine.topic, s, p, int(ts * 1e9), endpoint, "pub") for s, ts, p in engine.published]
+    return frames, log
+
+
+def stepping_clock(start: float = 1000.0, step: float = 0.001) -> Callable[[], float]:
+    """A clock for recordings: each reading `step` seconds after the last."""
+    t = [start]
+
+    def clock() -> float:
+        t[0] += step
+        return t[0]
+
+    return clock

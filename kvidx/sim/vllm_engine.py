@@ -404,3 +404,25 @@ def workload_requests(
 def workload(seed: int, n_requests: int, systems: int = 5, **kw: Any) -> list[list[int]]:
     """Prompts only of `workload_requests` (the outputs are folded into later turns' prompts)."""
     return [p for p, _ in workload_requests(seed, n_requests, systems=systems, **kw)]
+
+
+def chat_requests(seed: int, n_requests: int, conversations: int = 16, vocab: int = 1000,
+                  max_history: int = 900) -> list[tuple[list[int], list[int]]]:
+    """Multi-turn chat as (prompt, output) pairs, deterministic by seed: each turn is its conversation's
+    history (every earlier prompt and output) + 3-39 new tokens, so an engine's cache ends inside a
+    block at every turn (what partial-block credit is for). No shared system prompt; a conversation
+    whose history passes `max_history` tokens starts over."""
+    rng = random.Random(seed)
+
+    def fresh() -> list[int]:
+        return [rng.randrange(vocab) for _ in range(rng.randrange(20, 90))]
+
+    hist = [fresh() for _ in range(conversations)]
+    out: list[tuple[list[int], list[int]]] = []
+    while len(out) < n_requests:
+        c = rng.randrange(conversations)
+        prompt = hist[c] + [rng.randrange(vocab) for _ in range(rng.randrange(3, 40))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        out.append((prompt, output))
+        hist[c] = prompt + output if len(prompt) + len(output) <= max_history else fresh()
+    return out

@@ -166,7 +166,8 @@ class MooncakeMirror:
                                                "the engine block size)")
         if ebs % ibs:
             raise MirrorError("block_size_mismatch",
-                              f"engine block size {ebs} is not a multiple of the index block size {ibs}")
+                              f"engine block size {ebs} is not a multiple of the index block size {ibs}: "
+                              "set --index-block-size (or the model's index_block_size) to a divisor of it")
         nb = len(ev.hashes)
         if len(ev.token_ids) != nb * ebs:
             raise MirrorError("short_token_ids", f"{len(ev.token_ids)} token ids for {nb} blocks of {ebs}")

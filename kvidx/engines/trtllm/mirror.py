@@ -17,10 +17,11 @@ and what the mirror does with them:
   matches whole blocks, then the longest token prefix of any child of the last matched block, and
   never the last prompt token (keys cover length - 1 tokens). Canonical hashes are prefix chains, so
   an index walk at the index block size finds the same tokens; the mirror marks its stored events
-  with `block_size = 1` ("token-granular resume"), and the shard then credits the hit below the last
-  prompt token rounded to the *index* block size instead of the engine's (kvidx/core/shard.py).
-  With index block size 1 the credit is exact; with a larger one it under-credits by less than one
-  index block per partially reused request.
+  with `block_size = 1` ("token-granular resume"), and the shard then credits the hit at any token
+  below the last prompt token (kvidx/core/walk.py). The tokens past the last full index block are
+  credited by partial-block keys (kvidx.engines.common.PartialTails: every index block and partial
+  tail is an end of its parent's trie), so the credit is token-exact at any index block size but where
+  a prompt leaves a full index block that nothing else shares (the block boundary before: the safe side).
 - **Private take-over of a partially matched leaf**: a partially matched child that is an unused
   leaf is detached from the tree and reused by the new request *without any event* (the
   `freeLeafBlock` branch of `loadOrAllocateBlocks`): its old hash is stale. Events show it only
@@ -132,7 +133,9 @@ class TrtllmMirror:
             partial = n < self.block_size
             if n == self.block_size and n % ibs:
                 raise MirrorError("block_size_mismatch",
-                                  f"engine block size {n} is not a multiple of the index block size {ibs}")
+                                  f"engine block size {n} is not a multiple of the index block size "
+                                  f"{ibs}: set --index-block-size (or the model's index_block_size) "
+                                  "to a divisor of it")
             extras = None
             if any(t.token_extra_id for t in blk.tokens) or blk.mm_keys:
                 # prompt-tuning / multimodal ids: the block is not the plain tokens a router hashes

@@ -197,7 +197,8 @@ class VllmMirror:
             return
         if ebs <= 0 or ebs % ibs:
             raise MirrorError("block_size_mismatch",
-                              f"engine block size {ebs} is not a multiple of the index block size {ibs}")
+                              f"engine block size {ebs} is not a multiple of the index block size {ibs}: "
+                              "set --index-block-size (or the model's index_block_size) to a divisor of it")
         k = ebs // ibs
         n_token_blocks = len(ev.token_ids) // ebs
         if n_token_blocks < nb:

@@ -433,15 +433,16 @@ def test_shadow_exact_when_pages_are_index_blocks_or_multiples(version, P):
 
 
 @pytest.mark.parametrize("version,P", [("0.5.23", 1), ("0.5.23", 4), ("0.4.9.post6", 8)])
-def test_shadow_small_pages_credit_whole_index_blocks(version, P):
-    """Pages below the index block: the index credits the engine's reuse rounded down to the index
-    block (never more), for every request."""
+def test_shadow_small_pages_credit_to_the_page(version, P):
+    """Pages below the index block: whole index blocks plus the partial-block keys (open tails and
+    branches inside a block), never more than the engine reuses; what is left is prompts leaving a
+    block inside it where only one cached path reaches it (shared system prompts of any length)."""
     _eng, frames, reqs = _recording(version, P, n=200)
     ag, _idx = shadow(frames, reqs, "m", 16, relay_factory=_factory(version))
     assert ag.over_tokens == 0
-    assert sum(r["cached_tokens"] // 16 * 16 for r in reqs) <= ag.credited_tokens <= ag.reused_tokens
+    assert sum(r["cached_tokens"] // 16 * 16 for r in reqs) < ag.credited_tokens <= ag.reused_tokens
     s = ag.summary()
-    assert s["recall"] > 0.85
+    assert s["recall"] > 0.97
 
 
 def test_shadow_engine_sglang_on_a_recording(tmp_path):
