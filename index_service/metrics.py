@@ -9,6 +9,8 @@ Series:
                                             this / prompt tokens)
 - kvidx_index_blocks{model,group}           distinct blocks indexed (read from the shards at scrape)
 - kvidx_replicas{model}                     replicas (replica, DP rank) known per model
+- kvidx_partial_keys{model}                 live partial-block keys (engines resuming inside blocks:
+                                            docs/engines.md "Partial blocks")
 - kvidx_replica_event_age_max_seconds{model}  age of the stalest replica's last applied engine batch
 - kvidx_batches_applied_total               batches the store folded
 - kvidx_ready                               1 once the store was rebuilt
@@ -57,6 +59,8 @@ class _StoreCollector:
                                    labels=["model", "group"])
         replicas = GaugeMetricFamily("kvidx_replicas", "Replicas (replica, DP rank) known",
                                      labels=["model"])
+        partial = GaugeMetricFamily("kvidx_partial_keys", "Live partial-block keys (all replicas)",
+                                    labels=["model"])
         age = GaugeMetricFamily("kvidx_replica_event_age_max_seconds",
                                 "Age of the stalest replica's last applied engine batch",
                                 labels=["model"])
@@ -66,12 +70,14 @@ class _StoreCollector:
                 for gid, g in sorted(shard.groups.items()):
                     blocks.add_metric([model, str(gid)], len(g.any))
                 replicas.add_metric([model], len(shard.replicas))
+                partial.add_metric([model], shard.tail_keys)
                 ages = [now - st.engine_ts for st in shard.replicas.values() if st.batches]
                 if ages:
                     age.add_metric([model], max(ages))
             applied = store.batches_applied
         yield blocks
         yield replicas
+        yield partial
         yield age
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)

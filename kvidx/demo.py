@@ -18,8 +18,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,8 @@ import uvicorn
 from index_service.app import create_app
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
-from kvidx.core.answers import LOOKUP_ANSWER_DECODER, ReplicaAnswer
+from kvidx.client import KvidxClient, KvidxError, Retry, UnknownModel
+from kvidx.core.answers import ReplicaAnswer
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
@@ -52,22 +51,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(base: str, path: str, body: dict) -> bytes:
-    req = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return r.read()
-
-
-def _rank(base: str, prompt: list[int]) -> list[ReplicaAnswer]:
+def _rank(kv: KvidxClient, prompt: list[int]) -> list[ReplicaAnswer]:
     """The router's question: replicas by prefix price, decoded as the index's own answer type."""
     try:
-        body = _post(base, "/v1/rank", {"model": MODEL, "token_ids": prompt})
-        return LOOKUP_ANSWER_DECODER.decode(body).replicas
-    except urllib.error.HTTPError as e:
-        if e.code == 404:  # no event of this model seen yet: nothing is cached anywhere
-            return []
-        raise
+        return kv.rank(MODEL, token_ids=prompt).replicas
+    except UnknownModel:  # no event of this model seen yet: nothing is cached anywhere
+        return []
 
 
 def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootstrap: str | None = None,
@@ -167,14 +156,14 @@ def _start_service(store: ShardStore, port: int, replicas: int, stack: list) -> 
     stack.append(lambda: setattr(server, "should_exit", True))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{base}/healthz", timeout=1) as r:
-                if json.loads(r.read()).get("ready"):
+    with KvidxClient(base, retry=Retry(attempts=1)) as kv:
+        while time.monotonic() < deadline:
+            try:
+                if kv.health().ready:
                     break
-        except OSError:
-            pass
-        time.sleep(0.1)
+            except KvidxError:  # not listening yet
+                pass
+            time.sleep(0.1)
     # the router starts once the index knows every replica (their relays' start batches are
     # applied; through Kafka that takes a moment): before that the model is unknown and the
     # first lookup would be a 404
@@ -193,6 +182,7 @@ def _route(base: str, store: ShardStore, engines: list[SimVllmEngine], requests:
     waits = []
     load = [0] * replicas
     shown = 0
+    kv = KvidxClient(base, timeout=5)  # the router's client (kvidx.client): kept-alive connections
     for i, (prompt, output) in enumerate(work):
         # the index must have seen every event the engines published (the router's view lags the
         # engines by the event latency; wait for it so the agreement measures the index, not races)
@@ -204,14 +194,13 @@ def _route(base: str, store: ShardStore, engines: list[SimVllmEngine], requests:
         waits.append(time.perf_counter() - t0)
         # the router: the cheapest replica by prefix price (queue + load + prefill left), then the
         # decision is recorded so that every router credits the prompt there at once
-        answers = _rank(base, prompt)
+        answers = _rank(kv, prompt)
         by_replica = {a.replica: a for a in answers}
         ranked = [int(a.replica.rsplit("-", 1)[1]) for a in answers]
         best = ranked[0] if ranked else min(range(replicas), key=lambda j: load[j])
         chosen = by_replica.get(f"replica-{best}")
         credited = chosen.resumable_tokens if chosen else 0
-        _post(base, "/v1/routes", {"request_id": f"demo-{i}", "model": MODEL, "token_ids": prompt,
-                                   "replica": f"replica-{best}", "credited_tokens": credited, "ttl_s": 5})
+        kv.route(f"demo-{i}", MODEL, f"replica-{best}", token_ids=prompt, credited_tokens=credited, ttl_s=5)
         reused = engines[best].serve(prompt, output)
         load[best] += 1
         agreement.add(i, len(prompt), reused, credited)
@@ -220,6 +209,7 @@ def _route(base: str, store: ShardStore, engines: list[SimVllmEngine], requests:
             tiers = ", ".join(f"{t.tokens} on {t.tier}" for t in chosen.tiers)
             say(f"request {i}: {len(prompt)} prompt tokens -> replica-{best}: index says "
                 f"{credited} resumable ({tiers}), engine reused {reused}")
+    kv.close()
     summary = agreement.summary()
     w = np.asarray(waits) * 1000
     say(f"requests per replica: {load}")

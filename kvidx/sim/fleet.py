@@ -56,7 +56,6 @@ the _LoadModel and the _Accounts (agreement), and _stream_counters / _tier_count
 from __future__ import annotations
 
 import heapq
-import http.client
 import itertools
 import math
 import random
@@ -71,8 +70,9 @@ import msgspec
 import numpy as np
 
 from index_service.store import ShardStore
+from kvidx.client import KvidxClient, UnknownModel
 from kvidx.config import Config, PoolConfig
-from kvidx.core.answers import LOOKUP_ANSWER_DECODER, ReplicaAnswer
+from kvidx.core.answers import ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
@@ -541,7 +541,7 @@ class _Network:
 
 
 class _HttpLookup:
-    """The router's client of the real lookup service (POST /v1/lookup/binary, keep-alive)."""
+    """The router's client of the real lookup service (kvidx.client: POST /v1/lookup/binary, keep-alive)."""
 
     def __init__(self, store: ShardStore) -> None:
         import socket
@@ -560,21 +560,16 @@ class _HttpLookup:
             if time.monotonic() > deadline:
                 raise RuntimeError("the lookup service did not start")
             time.sleep(0.02)
-        self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        self.client = KvidxClient(f"http://127.0.0.1:{self.port}", timeout=10)
 
     def lookup(self, model: str, prompt: np.ndarray) -> list[ReplicaAnswer]:
-        self.conn.request("POST", f"/v1/lookup/binary?model={model}", body=prompt.astype("<u4").tobytes(),
-                          headers={"Content-Type": "application/octet-stream"})
-        r = self.conn.getresponse()
-        body = r.read()
-        if r.status == 404:  # no event of this model seen yet: nothing cached anywhere
+        try:
+            return self.client.lookup(model, token_ids=prompt.astype("<u4").tobytes()).replicas
+        except UnknownModel:  # no event of this model seen yet: nothing cached anywhere
             return []
-        if r.status != 200:
-            raise RuntimeError(f"lookup failed: HTTP {r.status}: {body[:200]!r}")
-        return LOOKUP_ANSWER_DECODER.decode(body).replicas
 
     def close(self) -> None:
-        self.conn.close()
+        self.client.close()
         self.server.should_exit = True
 
 
@@ -710,7 +705,8 @@ class _IndexSide:
             answers = self.http.lookup(model, prompt)
         else:
             shard = self.store.shards.get(model)
-            answers = shard.lookup(prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block),
+            answers = shard.lookup(prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block,
+                                                 tails=bool(shard.tail_keys)),
                                    len(prompt), t) if shard is not None else []
         return {a.replica: a for a in answers if a.dp_rank == 0}
 

@@ -48,6 +48,15 @@ def test_zero_delay_agrees_exactly(trace_reqs, engine_block):
         assert a.matched_tokens == a.reused_tokens and a.over_tokens == 0
 
 
+def test_lookups_over_http_through_the_client_agree_as_in_process(trace_reqs):
+    """lookup="http" (simulate --http): the router asks the real service through kvidx.client's binary
+    form; the answers are the in-process ones, so the runs agree request for request."""
+    reqs = trace_reqs[:120]
+    over_http = run_fleet(reqs, cfg(lookup="http"), "kv").overall
+    in_process = run_fleet(reqs, cfg(), "kv").overall
+    assert over_http.summary() == in_process.summary() and over_http.summary()["reused_tokens"] > 0
+
+
 def test_kv_router_beats_baselines(trace_reqs):
     reuse = {p: run_fleet(trace_reqs, cfg(delay_ms=(1.0, 20.0)), p).overall.summary()["reuse_rate"]
              for p in ("kv", "random", "round_robin", "least_loaded")}
