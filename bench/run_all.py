@@ -79,9 +79,10 @@ def render(results: list[tuple[str, dict | None, str, float, int]], quick: bool,
     return "\n".join(out)
 
 
-# sections of RESULTS.md that benchmarks run on their own write (bench/peers, bench_durability.py):
+# sections of RESULTS.md that benchmarks run on their own write (bench/peers, bench_durability.py,
+# bench_partial.py):
 # a rewrite of the report keeps them
-STANDALONE = ("Peers side by side", "Durability")
+STANDALONE = ("Peers side by side", "Durability", "Partial blocks")
 
 
 def standalone_sections(old: str) -> str:
