@@ -215,8 +215,7 @@ class ShardWalk:
         how many replicas), written by the compiled core with no object per replica: for the common
         shard (one full-attention group in one tier, no pools, nothing whose evictions go unreported).
         None where that does not apply or nothing was compiled: the caller encodes the typed answer."""
-        if (native_lookup_json is None or len(self.groups) != 1 or self.pool_readers
-                or (self.tail_keys and isinstance(hashes, PromptHashes))):  # partial blocks: typed answer
+        if native_lookup_json is None or len(self.groups) != 1 or self.pool_readers:
             return None
         ((gid, g),) = self.groups.items()
         if g.kind not in FULL_KINDS or g.kind in self.unreported_eviction_kinds or len(g.tiers) != 1:
@@ -232,7 +231,8 @@ class ShardWalk:
                       or self.block_size) if with_pending else 0  # engine_block_size's fallback
         return native_lookup_json(self.model, n_tokens, self.block_size, self.by_slot, hits, with_pending,
                                   self.pending.inflight or None, gid, g.kind, tier, now, pending_bs,
-                                  per_token, load_cost.get(tier, 0.0), rank, top_k)
+                                  per_token, load_cost.get(tier, 0.0), rank, top_k,
+                                  self.tail_hits(hashes, hits) or None)
 
     def credited(self, hashes: list[int], n_tokens: int, replica: str | None = None,
                  dp_rank: int | None = None, now: float | None = None) -> int:

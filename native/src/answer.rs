@@ -146,7 +146,7 @@ impl Floats {
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
 #[pyo3(signature = (model, n_tokens, block_size, states, hits, with_pending, inflight, group, kind, tier,
-                    now, pending_block_size, per_token, load_cost, rank, top_k))]
+                    now, pending_block_size, per_token, load_cost, rank, top_k, tails=None))]
 pub fn lookup_json<'py>(
     py: Python<'py>,
     model: &str,
@@ -165,6 +165,7 @@ pub fn lookup_json<'py>(
     load_cost: f64,
     rank: bool,
     top_k: Option<usize>,
+    tails: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<(Bound<'py, PyBytes>, i64, usize)> {
     let bs = block_size;
     let mut rows: Vec<Row<'py>> = Vec::with_capacity(states.len());
@@ -177,12 +178,13 @@ pub fn lookup_json<'py>(
         let recompute: i64 = attr_i64(&st, intern!(py, "recompute"))?;
         let unit: i64 = attr_i64(&st, intern!(py, "unit"))?;
         let nb = get_i64(Some(hits), slot)?;
+        // tokens of the partial block after the whole ones (walk.py tail_hits: partial-block keys)
+        let held = nb * bs + get_i64(tails.map(|d| d.as_any()), slot)?;
         let n_eff = n_tokens - (recompute - 1);
         // the resume point (walk.py resume_points, one full-attention group): token-granular reuse
         // (unit 1) at any token below the last, else at the engine's block size
-        let top = if nb > 0 {
-            let cached = (nb * bs).min(n_eff);
-            resumable(cached, n_eff, if unit == 1 { 1 } else if ebs0 != 0 { ebs0 } else { bs })
+        let top = if held > 0 {
+            resumable(held.min(n_eff), n_eff, if unit == 1 { 1 } else if ebs0 != 0 { ebs0 } else { bs })
         } else {
             0
         };
@@ -210,8 +212,8 @@ pub fn lookup_json<'py>(
         rows.push(Row {
             name: st.getattr(intern!(py, "replica"))?.cast_into::<PyString>()?,
             dp_rank: attr_i64(&st, intern!(py, "dp_rank"))?,
-            cached: (nb * bs).min(n_tokens),
-            tier_tokens: nb * bs,
+            cached: held.min(n_tokens),
+            tier_tokens: held,
             resumable: top + pending,
             fa_hit: top,
             blocks,

@@ -85,3 +85,37 @@ def test_shards_it_does_not_take_fall_back_to_the_typed_answer(monkeypatch):
     pipe = QueryPipeline(store)
     got, best, count, want = _both(pipe, shard, prompts[0], 16 * len(prompts[0]), False, None, monkeypatch)
     assert got == want and count == len(want["replicas"])
+
+
+@pytest.mark.skipif(not NATIVE, reason="kvidx_native is not built here")
+def test_partial_blocks_in_the_compiled_answer(monkeypatch):
+    """Replicas with partial-block keys (SGLang page 1 through its relay): the compiled answer counts
+    the partial block's tokens as the typed one does, for prompts hashed with their tokens."""
+    from kvidx.core.hashing import prompt_hashes
+    from kvidx.engines.contract import zmq_replay
+    from kvidx.engines.sglang.relay import SglangPublisherRelay
+    from kvidx.sim.sglang_engine import SimSglangEngine, record, stepping_clock
+    from kvidx.sim.vllm_engine import chat_requests
+
+    store = ShardStore(16)
+    for rep in range(3):
+        eng = SimSglangEngine(num_pages=3000, page_size=1, endpoint=None, clock=stepping_clock())
+        frames, _ = record(eng, chat_requests(rep, 60), endpoint=f"tcp://r{rep}:1")
+        def relay(ep):
+            return SglangPublisherRelay("m", ep, 16, engine_version="0.5.23", epoch=0)
+
+        for t, batches in zmq_replay(frames, relay):
+            for b in batches():
+                store.apply(b, now=NOW - 1 + t / 1e12)
+    shard = store.shards["m"]
+    assert shard.tail_keys > 0
+    pipe = QueryPipeline(store)
+    partial = 0
+    for p, o in chat_requests(1, 60):
+        toks = p + o + [5, 6]
+        hashes = prompt_hashes(toks, 16, tails=True)
+        for rank, top_k in [(False, None), (True, None), (False, 2)]:
+            got, best, count, want = _both(pipe, shard, hashes, len(toks), rank, top_k, monkeypatch)
+            assert got == want
+        partial += sum(a["cached_tokens"] % 16 != 0 for a in want["replicas"])
+    assert partial > 0  # partial blocks were counted, not only whole ones
