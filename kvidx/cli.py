@@ -327,12 +327,15 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from index_service.app import create_app
+    from index_service.dynamo_api import DynamoRegistry
     from index_service.follower import KafkaFollower, RoutePublisher
     from index_service.store import ShardStore
     from kvidx.kafka.reach import resolve_bootstrap
     from kvidx.kafka.topics import ensure_topics
     from kvidx.ops.audit import UsagePublisher
     from kvidx.ops.feedback import FeedbackFollower, ensure_feedback_topic
+    from relays.managed import vllm_relay_starter
+    from relays.sinks import KafkaSink
     from schemas.events import topic_names
 
     log = logging.getLogger("kvidx.service")
@@ -354,8 +357,11 @@ def cmd_serve(args) -> int:
         app.state.feedback = f
 
     follower = KafkaFollower(store, b, t["events"], t["snapshots"], t["routes"], prepare=prepare)
+    # Dynamo's indexer API: POST /register starts a relay here that publishes to the events topic
+    dynamo = DynamoRegistry(vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"]),
+                                               settings.block_size))
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
-                     publish_usage=UsagePublisher(b, t["usage"]))
+                     publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo)
     follower.start()
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
@@ -363,6 +369,7 @@ def cmd_serve(args) -> int:
         # no access log: the service counts and logs lookups itself (kvidx_lookups_total, debug lines)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
+        dynamo.stop_all()
         for f in feedback:
             f.stop()
         follower.stop()

@@ -147,6 +147,14 @@ class Relay:
             for f in frames:
                 self.handle(f)
 
+    def retract(self, reason: str) -> None:
+        """The replica leaves the index (its relay stops for good): a ReplicaCleared in a new epoch, so
+        that it orders after everything this relay sent."""
+        self.core.epoch += 1
+        now = Frame(b"", -1, b"", time.time_ns(), self.source.endpoint if self.source else "", "relay")
+        self._emit(RelayOutput(batches=[self.core._wrap([ReplicaCleared(reason)], -1, now, 0.0)]))
+        self.sink.flush(5)
+
     def run_live(self, idle_flush_s: float = 0.2) -> None:
         assert self.source is not None
         for frame in self.source.frames(idle_flush_s):

@@ -1,0 +1,367 @@
+"""Dynamo's standalone KV indexer API, served by `kvidx serve` beside kvidx's own routes, over the same
+index: a router written for Dynamo's indexer (crate dynamo-kv-router 1.6.1, services/indexer/server.rs)
+points at kvidx unchanged.
+
+- `POST /register {instance_id, endpoint, model_name, block_size, dp_rank?, replay_endpoint?,
+  routing_group?}` (201 `{"status":"ok"}`): kvidx starts a relay for that engine's vLLM ZMQ publisher
+  (its replay endpoint fills gaps), publishing to the events topic like every `kvidx relay`; the
+  replica is named after its endpoint. The same checks and 400/409 messages as Dynamo's.
+- `POST /unregister` (200, 404): stops the relay and retracts the replica (a ReplicaCleared).
+- `GET /workers[?model_name=&routing_group=]`: the registrations, in Dynamo's WorkerInfo shape.
+- `POST /query {token_ids, model_name, routing_group?, lora_name?, cache_salt?}`: Dynamo's
+  ScoreResponse from kvidx's walk: per registered worker and DP rank the contiguous GPU prefix in
+  whole blocks of the registered block size x block size (`scores`, `dp`, `gpu`), then the blocks that
+  continue it in host memory (`cpu`) and on disk or a shared pool (`disk` = `longest_matched`);
+  workers with no match are left out; `frequencies` is `[]`, as Dynamo 1.6.1 answers. Dynamo counts
+  whole blocks without kvidx's last-token rule (kvidx's richer answer stays on /v1/lookup).
+- `POST /query_by_hash`: 501 (Dynamo's per-block hashes are not chained: answering them needs a
+  mapping kvidx does not index yet); `GET /health`: 200, empty.
+
+Malformed bodies get axum's statuses and texts (415, 413, 400 "Failed to parse the request body as
+JSON: ...", 422 "Failed to deserialize the JSON body into the target type: ..."; the detail after the
+colon is msgspec's, not serde's). Registrations live in this process (a restart forgets them; Dynamo's
+do too).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from index_service.store import ShardStore
+from kvidx.core.hashing import prompt_hashes
+from schemas.events import TIER_IDS
+
+log = logging.getLogger("kvidx.dynamo_api")
+
+MAX_BODY = 2 << 20  # Dynamo's (axum's) default body limit; 8 MiB for the query routes
+MAX_QUERY_BODY = 8 << 20
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64; JSON above 2^64 fails anyway
+
+
+class RegisterRequest(msgspec.Struct):
+    instance_id: U64
+    endpoint: str
+    model_name: str
+    block_size: U32
+    routing_group: str = "default"
+    tenant_id: str = "default"  # accepted and ignored, as Dynamo does
+    dp_rank: U32 | None = None
+    replay_endpoint: str | None = None
+    additional_salt: str | None = None  # accepted and ignored, as Dynamo does
+
+
+class UnregisterRequest(msgspec.Struct):
+    instance_id: U64
+    model_name: str
+    routing_group: str | None = None
+    tenant_id: str | None = None
+    dp_rank: U32 | None = None
+
+
+class QueryRequest(msgspec.Struct):
+    token_ids: list[U32]
+    model_name: str
+    routing_group: str = "default"
+    tenant_id: str = "default"
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+def zmq_endpoint_error(endpoint: str) -> str | None:
+    """Dynamo's endpoint check (services/common/zmq.rs validate_endpoint), with its messages."""
+    scheme, sep, address = endpoint.partition("://")
+    if not sep:
+        return f"invalid ZMQ endpoint `{endpoint}`: missing scheme"
+    if not address:
+        return f"invalid ZMQ endpoint `{endpoint}`: missing address"
+    if scheme == "tcp":
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            return f"invalid ZMQ endpoint `{endpoint}`: missing TCP port"
+        if not host:
+            return f"invalid ZMQ endpoint `{endpoint}`: missing TCP host"
+        if host.startswith("["):
+            if not host.endswith("]"):
+                return f"invalid ZMQ endpoint `{endpoint}`: missing closing `]`"
+        elif ":" in host:
+            return f"invalid ZMQ endpoint `{endpoint}`: missing TCP port"
+        # Rust's u16 parse errors
+        why = ("cannot parse integer from empty string" if not port else
+               "invalid digit found in string" if not port.isdigit() else
+               "number too large to fit in target type" if int(port) > 65535 else None)
+        return f"invalid ZMQ endpoint `{endpoint}`: invalid TCP port: {why}" if why else None
+    if scheme in ("ipc", "inproc"):
+        return None
+    return f"invalid ZMQ endpoint `{endpoint}`: unsupported scheme `{scheme}`"
+
+
+@dataclass
+class Listener:
+    """One registered (instance, DP rank): its engine endpoints and the relay that follows them."""
+    endpoint: str
+    replay_endpoint: str | None
+    status: str = "pending"
+    last_error: str | None = None
+    stop: Callable[[], None] | None = None
+
+
+@dataclass
+class Worker:
+    model_name: str
+    routing_group: str
+    listeners: dict[int, Listener] = field(default_factory=dict)
+
+
+class DynamoRegistry:
+    """Dynamo's worker registry (services/indexer/registry.rs), with relays for listeners.
+
+    `start_relay(model, replica, dp_rank, endpoint, replay_endpoint, listener)` starts following an
+    engine and returns `stop()`, which stops it and retracts the replica from the index (None:
+    registrations only, for tests of the bookkeeping); a relay that fails sets `listener.status`."""
+
+    def __init__(self, start_relay=None):
+        self.start_relay = start_relay
+        self.workers: dict[int, Worker] = {}
+        self.block_sizes: dict[tuple[str, str], int] = {}  # (model, routing group) -> block size
+        self.lock = threading.Lock()
+
+    # ---- registration ---------------------------------------------------------------------------
+    def register(self, req: RegisterRequest) -> tuple[int, dict]:
+        err = zmq_endpoint_error(req.endpoint)
+        if err is None and req.replay_endpoint is not None:
+            rerr = zmq_endpoint_error(req.replay_endpoint)
+            err = f"invalid replay endpoint `{req.replay_endpoint}`: {rerr}" if rerr else None
+        if err is not None:
+            return 400, {"error": err}
+        iid, rank, key = req.instance_id, req.dp_rank or 0, (req.model_name, req.routing_group)
+        with self.lock:
+            w = self.workers.get(iid)
+            if w is not None:
+                if (w.model_name, w.routing_group) != key:
+                    return 409, {"error": f"instance {iid} is already registered for model={w.model_name} "
+                                          f"routing_group={w.routing_group}"}
+                if rank in w.listeners:
+                    return 409, {"error": f"instance {iid} dp_rank {rank} already registered"}
+            bs = self.block_sizes.setdefault(key, req.block_size)
+            if bs != req.block_size:
+                return 409, {"error": f"block_size mismatch for model={key[0]} routing_group={key[1]}: "
+                                      f"existing={bs}, requested={req.block_size}"}
+            listener = Listener(req.endpoint, req.replay_endpoint)
+            self.workers.setdefault(iid, Worker(*key)).listeners[rank] = listener
+        if self.start_relay is not None:
+            try:
+                listener.stop = self.start_relay(req.model_name, req.endpoint, rank, req.endpoint,
+                                                 req.replay_endpoint, listener)
+                listener.status = "active"
+            except Exception as e:  # noqa: BLE001 - reported on /workers, as Dynamo reports listener errors
+                listener.status, listener.last_error = "failed", str(e)[:300]
+                log.warning("event=dynamo_listener_failed instance=%d endpoint=%s error=%s", iid,
+                            req.endpoint, listener.last_error)
+        else:
+            listener.status = "active"
+        log.info("event=dynamo_register instance=%d dp_rank=%d model=%s endpoint=%s", iid, rank,
+                 req.model_name, req.endpoint)
+        return 201, {"status": "ok"}
+
+    def unregister(self, req: UnregisterRequest) -> tuple[int, dict]:
+        iid = req.instance_id
+        with self.lock:
+            w = self.workers.get(iid)
+            if w is None:
+                return 404, {"error": f"instance {iid} not found"}
+            mismatch = {"error": f"instance {iid} is registered for model={w.model_name} "
+                                 f"routing_group={w.routing_group}"}
+            if w.model_name != req.model_name:
+                return 404, mismatch
+            if req.routing_group is not None and w.routing_group != req.routing_group:
+                return 404, mismatch
+            if req.routing_group is not None and req.dp_rank is not None:  # Dynamo: rank only with a group
+                if req.dp_rank not in w.listeners:
+                    return 404, {"error": f"instance {iid} dp_rank {req.dp_rank} not found"}
+                gone = {req.dp_rank: w.listeners.pop(req.dp_rank)}
+            else:
+                gone, w.listeners = w.listeners, {}
+            if not w.listeners:
+                del self.workers[iid]
+                key = (w.model_name, w.routing_group)
+                if not any((x.model_name, x.routing_group) == key for x in self.workers.values()):
+                    self.block_sizes.pop(key, None)  # Dynamo drops the indexer with its last worker
+        for listener in gone.values():
+            if listener.stop is not None:
+                listener.stop()
+        log.info("event=dynamo_unregister instance=%d ranks=%s model=%s", iid, sorted(gone), w.model_name)
+        return 200, {"status": "ok"}
+
+    def worker_infos(self, model_name: str | None, routing_group: str | None) -> list[dict]:
+        out = []
+        with self.lock:
+            for iid, w in self.workers.items():
+                if not w.listeners or (model_name is not None and w.model_name != model_name) or (
+                        routing_group is not None and w.routing_group != routing_group):
+                    continue
+                states = [x.status for x in w.listeners.values()]
+                status = next((s for s in ("failed", "pending", "active") if s in states), "paused")
+                listeners = {}
+                for rank, x in sorted(w.listeners.items()):
+                    info = {"endpoint": x.endpoint, "status": x.status}
+                    if x.last_error:
+                        info["last_error"] = x.last_error
+                    listeners[str(rank)] = info
+                out.append({"instance_id": iid, "source": "zmq", "status": status, "model_name": w.model_name,
+                            "routing_group": w.routing_group,
+                            "block_size": self.block_sizes[(w.model_name, w.routing_group)],
+                            "endpoints": {str(r): x.endpoint for r, x in sorted(w.listeners.items())},
+                            "listeners": listeners})
+        return out
+
+    def instances(self, model_name: str, routing_group: str) -> dict[str, int]:
+        """kvidx replica name (the endpoint) -> instance id, for the workers of one (model, group)."""
+        with self.lock:
+            return {x.endpoint: iid for iid, w in self.workers.items()
+                    if (w.model_name, w.routing_group) == (model_name, routing_group)
+                    for x in w.listeners.values()}
+
+    def stop_all(self) -> None:
+        """The service shuts down: its relays stop; the replicas stay in the index (their engines run
+        on, and other instances follow the same events)."""
+        with self.lock:
+            listeners = [x for w in self.workers.values() for x in w.listeners.values()]
+        for x in listeners:
+            if x.stop is not None:
+                x.stop(False)
+
+
+# ---- the query --------------------------------------------------------------------------------------
+_HOST = (TIER_IDS["CPU"],)
+_DISK = (TIER_IDS["DISK"], TIER_IDS["NODE_SHARED"], TIER_IDS["POOL"])  # disk + "external", as Dynamo folds
+
+
+def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryRequest) -> tuple[int, dict]:
+    key = (req.model_name, req.routing_group)
+    block_size = registry.block_sizes.get(key)
+    if block_size is None:
+        return 404, {"error": f"no indexer for model={req.model_name} routing_group={req.routing_group}"}
+    empty = {"frequencies": [], "instances": {}, "scores": {}}
+    shard = store.shards.get(req.model_name)
+    names = registry.instances(*key)
+    if shard is None or not names or not req.token_ids or block_size <= 0:
+        return 200, empty
+    g = shard._lookup_group(None)
+    if g is None:
+        return 200, empty
+    ibs = shard.block_size
+    # Dynamo drops the trailing partial block of its own size; empty strings are no namespace
+    n = len(req.token_ids) // block_size * block_size
+    hashes = prompt_hashes(req.token_ids[:n], ibs, req.lora_name or None, req.cache_salt or None)
+    if not hashes:
+        return 200, empty
+    gpu_map = g.tiers.get(TIER_IDS["GPU"])
+    gpu = dict(gpu_map.walk(hashes).items()) if gpu_map is not None else {}
+    lower = [[g.tiers[t] for t in tiers if t in g.tiers] for tiers in (_HOST, _DISK)]
+    lower_masks = [_or_masks(maps, hashes) if maps else None for maps in lower]
+    scores: dict[str, dict[str, int]] = {}
+    instances: dict[str, dict] = {}
+    for st in shard.by_slot:
+        if st is None or st.replica not in names:
+            continue
+        bit = 1 << st.slot
+        pos = gpu.get(st.slot, 0)
+        reach = [pos]
+        for masks in lower_masks:  # each lower tier continues where the faster ones stopped
+            if masks is not None:
+                while pos < len(masks) and masks[pos] & bit:
+                    pos += 1
+            reach.append(pos)
+        g_tok, c_tok, d_tok = (b * ibs // block_size * block_size for b in reach)
+        if not d_tok:
+            continue
+        iid = str(names[st.replica])
+        rank = str(st.dp_rank)
+        if g_tok:
+            scores.setdefault(iid, {})[rank] = g_tok
+        inst = instances.setdefault(iid, {"cpu": 0, "disk": 0, "dp": {}, "gpu": 0, "longest_matched": 0})
+        inst["dp"][rank] = g_tok
+        inst["gpu"], inst["cpu"] = max(inst["gpu"], g_tok), max(inst["cpu"], c_tok)
+        inst["disk"] = inst["longest_matched"] = max(inst["disk"], d_tok)
+    return 200, {"frequencies": [], "instances": instances, "scores": scores}
+
+
+def _or_masks(maps, hashes: list[int]) -> list[int]:
+    masks = maps[0].masks(hashes)
+    for m in maps[1:]:
+        masks = [a | b for a, b in zip(masks, m.masks(hashes), strict=True)]
+    return masks
+
+
+# ---- HTTP -------------------------------------------------------------------------------------------
+def _json(status: int, body) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def _text(status: int, text: str) -> Response:
+    return Response(text, status_code=status, media_type="text/plain; charset=utf-8")
+
+
+async def _body(request: Request, typ: type, limit: int):
+    """A JSON body as axum's Json<T> takes it: 415 -> 413 -> 400 -> 422, or the decoded struct."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
+        return _text(415, "Expected request with `Content-Type: application/json`")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return _text(413, "Failed to buffer the request body: length limit exceeded")
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        return _text(400, f"Failed to parse the request body as JSON: {e}")
+    try:
+        return msgspec.convert(raw, typ)
+    except msgspec.ValidationError as e:
+        return _text(422, f"Failed to deserialize the JSON body into the target type: {e}")
+
+
+def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry) -> None:
+    """Dynamo's paths on `app` (outside /v1/: Dynamo's API has no auth)."""
+    app.state.dynamo = registry
+
+    @app.post("/register", include_in_schema=False)
+    async def register(request: Request) -> Response:
+        req = await _body(request, RegisterRequest, MAX_BODY)
+        return req if isinstance(req, Response) else _json(*registry.register(req))
+
+    @app.post("/unregister", include_in_schema=False)
+    async def unregister(request: Request) -> Response:
+        req = await _body(request, UnregisterRequest, MAX_BODY)
+        return req if isinstance(req, Response) else _json(*registry.unregister(req))
+
+    @app.get("/workers", include_in_schema=False)
+    async def workers(model_name: str | None = None, routing_group: str | None = None) -> Response:
+        return _json(200, registry.worker_infos(model_name, routing_group))
+
+    @app.post("/query", include_in_schema=False)
+    async def query(request: Request) -> Response:
+        req = await _body(request, QueryRequest, MAX_QUERY_BODY)
+        if isinstance(req, Response):
+            return req
+        with store.lock:
+            return _json(*score_response(store, registry, req))
+
+    @app.post("/query_by_hash", include_in_schema=False)
+    async def query_by_hash() -> Response:
+        return _json(501, {"error": "query_by_hash is not supported by kvidx yet: Dynamo's per-block hashes "
+                                    "are not chained, send the prompt's token_ids to POST /query"})
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> Response:
+        return Response(status_code=200)

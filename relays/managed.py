@@ -1,0 +1,49 @@
+"""Relays started by the lookup service itself (Dynamo's `POST /register`: index_service/dynamo_api.py):
+a vLLM ZMQ publisher followed in a thread of the service, publishing to the service's sink (the events
+topic under `kvidx serve`) exactly as a `kvidx relay` process does."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvidx.engines.vllm.relay import VllmPublisherRelay
+from relays.run import Relay
+from relays.sinks import Sink
+from relays.zmq_source import ZmqSource
+
+log = logging.getLogger("kvidx.relay")
+
+
+def vllm_relay_starter(sink: Sink, index_block_size: Callable[[str], int]):
+    """start(model, replica, dp_rank, endpoint, replay_endpoint, listener) -> stop(retract=True): a live
+    relay in a thread (the engine's replay buffer first, then its publisher), hashing at the model's
+    index block size; `stop()` ends it and retracts the replica (Relay.retract); `stop(False)` only
+    ends it (the service shuts down: the engine and the index's view of it go on)."""
+
+    def start(model: str, replica: str, dp_rank: int, endpoint: str, replay_endpoint: str | None, listener):
+        core = VllmPublisherRelay(model, replica, index_block_size(model), dp_rank)
+        relay = Relay(core, sink, ZmqSource(endpoint, replay_endpoint))
+
+        def run() -> None:
+            try:
+                relay.start_fresh()
+                relay.run_live()
+            except Exception as e:  # noqa: BLE001 - one engine's relay must not take the service down
+                listener.status, listener.last_error = "failed", f"{type(e).__name__}: {e}"[:300]
+                log.warning("event=managed_relay_failed replica=%s error=%s", replica, listener.last_error)
+
+        thread = threading.Thread(target=run, daemon=True, name=f"relay-{replica}")
+        thread.start()
+
+        def stop(retract: bool = True) -> None:
+            relay.stop_event.set()
+            thread.join(5)
+            relay.close()
+            if retract:
+                relay.retract("unregistered")
+
+        return stop
+
+    return start
