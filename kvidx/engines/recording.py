@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -53,3 +53,18 @@ class Recorder:
 
     def close(self) -> None:
         self._f.close()
+
+
+def request_steps(frames: Iterable[Frame], requests: list[dict]) -> Iterator[tuple[list[Frame], dict]]:
+    """A recording as a router lived it: for each request in send order, the frames the engine had
+    published by its send time (not sent before), then the request (a live replay, frame by frame,
+    with a lookup before each request)."""
+    frames = sorted(frames, key=lambda f: f.recv_ns)
+    j = 0
+    for r in sorted(requests, key=lambda r: r["t_send"]):
+        t_ns = int(r["t_send"] * 1e9)
+        k = j
+        while k < len(frames) and frames[k].recv_ns <= t_ns:
+            k += 1
+        yield frames[j:k], r
+        j = k
