@@ -539,7 +539,10 @@ def _add_serve(sub) -> None:
                                    "/v1/usage; GET /healthz, /metrics, /docs). The instance is a read "
                                    "replica: it rebuilds its shards from the workers' snapshot topic, "
                                    "then follows the events topic itself; /healthz answers 503 until the "
-                                   "shards are rebuilt. Any number of instances answer alike.")
+                                   "shards are rebuilt. Any number of instances answer alike. Dynamo's "
+                                   "indexer API too (POST /register, /unregister, /query; GET /workers, "
+                                   "/health): a registration starts a relay here for the engine's "
+                                   "publisher, publishing to the events topic (docs/routers.md).")
     _common(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")
