@@ -105,7 +105,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     add_status_routes(app, ctx, auth)
     if dynamo is not None:
         add_dynamo_routes(app, store, dynamo)
-    app.add_middleware(HotPath, ctx=ctx)  # the lookups, past the router
+    app.add_middleware(HotPath, ctx=ctx, dynamo=dynamo)  # the lookups, past the router
     if auth_token:  # added last: outermost, so it guards the lookups too
         add_bearer_auth(app, auth_token)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))

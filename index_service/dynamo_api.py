@@ -37,6 +37,7 @@ from fastapi.responses import Response
 
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
+from kvidx.core.maskmap import parse_token_ids
 from schemas.events import TIER_IDS
 
 log = logging.getLogger("kvidx.dynamo_api")
@@ -74,6 +75,15 @@ class QueryRequest(msgspec.Struct):
     tenant_id: str = "default"
     lora_name: str | None = None
     cache_salt: str | None = None
+
+
+class _RawQuery(QueryRequest, kw_only=True):
+    """A /query body with its token ids left as JSON text, for the compiled parser."""
+    token_ids: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_RAW_QUERY = msgspec.json.Decoder(_RawQuery)
+_NULL = msgspec.Raw(b"null")
 
 
 def zmq_endpoint_error(endpoint: str) -> str | None:
@@ -253,15 +263,17 @@ def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryReques
     empty = {"frequencies": [], "instances": {}, "scores": {}}
     shard = store.shards.get(req.model_name)
     names = registry.instances(*key)
-    if shard is None or not names or not req.token_ids or block_size <= 0:
+    if shard is None or not names or block_size <= 0:
         return 200, empty
     g = shard._lookup_group(None)
     if g is None:
         return 200, empty
     ibs = shard.block_size
     # Dynamo drops the trailing partial block of its own size; empty strings are no namespace
-    n = len(req.token_ids) // block_size * block_size
-    hashes = prompt_hashes(req.token_ids[:n], ibs, req.lora_name or None, req.cache_salt or None)
+    tokens = req.token_ids  # a list, or packed uint32 bytes (the compiled parser's)
+    n = (len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)) // block_size * block_size
+    tokens = tokens[:4 * n] if isinstance(tokens, bytes) else tokens[:n]
+    hashes = prompt_hashes(tokens, ibs, req.lora_name or None, req.cache_salt or None)
     if not hashes:
         return 200, empty
     gpu_map = g.tiers.get(TIER_IDS["GPU"])
@@ -312,7 +324,8 @@ def _text(status: int, text: str) -> Response:
 
 
 async def _body(request: Request, typ: type, limit: int):
-    """A JSON body as axum's Json<T> takes it: 415 -> 413 -> 400 -> 422, or the decoded struct."""
+    """A JSON body as axum's Json<T> takes it: 415 -> 413 -> 400 -> 422, or the decoded struct. A
+    query's token ids go from JSON text to packed uint32 bytes where the compiled parser is built."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
         return _text(415, "Expected request with `Content-Type: application/json`")
@@ -321,6 +334,16 @@ async def _body(request: Request, typ: type, limit: int):
         body += chunk
         if len(body) > limit:
             return _text(413, "Failed to buffer the request body: length limit exceeded")
+    if typ is QueryRequest and parse_token_ids is not None:
+        try:
+            raw = _RAW_QUERY.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            raw = None  # decoded the ordinary way below, for the ordinary error
+        if raw is not None and raw.token_ids != _NULL:
+            packed = parse_token_ids(bytes(raw.token_ids))
+            if packed is not None:
+                raw.token_ids = packed
+                return raw
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
@@ -329,6 +352,15 @@ async def _body(request: Request, typ: type, limit: int):
         return msgspec.convert(raw, typ)
     except msgspec.ValidationError as e:
         return _text(422, f"Failed to deserialize the JSON body into the target type: {e}")
+
+
+async def query_handler(store: ShardStore, registry: DynamoRegistry, request) -> Response:
+    """POST /query (also taken straight from the ASGI scope by index_service.hot_path)."""
+    req = await _body(request, QueryRequest, MAX_QUERY_BODY)
+    if isinstance(req, Response):
+        return req
+    with store.lock:
+        return _json(*score_response(store, registry, req))
 
 
 def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry) -> None:
@@ -351,11 +383,7 @@ def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry)
 
     @app.post("/query", include_in_schema=False)
     async def query(request: Request) -> Response:
-        req = await _body(request, QueryRequest, MAX_QUERY_BODY)
-        if isinstance(req, Response):
-            return req
-        with store.lock:
-            return _json(*score_response(store, registry, req))
+        return await query_handler(store, registry, request)
 
     @app.post("/query_by_hash", include_in_schema=False)
     async def query_by_hash() -> Response:

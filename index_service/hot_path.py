@@ -1,4 +1,5 @@
-"""The lookups routers make on every request (POST /v1/lookup, /v1/rank, /v1/lookup/binary), taken
+"""The lookups routers make on every request (POST /v1/lookup, /v1/rank, /v1/lookup/binary, and
+Dynamo's POST /query where its API is on), taken
 straight to their handlers: an ASGI middleware in front of the FastAPI router, so a lookup skips route
 matching and FastAPI's per-request dependency solving (about a quarter of a hashed lookup's CPU in
 the app). The handlers are the very ones the FastAPI routes call (lookup_routes), so answers, errors,
@@ -14,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from index_service.context import ServiceContext
+from index_service.dynamo_api import query_handler
 from index_service.lookup_routes import binary_lookup, json_lookup
 
 
@@ -63,13 +65,15 @@ class LookupRequest:
 
 
 class HotPath:
-    def __init__(self, app: ASGIApp, ctx: ServiceContext):
+    def __init__(self, app: ASGIApp, ctx: ServiceContext, dynamo=None):
         self.app = app
         self.handlers = {
             "/v1/lookup": lambda request: json_lookup(ctx, request, "json", rank=False),
             "/v1/rank": lambda request: json_lookup(ctx, request, "rank", rank=True),
             "/v1/lookup/binary": lambda request: binary_lookup(ctx, request),
         }
+        if dynamo is not None:  # Dynamo's POST /query (index_service/dynamo_api.py)
+            self.handlers["/query"] = lambda request: query_handler(ctx.store, dynamo, request)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self.handlers.get(scope["path"]) if scope["type"] == "http" else None

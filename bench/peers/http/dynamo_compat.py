@@ -92,6 +92,114 @@ def settled(base_url: str, prompt: list[int], timeout_s: float = 10.0):
     raise SystemExit("answers did not settle")
 
 
+KVIDX_SERVER = """
+import sys, uvicorn
+from index_service.app import create_app
+from index_service.dynamo_api import DynamoRegistry
+from index_service.store import ShardStore
+from relays.managed import vllm_relay_starter
+from relays.sinks import StoreSink
+store = ShardStore(16)
+store.ready = True
+app = create_app(store, dynamo=DynamoRegistry(vllm_relay_starter(StoreSink(store), lambda m: 16)))
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+"""
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load(base_url: str, prompts: list[list[int]], pid: int, seconds: float, connections: int) -> dict:
+    """Closed loop: `connections` threads, each sending the prompts' /query in turn for `seconds`;
+    lookups/s and the server's CPU per lookup."""
+    import http.client
+    import threading
+
+    host, port = base_url.removeprefix("http://").split(":")
+    bodies = [json.dumps({"token_ids": p, "model_name": MODEL}).encode() for p in prompts]
+    done = [0] * connections
+    stop = time.monotonic() + seconds
+
+    def run(k: int) -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        i = k
+        while time.monotonic() < stop:
+            conn.request("POST", "/query", body=bodies[i % len(bodies)],
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            assert r.status == 200
+            done[k] += 1
+            i += connections
+        conn.close()
+
+    c0, t0 = cpu_s(pid), time.monotonic()
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    n, wall, cpu = sum(done), time.monotonic() - t0, cpu_s(pid) - c0
+    return {"lookups": n, "lookups_per_s": round(n / wall),
+            "server_cpu_us_per_lookup": round(cpu / n * 1e6, 1)}
+
+
+def bench(args) -> int:
+    """Both servers fed the same traffic, then the same closed-loop load on /query, one after the other."""
+    ctx = zmq.Context()
+    servers = {"dynamo": [args.dynserver, "--port", "{port}", "--threads", str(args.threads)],
+               "kvidx": [sys.executable, "-c", KVIDX_SERVER, "{port}"]}
+    procs = []
+    try:
+        bases = {}
+        for name, cmd in servers.items():
+            port = free_port()
+            p = subprocess.Popen([c.format(port=port) for c in cmd], stderr=subprocess.DEVNULL,
+                                 env={**os.environ, "RUST_LOG": "warn", "PYTHONPATH": str(ROOT)})
+            procs.append(p)
+            bases[name] = (f"http://127.0.0.1:{port}", p.pid)
+            wait_up(bases[name][0])
+        pubs = {name: connect_publisher(base, args.block_size, ctx) for name, (base, _) in bases.items()}
+        prompts = []
+        for frames, r in steps(args.recording):
+            for f in frames:
+                for pub in pubs.values():
+                    pub.send_multipart([f.topic, f.seq.to_bytes(8, "big"), f.payload])
+            prompts.append(r["prompt_token_ids"])
+        for base, _ in bases.values():
+            settled(base, prompts[-1])
+        same = sum(query(bases["dynamo"][0], p) == query(bases["kvidx"][0], p) for p in prompts)
+        print(f"identical answers on the final state: {same} of {len(prompts)}", file=sys.stderr)
+        results = {}
+        for rnd in range(args.rounds):
+            for conns in (1, 4):
+                for name, (base, pid) in bases.items():
+                    res = load(base, prompts, pid, args.seconds, conns)
+                    results.setdefault(f"{name} x{conns}", []).append(res)
+                    print(f"round {rnd + 1} {name} {conns} connection(s): {res}", file=sys.stderr)
+        print(json.dumps({"identical": same, "queries": len(prompts), "results": results}))
+        return 0
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        ctx.destroy(linger=0)
+
+
+def wait_up(base: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{base} did not start") from None
+            time.sleep(0.1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -101,23 +209,24 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, required=True, help="the engine's block size (registered)")
     ap.add_argument("--threads", type=int, default=4,
                     help="dynserver --threads (default: 4, its production one)")
-    ap.add_argument("--out", required=True, type=Path, help="the fixture to write")
+    ap.add_argument("--out", type=Path, help="the fixture to write")
+    ap.add_argument("--bench", action="store_true",
+                    help="instead: feed Dynamo's indexer and kvidx the same traffic and compare /query "
+                         "lookups/s and server CPU per lookup (closed loop, 1 and 4 connections)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="--bench: seconds per load run (default: 5)")
+    ap.add_argument("--rounds", type=int, default=3, help="--bench: interleaved rounds (default: 3)")
     args = ap.parse_args()
+    if args.bench:
+        return bench(args)
+    if args.out is None:
+        ap.error("--out is needed (or --bench)")
     port = free_port()
     proc = subprocess.Popen([args.dynserver, "--port", str(port), "--threads", str(args.threads)],
                             stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
     base = f"http://127.0.0.1:{port}"
     ctx = zmq.Context()
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("dynserver did not start") from None
-                time.sleep(0.1)
+        wait_up(base)
         pub = connect_publisher(base, args.block_size, ctx)
         queries = []
         for frames, r in steps(args.recording):
