@@ -14,8 +14,10 @@ points at kvidx unchanged.
   continue it in host memory (`cpu`) and on disk or a shared pool (`disk` = `longest_matched`);
   workers with no match are left out; `frequencies` is `[]`, as Dynamo 1.6.1 answers. Dynamo counts
   whole blocks without kvidx's last-token rule (kvidx's richer answer stays on /v1/lookup).
-- `POST /query_by_hash`: 501 (Dynamo's per-block hashes are not chained: answering them needs a
-  mapping kvidx does not index yet); `GET /health`: 200, empty.
+- `POST /query_by_hash {block_hashes, model_name, ...}`: the same answer from Dynamo's own per-block
+  hashes (i64), which the relays /register starts also publish, chained, as Dynamo keys
+  (kvidx.core.hashing.dynamo_keys, BlocksStored.dynamo: one entry more per engine block of the
+  registered workers only); `GET /health`: 200, empty.
 
 Malformed bodies get axum's statuses and texts (415, 413, 400 "Failed to parse the request body as
 JSON: ...", 422 "Failed to deserialize the JSON body into the target type: ..."; the detail after the
@@ -36,12 +38,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from index_service.store import ShardStore
-from kvidx.core.hashing import prompt_hashes
+from kvidx.core.hashing import dynamo_keys, prompt_hashes
 from kvidx.core.maskmap import parse_token_ids
 from schemas.events import TIER_IDS
 
 log = logging.getLogger("kvidx.dynamo_api")
 
+_M64 = (1 << 64) - 1
 MAX_BODY = 2 << 20  # Dynamo's (axum's) default body limit; 8 MiB for the query routes
 MAX_QUERY_BODY = 8 << 20
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
@@ -74,6 +77,17 @@ class QueryRequest(msgspec.Struct):
     routing_group: str = "default"
     tenant_id: str = "default"
     lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+
+
+class QueryByHashRequest(msgspec.Struct):
+    block_hashes: list[I64]  # Dynamo's local hashes as i64 (a u64 above 2^63 - 1 as its negative)
+    model_name: str
+    routing_group: str = "default"
+    tenant_id: str = "default"
     cache_salt: str | None = None
 
 
@@ -170,7 +184,7 @@ class DynamoRegistry:
         if self.start_relay is not None:
             try:
                 listener.stop = self.start_relay(req.model_name, req.endpoint, rank, req.endpoint,
-                                                 req.replay_endpoint, listener)
+                                                 req.replay_endpoint, listener, req.block_size)
                 listener.status = "active"
             except Exception as e:  # noqa: BLE001 - reported on /workers, as Dynamo reports listener errors
                 listener.status, listener.last_error = "failed", str(e)[:300]
@@ -255,7 +269,10 @@ _HOST = (TIER_IDS["CPU"],)
 _DISK = (TIER_IDS["DISK"], TIER_IDS["NODE_SHARED"], TIER_IDS["POOL"])  # disk + "external", as Dynamo folds
 
 
-def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryRequest) -> tuple[int, dict]:
+def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryRequest | QueryByHashRequest
+                   ) -> tuple[int, dict]:
+    """POST /query (the prompt hashed canonically at kvidx's index block) or /query_by_hash (Dynamo's
+    local hashes, chained into the Dynamo keys the registered relays publish: one per Dynamo block)."""
     key = (req.model_name, req.routing_group)
     block_size = registry.block_sizes.get(key)
     if block_size is None:
@@ -268,12 +285,15 @@ def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryReques
     g = shard._lookup_group(None)
     if g is None:
         return 200, empty
-    ibs = shard.block_size
-    # Dynamo drops the trailing partial block of its own size; empty strings are no namespace
-    tokens = req.token_ids  # a list, or packed uint32 bytes (the compiled parser's)
-    n = (len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)) // block_size * block_size
-    tokens = tokens[:4 * n] if isinstance(tokens, bytes) else tokens[:n]
-    hashes = prompt_hashes(tokens, ibs, req.lora_name or None, req.cache_salt or None)
+    if isinstance(req, QueryByHashRequest):
+        hashes, tokens_per_key = dynamo_keys([h & _M64 for h in req.block_hashes]), block_size
+    else:
+        tokens_per_key = shard.block_size
+        # Dynamo drops the trailing partial block of its own size; empty strings are no namespace
+        tokens = req.token_ids  # a list, or packed uint32 bytes (the compiled parser's)
+        n = (len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)) // block_size * block_size
+        tokens = tokens[:4 * n] if isinstance(tokens, bytes) else tokens[:n]
+        hashes = prompt_hashes(tokens, tokens_per_key, req.lora_name or None, req.cache_salt or None)
     if not hashes:
         return 200, empty
     gpu_map = g.tiers.get(TIER_IDS["GPU"])
@@ -293,7 +313,7 @@ def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryReques
                 while pos < len(masks) and masks[pos] & bit:
                     pos += 1
             reach.append(pos)
-        g_tok, c_tok, d_tok = (b * ibs // block_size * block_size for b in reach)
+        g_tok, c_tok, d_tok = (b * tokens_per_key // block_size * block_size for b in reach)
         if not d_tok:
             continue
         iid = str(names[st.replica])
@@ -386,9 +406,15 @@ def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry)
         return await query_handler(store, registry, request)
 
     @app.post("/query_by_hash", include_in_schema=False)
-    async def query_by_hash() -> Response:
-        return _json(501, {"error": "query_by_hash is not supported by kvidx yet: Dynamo's per-block hashes "
-                                    "are not chained, send the prompt's token_ids to POST /query"})
+    async def query_by_hash(request: Request) -> Response:
+        req = await _body(request, QueryByHashRequest, MAX_QUERY_BODY)
+        if isinstance(req, Response):
+            return req
+        if req.cache_salt is not None:  # Dynamo: the salt is already in the caller's hashes
+            return _json(400, {"error": "cache_salt is not accepted by /query_by_hash; block_hashes must "
+                                        "already include the intended cache salt"})
+        with store.lock:
+            return _json(*score_response(store, registry, req))
 
     @app.get("/health", include_in_schema=False)
     async def health() -> Response:

@@ -17,13 +17,17 @@ log = logging.getLogger("kvidx.relay")
 
 
 def vllm_relay_starter(sink: Sink, index_block_size: Callable[[str], int]):
-    """start(model, replica, dp_rank, endpoint, replay_endpoint, listener) -> stop(retract=True): a live
-    relay in a thread (the engine's replay buffer first, then its publisher), hashing at the model's
-    index block size; `stop()` ends it and retracts the replica (Relay.retract); `stop(False)` only
-    ends it (the service shuts down: the engine and the index's view of it go on)."""
+    """start(model, replica, dp_rank, endpoint, replay_endpoint, listener, dynamo_block_size) ->
+    stop(retract=True): a live relay in a thread (the engine's replay buffer first, then its publisher),
+    hashing at the model's index block size (and publishing the Dynamo keys of blocks of
+    `dynamo_block_size`, for /query_by_hash); `stop()` ends it and retracts the replica
+    (Relay.retract); `stop(False)` only ends it (the service shuts down: the engine and the index's
+    view of it go on)."""
 
-    def start(model: str, replica: str, dp_rank: int, endpoint: str, replay_endpoint: str | None, listener):
-        core = VllmPublisherRelay(model, replica, index_block_size(model), dp_rank)
+    def start(model: str, replica: str, dp_rank: int, endpoint: str, replay_endpoint: str | None, listener,
+              dynamo_block_size: int = 0):
+        core = VllmPublisherRelay(model, replica, index_block_size(model), dp_rank,
+                                  dynamo_block_size=dynamo_block_size)
         relay = Relay(core, sink, ZmqSource(endpoint, replay_endpoint))
 
         def run() -> None:

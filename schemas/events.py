@@ -66,6 +66,9 @@ class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     # from its parent) of an engine that resumes inside blocks; parent and depth are unused. Readers
     # before this field store them as blocks no prompt hash reaches (only their counts are off)
     tail: bool = False
+    # True: `hashes` are Dynamo keys (kvidx.core.hashing.dynamo_keys) of the engine blocks newly
+    # cached, for Dynamo's POST /query_by_hash (relays started by its /register); as `tail` otherwise
+    dynamo: bool = False
 
 
 class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
@@ -75,6 +78,7 @@ class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
     hashes: list[BlockHash]
     engine_hashes: list[int] = []
     tail: bool = False  # partial-block keys (BlocksStored.tail)
+    dynamo: bool = False  # Dynamo keys (BlocksStored.dynamo)
 
 
 class ReplicaCleared(msgspec.Struct, tag="cleared", array_like=True):

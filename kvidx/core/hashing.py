@@ -22,6 +22,7 @@ import xxhash
 from kvidx.core.maskmap import chain as plain_chain
 
 _xxh = xxhash.xxh3_64_intdigest
+_M64 = (1 << 64) - 1
 ROOT_SEED = 0x6B76_6964_7831  # "kvidx1": the seed of a chain's first block without namespace
 
 
@@ -71,6 +72,42 @@ def tail_key(seed: int, packed: bytes | memoryview) -> int:
     block's extra keys mixed in). A full block's hash is the same function over all its tokens, so
     a partial key differs from every block hash by its length."""
     return _xxh(packed, seed=seed)
+
+
+DYNAMO_SEED = 1337  # dynamo-kv-router's XXH3_SEED / CHAIN_XXH3_SEED
+_DYNAMO_ROOT = 0x64796E616D6F  # "dynamo": where the chain of Dynamo keys starts
+_DYNAMO_CHAIN_SEED = 0x6B76_6964_7844  # distinct from every canonical seed
+
+
+def dynamo_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """Dynamo's per-request XXH3 seed (dynamo-kv-hashing 1.6.1 compute_salt_hash): 1337, plus the
+    LoRA name hashed with seed 0, plus the salt hashed with seed 1 (empty strings are absent)."""
+    seed = DYNAMO_SEED
+    if lora_name:
+        seed = (seed + _xxh(lora_name.encode(), seed=0)) & _M64
+    if cache_salt:
+        seed = (seed + _xxh(cache_salt.encode(), seed=1)) & _M64
+    return seed
+
+
+def dynamo_local_hashes(packed: bytes | memoryview, block_size: int, seed: int = DYNAMO_SEED) -> list[int]:
+    """Dynamo's per-block ("local") hashes of packed tokens: XXH3-64 of each full block's LE uint32
+    tokens, all with one seed, not chained (dynamo-kv-router protocols.rs compute_block_hash_for_seq)."""
+    step = 4 * block_size
+    mv = memoryview(packed)
+    return [_xxh(mv[i:i + step], seed=seed) for i in range(0, len(mv) - step + 1, step)]
+
+
+def dynamo_keys(local_hashes: Sequence[int], parent: int | None = None) -> list[int]:
+    """The keys kvidx indexes a Dynamo-registered engine's blocks under besides their canonical hashes:
+    Dynamo's local hashes chained (each key covers the blocks before it, as Dynamo's radix tree path
+    does), so a router's `POST /query_by_hash` list walks like a prompt."""
+    h = _DYNAMO_ROOT if parent is None else parent
+    out = []
+    for x in local_hashes:
+        h = _xxh((h & _M64).to_bytes(8, "little") + (x & _M64).to_bytes(8, "little"), seed=_DYNAMO_CHAIN_SEED)
+        out.append(h)
+    return out
 
 
 class PromptHashes(list):

@@ -50,6 +50,7 @@ class ReplicaState(msgspec.Struct):
     recompute: int = 1  # prompt tokens the engine always recomputes at the end (EventBatch)
     lookahead: int = 0  # tokens after a block its engine's hash covers (EventBatch.lookahead_tokens)
     tails: int = 0  # live partial-block keys (BlocksStored.tail): the engine resumes inside blocks
+    dynamo_keys: int = 0  # live Dynamo keys (BlocksStored.dynamo): Dynamo's /query_by_hash
 
 
 class GroupIndex:
@@ -213,9 +214,12 @@ class ModelShard(ShardWalk, ShardSnapshot):
             self.journal.touch(gid, tid, hashes)
         if g.any is not d:
             g.any.store(hashes, st.slot)
-        if ev.tail:  # partial-block keys: in the same maps (no block hash reaches them), counted apart
-            st.tails += new
-            self.tail_keys += new
+        if ev.tail or ev.dynamo:  # keys no block hash reaches, in the same maps, counted apart
+            if ev.tail:
+                st.tails += new
+                self.tail_keys += new
+            else:
+                st.dynamo_keys += new
             self.blocks_applied += len(hashes)
             return
         if self.pending.masks and g.kind in FULL_KINDS:
@@ -245,6 +249,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         if ev.tail:
             st.tails -= gone
             self.tail_keys -= gone
+        elif ev.dynamo:
+            st.dynamo_keys -= gone
         elif gone:
             st.blocks -= gone
             st.group_blocks[ev.group] = st.group_blocks.get(ev.group, 0) - gone
@@ -261,7 +267,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         st.blocks = 0
         st.group_blocks = {}
         self.tail_keys -= st.tails
-        st.tails = 0
+        st.tails = st.dynamo_keys = 0
 
     def stats(self) -> dict:
         return {

@@ -3,7 +3,8 @@ ZMQ traffic into Dynamo's standalone indexer (this folder's dynserver: dynamo-kv
 service code, unmodified), registered through its POST /register like any worker, then asks POST
 /query for every request's prompt and writes the answers as a fixture. tests/unit/index_service/
 test_dynamo_fixture.py replays the same frames into kvidx (registered the same way) and requires
-identical answers, so CI checks compatibility without building Rust. Each request's prompt is asked
+identical answers, to POST /query and to POST /query_by_hash with the prompts' Dynamo block hashes,
+so CI checks compatibility without building Rust. Each request's prompt is asked
 once every frame the engine had published by the request's send time was sent (the engine's state
 as a router saw it), so the answers cover the cache as it grew and was evicted.
 
@@ -31,6 +32,7 @@ import zmq
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
+from kvidx.core.hashing import dynamo_local_hashes, pack_tokens  # noqa: E402
 from kvidx.engines.recording import read_frames, request_steps  # noqa: E402
 
 MODEL = "llama"
@@ -77,6 +79,13 @@ def steps(recording: Path):
 
 def query(base_url: str, prompt: list[int]):
     return post(f"{base_url}/query", {"token_ids": prompt, "model_name": MODEL})[1]
+
+
+def query_by_hash(base_url: str, prompt: list[int], block_size: int):
+    """POST /query_by_hash with the prompt's Dynamo per-block hashes, as a Dynamo router sends them (i64)."""
+    hashes = [h - (1 << 64) if h >= 1 << 63 else h
+              for h in dynamo_local_hashes(pack_tokens(prompt), block_size)]
+    return post(f"{base_url}/query_by_hash", {"block_hashes": hashes, "model_name": MODEL})[1]
 
 
 def settled(base_url: str, prompt: list[int], timeout_s: float = 10.0):
@@ -232,8 +241,10 @@ def main() -> int:
         for frames, r in steps(args.recording):
             for f in frames:
                 pub.send_multipart([f.topic, f.seq.to_bytes(8, "big"), f.payload])
-            queries.append({"i": r.get("i"), "answer": settled(base, r["prompt_token_ids"]) if frames
-                            else query(base, r["prompt_token_ids"])})
+            prompt = r["prompt_token_ids"]
+            answer = settled(base, prompt) if frames else query(base, prompt)
+            queries.append({"i": r.get("i"), "answer": answer,
+                            "answer_by_hash": query_by_hash(base, prompt, args.block_size)})
         manifest = str(Path(__file__).parent / "dynserver" / "Cargo.toml")
         version = subprocess.run(["cargo", "pkgid", "--manifest-path", manifest, "dynamo-kv-router"],
                                  capture_output=True, text=True).stdout.strip()

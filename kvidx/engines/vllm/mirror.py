@@ -49,7 +49,14 @@ from collections.abc import Iterable
 
 import msgspec
 
-from kvidx.core.hashing import chain, namespace_seed, pack_tokens
+from kvidx.core.hashing import (
+    chain,
+    dynamo_keys,
+    dynamo_local_hashes,
+    dynamo_seed,
+    namespace_seed,
+    pack_tokens,
+)
 from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
 from kvidx.engines.common import (
     MirrorError,
@@ -74,13 +81,15 @@ from schemas.events import BlocksRemoved, BlocksStored, Event
 class VllmMirror:
     def __init__(self, index_block_size: int, memo_limit: int = 1 << 21,
                  group_kinds: dict[int, tuple[str, int | None]] | None = None, cpu_chunk_blocks: int = 1,
-                 lmcache: LmcacheConfig | None = None, lookahead: bool = True):
+                 lmcache: LmcacheConfig | None = None, lookahead: bool = True, dynamo_block_size: int = 0):
         """`group_kinds`: KV-cache groups known from configuration (group -> (kind, window)), for
         engines whose events do not say (the events' own metadata wins when they carry it).
         `cpu_chunk_blocks`: engine blocks per offloaded chunk of vLLM's offloading connector (its
         block_size / the GPU block size); `lmcache`: how LMCache's chunks are aged and placed;
         `lookahead`: whether the engine's release may send lookahead tokens (vLLM >= 0.33; a release
-        pinned older refuses them rather than credit blocks the engine will not reuse)."""
+        pinned older refuses them rather than credit blocks the engine will not reuse).
+        `dynamo_block_size` (> 0: the relay of a worker registered through Dynamo's API): the engine's
+        blocks of that size are also published under their Dynamo keys (BlocksStored.dynamo)."""
         self.index_block_size = index_block_size
         self.memo_limit = memo_limit
         # engine hash -> (canonical hashes of its index sub-blocks, depth of the first one)
@@ -101,6 +110,8 @@ class VllmMirror:
         self.lmcache = LmcacheChunks(index_block_size, self.refs, lmcache)
         self.accepts_lookahead = lookahead
         self.lookahead_tokens = 0  # L of the engine's lookahead block hashing, once seen (EventBatch)
+        self.dynamo_block_size = dynamo_block_size
+        self.dynamo: dict[EngineHash, int] = {}  # engine hash -> its Dynamo key (dynamo_block_size > 0)
 
     @property
     def hybrid(self) -> bool:
@@ -279,6 +290,31 @@ class VllmMirror:
         for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, parent, depth0, engine_new):
             out.append(BlocksStored(tier, group, hashes, run_parent, depth, engine, kind,
                                     ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
+        if self.dynamo_block_size and ebs == self.dynamo_block_size and not skip and kind in FULL_KINDS:
+            self._dynamo_stored(ev, packed, tier, group, out)
+
+    def _dynamo_stored(self, ev: BlockStored, packed: bytes, tier: str, group: int, out: list[Event]) -> None:
+        """The Dynamo keys of the engine blocks this store made live (Dynamo's listener hashes each
+        block's tokens with the event's LoRA name: zmq_wire/convert.rs; the key chains them from the
+        parent's, as its radix tree does)."""
+        parent = None
+        if ev.parent_block_hash is not None:
+            parent = self.dynamo.get(ev.parent_block_hash)
+            if parent is None:  # a parent Dynamo could not place either
+                return
+        keys = dynamo_keys(dynamo_local_hashes(packed, ev.block_size, dynamo_seed(ev.lora_name)), parent)
+        dyn = self.dynamo
+        fresh = []
+        for eh, key in zip(ev.block_hashes, keys, strict=False):
+            dyn[eh] = key
+            if self.live.get((eh, tier, group), (0,))[0] == 1:  # its first live copy here
+                fresh.append(key)
+        if len(dyn) > self.memo_limit:
+            for old in list(dyn)[: len(dyn) // 8]:
+                if old not in self.memo:
+                    del dyn[old]
+        if fresh:
+            out.append(BlocksStored(tier, group, fresh, None, 0, dynamo=True))
 
     def _positions(self, hashes: list[EngineHash], parent: EngineHash | None, ebs: int, n_token_blocks: int,
                    depth0: int, k: int, dense: dict[EngineHash, tuple[EngineHash | None, int, int]] | None
@@ -377,6 +413,7 @@ class VllmMirror:
         group = ev.group_idx or 0
         hashes: list[int] = []
         engine: list[int] = []
+        dynamo_gone: list[int] = []
         for eh in ev.block_hashes:
             key = (eh, tier, group)
             entry = self.live.get(key)
@@ -390,8 +427,12 @@ class VllmMirror:
             self.stats["removed"] += 1
             engine.append(fold_engine_hash(eh))
             release(self.refs, entry[1], tier, group, hashes)
+            if eh in self.dynamo:
+                dynamo_gone.append(self.dynamo[eh])
         if hashes:
             out.append(BlocksRemoved(tier, group, hashes, engine))
+        if dynamo_gone:
+            out.append(BlocksRemoved(tier, group, dynamo_gone, dynamo=True))
 
     def _remember(self, eh: EngineHash, sub: tuple[int, ...], depth: int) -> None:
         memo = self.memo
@@ -412,6 +453,7 @@ class VllmMirror:
         self.live.clear()
         self.refs.clear()
         self.lmcache.clear()
+        self.dynamo.clear()
 
     def live_blocks(self) -> int:
         return len(self.live)

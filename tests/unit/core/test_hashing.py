@@ -104,3 +104,16 @@ def test_router_hashes_match_mirror_with_salt_and_lora():
     assert lora == prompt_hashes(t, 16, lora_name="ad")
     both = _mirror_hashes(t, 32, 16, lora_name="ad", extra_keys=[["ad", "s1"], ["ad"]])
     assert both == prompt_hashes(t, 16, lora_name="ad", cache_salt="s1")
+
+
+def test_dynamo_local_hashes_are_dynamos_golden_vectors():
+    """dynamo-kv-router 1.6.1's compute_block_hash_for_seq (block size 4), printed by a tool linked
+    against the crate: plain, LoRA-seeded, salt-seeded, empty strings as absent."""
+    from kvidx.core.hashing import dynamo_local_hashes, dynamo_seed
+
+    assert dynamo_local_hashes(pack_tokens(list(range(1, 13))), 4) == [
+        14643705804678351452, 16777012769546811212, 483935686894639516]
+    assert dynamo_local_hashes(pack_tokens([1, 2, 3, 4, 5]), 4) == [14643705804678351452]  # partial dropped
+    assert dynamo_local_hashes(pack_tokens([1, 2, 3, 4]), 4, dynamo_seed("lora-a")) == [16997879858665117404]
+    assert dynamo_local_hashes(pack_tokens([1, 2, 3, 4]), 4, dynamo_seed(None, "s")) == [5728354201622468629]
+    assert dynamo_seed("", "") == dynamo_seed()

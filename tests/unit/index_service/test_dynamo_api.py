@@ -13,12 +13,18 @@ import pytest
 from index_service.app import create_app
 from index_service.dynamo_api import DynamoRegistry, zmq_endpoint_error
 from index_service.store import ShardStore
+from kvidx.core.hashing import dynamo_local_hashes, pack_tokens
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.managed import vllm_relay_starter
 from relays.sinks import StoreSink
 from tests.helpers import ServerThread, wait_for
 
 B = 32  # the engines' block size: the one registered with Dynamo's API; kvidx indexes at 16
+
+
+def i64_local_hashes(prompt: list[int]) -> list[int]:
+    """What a Dynamo router sends to /query_by_hash: its per-block hashes, as i64."""
+    return [h - (1 << 64) if h >= 1 << 63 else h for h in dynamo_local_hashes(pack_tokens(prompt), B)]
 
 
 def expected_tokens(engine: SimVllmEngine, prompt: list[int]) -> int:
@@ -80,6 +86,9 @@ def test_register_follow_query_unregister(fleet):
                     want_instances[str(iid)] = {"cpu": t, "disk": t, "dp": {"0": t}, "gpu": t,
                                                 "longest_matched": t}
             assert got == {"frequencies": [], "instances": want_instances, "scores": want_scores}, prompt[:8]
+            by_hash = c.post("/query_by_hash", json={"block_hashes": i64_local_hashes(prompt),
+                                                     "model_name": "m"}).json()
+            assert by_hash == got
             hits += bool(want_scores)
         assert hits > 20
         workers = c.get("/workers").json()
@@ -133,7 +142,12 @@ def test_registry_checks_and_messages_are_dynamos(fleet):
             "Failed to deserialize the JSON body into the target type: ") and "token_ids" in r.text
         r = c.post("/query", json={"token_ids": [-1], "model_name": "m"})
         assert r.status_code == 422
-        assert c.post("/query_by_hash", json={"block_hashes": [1], "model_name": "m"}).status_code == 501
+        r = c.post("/query_by_hash", json={"block_hashes": [1], "model_name": "m", "cache_salt": ""})
+        assert r.status_code == 400 and r.json()["error"] == (
+            "cache_salt is not accepted by /query_by_hash; block_hashes must already include the intended "
+            "cache salt")
+        r = c.post("/query_by_hash", json={"block_hashes": [1 << 63], "model_name": "m"})
+        assert r.status_code == 422  # Dynamo takes i64: a u64 above 2^63 - 1 goes as its negative
 
 
 @pytest.mark.parametrize("endpoint,error", [

@@ -2,7 +2,8 @@
 vLLM 0.32 engine (tests/fixtures/vllm-0.32/llama_c4) replayed as live ZMQ traffic into kvidx, which
 follows it through Dynamo's POST /register, and each request's prompt asked once the frames the engine
 had published by its send time are folded; the answers must equal those the real indexer gave on the
-same traffic (tests/fixtures/dynamo-1.6.1, captured by bench/peers/http/dynamo_compat.py with
+same traffic, for POST /query and for POST /query_by_hash with the prompt's Dynamo block hashes
+(tests/fixtures/dynamo-1.6.1, captured by bench/peers/http/dynamo_compat.py with
 dynamo-kv-router 1.6.1's own service code)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import zmq
 from index_service.app import create_app
 from index_service.dynamo_api import DynamoRegistry
 from index_service.store import ShardStore
+from kvidx.core.hashing import dynamo_local_hashes, pack_tokens
 from kvidx.engines.recording import read_frames, request_steps
 from relays.managed import vllm_relay_starter
 from relays.sinks import StoreSink
@@ -43,6 +45,7 @@ def test_query_answers_equal_the_real_dynamo_indexers():
             pub.recv()
             requests = [json.loads(x) for x in (recording / "requests.jsonl").read_text().splitlines() if x]
             want = {q["i"]: q["answer"] for q in fx["queries"]}
+            by_hash = {q["i"]: q["answer_by_hash"] for q in fx["queries"]}
             matched = 0
             for frames, req in request_steps(read_frames(recording / "frames.jsonl"), requests):
                 for f in frames:
@@ -55,6 +58,11 @@ def test_query_answers_equal_the_real_dynamo_indexers():
                 got = c.post("/query", json={"token_ids": req["prompt_token_ids"],
                                              "model_name": fx["model_name"]}).json()
                 assert got == want[req["i"]], req["i"]
+                local = dynamo_local_hashes(pack_tokens(req["prompt_token_ids"]), fx["block_size"])
+                hashes = [h - (1 << 64) if h >= 1 << 63 else h for h in local]  # Dynamo takes i64
+                got = c.post("/query_by_hash", json={"block_hashes": hashes,
+                                                     "model_name": fx["model_name"]}).json()
+                assert got == by_hash[req["i"]], req["i"]
                 matched += bool(got["scores"])
             assert matched == sum(bool(a["scores"]) for a in want.values()) > 150
     finally:
