@@ -21,8 +21,10 @@ points at kvidx unchanged.
 
 Malformed bodies get axum's statuses and texts (415, 413, 400 "Failed to parse the request body as
 JSON: ...", 422 "Failed to deserialize the JSON body into the target type: ..."; the detail after the
-colon is msgspec's, not serde's). Registrations live in this process (a restart forgets them; Dynamo's
-do too).
+colon is msgspec's, not serde's). Registrations are kept on the compacted registrations topic
+(index_service/registrations.py): every `kvidx serve` instance knows them all and answers alike; the
+instance that took one runs its relay, and takes it up again after a restart (Dynamo's indexer
+forgets its registrations when it restarts).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from index_service.store import ShardStore
 from kvidx.core.hashing import dynamo_keys, prompt_hashes
 from kvidx.core.maskmap import parse_token_ids
 from schemas.events import TIER_IDS
+from schemas.registrations import REGISTRATIONS_VERSION, Registration
 
 log = logging.getLogger("kvidx.dynamo_api")
 
@@ -130,12 +133,14 @@ def zmq_endpoint_error(endpoint: str) -> str | None:
 
 @dataclass
 class Listener:
-    """One registered (instance, DP rank): its engine endpoints and the relay that follows them."""
+    """One registered (instance, DP rank): its engine endpoints and the relay that follows them (on the
+    instance named `owner`; elsewhere only known, from the registrations topic)."""
     endpoint: str
     replay_endpoint: str | None
+    owner: str = ""
     status: str = "pending"
     last_error: str | None = None
-    stop: Callable[[], None] | None = None
+    stop: Callable[..., None] | None = None
 
 
 @dataclass
@@ -148,12 +153,18 @@ class Worker:
 class DynamoRegistry:
     """Dynamo's worker registry (services/indexer/registry.rs), with relays for listeners.
 
-    `start_relay(model, replica, dp_rank, endpoint, replay_endpoint, listener)` starts following an
-    engine and returns `stop()`, which stops it and retracts the replica from the index (None:
-    registrations only, for tests of the bookkeeping); a relay that fails sets `listener.status`."""
+    `start_relay(model, replica, dp_rank, endpoint, replay_endpoint, listener, block_size)` starts
+    following an engine and returns `stop(retract=True)`, which stops it and retracts the replica from
+    the index (None: registrations only, for tests of the bookkeeping); a relay that fails sets
+    `listener.status`. `log` (index_service/registrations.py: the compacted registrations topic) keeps
+    the registrations beyond this process: `publish(Registration)`, `remove(instance_id, dp_rank)`;
+    every instance applies the topic's records (`apply_record`), and the instance named `owner` runs
+    the relays of the registrations it took."""
 
-    def __init__(self, start_relay=None):
+    def __init__(self, start_relay=None, owner: str = "local", log=None):
         self.start_relay = start_relay
+        self.owner = owner
+        self.log = log
         self.workers: dict[int, Worker] = {}
         self.block_sizes: dict[tuple[str, str], int] = {}  # (model, routing group) -> block size
         self.lock = threading.Lock()
@@ -166,35 +177,73 @@ class DynamoRegistry:
             err = f"invalid replay endpoint `{req.replay_endpoint}`: {rerr}" if rerr else None
         if err is not None:
             return 400, {"error": err}
-        iid, rank, key = req.instance_id, req.dp_rank or 0, (req.model_name, req.routing_group)
+        reg = Registration(REGISTRATIONS_VERSION, req.instance_id, req.dp_rank or 0, req.model_name,
+                           req.routing_group, req.block_size, req.endpoint, req.replay_endpoint, self.owner)
         with self.lock:
-            w = self.workers.get(iid)
-            if w is not None:
-                if (w.model_name, w.routing_group) != key:
-                    return 409, {"error": f"instance {iid} is already registered for model={w.model_name} "
-                                          f"routing_group={w.routing_group}"}
-                if rank in w.listeners:
-                    return 409, {"error": f"instance {iid} dp_rank {rank} already registered"}
-            bs = self.block_sizes.setdefault(key, req.block_size)
-            if bs != req.block_size:
-                return 409, {"error": f"block_size mismatch for model={key[0]} routing_group={key[1]}: "
-                                      f"existing={bs}, requested={req.block_size}"}
-            listener = Listener(req.endpoint, req.replay_endpoint)
-            self.workers.setdefault(iid, Worker(*key)).listeners[rank] = listener
-        if self.start_relay is not None:
+            conflict = self._conflict(reg)
+            if conflict is not None:
+                return 409, {"error": conflict}
+            listener = self._add(reg)
+        if self.log is not None:
             try:
-                listener.stop = self.start_relay(req.model_name, req.endpoint, rank, req.endpoint,
-                                                 req.replay_endpoint, listener, req.block_size)
-                listener.status = "active"
-            except Exception as e:  # noqa: BLE001 - reported on /workers, as Dynamo reports listener errors
-                listener.status, listener.last_error = "failed", str(e)[:300]
-                log.warning("event=dynamo_listener_failed instance=%d endpoint=%s error=%s", iid,
-                            req.endpoint, listener.last_error)
-        else:
-            listener.status = "active"
-        log.info("event=dynamo_register instance=%d dp_rank=%d model=%s endpoint=%s", iid, rank,
-                 req.model_name, req.endpoint)
+                self.log.publish(reg)
+            except Exception as e:  # noqa: BLE001 - the registration is not kept: it does not happen
+                with self.lock:
+                    self._drop(reg.instance_id, reg.dp_rank)
+                return 503, {"error": f"the registration could not be kept (registrations topic): {e}"}
+        self._start(reg, listener)
+        log.info("event=dynamo_register instance=%d dp_rank=%d model=%s endpoint=%s", reg.instance_id,
+                 reg.dp_rank, reg.model_name, reg.endpoint)
         return 201, {"status": "ok"}
+
+    def _conflict(self, reg: Registration) -> str | None:
+        iid, rank, key = reg.instance_id, reg.dp_rank, (reg.model_name, reg.routing_group)
+        w = self.workers.get(iid)
+        if w is not None:
+            if (w.model_name, w.routing_group) != key:
+                return (f"instance {iid} is already registered for model={w.model_name} "
+                        f"routing_group={w.routing_group}")
+            if rank in w.listeners:
+                return f"instance {iid} dp_rank {rank} already registered"
+        bs = self.block_sizes.get(key, reg.block_size)
+        if bs != reg.block_size:
+            return (f"block_size mismatch for model={key[0]} routing_group={key[1]}: "
+                    f"existing={bs}, requested={reg.block_size}")
+        return None
+
+    def _add(self, reg: Registration) -> Listener:
+        key = (reg.model_name, reg.routing_group)
+        self.block_sizes.setdefault(key, reg.block_size)
+        listener = Listener(reg.endpoint, reg.replay_endpoint, reg.owner,
+                            "pending" if reg.owner == self.owner else "active")
+        self.workers.setdefault(reg.instance_id, Worker(*key)).listeners[reg.dp_rank] = listener
+        return listener
+
+    def _drop(self, iid: int, rank: int) -> Listener | None:
+        w = self.workers.get(iid)
+        listener = w.listeners.pop(rank, None) if w is not None else None
+        if w is not None and not w.listeners:
+            del self.workers[iid]
+            key = (w.model_name, w.routing_group)
+            if not any((x.model_name, x.routing_group) == key for x in self.workers.values()):
+                self.block_sizes.pop(key, None)  # Dynamo drops the indexer with its last worker
+        return listener
+
+    def _start(self, reg: Registration, listener: Listener) -> None:
+        """The relay of a registration this instance owns."""
+        if reg.owner != self.owner or listener.stop is not None:
+            return
+        if self.start_relay is None:
+            listener.status = "active"
+            return
+        try:
+            listener.stop = self.start_relay(reg.model_name, reg.endpoint, reg.dp_rank, reg.endpoint,
+                                             reg.replay_endpoint, listener, reg.block_size)
+            listener.status = "active"
+        except Exception as e:  # noqa: BLE001 - reported on /workers, as Dynamo reports listener errors
+            listener.status, listener.last_error = "failed", str(e)[:300]
+            log.warning("event=dynamo_listener_failed instance=%d endpoint=%s error=%s", reg.instance_id,
+                        reg.endpoint, listener.last_error)
 
     def unregister(self, req: UnregisterRequest) -> tuple[int, dict]:
         iid = req.instance_id
@@ -211,19 +260,40 @@ class DynamoRegistry:
             if req.routing_group is not None and req.dp_rank is not None:  # Dynamo: rank only with a group
                 if req.dp_rank not in w.listeners:
                     return 404, {"error": f"instance {iid} dp_rank {req.dp_rank} not found"}
-                gone = {req.dp_rank: w.listeners.pop(req.dp_rank)}
+                ranks = [req.dp_rank]
             else:
-                gone, w.listeners = w.listeners, {}
-            if not w.listeners:
-                del self.workers[iid]
-                key = (w.model_name, w.routing_group)
-                if not any((x.model_name, x.routing_group) == key for x in self.workers.values()):
-                    self.block_sizes.pop(key, None)  # Dynamo drops the indexer with its last worker
-        for listener in gone.values():
-            if listener.stop is not None:
+                ranks = list(w.listeners)
+            gone = {rank: self._drop(iid, rank) for rank in ranks}
+        for rank, listener in gone.items():
+            if listener.stop is not None:  # this instance's relay (another's stops on the tombstone)
                 listener.stop()
+            if self.log is not None:
+                self.log.remove(iid, rank)
         log.info("event=dynamo_unregister instance=%d ranks=%s model=%s", iid, sorted(gone), w.model_name)
         return 200, {"status": "ok"}
+
+    def apply_record(self, key: bytes, reg: Registration | None) -> None:
+        """A record of the registrations topic (every instance's, this one's echoes included): a
+        registration known from elsewhere, or one this instance owns and takes up again after a
+        restart (its relay starts); a tombstone drops it (and stops this instance's relay)."""
+        iid_text, _, rank_text = key.decode().partition("/")
+        iid, rank = int(iid_text), int(rank_text)
+        if reg is None:
+            with self.lock:
+                listener = self._drop(iid, rank)
+            if listener is not None and listener.stop is not None:
+                listener.stop()
+            return
+        with self.lock:
+            w = self.workers.get(iid)
+            known = w.listeners.get(rank) if w is not None else None
+            if known is not None:
+                return  # this instance's own registration, or one already applied
+            if self._conflict(reg) is not None:
+                log.warning("event=dynamo_registration_conflict instance=%d dp_rank=%d", iid, rank)
+                return
+            listener = self._add(reg)
+        self._start(reg, listener)
 
     def worker_infos(self, model_name: str | None, routing_group: str | None) -> list[dict]:
         out = []
@@ -262,6 +332,7 @@ class DynamoRegistry:
         for x in listeners:
             if x.stop is not None:
                 x.stop(False)
+                x.stop = None
 
 
 # ---- the query --------------------------------------------------------------------------------------

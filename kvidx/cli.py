@@ -324,11 +324,14 @@ def _read_token(path: str) -> str:
 
 
 def cmd_serve(args) -> int:
+    import socket
+
     import uvicorn
 
     from index_service.app import create_app
     from index_service.dynamo_api import DynamoRegistry
     from index_service.follower import KafkaFollower, RoutePublisher
+    from index_service.registrations import RegistrationLog
     from index_service.store import ShardStore
     from kvidx.kafka.reach import resolve_bootstrap
     from kvidx.kafka.topics import ensure_topics
@@ -350,16 +353,21 @@ def cmd_serve(args) -> int:
     store.publish_route = RoutePublisher(b, t["routes"])
     feedback: list[FeedbackFollower] = []
 
-    def prepare() -> None:  # once the broker answers: the topics, then the feedback follower
+    def prepare() -> None:  # once the broker answers: the topics, the feedback follower, the registrations
         ensure_topics(b, t)
         f = FeedbackFollower(b, ensure_feedback_topic(b, t)).start()
         feedback.append(f)
         app.state.feedback = f
+        registrations.follow(dynamo.apply_record)
 
     follower = KafkaFollower(store, b, t["events"], t["snapshots"], t["routes"], prepare=prepare)
-    # Dynamo's indexer API: POST /register starts a relay here that publishes to the events topic
+    # Dynamo's indexer API: POST /register starts a relay here that publishes to the events topic; the
+    # registrations topic keeps them (this instance takes its own up again after a restart)
+    registrations = RegistrationLog(b, t["registrations"])
     dynamo = DynamoRegistry(vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"]),
-                                               settings.block_size))
+                                               settings.block_size),
+                            owner=args.instance_name or f"{socket.gethostname()}:{args.port}",
+                            log=registrations)
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo)
     follower.start()
@@ -369,6 +377,7 @@ def cmd_serve(args) -> int:
         # no access log: the service counts and logs lookups itself (kvidx_lookups_total, debug lines)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
+        registrations.close()
         dynamo.stop_all()
         for f in feedback:
             f.stop()
@@ -546,6 +555,10 @@ def _add_serve(sub) -> None:
     _common(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")
+    s.add_argument("--instance-name", default=os.environ.get("KVIDX_INSTANCE_NAME"),
+                   help="this instance's stable name (e.g. the pod's): it runs the relays of the Dynamo "
+                        "registrations it took, again after a restart (default: HOSTNAME:PORT, or "
+                        "$KVIDX_INSTANCE_NAME)")
     s.add_argument("--auth-token-file", help="require `Authorization: Bearer <token>` on /v1/ "
                    "(the token read from this file; or set $KVIDX_API_TOKEN)")
     s.add_argument("--max-tokens", type=int, default=1_000_000, help="largest prompt a lookup accepts")

@@ -25,6 +25,8 @@ DEAD_LETTER_TOPIC = "kvidx.deadletter"
 CONTROL_TOPIC = "kvidx.control.v1"  # requests to relays (schemas/control.py)
 ROUTES_TOPIC = "kvidx.routes.v1"  # routing decisions: pending credit and the audit (schemas/routes.py)
 USAGE_TOPIC = "kvidx.usage.v1"  # engine usage reports (what was reused): the audit (schemas/usage.py)
+# compacted: the workers registered through Dynamo's API (schemas/registrations.py)
+REGISTRATIONS_TOPIC = "kvidx.registrations.v1"
 
 
 
@@ -32,7 +34,8 @@ def topic_names(prefix: str = "") -> dict[str, str]:
     """The topics of one index deployment; a prefix lets several share a cluster (or a test run)."""
     return {"events": prefix + EVENTS_TOPIC, "snapshots": prefix + SNAPSHOTS_TOPIC,
             "dead_letters": prefix + DEAD_LETTER_TOPIC, "routes": prefix + ROUTES_TOPIC,
-            "control": prefix + CONTROL_TOPIC, "usage": prefix + USAGE_TOPIC}
+            "control": prefix + CONTROL_TOPIC, "usage": prefix + USAGE_TOPIC,
+            "registrations": prefix + REGISTRATIONS_TOPIC}
 
 
 TIERS = ("GPU", "CPU", "DISK", "NODE_SHARED", "POOL")  # fastest first

@@ -66,3 +66,5 @@ def ensure_topics(bootstrap: str, names: dict[str, str], partitions: int = 4) ->
     create_topics(bootstrap, retained,
                   partitions=partitions, compacted=[names["snapshots"]], retention_ms=EVENTS_RETENTION_MS)
     create_topics(bootstrap, [names["control"]], partitions=1)
+    if "registrations" in names:  # one partition: one order of registrations and removals
+        create_topics(bootstrap, [], partitions=1, compacted=[names["registrations"]])

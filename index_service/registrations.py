@@ -1,0 +1,89 @@
+"""Dynamo registrations beyond one process: the compacted topic `kvidx.registrations.v1`
+(schemas/registrations.py). `kvidx serve` writes a record on POST /register and a tombstone on
+/unregister before answering, and follows the topic from its start: at start-up it takes up the
+registrations it owns (their relays start again: a restart does not forget them), and it learns the
+others' so that any instance answers /workers and /query for every registered worker."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, Producer, TopicPartition
+
+from kvidx.kafka.config import client_config
+from kvidx.ops.kafkalog import consumer
+from schemas.registrations import Registration, decode_registration, encode_registration, registration_key
+
+log = logging.getLogger("kvidx.registrations")
+
+
+class RegistrationLog:
+    def __init__(self, bootstrap: str, topic: str):
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.producer = Producer({**client_config(), "bootstrap.servers": bootstrap, "acks": "all",
+                                  "enable.idempotence": True})
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.caught_up = threading.Event()  # set once every record written before the start is applied
+
+    def _write(self, key: bytes, value: bytes | None, timeout_s: float = 10.0) -> None:
+        errors: list[str] = []
+
+        def delivered(err, _msg) -> None:
+            if err is not None:
+                errors.append(str(err))
+
+        self.producer.produce(self.topic, key=key, value=value, on_delivery=delivered)
+        if self.producer.flush(timeout_s) or errors:
+            raise RuntimeError(errors[0] if errors else f"not acknowledged within {timeout_s:.0f} s")
+
+    def publish(self, reg: Registration) -> None:
+        self._write(registration_key(reg.instance_id, reg.dp_rank), encode_registration(reg))
+
+    def remove(self, instance_id: int, dp_rank: int) -> None:
+        try:
+            self._write(registration_key(instance_id, dp_rank), None)
+        except RuntimeError as e:  # the relay is stopped and retracted already: say so, loudly
+            log.error("event=registration_tombstone_failed instance=%d dp_rank=%d error=%s", instance_id,
+                      dp_rank, e)
+
+    def follow(self, apply) -> RegistrationLog:
+        """`apply(key, Registration | None)` for every record, from the topic's start, in a thread."""
+        self._thread = threading.Thread(target=self._run, args=(apply,), daemon=True, name="registrations")
+        self._thread.start()
+        return self
+
+    def _run(self, apply) -> None:
+        c = consumer(self.bootstrap, "registrations")
+        try:
+            _low, high = c.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=30)
+            c.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+            if high <= 0:
+                self.caught_up.set()
+            while not self._stop.is_set():
+                msg = c.poll(0.2)
+                if msg is None:
+                    continue
+                if msg.error() is not None:
+                    if msg.error().code() != KafkaError._PARTITION_EOF:
+                        log.warning("event=registrations_error error=%s", msg.error())
+                    continue
+                try:
+                    reg = decode_registration(msg.value()) if msg.value() is not None else None
+                    apply(msg.key(), reg)
+                except (ValueError, TypeError) as e:
+                    log.warning("event=registration_unreadable offset=%d error=%s", msg.offset(), e)
+                if msg.offset() + 1 >= high:
+                    self.caught_up.set()
+        except Exception as e:  # noqa: BLE001 - a follower that stops must say why
+            log.error("event=registrations_follower_stopped error=%s", e)
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.producer.flush(5)

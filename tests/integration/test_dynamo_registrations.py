@@ -1,0 +1,94 @@
+"""Dynamo's API on `kvidx serve` over a real broker: a worker registered on one instance is known to
+every instance (the compacted registrations topic) and answered alike, survives the restart of the
+instance that runs its relay (the relay starts again and follows the engine), and an /unregister on
+any instance stops the relay where it runs and retracts the replica."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from tests.helpers import ROOT, wait_for
+
+pytestmark = pytest.mark.kafka
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(bootstrap, prefix, port, name, log_path):
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvidx.cli", "serve", "--bootstrap", bootstrap, "--topic-prefix", prefix,
+         "--port", str(port), "--instance-name", name],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(log_path, "a"),
+        stderr=subprocess.STDOUT)
+
+
+def healthy(c: httpx.Client) -> bool:
+    try:
+        return c.get("/healthz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def scores(c: httpx.Client, prompt) -> dict:
+    r = c.post("/query", json={"token_ids": prompt, "model_name": "m"})
+    return r.json().get("scores", {}) if r.status_code == 200 else {"status": r.status_code}
+
+
+def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstrap, topics, tmp_path):
+    engine = SimVllmEngine(num_blocks=64, block_size=16, endpoint="tcp://127.0.0.1:*",
+                           replay_endpoint="tcp://127.0.0.1:*")
+    work = workload_requests(9, 40, systems=2)
+    pa, pb = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    a = serve(kafka_bootstrap, topics["prefix"], pa, "a", log)
+    b = None
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{pa}", timeout=10) as ca, \
+                httpx.Client(base_url=f"http://127.0.0.1:{pb}", timeout=10) as cb:
+            wait_for(lambda: healthy(ca), 60, "instance a ready")
+            r = ca.post("/register", json={"instance_id": 1, "endpoint": engine.endpoint, "model_name": "m",
+                                           "block_size": 16, "replay_endpoint": engine.replay_endpoint})
+            assert r.status_code == 201, r.text
+            for p, o in work[:20]:
+                engine.serve(p, o)
+            wait_for(lambda: "1" in scores(ca, work[19][0]), 30, "a's relay folded through Kafka")
+            # another instance learns the registration from the topic and answers alike
+            b = serve(kafka_bootstrap, topics["prefix"], pb, "b", log)
+            wait_for(lambda: healthy(cb) and [w["instance_id"] for w in cb.get("/workers").json()] == [1], 60,
+                     "b knows the registration")
+            wait_for(lambda: all(scores(cb, p) == scores(ca, p) for p, _ in work[:20]), 30, "b answers as a")
+            # a restarts: it takes its registration up again, and its relay follows the engine again
+            a.send_signal(signal.SIGTERM)
+            a.wait(30)
+            a = serve(kafka_bootstrap, topics["prefix"], pa, "a", log)
+            wait_for(lambda: healthy(ca), 60, "a ready again")
+            wait_for(lambda: [(w["instance_id"], w["status"]) for w in ca.get("/workers").json()]
+                     == [(1, "active")], 30, "a took its registration up again")
+            for p, o in work[20:]:
+                engine.serve(p, o)
+            wait_for(lambda: "1" in scores(cb, work[-1][0]) and "1" in scores(ca, work[-1][0]), 30,
+                     "the restarted relay's events")
+            # an /unregister on b (not the owner): a stops its relay and retracts the replica
+            assert cb.post("/unregister", json={"instance_id": 1, "model_name": "m"}).status_code == 200
+            wait_for(lambda: ca.get("/workers").json() == [] and cb.get("/workers").json() == [], 30,
+                     "both instances forgot it")
+            assert scores(ca, work[-1][0]) == scores(cb, work[-1][0]) == {"status": 404}
+            wait_for(lambda: all(r["cached_tokens"] == 0 for r in ca.post(
+                "/v1/lookup", json={"model": "m", "token_ids": work[-1][0]}).json()["replicas"]), 30,
+                     "the replica retracted from the index")
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
+        engine.close()
