@@ -138,9 +138,7 @@ class Relay:
     def start_fresh(self, replay_from_start: bool = True) -> None:
         """A relay that starts knows nothing of the engine's cache: clear the replica's view, then
         rebuild it from whatever the engine's replay buffer still holds."""
-        now = time.time_ns()
-        start = Frame(b"", -1, b"", now, self.source.endpoint if self.source else "", "relay")
-        self._emit(RelayOutput(batches=[self.core._wrap([ReplicaCleared("relay_start")], -1, start, 0.0)]))
+        self._emit_clear("relay_start")
         if replay_from_start and self.source is not None:
             frames = self.source.replay(0) or []
             log.info("event=startup_replay replica=%s batches=%d", self.core.replica, len(frames))
@@ -151,9 +149,12 @@ class Relay:
         """The replica leaves the index (its relay stops for good): a ReplicaCleared in a new epoch, so
         that it orders after everything this relay sent."""
         self.core.epoch += 1
+        self._emit_clear(reason)
+        self.sink.flush(5)
+
+    def _emit_clear(self, reason: str) -> None:
         now = Frame(b"", -1, b"", time.time_ns(), self.source.endpoint if self.source else "", "relay")
         self._emit(RelayOutput(batches=[self.core._wrap([ReplicaCleared(reason)], -1, now, 0.0)]))
-        self.sink.flush(5)
 
     def run_live(self, idle_flush_s: float = 0.2) -> None:
         assert self.source is not None

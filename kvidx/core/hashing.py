@@ -116,19 +116,24 @@ class PromptHashes(list):
     BlocksStored.tail). Made by `prompt_hashes(..., tails=True)`; a router's own block hashes are a
     plain list and credit whole blocks only."""
 
-    __slots__ = ("packed", "block_size", "seeds0")
+    __slots__ = ("packed", "block_size", "seed0", "_tails")
 
-    def tail_keys(self, depth: int, unit: int = 1) -> list[int]:
+    def tail_keys(self, depth: int) -> list[int]:
         """Keys of the prompt's first 1, 2 ... tokens after its `depth` full blocks (fewer than a
-        block: at most the prompt's end): key l-1 covers l tokens."""
-        bs = self.block_size
-        start = depth * bs * 4
-        end = min(len(self.packed), start + (bs - 1) * 4)
-        if end <= start or depth > len(self):
-            return []
-        seed = self[depth - 1] if depth else self.seeds0
-        mv = memoryview(self.packed)
-        return [_xxh(mv[start:start + 4 * k], seed=seed) for k in range(1, (end - start) // 4 + 1)]
+        block: at most the prompt's end): key l-1 covers l tokens. Kept per depth: a lookup asks
+        again for the answer's tiers."""
+        keys = self._tails.get(depth)
+        if keys is None:
+            bs = self.block_size
+            start = depth * bs * 4
+            end = min(len(self.packed), start + (bs - 1) * 4)
+            keys = []
+            if start < end and depth <= len(self):
+                seed = self[depth - 1] if depth else self.seed0
+                mv = memoryview(self.packed)
+                keys = [tail_key(seed, mv[start:start + 4 * k]) for k in range(1, (end - start) // 4 + 1)]
+            self._tails[depth] = keys
+        return keys
 
 
 def mm_start_extras(n_blocks: int, block_size: int, mm: Sequence[tuple[str, int]] | None,
@@ -165,13 +170,12 @@ def prompt_hashes(token_ids: Sequence[int] | np.ndarray | bytes, block_size: int
     hashed ((n - L) // block_size of n), as the engine can reuse no others. `tails`: a PromptHashes,
     which keys partial blocks too (not with `mm` or `lookahead`, whose engines resume at blocks)."""
     packed = token_ids if isinstance(token_ids, bytes | memoryview) else pack_tokens(token_ids)
-    if tails and not mm and not lookahead:
-        out = PromptHashes(chain(packed, block_size, namespace_seed(lora_name),
-                                 [[cache_salt]] if cache_salt else None))
-        out.packed, out.block_size = bytes(packed), block_size
-        out.seeds0 = extra_seed(namespace_seed(lora_name), [cache_salt] if cache_salt else None)
-        return out
     extras: list[object] | None = [[cache_salt]] if cache_salt else None
+    if tails and not mm and not lookahead:
+        out = PromptHashes(chain(packed, block_size, namespace_seed(lora_name), extras))
+        out.packed, out.block_size, out._tails = bytes(packed), block_size, {}
+        out.seed0 = extra_seed(namespace_seed(lora_name), extras[0] if extras else None)  # block 0's
+        return out
     n = len(packed) // (4 * block_size)
     if mm:
         extras = mm_start_extras(n, block_size, mm, extras)

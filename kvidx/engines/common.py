@@ -161,12 +161,18 @@ class PartialTails:
                 + [BlocksRemoved(t, group, ks, tail=True) for t, ks in removed.items()])
 
     def published(self) -> dict[str, list[int]]:
-        """tier -> every key published now (a mirror replay)."""
+        """tier -> every key published now."""
         out: dict[str, list[int]] = {}
         for (k, tier), c in self.prefixes.items():
             if self._published(c):
                 out.setdefault(tier, []).append(k)
         return out
+
+    def replay(self, group: int = 0) -> list[Event]:
+        """Every key published now, as stores (a mirror replay)."""
+        from schemas.events import BlocksStored
+
+        return [BlocksStored(t, group, ks, None, 0, tail=True) for t, ks in self.published().items()]
 
     def clear(self) -> None:
         self.ends.clear()

@@ -64,7 +64,8 @@ class RelayOutput:
 class SequencedRelay:
     """The relay logic of one publisher of a ZMQ-publishing engine. A subclass sets `engine` (its
     registry name), builds `self.mirror` (the engine's mirror: `apply(events, now)`, `clear()`,
-    `block_size`, `live`, `memo`, `group_kinds`) before or after calling this __init__, and
+    `block_size`, `live`, `memo`, `group_kinds`, `replay_keys()`: the stores of its keys besides
+    blocks, for a mirror replay) before or after calling this __init__, and
     implements `decode(payload)` (the engine's wire decoding, raising msgspec errors on bad input)."""
 
     engine = ""  # the engine whose stream this relay reads (another engine's is a dead letter)
@@ -182,9 +183,8 @@ class SequencedRelay:
                 kind, window = self.mirror.group_kinds.get(group, ("full_attention", None))
                 events.append(BlocksStored(tier, group, hashes, None, 0, group_kind=kind,
                                            sliding_window=window))
-            if i >= len(plan) and getattr(self.mirror, "tails", None) is not None:  # the last part
-                events += [BlocksStored(tier, 0, keys, None, 0, tail=True)
-                           for tier, keys in self.mirror.tails.published().items()]
+            if i >= len(plan):  # the last part: the keys kept beside the blocks (partial, Dynamo)
+                events += self.mirror.replay_keys()
             self.resync_part += 1
             now = time.time()
             yield EventBatch(v=SCHEMA_VERSION, model=self.model, replica=self.replica,

@@ -317,6 +317,10 @@ class MooncakeMirror:
     def live_blocks(self) -> int:
         return len(self.live)
 
+    def replay_keys(self) -> list[Event]:
+        """No keys besides blocks (SequencedRelay.resync)."""
+        return []
+
     def cached_index_blocks(self, tier: str = "POOL") -> set[int]:
         """Canonical hashes of the index blocks cached in `tier` (for tests and audits)."""
         return {c for (c, t, _g) in self.refs if t == tier}

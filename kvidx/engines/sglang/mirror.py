@@ -267,6 +267,10 @@ class SglangMirror:
     def live_blocks(self) -> int:
         return len(self.live)
 
+    def replay_keys(self) -> list[Event]:
+        """The partial-block keys, for a mirror replay (SequencedRelay.resync)."""
+        return self.tails.replay(GROUP) if self.tails is not None else []
+
     def cached_index_blocks(self, tier: str = "GPU") -> set[int]:
         """Canonical hashes of the index blocks cached in `tier` (for tests and audits)."""
         return {c for (c, t, _g) in self.refs if t == tier}

@@ -458,6 +458,15 @@ class VllmMirror:
     def live_blocks(self) -> int:
         return len(self.live)
 
+    def replay_keys(self) -> list[Event]:
+        """The Dynamo keys of the live engine blocks, for a mirror replay (SequencedRelay.resync)."""
+        keys: dict[tuple[str, int], list[int]] = {}
+        for eh, tier, group in self.live:
+            key = self.dynamo.get(eh)
+            if key is not None:
+                keys.setdefault((tier, group), []).append(key)
+        return [BlocksStored(tier, group, ks, None, 0, dynamo=True) for (tier, group), ks in keys.items()]
+
 
 def _index_block_extras(extra_keys: list | None, lora_name: str | None, blocks: list[int], n_blocks: int,
                         k: int, ibs: int = 0, ebs: int = 0) -> list[object] | None:

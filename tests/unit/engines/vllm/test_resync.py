@@ -42,3 +42,30 @@ def test_resync_parts_rebuild_a_fresh_index_shallowest_first():
         assert fresh.credited(h, len(prompt)) == full.credited(h, len(prompt))
     assert any(fresh.credited(prompt_hashes(p, BS), len(p)) for p, _ in work)
     engine.close()
+
+
+def test_resync_replays_the_dynamo_keys_too():
+    """A relay started by Dynamo's /register publishes Dynamo keys beside the blocks: its mirror's
+    replay carries them, so a fresh index answers /query_by_hash's walk as the live one."""
+    from kvidx.core.hashing import dynamo_keys, dynamo_local_hashes, pack_tokens
+
+    engine = SimVllmEngine(num_blocks=64, block_size=32, endpoint="inproc://resync-dynamo")
+    core = VllmPublisherRelay("sim", "sim-0", BS, dynamo_block_size=32)
+    full = ModelShard("sim", BS)
+    work = workload_requests(8, 30)
+    sent = 0
+    for prompt, output in work:
+        engine.serve(prompt, output)
+        for seq, payload in list(engine._buffer)[sent:]:
+            for b in core.on_frame(Frame(b"kv", seq, payload, time.time_ns())).batches:
+                full.apply(b, 0.0)
+        sent = len(engine._buffer)
+    fresh = ModelShard("sim", BS)
+    for p in core.resync(max_blocks=10):
+        fresh.apply(p, 0.0)
+    st_full, st_fresh = full.replicas[("sim-0", 0)], fresh.replicas[("sim-0", 0)]
+    assert st_fresh.dynamo_keys == st_full.dynamo_keys > 0
+    for prompt, _ in work:
+        keys = dynamo_keys(dynamo_local_hashes(pack_tokens(prompt), 32))
+        assert dict(fresh.groups[0].any.walk(keys).items()) == dict(full.groups[0].any.walk(keys).items())
+    engine.close()
