@@ -10,6 +10,10 @@ LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 def configure(level: str) -> None:
     """The process's logging: one stderr handler in LOG_FORMAT (unknown levels: INFO)."""
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT)
+    # httpx logs every request at INFO: thousands of lines a second from the demo's and simulate's
+    # clients, which hide kvidx's own lines. Its warnings and errors still show.
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def use_in_faust() -> None:

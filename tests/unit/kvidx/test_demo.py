@@ -8,4 +8,5 @@ def test_demo_in_process():
     p = run_demo()
     assert p.returncode == 0, p.stderr
     assert demo_agreement(p.stdout)["requests"] == 40
-    assert "404" not in p.stderr and "level=WARNING" not in p.stderr and "level=ERROR" not in p.stderr
+    assert "status=404" not in p.stderr and "HTTP/1.1 404" not in p.stderr
+    assert "level=WARNING" not in p.stderr and "level=ERROR" not in p.stderr
