@@ -173,8 +173,8 @@ class QueryPipeline:
         ttl = self.store.config.pending_ttl_s if req.ttl_s is None else req.ttl_s
         if not 0 < ttl <= 3600:
             raise Reject(422, f"ttl_s must be in (0, 3600], got {ttl}")
-        if req.dp_rank < 0 or req.credited_tokens < 0:
-            raise Reject(422, "dp_rank and credited_tokens must not be negative")
+        if req.dp_rank < 0 or req.credited_tokens < 0 or req.evicting_tokens < 0:
+            raise Reject(422, "dp_rank, credited_tokens and evicting_tokens must not be negative")
         shard, hashes, n = self.prompt(req)
         if (req.replica, req.dp_rank) not in shard.replicas:
             # a relay announces its replica when it starts: an unknown name is a router's mistake,
@@ -182,7 +182,8 @@ class QueryPipeline:
             raise Reject(422, f"unknown replica {req.replica[:200]!r} (dp_rank {req.dp_rank}) for model "
                               f"{req.model!r}: the index has no events from it")
         d = RouteDecision(ROUTES_VERSION, req.request_id[:200], req.model, req.replica[:500], req.dp_rank,
-                          list(hashes), n, req.credited_tokens, time.time(), ttl, req.router[:200])
+                          list(hashes), n, req.credited_tokens, time.time(), ttl, req.router[:200],
+                          req.evicting_tokens)
         applied = self.store.apply_route(d)
         if applied and self.store.publish_route is not None:
             self.store.publish_route(d)

@@ -41,6 +41,8 @@ class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
     credited_tokens: int = 0
     ttl_s: float | None = None
     router: str = ""
+    # the lookup answer's evicting_tokens for this replica (eviction foresight), for the audit
+    evicting_tokens: int = 0
     token_ids: list[int] | None = None
     block_hashes: list[int] | None = None
     prompt_tokens: int | None = None

@@ -5,7 +5,8 @@
     with KvidxClient("http://kvidx:8080", token=None, timeout=0.5) as kv:
         best = kv.rank("llama-3-8b", token_ids=prompt_ids).replicas[0]   # cheapest prefix first
         kv.route("req-17", "llama-3-8b", best.replica, token_ids=prompt_ids,
-                 credited_tokens=best.resumable_tokens)              # pending credit for every router
+                 credited_tokens=best.resumable_tokens,              # pending credit for every router
+                 evicting_tokens=best.evicting_tokens)               # (and eviction foresight)
         ...                                                          # send the request there
         kv.usage("req-17", "llama-3-8b", best.replica, len(prompt_ids), cached_tokens=96)  # the audit
 
@@ -115,11 +116,12 @@ class _Calls:
     @staticmethod
     def route(request_id: str, model: str, replica: str, token_ids=None, block_hashes=None,
               prompt_tokens=None, credited_tokens: int = 0, dp_rank: int = 0, ttl_s: float | None = None,
-              router: str = "", lora_name=None, cache_salt=None) -> _Call:
+              router: str = "", lora_name=None, cache_salt=None, evicting_tokens: int = 0) -> _Call:
         if token_ids is not None and not isinstance(token_ids, list):
             token_ids = np.frombuffer(_tokens(token_ids), dtype="<u4").tolist()
         body = _body(request_id=request_id, model=model, replica=replica, dp_rank=dp_rank,
                      credited_tokens=credited_tokens, ttl_s=ttl_s, router=router, token_ids=token_ids,
+                     evicting_tokens=evicting_tokens or None,
                      block_hashes=list(block_hashes) if block_hashes is not None else None,
                      prompt_tokens=prompt_tokens, lora_name=lora_name, cache_salt=cache_salt)
         return _Call("POST", "/v1/routes", None, body, _JSON_HEADERS, RouteAccepted)
@@ -197,11 +199,13 @@ class _Methods:
               token_ids: Sequence[int] | np.ndarray | bytes | None = None,
               block_hashes: Sequence[int] | None = None, prompt_tokens: int | None = None,
               credited_tokens: int = 0, dp_rank: int = 0, ttl_s: float | None = None, router: str = "",
-              lora_name: str | None = None, cache_salt: str | None = None):
+              lora_name: str | None = None, cache_salt: str | None = None, evicting_tokens: int = 0):
         """Record a routing decision (POST /v1/routes): the prompt counts as cached on `replica` for
-        every router until the engine's events confirm it or `ttl_s` passes."""
+        every router until the engine's events confirm it or `ttl_s` passes. `credited_tokens` and
+        `evicting_tokens`: the chosen replica's resumable_tokens and evicting_tokens (for the audit)."""
         return self._send(_Calls.route(request_id, model, replica, token_ids, block_hashes, prompt_tokens,
-                                       credited_tokens, dp_rank, ttl_s, router, lora_name, cache_salt))
+                                       credited_tokens, dp_rank, ttl_s, router, lora_name, cache_salt,
+                                       evicting_tokens))
 
     def usage(self, request_id: str, model: str, replica: str, prompt_tokens: int, cached_tokens: int,
               dp_rank: int = 0, engine: str = "", tier: str = "", router: str = ""):

@@ -169,6 +169,8 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
     if zero is not None and zero["per_group_kind"]:
         out["zero_delay"]["per_group_kind"] = {k: {x: v[x] for x in tier_keys}
                                                for k, v in zero["per_group_kind"].items()}
+    if "foresight" in primary.get("counters", {}):
+        out["foresight"] = primary["counters"]["foresight"]
     base = [v["reuse_rate"] for k, v in pol.items() if k != "kv"]
     if "kv" in pol and base:
         out["kv_beats_baselines"] = all(pol["kv"]["reuse_rate"] > b for b in base)
@@ -382,7 +384,7 @@ def _fleet_options(args: argparse.Namespace, engines: tuple[str, ...], sz: _Size
             "trtllm_poll_ms": args.trtllm_poll_ms, "pool_blocks": sz.pool_blocks,
             "pool_group": args.pool_group, "pool_tier": args.pool_tier, "hybrid": args.hybrid or "",
             "hybrid_group_blocks": args.hybrid_group_blocks, "hybrid_chunk_tokens": args.hybrid_chunk_tokens,
-            "cpu_offload_blocks": args.cpu_offload_blocks}
+            "cpu_offload_blocks": args.cpu_offload_blocks, "record_routes": not args.no_routes}
 
 
 def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: str, reqs: list[SimRequest],
@@ -403,7 +405,7 @@ def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: st
             "token_scale": sz.scale, "speed": args.speed, "delay_ms": list(sz.delay),
             "drop_rate": args.drop_rate,
             "replay": not args.no_replay, "prefill_tps": args.prefill_tps, "load_weight": args.load_weight,
-            "window_s": sz.window, "seed": args.seed}
+            "window_s": sz.window, "seed": args.seed, "routes": not args.no_routes}
 
 
 def _fleet_line(args: argparse.Namespace, engines: tuple[str, ...], reqs: list[SimRequest],
@@ -661,6 +663,8 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     f.add_argument("--hybrid-chunk-tokens", type=int, default=2048, help="swa: the scheduler's prefill chunk")
     f.add_argument("--cpu-offload-blocks", type=int, default=0, help="vLLM offloading connector: CPU blocks "
                    "per vLLM replica (blocks evicted from the GPU move there, LRU; CPU hits are reused)")
+    f.add_argument("--no-routes", action="store_true", help="the router does not record its decisions "
+                   "(POST /v1/routes): no pending credit, no eviction foresight, the index from events alone")
     f.add_argument("--engine-block-size", type=int, default=16,
                    help="the simulated engines' tokens per block")
     f.add_argument("--index-block-size", type=int, default=16, help="must divide the engine block size")

@@ -112,6 +112,10 @@ class EventBatch(msgspec.Struct, array_like=True):
     # vLLM >= 0.33 lookahead block hashing (EAGLE, MTP): the L prompt tokens after a block that its
     # hash covers; the index keys blocks with them, and a prompt of n tokens has (n - L) // B blocks
     lookahead_tokens: int = 0
+    # group -> index blocks the replica holds as extra physical copies of a block it already holds
+    # (vLLM recomputes chains in hybrid models), after this batch: they take cache room the maps do
+    # not show (eviction foresight, kvidx.core.foresight); empty where there are none
+    extra_copies: dict[int, int] = {}
 
 
 _encoder = msgspec.msgpack.Encoder()

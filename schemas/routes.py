@@ -23,6 +23,9 @@ class RouteDecision(msgspec.Struct, array_like=True):
     ts: float  # when the decision was made (s since the epoch)
     ttl_s: float  # how long the prompt counts as cached there without the engine's confirmation
     router: str = ""
+    # resumable tokens the index did not credit because prefills already routed there will evict
+    # blocks first (the answer's evicting_tokens, eviction foresight); 0 in records before it
+    evicting_tokens: int = 0
 
 
 _enc = msgspec.msgpack.Encoder()

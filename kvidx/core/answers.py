@@ -65,6 +65,9 @@ class ReplicaAnswer(msgspec.Struct, omit_defaults=True):
     feedback_capped: bool = False
     credit_factor: float | None = None
     index_resumable_tokens: int | None = None
+    # eviction foresight: resumable tokens not credited because prefills routed to this replica and
+    # not yet reported will evict blocks they need first (kvidx.core.foresight)
+    evicting_tokens: int = 0
 
 
 class LookupAnswer(msgspec.Struct):

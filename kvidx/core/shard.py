@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import msgspec
 
 from kvidx.core.answers import Tier
+from kvidx.core.foresight import Foresight
 from kvidx.core.maskmap import MaskMap
 from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
@@ -54,7 +55,9 @@ class ReplicaState(msgspec.Struct):
 
 
 class GroupIndex:
-    def __init__(self, kind: str = "full_attention", window: int | None = None, new_map: type = MaskMap):
+    def __init__(self, kind: str = "full_attention", window: int | None = None, new_map: type = MaskMap,
+                 gid: int = 0):
+        self.gid = gid
         self.kind = kind
         self.window = window
         self.new_map = new_map
@@ -98,6 +101,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.pool_readers: dict[str, frozenset[str]] = {}
         self._pool_cache: tuple[int, dict[int, int]] | None = None  # (pool slot mask, pool bits -> readers)
         self.pending = PendingCredits()
+        self.foresight = Foresight()  # what in-flight prefills will evict (kvidx.core.foresight)
         self.lookahead = 0  # see _lookahead_changed
         self.tail_keys = 0  # live partial-block keys of all replicas: lookups key the partial block
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
@@ -160,13 +164,32 @@ class ModelShard(ShardWalk, ShardSnapshot):
     def add_pending(self, replica: str, dp_rank: int, hashes: list[int], n_tokens: int, credited: int,
                     expires: float) -> None:
         """A router sent this prompt to (replica, dp_rank): credit its blocks there until the engine's
-        events confirm them or `expires` passes."""
+        events confirm them or `expires` passes, and count what the prefill will add to the replica's
+        cache (and its pools') until then (eviction foresight)."""
         st = self.replica(replica, dp_rank)
         fa = self._lookup_group(None)
+        held_masks = fa.any.masks(hashes) if fa is not None and hashes else []
         if fa is not None:  # blocks the replica already holds are the index's, not pending: an
             bit = slot_bit(st.slot)  # eviction of one must show at once
-            hashes = [h for h, m in zip(hashes, fa.any.masks(hashes), strict=True) if not m & bit]
-        self.pending.add(st.slot, hashes, expires, max(0, n_tokens - credited))
+            pend = [h for h, m in zip(hashes, held_masks, strict=True) if not m & bit]
+        else:
+            pend = hashes
+        self.pending.add(st.slot, pend, expires, max(0, n_tokens - credited))
+        if self.foresight.slots and hashes:
+            self._foresee_route(st, hashes, credited, expires)
+
+    def _foresee_route(self, st: ReplicaState, hashes: list[int], credited: int, expires: float) -> None:
+        """The blocks a routed prompt will touch and add in the full-attention groups, on its replica
+        and on the pools it reads (kvidx.core.foresight)."""
+        resume_b = min(credited, len(hashes) * self.block_size) // self.block_size  # blocks resumed from
+        pools = [r.slot for r in self.by_slot if r is not None and st.replica in self.pool_readers.get(
+            r.replica, ())] if self.pool_readers else []
+        for gid, g in self.groups.items():
+            if g.kind not in FULL_KINDS:
+                continue
+            self.foresight.routed(st.slot, gid, hashes[:resume_b], hashes[resume_b:], expires, True)
+            for p in pools:  # a pool stores the whole prompt, in prompt order
+                self.foresight.routed(p, gid, [], hashes, expires, deepest_first=False)
 
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
@@ -187,6 +210,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
                 self._remove(ev, st)
             elif kind is ReplicaCleared:
                 self._clear(st)
+        if self.foresight.slots:
+            self.foresight.settle(st.slot, self.groups, batch.extra_copies)
         st.epoch, st.seq, st.part = epoch, seq, batch.part
         st.recompute = batch.recompute_tokens
         if batch.lookahead_tokens != st.lookahead:
@@ -200,7 +225,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
     def _group(self, gid: int, kind: str = "full_attention", window: int | None = None) -> GroupIndex:
         g = self.groups.get(gid)
         if g is None:
-            g = self.groups[gid] = GroupIndex(kind, window, self.new_map)
+            g = self.groups[gid] = GroupIndex(kind, window, self.new_map, gid)
             self._lookup_cache = None
         return g
 
@@ -224,9 +249,11 @@ class ModelShard(ShardWalk, ShardSnapshot):
             return
         if self.pending.masks and g.kind in FULL_KINDS:
             self.pending.confirm(st.slot, hashes)
+        gb = st.group_blocks
+        if g.kind in FULL_KINDS:
+            self.foresight.stored(st.slot, gid, hashes, st.replica not in self.pool_readers, gb.get(gid, 0))
         if new:
             st.blocks += new
-            gb = st.group_blocks
             gb[gid] = gb.get(gid, 0) + new
         if ev.block_size and (not st.unit or ev.block_size < st.unit):
             st.unit = ev.block_size
@@ -244,8 +271,14 @@ class ModelShard(ShardWalk, ShardSnapshot):
             self.journal.touch(ev.group, tid, ev.hashes)
         if len(g.tiers) == 1:
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
+            left = ev.hashes if gone else []
         else:  # retract from the union only where no other tier still holds the block there
             gone = d.remove(ev.hashes, st.slot, [m for t, m in g.tiers.items() if t != tid], g.any)
+            bit = slot_bit(st.slot)
+            left = [h for h, m in zip(ev.hashes, g.any.masks(ev.hashes), strict=True)
+                    if not m & bit] if gone else []
+        if left and not ev.tail and not ev.dynamo:
+            self.foresight.removed(st.slot, ev.group, left)
         if ev.tail:
             st.tails -= gone
             self.tail_keys -= gone
@@ -259,6 +292,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
     def _clear(self, st: ReplicaState) -> None:
         if self.journal is not None:
             self.journal.cleared.add(st.slot)
+        self.foresight.cleared(st.slot)
         for g in self.groups.values():
             for d in g.tiers.values():
                 d.clear_slot(st.slot)

@@ -27,22 +27,43 @@ class ShardWalk:
     """Lookups of ModelShard (its state: groups, by_slot, replicas, pending, pools)."""
 
     # ---- lookup -----------------------------------------------------------------------------
-    def prefix_blocks(self, hashes: list[int], group: int | None = None, pending: bool = False
-                      ) -> dict[int, int]:
+    def prefix_blocks(self, hashes: list[int], group: int | None = None, pending: bool = False,
+                      doomed: dict[int, dict[int, int]] | None = None) -> dict[int, int]:
         """slot -> number of leading blocks it holds (in any tier, or in a pool it reads) in `group`
-        (default: the first full-attention group); with `pending`, pending credit counts too. Slots
-        that hold nothing are left out."""
+        (default: the first full-attention group); with `pending`, pending credit counts too; with
+        `doomed` (Foresight.doomed), copies in-flight prefills will evict do not. Slots that hold
+        nothing are left out."""
         g = self._lookup_group(group)
         if g is None or not hashes:
             return {}
         pool_mask = self._pools()[0] if self.pool_readers else 0
         pend = self.pending.masks if pending else None
-        if pool_mask or pend:
-            return walk_masks(self._overlay_get(g.any.get, pool_mask, pend), hashes)
+        cut = doomed.get(g.gid) if doomed else None
+        if pool_mask or pend or cut:
+            return walk_masks(self._overlay_get(g.any.get, pool_mask, pend, cut), hashes)
         return g.any.walk(hashes)  # one call: the map walks the prompt itself
 
-    def _overlay_get(self, get, pool_mask: int, pend: dict[int, int] | None):
-        """A mask getter where a pool's bit also lights its readers', and pending credit adds in."""
+    def _doomed(self, now: float) -> dict[int, dict[int, int]] | None:
+        """Foresight's doomed copies now (None: no replica under pressure)."""
+        if not self.foresight.slots:
+            return None
+        return self.foresight.doomed(now)[0] or None
+
+    @staticmethod
+    def _group_masks(g: GroupIndex, hashes: list[int], doomed: dict[int, dict[int, int]] | None
+                     ) -> list[int]:
+        """The group's slot masks of `hashes`, without the copies in-flight prefills will evict."""
+        masks = g.any.masks(hashes)
+        cut = doomed.get(g.gid) if doomed else None
+        if cut:
+            get = cut.get
+            masks = [m & ~get(h, 0) for h, m in zip(hashes, masks, strict=True)]
+        return masks
+
+    def _overlay_get(self, get, pool_mask: int, pend: dict[int, int] | None,
+                     cut: dict[int, int] | None = None):
+        """A mask getter where a pool's bit also lights its readers', pending credit adds in, and
+        doomed copies (`cut`) drop out."""
         readers = self._pools()[1] if pool_mask else {}
         cache: dict[int, int] = {}
 
@@ -57,6 +78,12 @@ class ShardWalk:
                     cache[p] = e
                 m |= e
             return m
+
+        if cut:
+            raw, cget = get, cut.get
+
+            def get(h, default=0):
+                return raw(h, 0) & ~cget(h, 0)
 
         if pend:
             pget = pend.get
@@ -147,10 +174,13 @@ class ShardWalk:
         only); `upper_bound` when the credit relies on a group kind whose evictions go unreported."""
         if len(self.pending):
             self.pending.expire(now)
-        hits = self.prefix_blocks(hashes)
+        doomed = self._doomed(now)
+        hits = self.prefix_blocks(hashes, doomed=doomed)
         tails = self.tail_hits(hashes, hits)
-        resume = self.resume_points(hashes, n_tokens, hits, tails=tails)
-        with_pending = self.prefix_blocks(hashes, pending=True) if self._pending_applies() else hits
+        resume = self.resume_points(hashes, n_tokens, hits, tails=tails, doomed=doomed)
+        evicting = self._evicting(hashes, n_tokens, resume) if doomed else None
+        with_pending = (self.prefix_blocks(hashes, pending=True, doomed=doomed) if self._pending_applies()
+                        else hits)
         inflight = self.pending.inflight
         held = self._prompt_held(hashes) if len(self.groups) > 1 else None
         gids = sorted(self.groups)
@@ -204,8 +234,23 @@ class ShardWalk:
                 bool(res and (unreported or self._upper_bound_tiers(tiers))), unreported if res else [],
                 Freshness(int((now - st.engine_ts) * 1e6) / 1e3 if seen else None,
                           int((st.applied_ts - st.engine_ts) * 1e6) / 1e3 if seen else None,
-                          st.epoch, st.seq, st.seq_gaps)))
+                          st.epoch, st.seq, st.seq_gaps),
+                evicting_tokens=evicting.get(slot, 0) if evicting else 0))
+        if evicting:
+            self.foresight.discounted_lookups += 1
         return answers
+
+    def _evicting(self, hashes: list[int], n_tokens: int, resume: dict) -> dict[int, int]:
+        """slot -> resumable tokens the lookup did not credit because in-flight prefills will evict
+        blocks they need first (the same walk without foresight, minus the one with it)."""
+        raw_hits = self.prefix_blocks(hashes)
+        raw = self.resume_points(hashes, n_tokens, raw_hits, tails=self.tail_hits(hashes, raw_hits))
+        out = {}
+        for slot, (_, res, _) in raw.items():
+            d = res - resume.get(slot, _NO_HIT)[1]
+            if d > 0:
+                out[slot] = d
+        return out
 
     def lookup_json(self, hashes: list[int], n_tokens: int, now: float, per_token: float,
                     load_cost: dict[str, float], rank: bool = False, top_k: int | None = None
@@ -221,7 +266,7 @@ class ShardWalk:
         if g.kind not in FULL_KINDS or g.kind in self.unreported_eviction_kinds or len(g.tiers) != 1:
             return None
         (tier,) = (TIERS[t] for t in g.tiers)
-        if tier in self.unreported_eviction_tiers:
+        if tier in self.unreported_eviction_tiers or self._doomed(now):
             return None
         if len(self.pending):
             self.pending.expire(now)
@@ -242,13 +287,15 @@ class ShardWalk:
                  if (replica is None or rep == replica) and (dp_rank is None or rank == dp_rank)]
         if not slots:
             return 0
-        hits = self.prefix_blocks(hashes)
-        resume = self.resume_points(hashes, n_tokens, hits, set(slots), self.tail_hits(hashes, hits))
+        doomed = self._doomed(now) if now is not None else None
+        hits = self.prefix_blocks(hashes, doomed=doomed)
+        resume = self.resume_points(hashes, n_tokens, hits, set(slots), self.tail_hits(hashes, hits),
+                                    doomed)
         best = max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
         if now is not None and len(self.pending):
             self.pending.expire(now)
         if self._pending_applies():  # pending credit: the prompt's resumable part up to its pending end
-            wp = self.prefix_blocks(hashes, pending=True)
+            wp = self.prefix_blocks(hashes, pending=True, doomed=doomed)
             for s in slots:
                 st = self.by_slot[s]
                 n_eff = n_tokens - (st.recompute - 1)
@@ -262,7 +309,8 @@ class ShardWalk:
         return self.resume_points(hashes, n_tokens, hits, {st.slot}).get(st.slot, _NO_HIT)[1]
 
     def resume_points(self, hashes: list[int], n_tokens: int, hits: dict[int, int],
-                      slots: set[int] | None = None, tails: dict[int, int] | None = None
+                      slots: set[int] | None = None, tails: dict[int, int] | None = None,
+                      doomed: dict[int, dict[int, int]] | None = None
                       ) -> dict[int, tuple[int, int, dict[int, int] | None]]:
         """slot -> (full-attention hit, resumable tokens, {group: its own hit} or None), vLLM's rule
         (vllm/v1/core/kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit):
@@ -315,7 +363,7 @@ class ShardWalk:
                 continue
             classes.setdefault((ebs, step), []).append((slot, top))
         for (ebs, step), members in classes.items():
-            self._scan(hashes, ebs, step, members, cons, out)
+            self._scan(hashes, ebs, step, members, cons, out, doomed)
         return out
 
     def _fine_fa_hit(self, hashes: list[int], n_tokens: int, slot: int, fa: GroupIndex, cached: int,
@@ -336,7 +384,8 @@ class ShardWalk:
         return full
 
     def _scan(self, hashes: list[int], ebs: int, step: int, members: list[tuple[int, int]],
-              cons: list[tuple[int, GroupIndex]], out: dict) -> None:
+              cons: list[tuple[int, GroupIndex]], out: dict,
+              doomed: dict[int, dict[int, int]] | None = None) -> None:
         ibs = self.block_size
         k = max(1, ebs // ibs)
         members.sort(key=lambda m: -m[1])
@@ -349,11 +398,11 @@ class ShardWalk:
             if g.kind in STATE_KINDS:
                 # checkpoints at the step boundaries only: masks[i] is the state after (i+1)*step tokens
                 sub = step // ibs
-                masks = g.any.masks(hashes[sub - 1:n_idx:sub])
+                masks = self._group_masks(g, hashes[sub - 1:n_idx:sub], doomed)
                 checks.append((gid, lambda e, masks=masks, sub=sub: masks[e // sub - 1]))
             else:
                 need = -(-(g.window - 1) // ebs) * k  # index blocks per window
-                masks = g.any.masks(hashes[:n_idx])
+                masks = self._group_masks(g, hashes[:n_idx], doomed)
                 checks.append((gid, _window_and(masks, max(1, need))))
             r = 0
             for m in masks:

@@ -156,7 +156,8 @@ class SequencedRelay:
             engine_ts=engine_ts or frame.recv_ns / 1e9, relay_ts=frame.recv_ns / 1e9,
             block_size=self.mirror.block_size, events=events,
             recompute_tokens=getattr(self.mirror, "recompute_tokens", 1),
-            lookahead_tokens=getattr(self.mirror, "lookahead_tokens", 0))
+            lookahead_tokens=getattr(self.mirror, "lookahead_tokens", 0),
+            extra_copies=dict(getattr(self.mirror, "extra_copies", None) or {}))
 
     def resync(self, max_blocks: int = 4096) -> Iterator[EventBatch]:
         """Replay the mirror (when the index lost this replica's state): a ReplicaCleared, then the

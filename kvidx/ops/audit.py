@@ -7,9 +7,11 @@ time window:
 - recall      = sum(min(credited, reused)) / sum(reused)  (how much of the real reuse was credited)
 - over-credit = sum(max(credited - reused, 0)) / sum(reused)  (credit the engine did not honour)
 plus `precision` = sum(min(credited, reused)) / sum(credited), the share of the credit that was real
-(the feedback's signal). Prompt tokens are the engine's. A decision's `tier` is the one its usage report
-carries (the router copies the slowest tier of the credited prefix from the lookup answer; "unknown"
-when it does not).
+(the feedback's signal), and `foresight`: the decisions whose credit eviction foresight cut (the
+answer's evicting_tokens, carried by the decision) and the overall recall and over-credit had it not
+(credited + evicting): how much over-credit it removed and how much recall it cost. Prompt tokens
+are the engine's. A decision's `tier` is the one its usage report carries (the router copies the
+slowest tier of the credited prefix from the lookup answer; "unknown" when it does not).
 
 Joining: decisions stamped in [from, to] are audited; their usage reports may arrive up to `--grace`
 seconds later. Unmatched: decisions in the range without a usage report (`routes`), and reports in
@@ -128,6 +130,13 @@ def audit(j: Joined, t_from: float, t_to: float, window_s: float | None = None) 
     overall = Tally()
     for d, u in j.pairs:
         overall.add(u.prompt_tokens, u.cached_tokens, d.credited_tokens)
+    without = Tally()  # the same credit without eviction foresight
+    for d, u in j.pairs:
+        without.add(u.prompt_tokens, u.cached_tokens, d.credited_tokens + d.evicting_tokens)
+    w = without.summary()
+    cut = [d.evicting_tokens for d, _ in j.pairs if d.evicting_tokens]
+    foresight = {"discounted_requests": len(cut), "discounted_tokens": sum(cut),
+                 "recall_without": w["recall"], "over_credit_without": w["over_credit"]}
     unmatched_by_model: dict[str, int] = {}
     for d in j.unmatched_routes:
         unmatched_by_model[d.model] = unmatched_by_model.get(d.model, 0) + 1
@@ -147,6 +156,7 @@ def audit(j: Joined, t_from: float, t_to: float, window_s: float | None = None) 
     return {
         "from": t_from, "to": t_to, "from_iso": iso(t_from), "to_iso": iso(t_to), "window_s": window_s,
         "overall": overall.summary(),
+        "foresight": foresight,
         "unmatched": {"routes": len(j.unmatched_routes), "usages": len(j.unmatched_usages),
                       "routes_by_model": unmatched_by_model, "undecodable": j.undecodable},
         "prompt_tokens_disagree": sum(1 for d, u in j.pairs if d.prompt_tokens != u.prompt_tokens),
@@ -181,6 +191,11 @@ def table(report: dict) -> str:
             lines.append("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
 
     section("overall", [report["overall"]], ())
+    f = report.get("foresight")
+    if f and f["discounted_requests"]:
+        lines.append(f"eviction foresight cut {f['discounted_requests']} decisions by "
+                     f"{f['discounted_tokens']} tokens; without it: recall {_fmt(f['recall_without'])}, "
+                     f"over-credit {_fmt(f['over_credit_without'])}")
     section("per model", report["by_model"], ("model",))
     section("per replica", report["by_replica"], ("model", "replica", "dp_rank"))
     section("per engine", report["by_engine"], ("engine",))

@@ -468,6 +468,10 @@ class FleetConfig:
     hybrid_hashless_p: float = 0.05  # mamba: chunk announcements without a hash
     hybrid_report_full_p: float = 0.1  # hits re-announced (kv_cache_report_mode "full")
     cpu_offload_blocks: int = 0  # vLLM offloading connector: CPU blocks per vLLM replica (0: none)
+    # the router records each decision as /v1/routes does (pending credit, eviction foresight); in
+    # process only (the HTTP service keeps wall-clock time, the run virtual time)
+    record_routes: bool = True
+    route_ttl_s: float = 10.0
 
 
 def hybrid_spec(spec: str) -> tuple[list[tuple[str, int | None]], int]:
@@ -655,6 +659,7 @@ class _IndexSide:
             inner = VirtualStoreSink(store, clock)
             store.ready = True
         self.sink = TrackingSink(inner)
+        self.last_hashes: list[int] | None = None  # of the last prompt looked up in process
         self.http: _HttpLookup | None = None
         if cfg.lookup == "http":
             self.http = _HttpLookup(store)
@@ -701,14 +706,24 @@ class _IndexSide:
 
     def lookup(self, model: str, prompt: np.ndarray, t: float) -> dict[str, ReplicaAnswer]:
         """The router's view of `prompt`: the index's answer per replica (DP rank 0), by replica name."""
+        self.last_hashes = None
         if self.http is not None:
             answers = self.http.lookup(model, prompt)
         else:
             shard = self.store.shards.get(model)
-            answers = shard.lookup(prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block,
-                                                 tails=bool(shard.tail_keys)),
-                                   len(prompt), t) if shard is not None else []
+            if shard is not None:
+                self.last_hashes = prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block,
+                                                 tails=bool(shard.tail_keys))
+            answers = shard.lookup(self.last_hashes, len(prompt), t) if shard is not None else []
         return {a.replica: a for a in answers if a.dp_rank == 0}
+
+    def route(self, model: str, replica: str, n_tokens: int, credited: int, t: float) -> None:
+        """Record the router's decision for the prompt last looked up, as POST /v1/routes does."""
+        if not self.cfg.record_routes or self.last_hashes is None:
+            return
+        shard = self.store.shards.get(model)
+        if shard is not None:
+            shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited, t + self.cfg.route_ttl_s)
 
     def kafka_counters(self) -> dict[str, Any]:
         """How long lookups waited for the follower (wall clock), when events went through Kafka."""
@@ -930,6 +945,10 @@ class _Accounts:
         self.per_tier = {tn: Agreement() for tn in self.tier_names}
         # hybrid replicas: per group kind, the group's own hit (engine) vs the answer's groups[].hit_tokens
         self.per_group_kind = {k: Agreement() for k, _ in plan.hgroups}
+        # the same credit without eviction foresight (the answer's evicting_tokens added back)
+        self.without_foresight = Agreement()
+        self.foresight_requests = 0  # requests whose chosen replica's credit foresight cut
+        self.foresight_tokens = 0
 
     def add(self, i: int, t: float, n: int, rep: SimReplica, reused: int, reused_split: dict[str, int],
             credited: int, ans: ReplicaAnswer | None) -> None:
@@ -939,6 +958,11 @@ class _Accounts:
                   self.windows.get(win) or self.windows.setdefault(win, Agreement())):
             a.add(i, n, reused, credited)
         self.per_engine[rep.kind].add(i, n, reused, credited)
+        cut = ans.evicting_tokens if ans is not None else 0
+        self.without_foresight.add(i, n, reused, credited + cut)
+        if cut:
+            self.foresight_requests += 1
+            self.foresight_tokens += cut
         eng = rep.engine
         if self.hgroups and isinstance(eng, FleetHybridEngine):
             idx_hits = {gr.group: gr.hit_tokens for gr in ans.groups} if ans else {}
@@ -978,6 +1002,7 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
         load.expire(reps, t)
         chosen = router.choose(model, reps, n, resumable, t)
         credited = resumable.get(chosen.name, 0)
+        index.route(model, chosen.name, n, credited, t)
         reused, reused_split = fleet.run_request(chosen, req, t)
         load.admit(i, chosen.name, t, n, reused, len(req.output))
         accounts.add(i, t, n, chosen, reused, reused_split, credited, by_rep.get(chosen.name))
@@ -1073,6 +1098,15 @@ def _tier_counters(cfg: FleetConfig, fleet: _Fleet) -> dict[str, Any]:
     return out
 
 
+def _foresight_counters(accounts: _Accounts) -> dict[str, Any]:
+    """What eviction foresight changed on the chosen replicas: requests and tokens it cut, and the
+    agreement the same run would have had without it."""
+    w = accounts.without_foresight.summary()
+    return {"discounted_requests": accounts.foresight_requests,
+            "discounted_tokens": accounts.foresight_tokens,
+            "recall_without": w["recall"], "over_credit_without": w["over_credit"]}
+
+
 def _stop_all(stack: list[Callable[[], Any]]) -> None:
     """Stop what the run started, last first; best effort: one failing stop does not keep the rest."""
     for stop in reversed(stack):
@@ -1103,7 +1137,7 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         accounts = _Accounts(cfg, plan, fleet.replicas())
         _replay_requests(requests, cfg, clock, index, fleet, router, load, accounts, progress)
         counters = {**_stream_counters(fleet, net, index), **_tier_counters(cfg, fleet),
-                    **index.kafka_counters()}
+                    **index.kafka_counters(), "foresight": _foresight_counters(accounts)}
         return RunResult(policy, accounts.overall, accounts.per_model, accounts.per_replica, accounts.windows,
                          load.served, load.ttft, counters, time.perf_counter() - t_wall, accounts.per_engine,
                          accounts.per_tier, accounts.kind_of, accounts.per_group_kind)

@@ -96,6 +96,9 @@ class VllmMirror:
         self.memo: dict[EngineHash, tuple[tuple[int, ...], int]] = {}
         # (engine hash, tier, group) -> [physical copies, canonical hashes it was stored under]
         self.live: dict[tuple[EngineHash, str, int], list] = {}
+        # group -> index blocks held as second (third ...) physical copies: cache the index does not
+        # see (its maps count each block once) but the engine's capacity does (eviction foresight)
+        self.extra_copies: dict[int, int] = {}
         # (canonical hash, tier, group) -> live engine blocks covering it: with an index block size
         # below the engine's, two engine blocks can share their first index blocks
         self.refs: dict[tuple[int, str, int], int] = {}
@@ -280,6 +283,7 @@ class VllmMirror:
                 if count_copies:
                     entry[0] += 1
                     self.stats["extra_copies"] += 1
+                    self._copies(group, len(entry[1]))
                 else:
                     self.stats["restored_live"] += 1
                 continue
@@ -398,6 +402,7 @@ class VllmMirror:
             if entry is not None:
                 entry[0] += 1
                 self.stats["extra_copies"] += 1
+                self._copies(group, len(entry[1]))
                 continue
             self.live[key] = [1, sub]
             self.stats["placeholder_stored"] += 1
@@ -422,6 +427,7 @@ class VllmMirror:
                 continue
             if entry[0] > 1:
                 entry[0] -= 1
+                self._copies(group, -len(entry[1]))
                 continue
             del self.live[key]
             self.stats["removed"] += 1
@@ -433,6 +439,13 @@ class VllmMirror:
             out.append(BlocksRemoved(tier, group, hashes, engine))
         if dynamo_gone:
             out.append(BlocksRemoved(tier, group, dynamo_gone, dynamo=True))
+
+    def _copies(self, group: int, n: int) -> None:
+        left = self.extra_copies.get(group, 0) + n
+        if left > 0:
+            self.extra_copies[group] = left
+        else:
+            self.extra_copies.pop(group, None)
 
     def _remember(self, eh: EngineHash, sub: tuple[int, ...], depth: int) -> None:
         memo = self.memo
@@ -451,6 +464,7 @@ class VllmMirror:
 
     def clear(self) -> None:
         self.live.clear()
+        self.extra_copies.clear()
         self.refs.clear()
         self.lmcache.clear()
         self.dynamo.clear()

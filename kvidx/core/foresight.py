@@ -1,0 +1,183 @@
+"""Eviction foresight: which cached blocks a replica will have evicted by the time a routed request
+reaches it. Pure: no clocks (callers pass `now`), no I/O.
+
+Events arrive after the engine's step. A router that sends two prompts to one replica in a burst
+looks the second up before the first one's prefill is reported: the index still holds the blocks
+that prefill is about to evict, and credits them (late evictions: the over-credit that pending
+credit, which covers late stores, cannot cover). Foresight keeps, per (replica slot, KV-cache group),
+the replica's blocks in the order its engine will evict them, and the blocks routed prompts will
+add there before the engine reports them (`routed`, from the routes routers record). Once the
+replica is known to be full (it has evicted a block), its capacity is the most blocks it was seen
+holding; live + incoming - capacity blocks will go, oldest first, and lookups discount them.
+
+Eviction order: engines free a request's blocks deepest first (vLLM's free queue takes them tail
+first; SGLang's and TensorRT-LLM's radix trees evict leaves before their parents), so a prompt's
+last block is the oldest of its run and its first block the newest; shared pools (LMCache) keep
+chunks in prompt order. A route touches the prompt's blocks the replica holds and adds the rest.
+
+Full-attention groups only. A sliding-window group's order cannot be followed from events: the
+engine refreshes blocks by storing second copies of blocks it holds (recomputed chains) and frees
+each scheduler chunk's out-of-window blocks, neither of which an event shows; discounting by a
+guessed order there cut correct credit and missed the late evictions (measured, docs/simulator.md).
+
+Where the order is not known (a replica that held blocks before this process saw it: a restore from
+a snapshot), the slot is not discounted until it has been cleared or has turned its cache over.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import islice, repeat
+
+
+class Recency:
+    """One (slot, group): its blocks oldest first (dict order; values unused), those routed but not
+    yet reported (hash -> expiry), and what the slot showed of its capacity."""
+
+    __slots__ = ("order", "unconfirmed", "peak", "full", "untrusted", "extra")
+
+    def __init__(self, untrusted: int = 0) -> None:
+        self.order: dict[int, None] = {}
+        self.unconfirmed: dict[int, float] = {}
+        self.peak = 0  # the most blocks held at once (reported blocks and extra copies)
+        self.extra = 0  # room taken by extra physical copies (EventBatch.extra_copies)
+        self.full = False  # an eviction seen: the slot is at capacity
+        # blocks held before the order was known: discounts wait until that many have gone
+        self.untrusted = untrusted
+
+    def doomed(self) -> int:
+        """How many of the oldest blocks in-flight prefills will evict."""
+        if not self.full or self.untrusted > 0 or not self.unconfirmed:
+            return 0
+        return max(0, len(self.order) + self.extra - self.peak)
+
+    def held(self) -> int:
+        """The room the slot's blocks take: reported blocks and their extra copies."""
+        return len(self.order) - len(self.unconfirmed) + self.extra
+
+
+class Foresight:
+    def __init__(self) -> None:
+        self.slots: dict[tuple[int, int], Recency] = {}  # (slot, group) -> its order
+        self._expiries: deque[tuple[float, int, int, tuple[int, ...]]] = deque()  # routes, by expiry
+        self.version = 0  # bumped on every change: lookups reuse the doomed masks until then
+        self._doomed: tuple[int, dict[int, dict[int, int]], dict[int, int]] | None = None
+        self.discounted_lookups = 0  # lookups where some replica's credit was cut
+
+    def recency(self, slot: int, gid: int, held: int) -> Recency:
+        r = self.slots.get((slot, gid))
+        if r is None:
+            r = self.slots[(slot, gid)] = Recency(held)
+        return r
+
+    # ---- the fold ------------------------------------------------------------------------------
+    def stored(self, slot: int, gid: int, hashes: list[int], deepest_first: bool, held_before: int) -> None:
+        """The engine reported these blocks (a chain, in prompt order) in `gid` on `slot`; `held_before`:
+        the slot's live blocks in the group before this event (for a slot seen for the first time)."""
+        if not hashes:
+            return
+        r = self.slots.get((slot, gid)) or self.recency(slot, gid, held_before)
+        order = r.order
+        if r.unconfirmed:  # routed blocks keep the place the route gave them
+            un = r.unconfirmed
+            _drain(map(un.pop, hashes, repeat(None)))
+        order.update(dict.fromkeys(reversed(hashes) if deepest_first else hashes))
+        self.version += 1
+
+    def settle(self, slot: int, gids, extra: dict[int, int]) -> None:
+        """After one engine batch on `slot`: its extra physical copies per group (EventBatch.extra_copies)
+        and the most it was seen holding. Only at batch ends: within a batch the engine's evictions of
+        copies are not yet counted, and a peak taken there would be above its capacity."""
+        for gid in gids:
+            r = self.slots.get((slot, gid))
+            if r is not None:
+                r.extra = extra.get(gid, 0)
+                if r.held() > r.peak:
+                    r.peak = r.held()
+
+    def removed(self, slot: int, gid: int, hashes: list[int]) -> None:
+        """These blocks left the slot's group in every tier (evicted)."""
+        r = self.slots.get((slot, gid))
+        if r is None or not hashes:
+            return
+        order = r.order
+        before = len(order)
+        _drain(map(order.pop, hashes, repeat(None)))
+        gone = before - len(order)
+        if r.untrusted:  # blocks the order never saw are going: once all have, the order is whole
+            r.untrusted = max(0, r.untrusted - (len(hashes) - gone))
+        if r.unconfirmed:
+            _drain(map(r.unconfirmed.pop, hashes, repeat(None)))
+        r.full = True
+        self.version += 1
+
+    def cleared(self, slot: int) -> None:
+        for key in [k for k in self.slots if k[0] == slot]:
+            del self.slots[key]
+        self.version += 1
+
+    # ---- routes ---------------------------------------------------------------------------------
+    def routed(self, slot: int, gid: int, touched: list[int], incoming: list[int], expires: float,
+               deepest_first: bool) -> None:
+        """A prompt was routed to `slot`: the engine touches `touched` (blocks it holds) and adds
+        `incoming` (both in prompt order; incoming after touched); the incoming blocks count against
+        the slot's capacity until its events report them or `expires` passes."""
+        r = self.slots.get((slot, gid))
+        if r is None:
+            return  # nothing reported there yet: no order to keep, no capacity known
+        order, un = r.order, r.unconfirmed
+        touched = [h for h in touched if h in order]  # a block the slot does not hold is not kept
+        new = [h for h in incoming if h in un or h not in order]  # not already reported there
+        run = touched + incoming
+        _drain(map(order.pop, run, repeat(None)))
+        order.update(dict.fromkeys(reversed(run) if deepest_first else run))
+        for h in new:
+            un[h] = max(un.get(h, 0.0), expires)
+        if new:
+            self._expiries.append((expires, slot, gid, tuple(new)))
+        self.version += 1
+
+    def expire(self, now: float) -> None:
+        q = self._expiries
+        while q and q[0][0] <= now:
+            _, slot, gid, hashes = q.popleft()
+            r = self.slots.get((slot, gid))
+            if r is None:
+                continue
+            un, order = r.unconfirmed, r.order
+            for h in hashes:
+                t = un.get(h)
+                if t is not None and t <= now:
+                    del un[h]
+                    order.pop(h, None)
+            self.version += 1
+
+    # ---- lookups ---------------------------------------------------------------------------------
+    def doomed(self, now: float) -> tuple[dict[int, dict[int, int]], dict[int, int]]:
+        """(group -> block hash -> slots whose copy in-flight prefills will evict first, slot -> how
+        many blocks it will evict). Empty where no slot is under pressure."""
+        self.expire(now)
+        cached = self._doomed
+        if cached is not None and cached[0] == self.version:
+            return cached[1], cached[2]
+        masks: dict[int, dict[int, int]] = {}
+        pressure: dict[int, int] = {}
+        for (slot, gid), r in self.slots.items():
+            e = r.doomed()
+            if not e:
+                continue
+            bit = 1 << slot
+            g = masks.setdefault(gid, {})
+            un = r.unconfirmed
+            n = 0
+            for h in islice(r.order, e):
+                if h not in un:
+                    g[h] = g.get(h, 0) | bit
+                    n += 1
+            pressure[slot] = pressure.get(slot, 0) + n
+        self._doomed = (self.version, masks, pressure)
+        return masks, pressure
+
+
+def _drain(it) -> None:
+    deque(it, maxlen=0)

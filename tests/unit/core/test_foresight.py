@@ -1,0 +1,103 @@
+"""Eviction foresight (kvidx.core.foresight): blocks that prefills routed to a full replica will evict
+before the routed request arrives are not credited, and the answer says so (evicting_tokens)."""
+
+from kvidx.core.foresight import Foresight
+from kvidx.core.shard import ModelShard
+from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
+
+P = [100, 101, 102, 103]  # an older conversation's chain
+Q = [200, 201, 202, 203]  # a newer one
+W = [300, 301, 302, 303, 304, 305]  # a new prompt routed in a burst
+
+
+def batch(replica, seq, events):
+    return EventBatch(SCHEMA_VERSION, "m", replica, 0, 1, seq, 0.0, 0.0, 16, events)
+
+
+def stored(hashes, parent=None):
+    return BlocksStored("GPU", 0, hashes, parent, 0)
+
+
+def answer(shard, hashes, now):
+    (a,) = [a for a in shard.lookup(hashes, len(hashes) * 16 + 1, now) if a.replica == "r"]
+    return a
+
+
+def full_replica() -> ModelShard:
+    """Replica r holding P, then Q, at its capacity of 8 blocks (it evicted Q's last block for Z)."""
+    s = ModelShard("m", 16)
+    s.apply(batch("r", 0, [stored(P)]), 0.0)
+    s.apply(batch("r", 1, [stored(Q)]), 0.0)
+    s.apply(batch("r", 2, [BlocksRemoved("GPU", 0, [Q[3]]), stored([900])]), 0.0)
+    return s
+
+
+def test_a_burst_credits_only_what_the_first_prefill_leaves():
+    s = full_replica()
+    assert answer(s, P, 1.0).resumable_tokens == 64
+    # a router sends W there: 6 new blocks into a full cache of 8 evict the 6 oldest (P's four,
+    # deepest first, then Q's two deepest left)
+    s.add_pending("r", 0, W, len(W) * 16 + 1, credited=0, expires=10.0)
+    a = answer(s, P, 1.0)
+    assert (a.resumable_tokens, a.cached_tokens, a.evicting_tokens) == (0, 0, 64)
+    b = answer(s, Q[:3], 1.0)
+    assert (b.resumable_tokens, b.evicting_tokens) == (16, 32)
+    assert s.credited(P, 65, "r", now=1.0) == 0
+    # the engine's step arrives: the evictions it made and W stored; nothing left to foresee
+    s.apply(batch("r", 3, [BlocksRemoved("GPU", 0, [*P, Q[2], Q[1]]), stored(W)]), 1.5)
+    a = answer(s, P, 2.0)
+    assert (a.resumable_tokens, a.evicting_tokens) == (0, 0)
+    b = answer(s, Q[:3], 2.0)
+    assert (b.resumable_tokens, b.evicting_tokens) == (16, 0)
+
+
+def test_no_discount_with_room_without_routes_or_after_expiry():
+    s = full_replica()
+    s.add_pending("r", 0, W, len(W) * 16 + 1, credited=0, expires=10.0)
+    assert answer(s, P, 10.0).evicting_tokens == 0  # the route expired unreported: no demand left
+    t = ModelShard("m", 16)  # never evicted: its capacity is not known, nothing is foreseen
+    t.apply(batch("r", 0, [stored(P)]), 0.0)
+    t.add_pending("r", 0, W, len(W) * 16 + 1, credited=0, expires=10.0)
+    assert answer(t, P, 1.0).resumable_tokens == 64
+    u = full_replica()  # no route: nothing known to be coming
+    assert answer(u, P, 1.0).evicting_tokens == 0
+
+
+def test_a_route_touches_what_it_reuses():
+    s = full_replica()
+    # a prompt extending P is routed first: P becomes the most recent, so W's prefill evicts Q and Z
+    s.add_pending("r", 0, [*P, 500], 81, credited=64, expires=10.0)
+    s.add_pending("r", 0, W[:3], 49, credited=0, expires=10.0)  # 4 new blocks in all: Q and Z go
+    assert answer(s, P, 1.0).resumable_tokens == 64
+    assert answer(s, Q[:3], 1.0).evicting_tokens == 48
+
+
+def test_order_and_trust():
+    f = Foresight()
+    f.stored(0, 0, [1, 2, 3], deepest_first=True, held_before=0)
+    f.stored(0, 0, [4, 5], deepest_first=False, held_before=3)
+    f.settle(0, [0], {})  # an engine batch ends: 5 held
+    assert list(f.slots[(0, 0)].order) == [3, 2, 1, 4, 5]
+    f.removed(0, 0, [3])
+    f.stored(0, 0, [6], deepest_first=True, held_before=4)
+    f.settle(0, [0], {})  # capacity 5 learned
+    f.routed(0, 0, [], [7, 8], expires=5.0, deepest_first=True)
+    masks, pressure = f.doomed(1.0)
+    assert masks == {0: {2: 1, 1: 1}} and pressure == {0: 2}
+    f.removed(0, 0, [2])  # the engine's step: one eviction, 7 stored; only 8 still coming
+    f.stored(0, 0, [7], deepest_first=True, held_before=4)
+    f.settle(0, [0], {})
+    assert f.doomed(1.0) == ({0: {1: 1}}, {0: 1})
+    f.removed(0, 0, [1])  # a block evicted while another is copied: as full as before
+    f.settle(0, [0], {0: 1})
+    assert f.doomed(1.0) == ({0: {4: 1}}, {0: 1})
+    f.cleared(0)
+    assert f.doomed(1.0) == ({}, {})
+    # a slot that held blocks before foresight saw it waits until those are gone
+    f.stored(1, 0, [10], deepest_first=True, held_before=2)
+    f.settle(1, [0], {})
+    f.removed(1, 0, [11])
+    f.routed(1, 0, [], [12, 13, 14], expires=5.0, deepest_first=True)
+    assert f.doomed(1.0)[1] == {}
+    f.removed(1, 0, [15])  # the second unknown block gone: the order is whole
+    assert f.doomed(1.0)[1] == {1: 1}
