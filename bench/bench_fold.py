@@ -68,6 +68,15 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
             shard.apply(b, 1.0)
         app.append(n_timed / (time.perf_counter() - t))
     c.log(f"  apply alone: {max(app):,.0f} blocks/s (best of {args.repeat})")
+    fore = []
+    for _ in range(args.repeat):
+        shard = ModelShard.restore(snap)
+        shard.foresight.active = True  # as after the model's first route: the eviction order is kept
+        t = time.perf_counter()
+        for b in decoded:
+            shard.apply(b, 1.0)
+        fore.append(n_timed / (time.perf_counter() - t))
+    c.log(f"  apply with eviction foresight: {max(fore):,.0f} blocks/s (best of {args.repeat})")
     del decoded
 
     both = []
@@ -86,6 +95,8 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
              f"{args.replicas} replicas")
     figs.add("fold decode_batch alone, block events/s", max(dec), "blocks/s")
     figs.add("fold ModelShard.apply alone, block events/s", max(app), "blocks/s")
+    figs.add("fold ModelShard.apply with eviction foresight (routes recorded), block events/s", max(fore),
+             "blocks/s")
 
 
 def bench_fold_scaling(args, figs: c.Figures) -> None:

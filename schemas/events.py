@@ -72,6 +72,11 @@ class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     # True: `hashes` are Dynamo keys (kvidx.core.hashing.dynamo_keys) of the engine blocks newly
     # cached, for Dynamo's POST /query_by_hash (relays started by its /register); as `tail` otherwise
     dynamo: bool = False
+    # True: blocks the replica already holds, stored again as an extra physical copy (vLLM recomputes
+    # chains in hybrid models): nothing new to index, but they take room and the engine will evict
+    # them after everything stored before (eviction foresight). Readers before this field store held
+    # blocks again (no change)
+    copy: bool = False
 
 
 class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
@@ -112,10 +117,10 @@ class EventBatch(msgspec.Struct, array_like=True):
     # vLLM >= 0.33 lookahead block hashing (EAGLE, MTP): the L prompt tokens after a block that its
     # hash covers; the index keys blocks with them, and a prompt of n tokens has (n - L) // B blocks
     lookahead_tokens: int = 0
-    # group -> index blocks the replica holds as extra physical copies of a block it already holds
-    # (vLLM recomputes chains in hybrid models), after this batch: they take cache room the maps do
-    # not show (eviction foresight, kvidx.core.foresight); empty where there are none
-    extra_copies: dict[int, int] = {}
+    # group -> blocks whose extra physical copy (BlocksStored.copy) the engine evicted in this batch
+    # while another copy stays (eviction foresight counts the room copies take). Not an event: a
+    # reader before this field would retract a block that is still cached
+    copies_removed: dict[int, list[BlockHash]] = {}
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -20,33 +20,37 @@ engine refreshes blocks by storing second copies of blocks it holds (recomputed 
 each scheduler chunk's out-of-window blocks, neither of which an event shows; discounting by a
 guessed order there cut correct credit and missed the late evictions (measured, docs/simulator.md).
 
-Where the order is not known (a replica that held blocks before this process saw it: a restore from
-a snapshot), the slot is not discounted until it has been cleared or has turned its cache over.
+Foresight starts with a model's first route: without routes nothing is known to be coming, and the
+order costs the fold ~170 ns per block event (a dict per slot; bench/RESULTS.md). Where the order
+is not known (a replica that held blocks before foresight started, or before a restore from a
+snapshot), the slot is not discounted until it has been cleared or has turned its cache over.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice, repeat
+from itertools import repeat
 
 
 class Recency:
     """One (slot, group): its blocks oldest first (dict order; values unused), those routed but not
     yet reported (hash -> expiry), and what the slot showed of its capacity."""
 
-    __slots__ = ("order", "unconfirmed", "peak", "full", "untrusted", "extra")
+    __slots__ = ("order", "unconfirmed", "peak", "full", "untrusted", "copies", "extra")
 
     def __init__(self, untrusted: int = 0) -> None:
         self.order: dict[int, None] = {}
         self.unconfirmed: dict[int, float] = {}
         self.peak = 0  # the most blocks held at once (reported blocks and extra copies)
-        self.extra = 0  # room taken by extra physical copies (EventBatch.extra_copies)
+        self.copies: dict[int, int] = {}  # hash -> extra physical copies (BlocksStored.copy)
+        self.extra = 0  # their sum
         self.full = False  # an eviction seen: the slot is at capacity
         # blocks held before the order was known: discounts wait until that many have gone
         self.untrusted = untrusted
 
     def doomed(self) -> int:
-        """How many of the oldest blocks in-flight prefills will evict."""
+        """How much room in-flight prefills will take from the oldest blocks (in blocks; a block
+        with extra copies takes one per copy)."""
         if not self.full or self.untrusted > 0 or not self.unconfirmed:
             return 0
         return max(0, len(self.order) + self.extra - self.peak)
@@ -58,6 +62,7 @@ class Recency:
 
 class Foresight:
     def __init__(self) -> None:
+        self.active = False  # set by the model's first route (ModelShard.add_pending)
         self.slots: dict[tuple[int, int], Recency] = {}  # (slot, group) -> its order
         self._expiries: deque[tuple[float, int, int, tuple[int, ...]]] = deque()  # routes, by expiry
         self.version = 0  # bumped on every change: lookups reuse the doomed masks until then
@@ -84,16 +89,45 @@ class Foresight:
         order.update(dict.fromkeys(reversed(hashes) if deepest_first else hashes))
         self.version += 1
 
-    def settle(self, slot: int, gids, extra: dict[int, int]) -> None:
-        """After one engine batch on `slot`: its extra physical copies per group (EventBatch.extra_copies)
-        and the most it was seen holding. Only at batch ends: within a batch the engine's evictions of
-        copies are not yet counted, and a peak taken there would be above its capacity."""
+    def settle(self, slot: int, gids) -> None:
+        """After one engine batch on `slot`: the most it was seen holding. Only at batch ends: within
+        a batch the evictions of copies (EventBatch.copies_removed) are not yet counted, and a peak
+        taken there would be above its capacity."""
         for gid in gids:
             r = self.slots.get((slot, gid))
-            if r is not None:
-                r.extra = extra.get(gid, 0)
-                if r.held() > r.peak:
-                    r.peak = r.held()
+            if r is not None and r.held() > r.peak:
+                r.peak = r.held()
+
+    def copied(self, slot: int, gid: int, hashes: list[int], deepest_first: bool) -> None:
+        """The engine stored blocks it holds again (extra physical copies): they take room, and the
+        hash goes with its newest copy, after everything stored before it."""
+        r = self.slots.get((slot, gid))
+        if r is None or not hashes:
+            return
+        order, copies = r.order, r.copies
+        run = [h for h in hashes if h in order]
+        for h in run:
+            copies[h] = copies.get(h, 0) + 1
+        r.extra += len(run)
+        _drain(map(order.pop, run, repeat(None)))
+        order.update(dict.fromkeys(reversed(run) if deepest_first else run))
+        self.version += 1
+
+    def uncopied(self, slot: int, gid: int, hashes: list[int]) -> None:
+        """An extra copy of each of these blocks was evicted; another stays."""
+        r = self.slots.get((slot, gid))
+        if r is None:
+            return
+        copies = r.copies
+        for h in hashes:
+            c = copies.get(h)
+            if c:
+                r.extra -= 1
+                if c > 1:
+                    copies[h] = c - 1
+                else:
+                    del copies[h]
+        self.version += 1
 
     def removed(self, slot: int, gid: int, hashes: list[int]) -> None:
         """These blocks left the slot's group in every tier (evicted)."""
@@ -108,6 +142,9 @@ class Foresight:
             r.untrusted = max(0, r.untrusted - (len(hashes) - gone))
         if r.unconfirmed:
             _drain(map(r.unconfirmed.pop, hashes, repeat(None)))
+        if r.copies:  # the last copy went: any extra ones left uncounted go with it
+            for h in hashes:
+                r.extra -= r.copies.pop(h, 0)
         r.full = True
         self.version += 1
 
@@ -119,14 +156,15 @@ class Foresight:
     # ---- routes ---------------------------------------------------------------------------------
     def routed(self, slot: int, gid: int, touched: list[int], incoming: list[int], expires: float,
                deepest_first: bool) -> None:
-        """A prompt was routed to `slot`: the engine touches `touched` (blocks it holds) and adds
-        `incoming` (both in prompt order; incoming after touched); the incoming blocks count against
-        the slot's capacity until its events report them or `expires` passes."""
+        """A prompt was routed to `slot`: the engine touches `touched` (blocks the index holds there)
+        and adds `incoming` (both in prompt order; incoming after touched); the incoming blocks count
+        against the slot's capacity until its events report them or `expires` passes."""
         r = self.slots.get((slot, gid))
         if r is None:
             return  # nothing reported there yet: no order to keep, no capacity known
         order, un = r.order, r.unconfirmed
-        touched = [h for h in touched if h in order]  # a block the slot does not hold is not kept
+        if r.untrusted:  # held blocks the order had not seen: known now
+            r.untrusted = max(0, r.untrusted - sum(1 for h in touched if h not in order))
         new = [h for h in incoming if h in un or h not in order]  # not already reported there
         run = touched + incoming
         _drain(map(order.pop, run, repeat(None)))
@@ -168,12 +206,18 @@ class Foresight:
                 continue
             bit = 1 << slot
             g = masks.setdefault(gid, {})
-            un = r.unconfirmed
+            un, copies = r.unconfirmed, r.copies
             n = 0
-            for h in islice(r.order, e):
-                if h not in un:
-                    g[h] = g.get(h, 0) | bit
-                    n += 1
+            for h in r.order:  # oldest first, each block taking its copies' room
+                if h in un:
+                    continue
+                e -= 1 + copies.get(h, 0) if copies else 1
+                if e < 0:
+                    break
+                g[h] = g.get(h, 0) | bit
+                n += 1
+                if not e:
+                    break
             pressure[slot] = pressure.get(slot, 0) + n
         self._doomed = (self.version, masks, pressure)
         return masks, pressure

@@ -157,7 +157,7 @@ class SequencedRelay:
             block_size=self.mirror.block_size, events=events,
             recompute_tokens=getattr(self.mirror, "recompute_tokens", 1),
             lookahead_tokens=getattr(self.mirror, "lookahead_tokens", 0),
-            extra_copies=dict(getattr(self.mirror, "extra_copies", None) or {}))
+            copies_removed=getattr(self.mirror, "copies_removed", None) or {})
 
     def resync(self, max_blocks: int = 4096) -> Iterator[EventBatch]:
         """Replay the mirror (when the index lost this replica's state): a ReplicaCleared, then the

@@ -96,9 +96,9 @@ class VllmMirror:
         self.memo: dict[EngineHash, tuple[tuple[int, ...], int]] = {}
         # (engine hash, tier, group) -> [physical copies, canonical hashes it was stored under]
         self.live: dict[tuple[EngineHash, str, int], list] = {}
-        # group -> index blocks held as second (third ...) physical copies: cache the index does not
-        # see (its maps count each block once) but the engine's capacity does (eviction foresight)
-        self.extra_copies: dict[int, int] = {}
+        # group -> index blocks whose extra physical copy the last batch evicted (the last copy's
+        # eviction is a BlocksRemoved): eviction foresight counts the room copies take
+        self.copies_removed: dict[int, list[int]] = {}
         # (canonical hash, tier, group) -> live engine blocks covering it: with an index block size
         # below the engine's, two engine blocks can share their first index blocks
         self.refs: dict[tuple[int, str, int], int] = {}
@@ -124,6 +124,7 @@ class VllmMirror:
               now: float | None = None) -> list[Event]:
         """`now`: the engine batch's timestamp, which ages LMCache's chunks (engines/lmcache/chunks.py)."""
         out: list[Event] = []
+        self.copies_removed = {}
         events = _merge_removals(events)
         reannounced = self._reannounced(events)
         dense = _dense_positions(events)
@@ -270,6 +271,7 @@ class VllmMirror:
         refs = self.refs
         new_pos: list[int] = []  # positions in `canon` of index blocks that became cached here
         engine_new: list[int] = []
+        copied: list[int] = []  # index blocks stored again as extra physical copies
         for j, eh in enumerate(ev.block_hashes):
             first = pos[j] * k
             sub = tuple(canon[first:first + k])
@@ -283,7 +285,7 @@ class VllmMirror:
                 if count_copies:
                     entry[0] += 1
                     self.stats["extra_copies"] += 1
-                    self._copies(group, len(entry[1]))
+                    copied.extend(entry[1])
                 else:
                     self.stats["restored_live"] += 1
                 continue
@@ -294,6 +296,9 @@ class VllmMirror:
         for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, parent, depth0, engine_new):
             out.append(BlocksStored(tier, group, hashes, run_parent, depth, engine, kind,
                                     ev.kv_cache_spec_sliding_window or gk[1], ebs if partial else 0))
+        if copied:
+            out.append(BlocksStored(tier, group, copied, None, 0, [], kind,
+                                    ev.kv_cache_spec_sliding_window or gk[1], copy=True))
         if self.dynamo_block_size and ebs == self.dynamo_block_size and not skip and kind in FULL_KINDS:
             self._dynamo_stored(ev, packed, tier, group, out)
 
@@ -402,7 +407,7 @@ class VllmMirror:
             if entry is not None:
                 entry[0] += 1
                 self.stats["extra_copies"] += 1
-                self._copies(group, len(entry[1]))
+                out.append(BlocksStored(tier, group, list(entry[1]), None, 0, [], kind, window, copy=True))
                 continue
             self.live[key] = [1, sub]
             self.stats["placeholder_stored"] += 1
@@ -427,7 +432,7 @@ class VllmMirror:
                 continue
             if entry[0] > 1:
                 entry[0] -= 1
-                self._copies(group, -len(entry[1]))
+                self.copies_removed.setdefault(group, []).extend(entry[1])
                 continue
             del self.live[key]
             self.stats["removed"] += 1
@@ -439,13 +444,6 @@ class VllmMirror:
             out.append(BlocksRemoved(tier, group, hashes, engine))
         if dynamo_gone:
             out.append(BlocksRemoved(tier, group, dynamo_gone, dynamo=True))
-
-    def _copies(self, group: int, n: int) -> None:
-        left = self.extra_copies.get(group, 0) + n
-        if left > 0:
-            self.extra_copies[group] = left
-        else:
-            self.extra_copies.pop(group, None)
 
     def _remember(self, eh: EngineHash, sub: tuple[int, ...], depth: int) -> None:
         memo = self.memo
@@ -464,7 +462,6 @@ class VllmMirror:
 
     def clear(self) -> None:
         self.live.clear()
-        self.extra_copies.clear()
         self.refs.clear()
         self.lmcache.clear()
         self.dynamo.clear()

@@ -24,8 +24,10 @@ def answer(shard, hashes, now):
 
 
 def full_replica() -> ModelShard:
-    """Replica r holding P, then Q, at its capacity of 8 blocks (it evicted Q's last block for Z)."""
+    """Replica r holding P, then Q, at its capacity of 8 blocks (it evicted Q's last block for Z).
+    Foresight starts with the model's first route (here P's, before the engine reported it)."""
     s = ModelShard("m", 16)
+    s.add_pending("r", 0, P, 65, credited=0, expires=0.5)
     s.apply(batch("r", 0, [stored(P)]), 0.0)
     s.apply(batch("r", 1, [stored(Q)]), 0.0)
     s.apply(batch("r", 2, [BlocksRemoved("GPU", 0, [Q[3]]), stored([900])]), 0.0)
@@ -59,8 +61,11 @@ def test_no_discount_with_room_without_routes_or_after_expiry():
     t.apply(batch("r", 0, [stored(P)]), 0.0)
     t.add_pending("r", 0, W, len(W) * 16 + 1, credited=0, expires=10.0)
     assert answer(t, P, 1.0).resumable_tokens == 64
-    u = full_replica()  # no route: nothing known to be coming
+    u = full_replica()  # no route since the first: nothing known to be coming
     assert answer(u, P, 1.0).evicting_tokens == 0
+    v = ModelShard("m", 16)  # no route at all: foresight keeps nothing
+    v.apply(batch("r", 0, [stored(P)]), 0.0)
+    assert not v.foresight.active and not v.foresight.slots
 
 
 def test_a_route_touches_what_it_reuses():
@@ -76,26 +81,30 @@ def test_order_and_trust():
     f = Foresight()
     f.stored(0, 0, [1, 2, 3], deepest_first=True, held_before=0)
     f.stored(0, 0, [4, 5], deepest_first=False, held_before=3)
-    f.settle(0, [0], {})  # an engine batch ends: 5 held
+    f.settle(0, [0])  # an engine batch ends: 5 held
     assert list(f.slots[(0, 0)].order) == [3, 2, 1, 4, 5]
     f.removed(0, 0, [3])
     f.stored(0, 0, [6], deepest_first=True, held_before=4)
-    f.settle(0, [0], {})  # capacity 5 learned
+    f.settle(0, [0])  # capacity 5 learned
     f.routed(0, 0, [], [7, 8], expires=5.0, deepest_first=True)
     masks, pressure = f.doomed(1.0)
     assert masks == {0: {2: 1, 1: 1}} and pressure == {0: 2}
     f.removed(0, 0, [2])  # the engine's step: one eviction, 7 stored; only 8 still coming
     f.stored(0, 0, [7], deepest_first=True, held_before=4)
-    f.settle(0, [0], {})
+    f.settle(0, [0])
     assert f.doomed(1.0) == ({0: {1: 1}}, {0: 1})
-    f.removed(0, 0, [1])  # a block evicted while another is copied: as full as before
-    f.settle(0, [0], {0: 1})
-    assert f.doomed(1.0) == ({0: {4: 1}}, {0: 1})
+    f.removed(0, 0, [1])  # a block evicted while another is stored again as an extra copy:
+    f.copied(0, 0, [4], deepest_first=True)  # as full as before, and 4 is the newest now
+    f.settle(0, [0])
+    assert list(f.slots[(0, 0)].order) == [5, 6, 8, 7, 4]
+    assert f.doomed(1.0) == ({0: {5: 1}}, {0: 1})
+    f.uncopied(0, 0, [4])  # the engine evicted that copy: room for 8
+    assert f.doomed(1.0) == ({}, {})
     f.cleared(0)
     assert f.doomed(1.0) == ({}, {})
     # a slot that held blocks before foresight saw it waits until those are gone
     f.stored(1, 0, [10], deepest_first=True, held_before=2)
-    f.settle(1, [0], {})
+    f.settle(1, [0])
     f.removed(1, 0, [11])
     f.routed(1, 0, [], [12, 13, 14], expires=5.0, deepest_first=True)
     assert f.doomed(1.0)[1] == {}

@@ -115,11 +115,13 @@ def test_remove_unknown_is_counted_not_raised():
 def test_duplicate_physical_copy_needs_two_removals():
     m = VllmMirror(16)
     m.apply([S([1, 2], None, T[:32])])
-    # the recomputed last block of a fully cached prompt: stored again with its parent
-    assert m.apply([S([2], 1, T[16:32])]) == []
+    # the recomputed last block of a fully cached prompt: stored again with its parent (nothing new
+    # to index; published as a copy, which takes room in the engine's cache: eviction foresight)
+    (copy,) = m.apply([S([2], 1, T[16:32])])
+    assert copy.copy and copy.hashes == [H16[1]]
     assert m.stats["extra_copies"] == 1
-    assert m.apply([R([2])]) == []
-    assert removed(m.apply([R([2])])) == [H16[1]]
+    assert m.apply([R([2])]) == [] and m.copies_removed == {0: [H16[1]]}
+    assert removed(m.apply([R([2])])) == [H16[1]] and m.copies_removed == {}
     assert m.apply([R([2])]) == [] and m.stats["remove_unknown"] == 1
 
 
@@ -139,8 +141,9 @@ def test_hybrid_parent_null_restore_is_a_copy():
                kv_cache_spec_sliding_window=32)])
     m.apply([S([1, 2], None, T[:32], group_idx=1, kv_cache_spec_kind="full_attention")])
     assert m.hybrid
-    # the full-attention group stores the same chain again while it is cached
-    assert m.apply([S([1, 2], None, T[:32], group_idx=1, kv_cache_spec_kind="full_attention")]) == []
+    # the full-attention group stores the same chain again while it is cached: copies, not new blocks
+    (copy,) = m.apply([S([1, 2], None, T[:32], group_idx=1, kv_cache_spec_kind="full_attention")])
+    assert copy.copy and copy.group == 1 and copy.hashes == H16[:2]
     assert m.stats["extra_copies"] == 2
     assert m.apply([R([1], group_idx=1)]) == []
     assert removed(m.apply([R([1], group_idx=1)])) == [H16[0]]
