@@ -64,6 +64,11 @@ class _StoreCollector:
         age = GaugeMetricFamily("kvidx_replica_event_age_max_seconds",
                                 "Age of the stalest replica's last applied engine batch",
                                 labels=["model"])
+        evicting = GaugeMetricFamily("kvidx_foresight_evicting_blocks", "Cached blocks that prefills "
+                                     "routed and not yet reported will evict (eviction foresight)",
+                                     labels=["model"])
+        cut = CounterMetricFamily("kvidx_foresight_discounted_lookups", "Lookups where eviction "
+                                  "foresight cut a replica's credit", labels=["model"])
         now = time.time()
         with store.lock:  # scrapes are rare: a consistent view is worth a short wait
             for model, shard in sorted(store.shards.items()):
@@ -74,11 +79,16 @@ class _StoreCollector:
                 ages = [now - st.engine_ts for st in shard.replicas.values() if st.batches]
                 if ages:
                     age.add_metric([model], max(ages))
+                if shard.foresight.active:
+                    evicting.add_metric([model], sum(shard.foresight.doomed(now)[1].values()))
+                    cut.add_metric([model], shard.foresight.discounted_lookups)
             applied = store.batches_applied
         yield blocks
         yield replicas
         yield partial
         yield age
+        yield evicting
+        yield cut
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)
         yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))

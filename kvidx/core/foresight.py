@@ -15,10 +15,13 @@ first; SGLang's and TensorRT-LLM's radix trees evict leaves before their parents
 last block is the oldest of its run and its first block the newest; shared pools (LMCache) keep
 chunks in prompt order. A route touches the prompt's blocks the replica holds and adds the rest.
 
-Full-attention groups only. A sliding-window group's order cannot be followed from events: the
-engine refreshes blocks by storing second copies of blocks it holds (recomputed chains) and frees
-each scheduler chunk's out-of-window blocks, neither of which an event shows; discounting by a
-guessed order there cut correct credit and missed the late evictions (measured, docs/simulator.md).
+Models of one full-attention group only. vLLM's hybrid models (sliding window, state space) share
+one block pool among their groups, free out-of-window blocks while a prompt is prefilled and hold
+running requests' blocks out of reach: per-group capacities and orders do not follow that, and on a
+real engine's recording (gemma2, sliding window 32, concurrency 4) they cut recall from 0.990 to
+0.848 (docs/simulator.md). Extra physical copies of a block (vLLM recomputes the last block of a
+fully cached prompt) take room and refresh its place: the relay publishes them (BlocksStored.copy,
+EventBatch.copies_removed).
 
 Foresight starts with a model's first route: without routes nothing is known to be coming, and the
 order costs the fold ~170 ns per block event (a dict per slot; bench/RESULTS.md). Where the order

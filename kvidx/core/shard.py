@@ -23,7 +23,7 @@ from kvidx.core.maskmap import MaskMap
 from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
 from kvidx.core.snapshot import ShardSnapshot
-from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, ShardWalk
+from kvidx.core.walk import FULL_KINDS, ShardWalk
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 _LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)
@@ -104,12 +104,6 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.foresight = Foresight()  # what in-flight prefills will evict (kvidx.core.foresight)
         self.lookahead = 0  # see _lookahead_changed
         self.tail_keys = 0  # live partial-block keys of all replicas: lookups key the partial block
-        # index blocks per scheduler chunk, learned from sliding-window stores (each prefill chunk
-        # keeps the window before its end: one store per chunk in a batch): the most common distance
-        # between consecutive stores' ends (a prompt's last chunk is shorter); 0 until seen
-        self.window_chunk = 0
-        self._chunk_seen: dict[int, int] = {}  # distance -> times seen
-        self._window_end: tuple[int, int, int] | None = None  # (slot, group, depth end) in the batch
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
 
     # ---- topology ---------------------------------------------------------------------------
@@ -186,53 +180,18 @@ class ModelShard(ShardWalk, ShardSnapshot):
             self._foresee_route(st, hashes, credited, expires)
 
     def _foresee_route(self, st: ReplicaState, hashes: list[int], credited: int, expires: float) -> None:
-        """The blocks a routed prompt will touch and add, per group, on its replica and on the pools
-        it reads (kvidx.core.foresight)."""
-        ibs = self.block_size
-        resume_b = min(credited, len(hashes) * ibs) // ibs  # index blocks the engine resumes from
-        pools = [r.slot for r in self.by_slot if r is not None and st.replica in self.pool_readers.get(
-            r.replica, ())] if self.pool_readers else []
-        for gid, g in self.groups.items():
-            if g.kind in FULL_KINDS:
-                touched, incoming = hashes[:resume_b], hashes[resume_b:]
-            elif g.kind in WINDOW_KINDS and g.window:
-                # the window before the resume point; the prefill keeps the window before each
-                # scheduler chunk's end (chunk learned from the stores; unknown: the last one only)
-                ebs = self.engine_block_size(st)
-                need = -(-(g.window - 1) // ebs) * max(1, ebs // ibs)
-                touched = hashes[max(0, resume_b - need):resume_b]
-                nb, c = len(hashes), self.window_chunk
-                ends = list(range(resume_b + c, nb, c)) if c else []
-                ends.append(nb)
-                incoming = list(dict.fromkeys(h for e in ends for h in hashes[max(resume_b, e - need):e]))
-            else:
-                continue  # state groups: where the engine checkpoints is its scheduler's
-            if touched:  # only what the index holds there (a window range can have holes)
-                bit = slot_bit(st.slot)
-                touched = [h for h, m in zip(touched, g.any.masks(touched), strict=True) if m & bit]
-            self.foresight.routed(st.slot, gid, touched, incoming, expires, self._deepest_first(g, st))
-            if g.kind in FULL_KINDS:
-                for p in pools:  # a pool stores the whole prompt
-                    self.foresight.routed(p, gid, [], hashes, expires, deepest_first=False)
-
-    def _learn_chunk(self, st: ReplicaState, gid: int, end: int) -> None:
-        """Consecutive sliding-window stores of one batch end one scheduler chunk apart."""
-        last = self._window_end
-        if last is not None and last[0] == st.slot and last[1] == gid and end > last[2]:
-            seen = self._chunk_seen
-            d = end - last[2]
-            seen[d] = seen.get(d, 0) + 1
-            if seen[d] > seen.get(self.window_chunk, 0):
-                self.window_chunk = d
-            if len(seen) > 64:  # keep the common distances only
-                for k in sorted(seen, key=seen.get)[:32]:
-                    del seen[k]
-        self._window_end = (st.slot, gid, end)
-
-    def _deepest_first(self, g: GroupIndex, st: ReplicaState) -> bool:
-        """The order a replica evicts a prompt's blocks in (kvidx.core.foresight): engines free full-
-        attention blocks deepest first, window blocks and pools' chunks in prompt order."""
-        return g.kind in FULL_KINDS and st.replica not in self.pool_readers
+        """The blocks a routed prompt will touch and add on its replica and on the pools it reads
+        (kvidx.core.foresight; models of one full-attention group)."""
+        if len(self.groups) != 1:
+            return
+        ((gid, g),) = self.groups.items()
+        if g.kind not in FULL_KINDS:
+            return
+        resume_b = min(credited, len(hashes) * self.block_size) // self.block_size  # blocks resumed from
+        self.foresight.routed(st.slot, gid, hashes[:resume_b], hashes[resume_b:], expires, True)
+        for r in self.by_slot if self.pool_readers else ():  # a pool it reads stores the whole prompt
+            if r is not None and st.replica in self.pool_readers.get(r.replica, ()):
+                self.foresight.routed(r.slot, gid, [], hashes, expires, deepest_first=False)
 
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
@@ -245,7 +204,6 @@ class ModelShard(ShardWalk, ShardSnapshot):
             return False
         if epoch == st.epoch and seq > st.seq + 1:
             st.seq_gaps += seq - st.seq - 1
-        self._window_end = None
         for ev in batch.events:
             kind = type(ev)  # the event structs are final: no subclass to miss
             if kind is BlocksStored:
@@ -277,9 +235,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
 
     def _store(self, ev: BlocksStored, st: ReplicaState) -> None:
         gid, hashes = ev.group, ev.hashes
-        if ev.copy:  # held blocks stored again: only their place in the eviction order changes
-            if self.foresight.active and gid in self.groups:
-                self.foresight.copied(st.slot, gid, hashes, self._deepest_first(self.groups[gid], st))
+        if ev.copy:  # held blocks stored again: only their room and place in the eviction order change
+            if self.foresight.slots:
+                self.foresight.copied(st.slot, gid, hashes, st.replica not in self.pool_readers)
             self.blocks_applied += len(hashes)
             return
         g = self.groups.get(gid) or self._group(gid, ev.group_kind, ev.sliding_window)
@@ -301,10 +259,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         if self.pending.masks and g.kind in FULL_KINDS:
             self.pending.confirm(st.slot, hashes)
         gb = st.group_blocks
-        if self.foresight.active and g.kind not in STATE_KINDS:
-            self.foresight.stored(st.slot, gid, hashes, self._deepest_first(g, st), gb.get(gid, 0))
-            if g.kind in WINDOW_KINDS:
-                self._learn_chunk(st, gid, ev.depth + len(hashes))
+        if self.foresight.active and g.kind in FULL_KINDS and len(self.groups) == 1:
+            self.foresight.stored(st.slot, gid, hashes, st.replica not in self.pool_readers, gb.get(gid, 0))
         if new:
             st.blocks += new
             gb[gid] = gb.get(gid, 0) + new
