@@ -17,7 +17,8 @@ points at kvidx unchanged.
 - `POST /query_by_hash {block_hashes, model_name, ...}`: the same answer from Dynamo's own per-block
   hashes (i64), which the relays /register starts also publish, chained, as Dynamo keys
   (kvidx.core.hashing.dynamo_keys, BlocksStored.dynamo: one entry more per engine block of the
-  registered workers only); `GET /health`: 200, empty.
+  registered workers only); `GET /dump`: Dynamo's dump of the workers whose relays run here (what a
+  Dynamo indexer started with `--peers` recovers from); `GET /health`: 200, empty.
 
 Malformed bodies get axum's statuses and texts (415, 413, 400 "Failed to parse the request body as
 JSON: ...", 422 "Failed to deserialize the JSON body into the target type: ..."; the detail after the
@@ -33,7 +34,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -141,6 +142,7 @@ class Listener:
     status: str = "pending"
     last_error: str | None = None
     stop: Callable[..., None] | None = None
+    mirror: Any = None  # the relay's mirror of the engine (VllmMirror), where the relay runs here
 
 
 @dataclass
@@ -324,6 +326,35 @@ class DynamoRegistry:
                     if (w.model_name, w.routing_group) == (model_name, routing_group)
                     for x in w.listeners.values()}
 
+    def dump(self) -> dict[str, dict]:
+        """Dynamo's GET /dump (services/indexer/server.rs dump_registry): per "model:routing_group" the
+        block size and RouterEvents re-creating the blocks of the workers whose relays run here, one
+        stored event per block, device tier first, parents before children (the shape its --peers
+        recovery reads: recovery.rs)."""
+        with self.lock:
+            workers = [(iid, w, dict(w.listeners)) for iid, w in self.workers.items()]
+            sizes = dict(self.block_sizes)
+        out: dict[str, dict] = {}
+        per_key: dict[tuple[str, str], list] = {}
+        for iid, w, listeners in workers:
+            for rank, listener in sorted(listeners.items()):
+                if listener.mirror is None:
+                    continue
+                blocks = per_key.setdefault((w.model_name, w.routing_group), [])
+                for tier, eh, tokens_hash, up, depth in listener.mirror.dynamo_blocks():
+                    blocks.append((_DYNAMO_TIERS.get(tier, "external") != "device", depth, iid, rank,
+                                   _DYNAMO_TIERS.get(tier, "external"), eh, tokens_hash, up))
+        for (model, group), blocks in per_key.items():
+            blocks.sort(key=lambda b: b[:2])
+            out[f"{model}:{group}"] = {"block_size": sizes.get((model, group), 0), "events": [
+                {"worker_id": iid, "storage_tier": tier, "residency_domain": "worker",
+                 "event": {"event_id": n, "data": {"stored": {
+                     "parent_hash": up, "start_position": None,
+                     "blocks": [{"block_hash": eh, "tokens_hash": th, "mm_extra_info": None}]}},
+                     "dp_rank": rank}}
+                for n, (_, _, iid, rank, tier, eh, th, up) in enumerate(blocks)]}
+        return out
+
     def stop_all(self) -> None:
         """The service shuts down: its relays stop; the replicas stay in the index (their engines run
         on, and other instances follow the same events)."""
@@ -338,6 +369,30 @@ class DynamoRegistry:
 # ---- the query --------------------------------------------------------------------------------------
 _HOST = (TIER_IDS["CPU"],)
 _DISK = (TIER_IDS["DISK"], TIER_IDS["NODE_SHARED"], TIER_IDS["POOL"])  # disk + "external", as Dynamo folds
+
+
+def dump_blocks(dump: dict) -> dict[str, list[list]]:
+    """A GET /dump body (Dynamo's or kvidx's) block by block, to compare two: per "model:group" the sorted
+    [worker_id, dp_rank, storage_tier, block_hash, tokens_hash, parent_hash] of every stored block
+    (Dynamo's dump runs a chain's blocks in one event; kvidx's has one event per block)."""
+    out = {}
+    for key, entry in dump.items():
+        rows = []
+        for ev in entry.get("events", []):
+            stored = ev["event"]["data"].get("stored") if isinstance(ev["event"]["data"], dict) else None
+            if stored is None:
+                continue
+            up = stored["parent_hash"]
+            for b in stored["blocks"]:
+                rows.append([ev["worker_id"], ev["event"].get("dp_rank", 0), ev.get("storage_tier", "device"),
+                             b["block_hash"], b["tokens_hash"], up])
+                up = b["block_hash"]
+        out[key] = sorted(rows, key=lambda r: (r[0], r[1], r[2], r[3], r[4], -1 if r[5] is None else r[5]))
+    return out
+
+
+# kvidx tier -> Dynamo's StorageTier (protocols.rs, serde snake_case)
+_DYNAMO_TIERS = {"GPU": "device", "CPU": "host_pinned", "DISK": "disk"}
 
 
 def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryRequest | QueryByHashRequest
@@ -471,6 +526,10 @@ def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry)
     @app.get("/workers", include_in_schema=False)
     async def workers(model_name: str | None = None, routing_group: str | None = None) -> Response:
         return _json(200, registry.worker_infos(model_name, routing_group))
+
+    @app.get("/dump", include_in_schema=False)
+    async def dump() -> Response:
+        return _json(200, registry.dump())
 
     @app.post("/query", include_in_schema=False)
     async def query(request: Request) -> Response:

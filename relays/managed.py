@@ -29,6 +29,7 @@ def vllm_relay_starter(sink: Sink, index_block_size: Callable[[str], int]):
         core = VllmPublisherRelay(model, replica, index_block_size(model), dp_rank,
                                   dynamo_block_size=dynamo_block_size)
         relay = Relay(core, sink, ZmqSource(endpoint, replay_endpoint))
+        listener.mirror = core.mirror  # what Dynamo's GET /dump lists of this engine
 
         def run() -> None:
             try:

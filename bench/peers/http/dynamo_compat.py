@@ -13,6 +13,10 @@ as a router saw it), so the answers cover the cache as it grew and was evicted.
         --dynserver bench/peers/http/dynserver/target/release/dynserver \\
         --recording tests/fixtures/vllm-0.32/llama_c4 --block-size 32 \\
         --out tests/fixtures/dynamo-1.6.1/llama_c4_query.json
+    .venv/bin/python bench/peers/http/dynamo_compat.py --dump \\
+        --dynserver bench/peers/http/dynserver/target/release/dynserver \\
+        --recording tests/fixtures/vllm-0.32/llama_c4 --block-size 32 \\
+        --out tests/fixtures/dynamo-1.6.1/llama_c4_dump.json
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import zmq
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
+from index_service.dynamo_api import dump_blocks  # noqa: E402
 from kvidx.core.hashing import dynamo_local_hashes, pack_tokens  # noqa: E402
 from kvidx.engines.recording import read_frames, request_steps  # noqa: E402
 
@@ -197,6 +202,65 @@ def bench(args) -> int:
         ctx.destroy(linger=0)
 
 
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def dump_check(args) -> int:
+    """Dynamo's indexer and kvidx fed the same traffic; both GET /dump compared block by block (Dynamo's
+    written as a fixture with --out); then a second Dynamo indexer started with --peers <kvidx> (its own
+    P2P recovery from kvidx's /dump) must answer /query like the one fed live, on every prompt."""
+    ctx = zmq.Context()
+    procs = []
+
+    def start(cmd: list[str]) -> str:
+        port = free_port()
+        p = subprocess.Popen([c.format(port=port) for c in cmd], stderr=subprocess.DEVNULL,
+                             env={**os.environ, "RUST_LOG": "warn", "PYTHONPATH": str(ROOT)})
+        procs.append(p)
+        base = f"http://127.0.0.1:{port}"
+        wait_up(base)
+        return base
+
+    try:
+        dyn = start([args.dynserver, "--port", "{port}", "--threads", str(args.threads)])
+        kv = start([sys.executable, "-c", KVIDX_SERVER, "{port}"])
+        pubs = [connect_publisher(b, args.block_size, ctx) for b in (dyn, kv)]
+        prompts = []
+        for frames, r in steps(args.recording):
+            for f in frames:
+                for pub in pubs:
+                    pub.send_multipart([f.topic, f.seq.to_bytes(8, "big"), f.payload])
+            prompts.append(r["prompt_token_ids"])
+        for b in (dyn, kv):
+            settled(b, prompts[-1])
+        want, got = dump_blocks(get(f"{dyn}/dump")), dump_blocks(get(f"{kv}/dump"))
+        key = f"{MODEL}:default"
+        same_dump = want == got
+        print(f"dump: Dynamo {len(want.get(key, []))} blocks, kvidx {len(got.get(key, []))}, identical: "
+              f"{same_dump}", file=sys.stderr)
+        recovered = start([args.dynserver, "--port", "{port}", "--threads", str(args.threads), "--peers", kv])
+        live = [query(dyn, p) for p in prompts]
+        same = sum(a == query(recovered, p) for a, p in zip(live, prompts, strict=True))
+        matched = sum(bool(a["scores"]) for a in live)
+        print(f"Dynamo recovered from kvidx's /dump answers /query like the one fed live: {same} of "
+              f"{len(prompts)} ({matched} with a GPU match)", file=sys.stderr)
+        if args.out is not None:
+            args.out.write_text(json.dumps({
+                "peer": "dynamo-kv-router 1.6.1 standalone indexer (bench/peers/http/dynserver)",
+                "recording": str(args.recording), "model_name": MODEL, "instance_id": INSTANCE,
+                "block_size": args.block_size, "dump_blocks": want}) + "\n")
+        print(json.dumps({"dump_identical": same_dump, "dump_blocks": len(want.get(key, [])),
+                          "recovered_identical": same, "with_match": matched, "queries": len(prompts)}))
+        return 0 if same_dump and same == len(prompts) else 1
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        ctx.destroy(linger=0)
+
+
 def wait_up(base: str) -> None:
     deadline = time.monotonic() + 30
     while True:
@@ -222,11 +286,17 @@ def main() -> int:
     ap.add_argument("--bench", action="store_true",
                     help="instead: feed Dynamo's indexer and kvidx the same traffic and compare /query "
                          "lookups/s and server CPU per lookup (closed loop, 1 and 4 connections)")
+    ap.add_argument("--dump", action="store_true",
+                    help="instead: compare Dynamo's and kvidx's GET /dump on the same traffic (writes "
+                         "Dynamo's, block by block, to --out), and check that a Dynamo indexer started "
+                         "with --peers <kvidx> answers /query like the one fed live")
     ap.add_argument("--seconds", type=float, default=5.0, help="--bench: seconds per load run (default: 5)")
     ap.add_argument("--rounds", type=int, default=3, help="--bench: interleaved rounds (default: 3)")
     args = ap.parse_args()
     if args.bench:
         return bench(args)
+    if args.dump:
+        return dump_check(args)
     if args.out is None:
         ap.error("--out is needed (or --bench)")
     port = free_port()

@@ -77,6 +77,8 @@ from kvidx.engines.vllm.wire import (
 )
 from schemas.events import BlocksRemoved, BlocksStored, Event
 
+_M64 = (1 << 64) - 1
+
 
 class VllmMirror:
     def __init__(self, index_block_size: int, memo_limit: int = 1 << 21,
@@ -115,6 +117,8 @@ class VllmMirror:
         self.lookahead_tokens = 0  # L of the engine's lookahead block hashing, once seen (EventBatch)
         self.dynamo_block_size = dynamo_block_size
         self.dynamo: dict[EngineHash, int] = {}  # engine hash -> its Dynamo key (dynamo_block_size > 0)
+        # engine hash -> (Dynamo's tokens_hash of the block, its parent's engine hash): Dynamo's GET /dump
+        self.dynamo_meta: dict[EngineHash, tuple[int, EngineHash | None]] = {}
 
     @property
     def hybrid(self) -> bool:
@@ -311,17 +315,22 @@ class VllmMirror:
             parent = self.dynamo.get(ev.parent_block_hash)
             if parent is None:  # a parent Dynamo could not place either
                 return
-        keys = dynamo_keys(dynamo_local_hashes(packed, ev.block_size, dynamo_seed(ev.lora_name)), parent)
-        dyn = self.dynamo
+        local = dynamo_local_hashes(packed, ev.block_size, dynamo_seed(ev.lora_name))
+        keys = dynamo_keys(local, parent)
+        dyn, meta = self.dynamo, self.dynamo_meta
         fresh = []
-        for eh, key in zip(ev.block_hashes, keys, strict=False):
+        up = ev.parent_block_hash
+        for eh, key, tokens_hash in zip(ev.block_hashes, keys, local, strict=False):
             dyn[eh] = key
+            meta[eh] = (tokens_hash, up)
+            up = eh
             if self.live.get((eh, tier, group), (0,))[0] == 1:  # its first live copy here
                 fresh.append(key)
         if len(dyn) > self.memo_limit:
             for old in list(dyn)[: len(dyn) // 8]:
                 if old not in self.memo:
                     del dyn[old]
+                    meta.pop(old, None)
         if fresh:
             out.append(BlocksStored(tier, group, fresh, None, 0, dynamo=True))
 
@@ -462,12 +471,29 @@ class VllmMirror:
 
     def clear(self) -> None:
         self.live.clear()
+        self.dynamo_meta.clear()
         self.refs.clear()
         self.lmcache.clear()
         self.dynamo.clear()
 
     def live_blocks(self) -> int:
         return len(self.live)
+
+    def dynamo_blocks(self) -> list[tuple[str, int, int, int | None, int]]:
+        """The live engine blocks with Dynamo keys, as Dynamo's indexer would hold them (its GET /dump):
+        (tier, engine hash, Dynamo tokens_hash, parent engine hash or None, depth in index blocks),
+        shallowest first (a parent before its children). Engine hashes as Dynamo reads them: u64."""
+        out = []
+        meta, memo = self.dynamo_meta, self.memo
+        for eh, tier, _ in list(self.live):  # a copy: the relay's thread goes on
+            m = meta.get(eh)
+            if m is None or not isinstance(eh, int):
+                continue
+            up = m[1]
+            out.append((tier, eh & _M64, m[0], up & _M64 if isinstance(up, int) else None,
+                        memo.get(eh, ((), 0))[1]))
+        out.sort(key=lambda b: b[4])
+        return out
 
     def replay_keys(self) -> list[Event]:
         """The Dynamo keys of the live engine blocks, for a mirror replay (SequencedRelay.resync)."""

@@ -14,7 +14,7 @@ import httpx
 import zmq
 
 from index_service.app import create_app
-from index_service.dynamo_api import DynamoRegistry
+from index_service.dynamo_api import DynamoRegistry, dump_blocks
 from index_service.store import ShardStore
 from kvidx.core.hashing import dynamo_local_hashes, pack_tokens
 from kvidx.engines.recording import read_frames, request_steps
@@ -65,6 +65,56 @@ def test_query_answers_equal_the_real_dynamo_indexers():
                 assert got == by_hash[req["i"]], req["i"]
                 matched += bool(got["scores"])
             assert matched == sum(bool(a["scores"]) for a in want.values()) > 150
+    finally:
+        registry.stop_all()
+        pub.close(0)
+        ctx.term()
+
+
+DUMP = FIXTURES / "dynamo-1.6.1" / "llama_c4_dump.json"
+
+
+def test_dump_holds_the_blocks_the_real_dynamo_indexer_dumps():
+    """GET /dump after the whole recording: the same blocks (worker, rank, tier, engine hash, Dynamo
+    tokens_hash, parent) as the real indexer's /dump on the same traffic, in the shape its --peers
+    recovery reads (bench/peers/http/dynamo_compat.py --dump also starts a real indexer with --peers
+    on kvidx and checks its /query answers)."""
+    fx = json.loads(DUMP.read_text())
+    recording = FIXTURES.parent.parent / fx["recording"]
+    store = ShardStore(16)
+    store.ready = True
+    registry = DynamoRegistry(vllm_relay_starter(StoreSink(store), lambda model: 16))
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    app = create_app(store, dynamo=registry)
+    try:
+        with ServerThread(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+            assert c.get("/dump").json() == {}  # nothing registered: an empty (valid) recovery
+            r = c.post("/register", json={"instance_id": fx["instance_id"], "endpoint": endpoint,
+                                          "model_name": fx["model_name"], "block_size": fx["block_size"]})
+            assert r.status_code == 201
+            assert pub.poll(15_000), "kvidx's relay never subscribed"
+            pub.recv()
+            requests = [json.loads(x) for x in (recording / "requests.jsonl").read_text().splitlines() if x]
+            # what the compat run sent: the frames published by the last request's send time
+            steps = request_steps(read_frames(recording / "frames.jsonl"), requests)
+            frames = [f for fs, _ in steps for f in fs]
+            for f in frames:
+                pub.send_multipart([f.topic, f.seq.to_bytes(8, "big"), f.payload])
+            wait_for(lambda: (st := store.shards.get(fx["model_name"])) is not None
+                     and (rs := st.replicas.get((endpoint, 0))) is not None and rs.seq >= frames[-1].seq,
+                     what="the recording folded")
+            r = c.get("/dump")
+            assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+            body = r.json()
+            key = f"{fx['model_name']}:default"
+            assert list(body) == [key] and body[key]["block_size"] == fx["block_size"]
+            ev = body[key]["events"][0]
+            assert ev["residency_domain"] == "worker" and ev["storage_tier"] == "device"
+            assert set(ev["event"]["data"]["stored"]) == {"parent_hash", "start_position", "blocks"}
+            got = dump_blocks(body)
+            assert got == fx["dump_blocks"] and len(got[key]) > 20
     finally:
         registry.stop_all()
         pub.close(0)
