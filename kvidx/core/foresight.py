@@ -24,7 +24,7 @@ fully cached prompt) take room and refresh its place: the relay publishes them (
 EventBatch.copies_removed).
 
 Foresight starts with a model's first route: without routes nothing is known to be coming, and the
-order costs the fold ~170 ns per block event (a dict per slot; bench/RESULTS.md). Where the order
+order costs the fold ~110 ns per block event (kvidx_native.Order; bench/RESULTS.md). Where the order
 is not known (a replica that held blocks before foresight started, or before a restore from a
 snapshot), the slot is not discounted until it has been cleared or has turned its cache over.
 """
@@ -32,7 +32,55 @@ snapshot), the slot is not discounted until it has been cleared or has turned it
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
+from itertools import islice, repeat
+
+from kvidx.core.maskmap import native_module
+
+
+class PyOrder:
+    """Blocks in eviction order, oldest first: the pure-Python reference of kvidx_native.Order (a
+    linked list over a slab, no object per block), a dict whose order is the eviction order."""
+
+    __slots__ = ("d",)
+
+    def __init__(self) -> None:
+        self.d: dict[int, None] = {}
+
+    def append(self, hashes, reverse: bool = False, move_existing: bool = False) -> int:
+        """The hashes not present appended (reversed with `reverse`); present ones moved along with
+        `move_existing`. How many were added."""
+        d, n0 = self.d, len(self.d)
+        run = list(reversed(hashes)) if reverse else hashes
+        if move_existing:
+            _drain(map(d.pop, run, repeat(None)))
+        d.update(dict.fromkeys(run))
+        return len(d) - n0
+
+    def touch(self, hashes, reverse: bool = False) -> None:
+        """The present hashes moved to the tail (reversed with `reverse`)."""
+        d = self.d
+        run = [h for h in (reversed(hashes) if reverse else hashes) if h in d]
+        _drain(map(d.pop, run, repeat(None)))
+        d.update(dict.fromkeys(run))
+
+    def discard(self, hashes) -> int:
+        d, n0 = self.d, len(self.d)
+        _drain(map(d.pop, hashes, repeat(None)))
+        return n0 - len(d)
+
+    def head(self, k: int) -> list[int]:
+        return list(islice(self.d, k))
+
+    def __len__(self) -> int:
+        return len(self.d)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.d
+
+
+_native = native_module()
+# the order class: the compiled one where built; property tests pin the pure-Python reference
+Order: type = getattr(_native, "Order", None) or PyOrder
 
 
 class Recency:
@@ -41,8 +89,8 @@ class Recency:
 
     __slots__ = ("order", "unconfirmed", "peak", "full", "untrusted", "copies", "extra")
 
-    def __init__(self, untrusted: int = 0) -> None:
-        self.order: dict[int, None] = {}
+    def __init__(self, untrusted: int = 0, order: type = PyOrder) -> None:
+        self.order = order()
         self.unconfirmed: dict[int, float] = {}
         self.peak = 0  # the most blocks held at once (reported blocks and extra copies)
         self.copies: dict[int, int] = {}  # hash -> extra physical copies (BlocksStored.copy)
@@ -66,6 +114,7 @@ class Recency:
 class Foresight:
     def __init__(self) -> None:
         self.active = False  # set by the model's first route (ModelShard.add_pending)
+        self.order_type = Order
         self.slots: dict[tuple[int, int], Recency] = {}  # (slot, group) -> its order
         self._expiries: deque[tuple[float, int, int, tuple[int, ...]]] = deque()  # routes, by expiry
         self.version = 0  # bumped on every change: lookups reuse the doomed masks until then
@@ -75,7 +124,7 @@ class Foresight:
     def recency(self, slot: int, gid: int, held: int) -> Recency:
         r = self.slots.get((slot, gid))
         if r is None:
-            r = self.slots[(slot, gid)] = Recency(held)
+            r = self.slots[(slot, gid)] = Recency(held, self.order_type)
         return r
 
     # ---- the fold ------------------------------------------------------------------------------
@@ -89,7 +138,7 @@ class Foresight:
         if r.unconfirmed:  # routed blocks keep the place the route gave them
             un = r.unconfirmed
             _drain(map(un.pop, hashes, repeat(None)))
-        order.update(dict.fromkeys(reversed(hashes) if deepest_first else hashes))
+        order.append(hashes, deepest_first)
         self.version += 1
 
     def settle(self, slot: int, gids) -> None:
@@ -112,8 +161,7 @@ class Foresight:
         for h in run:
             copies[h] = copies.get(h, 0) + 1
         r.extra += len(run)
-        _drain(map(order.pop, run, repeat(None)))
-        order.update(dict.fromkeys(reversed(run) if deepest_first else run))
+        order.touch(run, deepest_first)
         self.version += 1
 
     def uncopied(self, slot: int, gid: int, hashes: list[int]) -> None:
@@ -137,10 +185,7 @@ class Foresight:
         r = self.slots.get((slot, gid))
         if r is None or not hashes:
             return
-        order = r.order
-        before = len(order)
-        _drain(map(order.pop, hashes, repeat(None)))
-        gone = before - len(order)
+        gone = r.order.discard(hashes)
         if r.untrusted:  # blocks the order never saw are going: once all have, the order is whole
             r.untrusted = max(0, r.untrusted - (len(hashes) - gone))
         if r.unconfirmed:
@@ -169,9 +214,7 @@ class Foresight:
         if r.untrusted:  # held blocks the order had not seen: known now
             r.untrusted = max(0, r.untrusted - sum(1 for h in touched if h not in order))
         new = [h for h in incoming if h in un or h not in order]  # not already reported there
-        run = touched + incoming
-        _drain(map(order.pop, run, repeat(None)))
-        order.update(dict.fromkeys(reversed(run) if deepest_first else run))
+        order.append(touched + incoming, deepest_first, move_existing=True)
         for h in new:
             un[h] = max(un.get(h, 0.0), expires)
         if new:
@@ -185,12 +228,11 @@ class Foresight:
             r = self.slots.get((slot, gid))
             if r is None:
                 continue
-            un, order = r.unconfirmed, r.order
-            for h in hashes:
-                t = un.get(h)
-                if t is not None and t <= now:
-                    del un[h]
-                    order.pop(h, None)
+            un = r.unconfirmed
+            gone = [h for h in hashes if (t := un.get(h)) is not None and t <= now]
+            for h in gone:
+                del un[h]
+            r.order.discard(gone)
             self.version += 1
 
     # ---- lookups ---------------------------------------------------------------------------------
@@ -211,7 +253,7 @@ class Foresight:
             g = masks.setdefault(gid, {})
             un, copies = r.unconfirmed, r.copies
             n = 0
-            for h in r.order:  # oldest first, each block taking its copies' room
+            for h in r.order.head(e + len(un)):  # oldest first, each block taking its copies' room
                 if h in un:
                     continue
                 e -= 1 + copies.get(h, 0) if copies else 1

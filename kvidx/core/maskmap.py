@@ -346,6 +346,13 @@ def _native():
 
 
 _mod = _native()
+
+
+def native_module():
+    """kvidx_native where it is built and allowed (KVIDX_NATIVE), else None."""
+    return _mod
+
+
 if _mod is not None:
     Mapping.register(_mod.Depths)
 MaskMap: type = _mod.MaskMap if _mod is not None else PyMaskMap

@@ -18,6 +18,7 @@
 //! following one another.
 
 mod answer;
+mod order;
 mod table;
 mod tokens;
 
@@ -1183,6 +1184,7 @@ fn chain<'py>(py: Python<'py>, packed: &Bound<'py, PyAny>, block_size: i64, pare
 fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MaskMap>()?;
     m.add_class::<Depths>()?;
+    m.add_class::<order::Order>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::parse_token_ids, m)?)?;

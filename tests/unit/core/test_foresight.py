@@ -1,7 +1,11 @@
 """Eviction foresight (kvidx.core.foresight): blocks that prefills routed to a full replica will evict
 before the routed request arrives are not credited, and the answer says so (evicting_tokens)."""
 
-from kvidx.core.foresight import Foresight
+import random
+
+import pytest
+
+from kvidx.core.foresight import Foresight, Order, PyOrder
 from kvidx.core.shard import ModelShard
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
@@ -77,12 +81,14 @@ def test_a_route_touches_what_it_reuses():
     assert answer(s, Q[:3], 1.0).evicting_tokens == 48
 
 
-def test_order_and_trust():
+@pytest.mark.parametrize("order", [PyOrder, Order])
+def test_order_and_trust(order):
     f = Foresight()
+    f.order_type = order
     f.stored(0, 0, [1, 2, 3], deepest_first=True, held_before=0)
     f.stored(0, 0, [4, 5], deepest_first=False, held_before=3)
     f.settle(0, [0])  # an engine batch ends: 5 held
-    assert list(f.slots[(0, 0)].order) == [3, 2, 1, 4, 5]
+    assert f.slots[(0, 0)].order.head(99) == [3, 2, 1, 4, 5]
     f.removed(0, 0, [3])
     f.stored(0, 0, [6], deepest_first=True, held_before=4)
     f.settle(0, [0])  # capacity 5 learned
@@ -96,7 +102,7 @@ def test_order_and_trust():
     f.removed(0, 0, [1])  # a block evicted while another is stored again as an extra copy:
     f.copied(0, 0, [4], deepest_first=True)  # as full as before, and 4 is the newest now
     f.settle(0, [0])
-    assert list(f.slots[(0, 0)].order) == [5, 6, 8, 7, 4]
+    assert f.slots[(0, 0)].order.head(99) == [5, 6, 8, 7, 4]
     assert f.doomed(1.0) == ({0: {5: 1}}, {0: 1})
     f.uncopied(0, 0, [4])  # the engine evicted that copy: room for 8
     assert f.doomed(1.0) == ({}, {})
@@ -126,3 +132,27 @@ def test_real_recordings_with_routes_keep_their_agreement():
         assert s["recall"] >= recall and s["over_credit"] <= 0.004, (fixture.name, s)
         assert shard.foresight.active
     assert not shard.foresight.slots  # the hybrid model keeps no order
+
+
+@pytest.mark.skipif(Order is PyOrder, reason="kvidx_native is not built")
+def test_the_compiled_order_agrees_with_the_reference():
+    rng = random.Random(5)
+    for _ in range(30):
+        a, b = PyOrder(), Order()
+        for _ in range(300):
+            hs = rng.sample(range(1, 60), rng.randrange(0, 8)) + [rng.getrandbits(64)] * rng.randrange(0, 2)
+            op = rng.randrange(4)
+            if op == 0:
+                rev, mv = rng.random() < 0.5, rng.random() < 0.5
+                assert a.append(hs, rev, mv) == b.append(hs, rev, mv)
+            elif op == 1:
+                rev = rng.random() < 0.5
+                a.touch(hs, rev)
+                b.touch(hs, rev)
+            elif op == 2:
+                assert a.discard(hs) == b.discard(hs)
+            else:
+                k = rng.randrange(0, 70)
+                assert a.head(k) == b.head(k)
+            assert len(a) == len(b) and all((h in a) == (h in b) for h in hs)
+        assert a.head(999) == b.head(999)

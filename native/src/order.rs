@@ -1,0 +1,172 @@
+//! A replica's blocks in the order its engine will evict them, oldest first (eviction foresight:
+//! kvidx/core/foresight.py, whose `PyOrder` is the pure-Python reference of the same API, a dict;
+//! tests/unit/core/test_foresight.py checks that they agree). A doubly linked list over a slab of
+//! nodes, indexed by the mask map's hash table (mixed hash -> node): appending, moving and
+//! discarding a hash are O(1) with no object per hash; ~40 bytes per block.
+
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::table::{mix, unmix, Table};
+use crate::{u64_of, Hashes};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Clone, Copy)]
+struct Node {
+    m: u64, // the mixed hash
+    prev: u32,
+    next: u32,
+}
+
+#[pyclass(name = "Order", module = "kvidx_native")]
+#[derive(Default)]
+pub struct Order {
+    index: Table,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    head: u32,
+    tail: u32,
+    len: usize,
+}
+
+impl Order {
+    fn unlink(&mut self, i: u32) {
+        let n = self.nodes[i as usize];
+        if n.prev != NIL {
+            self.nodes[n.prev as usize].next = n.next;
+        } else {
+            self.head = n.next;
+        }
+        if n.next != NIL {
+            self.nodes[n.next as usize].prev = n.prev;
+        } else {
+            self.tail = n.prev;
+        }
+    }
+
+    fn push_back(&mut self, i: u32) {
+        let tail = self.tail;
+        {
+            let n = &mut self.nodes[i as usize];
+            n.prev = tail;
+            n.next = NIL;
+        }
+        if tail != NIL {
+            self.nodes[tail as usize].next = i;
+        } else {
+            self.head = i;
+        }
+        self.tail = i;
+    }
+
+    /// Puts `m` at the tail: a new hash unless `only_present`; a present one moved there if `move_`.
+    /// True if it was added.
+    fn put(&mut self, m: u64, move_: bool, only_present: bool) -> bool {
+        if let Some(i) = self.index.get(m) {
+            if move_ && i as u32 != self.tail {
+                self.unlink(i as u32);
+                self.push_back(i as u32);
+            }
+            return false;
+        }
+        if only_present {
+            return false;
+        }
+        let node = Node { m, prev: NIL, next: NIL };
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.index.insert(m, i as u64);
+        self.push_back(i);
+        self.len += 1;
+        true
+    }
+
+    fn each(hashes: &Bound<'_, PyAny>, reverse: bool, mut f: impl FnMut(u64)) -> PyResult<()> {
+        let hs = Hashes::of(hashes)?;
+        let mut ms = Vec::with_capacity(hs.len());
+        let mut i = 0;
+        while let Some(m) = hs.get(i) {
+            ms.push(m?);
+            i += 1;
+        }
+        if reverse {
+            ms.reverse();
+        }
+        for m in ms {
+            f(m);
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Order {
+    #[new]
+    fn new() -> Self {
+        Order { head: NIL, tail: NIL, ..Default::default() }
+    }
+
+    /// Appends the hashes not present at the tail (in reverse with `reverse`); with `move_existing`,
+    /// present ones move to the tail too (in the same run). How many were added.
+    #[pyo3(signature = (hashes, reverse=false, move_existing=false))]
+    fn append(&mut self, hashes: &Bound<'_, PyAny>, reverse: bool, move_existing: bool) -> PyResult<usize> {
+        let mut added = 0;
+        Self::each(hashes, reverse, |m| added += self.put(m, move_existing, false) as usize)?;
+        Ok(added)
+    }
+
+    /// Moves the present hashes to the tail (in reverse with `reverse`); absent ones are ignored.
+    #[pyo3(signature = (hashes, reverse=false))]
+    fn touch(&mut self, hashes: &Bound<'_, PyAny>, reverse: bool) -> PyResult<()> {
+        Self::each(hashes, reverse, |m| {
+            self.put(m, true, true);
+        })
+    }
+
+    /// Removes the present hashes; how many were.
+    fn discard(&mut self, hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let mut gone = 0;
+        Self::each(hashes, false, |m| {
+            if let Some(i) = self.index.remove(m) {
+                self.unlink(i as u32);
+                self.free.push(i as u32);
+                self.len -= 1;
+                gone += 1;
+            }
+        })?;
+        if self.len == 0 {  // give the memory back with the last block
+            self.nodes = Vec::new();
+            self.free = Vec::new();
+        }
+        Ok(gone)
+    }
+
+    /// The `k` oldest hashes, oldest first.
+    fn head<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyList>> {
+        let mut out = Vec::with_capacity(k.min(self.len));
+        let mut i = self.head;
+        while i != NIL && out.len() < k {
+            let n = self.nodes[i as usize];
+            out.push(unmix(n.m));
+            i = n.next;
+        }
+        PyList::new(py, out)
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    fn __contains__(&self, h: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.index.get(mix(u64_of(h)?)).is_some())
+    }
+}
