@@ -17,8 +17,8 @@ from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.wire import BlockStored, decode_payload
 from tests.helpers import GEMMA, LLAMA
 
-values = st.recursive(st.none() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=300)
-                      | st.text(max_size=300), lambda inner: st.tuples(inner, inner) | st.lists(inner, max_size=30),
+scalars = st.none() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=300) | st.text(max_size=300)
+values = st.recursive(scalars, lambda inner: st.tuples(inner, inner) | st.lists(inner, max_size=30),
                       max_leaves=40)
 
 
