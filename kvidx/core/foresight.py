@@ -114,6 +114,7 @@ class Recency:
 class Foresight:
     def __init__(self) -> None:
         self.active = False  # set by the model's first route (ModelShard.add_pending)
+        self.grown: list[Recency] = []  # stored to in the batch being folded (settle)
         self.order_type = Order
         self.slots: dict[tuple[int, int], Recency] = {}  # (slot, group) -> its order
         self._expiries: deque[tuple[float, int, int, tuple[int, ...]]] = deque()  # routes, by expiry
@@ -139,16 +140,17 @@ class Foresight:
             un = r.unconfirmed
             _drain(map(un.pop, hashes, repeat(None)))
         order.append(hashes, deepest_first)
+        self.grown.append(r)
         self.version += 1
 
-    def settle(self, slot: int, gids) -> None:
-        """After one engine batch on `slot`: the most it was seen holding. Only at batch ends: within
-        a batch the evictions of copies (EventBatch.copies_removed) are not yet counted, and a peak
-        taken there would be above its capacity."""
-        for gid in gids:
-            r = self.slots.get((slot, gid))
-            if r is not None and r.held() > r.peak:
+    def settle(self) -> None:
+        """After one engine batch: the most each slot it stored to was seen holding. Only at batch
+        ends: within a batch the evictions of copies (EventBatch.copies_removed) are not yet counted,
+        and a peak taken there would be above its capacity."""
+        for r in self.grown:
+            if r.held() > r.peak:
                 r.peak = r.held()
+        self.grown.clear()
 
     def copied(self, slot: int, gid: int, hashes: list[int], deepest_first: bool) -> None:
         """The engine stored blocks it holds again (extra physical copies): they take room, and the
@@ -162,6 +164,7 @@ class Foresight:
             copies[h] = copies.get(h, 0) + 1
         r.extra += len(run)
         order.touch(run, deepest_first)
+        self.grown.append(r)
         self.version += 1
 
     def uncopied(self, slot: int, gid: int, hashes: list[int]) -> None:

@@ -215,7 +215,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         if self.foresight.slots:
             for gid, hashes in batch.copies_removed.items():
                 self.foresight.uncopied(st.slot, gid, hashes)
-            self.foresight.settle(st.slot, self.groups)
+            if self.foresight.grown:
+                self.foresight.settle()
         st.epoch, st.seq, st.part = epoch, seq, batch.part
         st.recompute = batch.recompute_tokens
         if batch.lookahead_tokens != st.lookahead:

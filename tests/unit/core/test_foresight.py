@@ -87,21 +87,21 @@ def test_order_and_trust(order):
     f.order_type = order
     f.stored(0, 0, [1, 2, 3], deepest_first=True, held_before=0)
     f.stored(0, 0, [4, 5], deepest_first=False, held_before=3)
-    f.settle(0, [0])  # an engine batch ends: 5 held
+    f.settle()  # an engine batch ends: 5 held
     assert f.slots[(0, 0)].order.head(99) == [3, 2, 1, 4, 5]
     f.removed(0, 0, [3])
     f.stored(0, 0, [6], deepest_first=True, held_before=4)
-    f.settle(0, [0])  # capacity 5 learned
+    f.settle()  # capacity 5 learned
     f.routed(0, 0, [], [7, 8], expires=5.0, deepest_first=True)
     masks, pressure = f.doomed(1.0)
     assert masks == {0: {2: 1, 1: 1}} and pressure == {0: 2}
     f.removed(0, 0, [2])  # the engine's step: one eviction, 7 stored; only 8 still coming
     f.stored(0, 0, [7], deepest_first=True, held_before=4)
-    f.settle(0, [0])
+    f.settle()
     assert f.doomed(1.0) == ({0: {1: 1}}, {0: 1})
     f.removed(0, 0, [1])  # a block evicted while another is stored again as an extra copy:
     f.copied(0, 0, [4], deepest_first=True)  # as full as before, and 4 is the newest now
-    f.settle(0, [0])
+    f.settle()
     assert f.slots[(0, 0)].order.head(99) == [5, 6, 8, 7, 4]
     assert f.doomed(1.0) == ({0: {5: 1}}, {0: 1})
     f.uncopied(0, 0, [4])  # the engine evicted that copy: room for 8
@@ -110,7 +110,7 @@ def test_order_and_trust(order):
     assert f.doomed(1.0) == ({}, {})
     # a slot that held blocks before foresight saw it waits until those are gone
     f.stored(1, 0, [10], deepest_first=True, held_before=2)
-    f.settle(1, [0])
+    f.settle()
     f.removed(1, 0, [11])
     f.routed(1, 0, [], [12, 13, 14], expires=5.0, deepest_first=True)
     assert f.doomed(1.0)[1] == {}
