@@ -56,6 +56,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from index_service.auth import add_bearer_auth
+from index_service.conductor_api import ConductorPaths, ConductorRegistry
 from index_service.context import ServiceContext, kv, log
 from index_service.dynamo_api import DynamoRegistry, add_dynamo_routes
 from index_service.errors import one_error_shape
@@ -77,14 +78,16 @@ def _telemetry() -> dict:
 
 
 def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None,
-               publish_usage=None, feedback=None, dynamo: DynamoRegistry | None = None) -> FastAPI:
+               publish_usage=None, feedback=None, dynamo: DynamoRegistry | None = None,
+               conductor: ConductorRegistry | None = None) -> FastAPI:
     """`auth_token`: when set, every /v1/ request must carry `Authorization: Bearer <token>`
     (/healthz and /metrics stay open for probes and scrapers). `publish_usage(UsageReport)`: where
     POST /v1/usage sends reports (kvidx.ops.audit.UsagePublisher: the usage topic). `feedback`: an
     object whose `apply(model, replicas, block_size)` caps the credit of replicas whose engines reuse
     less than the index credits (kvidx.ops.feedback.FeedbackFollower). Both may be set later on
     `app.state`. `dynamo`: Dynamo's indexer API at its own paths (index_service/dynamo_api.py), its
-    registrations starting relays."""
+    registrations starting relays; `conductor`: Mooncake conductor's msgpack API on the same paths
+    (index_service/conductor_api.py), told apart by the content type."""
     # /docs and /redoc with their JavaScript and CSS served by the service itself (fastapi-offline
     # ships them): the default pages load them from a CDN, which a cluster without internet lacks
     app: FastAPI = FastAPIOffline(title="kvidx lookup service", version="1", telemetry=_telemetry())
@@ -106,6 +109,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     if dynamo is not None:
         add_dynamo_routes(app, store, dynamo)
     app.add_middleware(HotPath, ctx=ctx, dynamo=dynamo)  # the lookups, past the router
+    if conductor is not None:  # outside the hot path: its msgpack /query goes first
+        app.add_middleware(ConductorPaths, store=store, registry=conductor)
     if auth_token:  # added last: outermost, so it guards the lookups too
         add_bearer_auth(app, auth_token)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))

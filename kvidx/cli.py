@@ -329,6 +329,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from index_service.app import create_app
+    from index_service.conductor_api import ConductorRegistry
     from index_service.dynamo_api import DynamoRegistry
     from index_service.follower import KafkaFollower, RoutePublisher
     from index_service.registrations import RegistrationLog
@@ -364,12 +365,12 @@ def cmd_serve(args) -> int:
     # Dynamo's indexer API: POST /register starts a relay here that publishes to the events topic; the
     # registrations topic keeps them (this instance takes its own up again after a restart)
     registrations = RegistrationLog(b, t["registrations"])
-    dynamo = DynamoRegistry(vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"]),
-                                               settings.block_size),
-                            owner=args.instance_name or f"{socket.gethostname()}:{args.port}",
+    starter = vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"]), settings.block_size)
+    dynamo = DynamoRegistry(starter, owner=args.instance_name or f"{socket.gethostname()}:{args.port}",
                             log=registrations)
+    conductor = ConductorRegistry(starter)  # Mooncake conductor's msgpack API (registrations in process)
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
-                     publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo)
+                     publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor)
     follower.start()
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
@@ -379,6 +380,7 @@ def cmd_serve(args) -> int:
     finally:
         registrations.close()
         dynamo.stop_all()
+        conductor.stop_all()
         for f in feedback:
             f.stop()
         follower.stop()
@@ -550,8 +552,10 @@ def _add_serve(sub) -> None:
                                    "then follows the events topic itself; /healthz answers 503 until the "
                                    "shards are rebuilt. Any number of instances answer alike. Dynamo's "
                                    "indexer API too (POST /register, /unregister, /query; GET /workers, "
-                                   "/health): a registration starts a relay here for the engine's "
-                                   "publisher, publishing to the events topic (docs/routers.md).")
+                                   "/health, /dump) and Mooncake conductor's msgpack one (the same paths "
+                                   "with Content-Type application/msgpack; GET /services, /global_view): "
+                                   "a registration starts a relay here for the engine's publisher, "
+                                   "publishing to the events topic (docs/routers.md).")
     _common(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8080, help="HTTP port")

@@ -1,0 +1,478 @@
+"""Mooncake conductor's KV indexer API (kvcache-ai/Mooncake, branch dev/conductor, mooncake-conductor/
+src/kvevent/event_manager.cpp and hash_strategy.cpp; its docs/source/design/conductor/indexer-api-
+design.md where the code agrees), served by `kvidx serve` over the same index: a router written for the
+conductor points at kvidx unchanged.
+
+msgpack only, requests and answers (`Content-Type: application/msgpack`): POST /register, /unregister
+and /query share their paths with Dynamo's JSON API (index_service/dynamo_api.py) and are told apart by
+the request's content type, as the conductor itself refuses anything but msgpack there.
+
+- `POST /register {endpoint, type, modelname, instance_id, block_size, dp_rank, hash_profile{strategy,
+  algorithm, python_hash_seed, index_projection}, replay_endpoint?, lora_name?, tenant_id?,
+  cache_group?}`: 200 `{status, instance_id}`; kvidx starts a relay for the vLLM engine's ZMQ publisher
+  (the replica is named after its endpoint), publishing to the events topic like every relay. The
+  conductor's checks in its order, with its error bodies `{error, reason, field?, index?}`; an identical
+  registration again is a no-op, a different one on the same key or endpoint is refused.
+- `POST /unregister {instance_id, dp_rank, tenant_id?}`: stops the relay and retracts the replica.
+- `POST /query {model, block_size, token_ids (bin of int32 LE, or an array), tenant_id?, lora_name?,
+  cache_salt?, instance_id?}`: per registered instance and DP rank one cursor over the prompt's blocks of
+  the registered size: the GPU blocks that rank holds, then blocks any replica of the model holds in host
+  memory (`cpu`), then on disk (`disk` = `longest_matched`), cumulative token counts; the instance's
+  gpu/cpu/disk are the best of its ranks.
+- `GET /services`, `GET /global_view`: the registrations and the contexts (tenant, model, LoRA, block
+  size), with each context's hash profile and its root digest (kvidx.core.vllm_hashing).
+
+Differences, by design: kvidx keys blocks canonically (kvidx.core.hashing) and re-hashes the engine's
+tokens, so the hash profile is checked and reported but not needed to match; the cpu phase also counts
+blocks vLLM's own CPU offloading reports (the conductor reads only GPU events from vLLM); `type
+"Mooncake"` (Mooncake Store's events as the shared tiers) is refused as not supported yet;
+`prefix_count` is the model's distinct indexed blocks; registrations live in this process (Dynamo's
+are kept on the registrations topic; these are not yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+from fastapi.responses import Response
+
+from index_service.dynamo_api import Listener
+from index_service.store import ShardStore
+from kvidx.core.hashing import prompt_hashes
+from kvidx.core.vllm_hashing import ALGORITHMS, root_digest
+from schemas.events import TIER_IDS
+
+log = logging.getLogger("kvidx.conductor_api")
+
+MSGPACK = "application/msgpack"
+TYPES = ("vLLM", "Mooncake")
+_I64 = (1 << 63) - 1
+_I32 = (-(1 << 31), (1 << 31) - 1)
+REGISTER_FIELDS = ("block_size", "cache_group", "dp_rank", "endpoint", "hash_profile", "instance_id",
+                   "lora_name", "modelname", "replay_endpoint", "tenant_id", "type")
+PROFILE_FIELDS = ("strategy", "algorithm", "python_hash_seed", "index_projection")
+QUERY_FIELDS = ("model", "block_size", "token_ids", "tenant_id", "lora_name", "cache_salt", "instance_id")
+UNREGISTER_FIELDS = ("dp_rank", "instance_id", "tenant_id")
+
+
+class Invalid(Exception):
+    """The conductor's HttpValidationError: 400 {error, reason, field?, index?}."""
+
+    def __init__(self, error: str, reason: str, field: str | None = None, index: int | None = None):
+        super().__init__(error)
+        self.body: dict[str, Any] = {"error": error, "reason": reason}
+        if field is not None:
+            self.body["field"] = field
+        if index is not None:
+            self.body["index"] = index
+
+
+def is_msgpack(content_type: str | None) -> bool:
+    return MSGPACK in (content_type or "")
+
+
+def reply(status: int, body: Any) -> Response:
+    return Response(msgspec.msgpack.encode(body), status_code=status, media_type=MSGPACK)
+
+
+def decode_map(body: bytes, allowed: tuple[str, ...]) -> dict:
+    """A request body: a msgpack map with string keys, none outside `allowed` (in the request's order)."""
+    try:
+        obj = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        raise Invalid("Invalid msgpack object", "invalid_msgpack") from None
+    if not isinstance(obj, dict):
+        raise Invalid("request body must be a msgpack map", "invalid_msgpack")
+    for k in obj:
+        if not isinstance(k, str):
+            raise Invalid("map keys must be strings", "invalid_msgpack")
+        if k not in allowed:
+            raise Invalid(f"unsupported request field: {k}", "unknown_field", k)
+    return obj
+
+
+def _text(obj: dict, name: str, required: bool = True, default: str = "") -> str:
+    if name not in obj:
+        if required:
+            raise Invalid(f"{name} is required", "missing", name)
+        return default
+    v = obj[name]
+    if not isinstance(v, str):
+        raise Invalid(f"{name} must be a string", "invalid_type", name)
+    if required and not v:
+        raise Invalid(f"{name} must not be empty", "invalid_value", name)
+    return v
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def resolve_profile(p: Any) -> dict[str, str]:
+    """hash_profile checked as the conductor resolves it; with its root digest (lowercase hex)."""
+    if p is None:
+        raise Invalid("hash_profile is required", "missing", "hash_profile")
+    if not isinstance(p, dict):
+        raise Invalid("hash_profile must be a map", "invalid_type", "hash_profile")
+    for k in p:
+        if k not in PROFILE_FIELDS:
+            raise Invalid(f"unsupported request field: {k}", "unknown_field", str(k))
+    vals = {k: _text(p, k) for k in PROFILE_FIELDS}
+    if vals["algorithm"] not in ALGORITHMS:
+        raise Invalid(f"unsupported hash algorithm: {vals['algorithm']}", "invalid_value", "algorithm")
+    if vals["strategy"] != "vllm_v1":
+        raise Invalid(f"unsupported hash strategy: {vals['strategy']}", "invalid_value", "strategy")
+    if vals["index_projection"] != "low64_be":
+        raise Invalid(f"unsupported index projection: {vals['index_projection']}", "invalid_value",
+                      "index_projection")
+    seed = vals["python_hash_seed"]
+    if seed != "random":
+        if not (seed.isascii() and seed.isdigit()):
+            raise Invalid('python_hash_seed must be "random" or ASCII decimal text in 0..4294967295',
+                          "invalid_value", "python_hash_seed")
+        if int(seed) > 0xFFFF_FFFF:
+            raise Invalid("python_hash_seed must be in range 0..4294967295", "invalid_value",
+                          "python_hash_seed")
+    return {"strategy": vals["strategy"], "algorithm": vals["algorithm"], "python_hash_seed": seed,
+            "root_digest": root_digest(vals["algorithm"], seed).hex(),
+            "index_projection": vals["index_projection"]}
+
+
+@dataclass
+class Service:
+    endpoint: str
+    replay_endpoint: str
+    type: str
+    model: str
+    lora_name: str
+    tenant_id: str
+    instance_id: str
+    block_size: int
+    dp_rank: int
+    cache_group: int | None
+    profile: dict[str, str]
+    listener: Listener = field(compare=False, default_factory=lambda: Listener("", None))
+
+    @property
+    def key(self) -> str:
+        return f"{self.instance_id}|{self.tenant_id}|{self.dp_rank}"
+
+    @property
+    def context(self) -> tuple[str, str, str, int]:
+        return (self.tenant_id, self.model, self.lora_name, self.block_size)
+
+
+@dataclass
+class Context:
+    profile: dict[str, str]
+    instances: dict[str, set[int]] = field(default_factory=dict)
+
+
+class ConductorRegistry:
+    """The conductor's services and prefix contexts, with a relay per vLLM service (`start_relay` as in
+    DynamoRegistry: start(model, replica, dp_rank, endpoint, replay_endpoint, listener, 0) -> stop)."""
+
+    def __init__(self, start_relay=None):
+        self.start_relay = start_relay
+        self.services: dict[str, Service] = {}
+        self.contexts: dict[tuple[str, str, str, int], Context] = {}  # never deleted, as the conductor's
+        self.lock = threading.Lock()
+
+    # ---- registration ---------------------------------------------------------------------------
+    def register(self, body: bytes) -> tuple[int, dict]:
+        obj = decode_map(body, REGISTER_FIELDS)
+        endpoint, typ, model, iid = (_text(obj, f) for f in ("endpoint", "type", "modelname", "instance_id"))
+        if "block_size" not in obj:
+            raise Invalid("block_size is required", "missing", "block_size")
+        bs = obj["block_size"]
+        if not _int(bs) or bs > _I64:
+            raise Invalid("block_size must be an integer", "invalid_type", "block_size")
+        if bs <= 0:
+            raise Invalid("block_size must be greater than zero", "out_of_range", "block_size")
+        replay = _text(obj, "replay_endpoint", required=False)
+        lora = _text(obj, "lora_name", required=False)
+        tenant = _text(obj, "tenant_id", required=False) or "default"
+        group = obj.get("cache_group")
+        if group is not None:
+            if not _int(group):
+                raise Invalid("cache_group must be an integer or null", "invalid_type", "cache_group")
+            if group != 0:
+                raise Invalid("only cache group zero is supported", "unsupported", "cache_group")
+        profile = resolve_profile(obj.get("hash_profile"))
+        if typ not in TYPES:
+            raise Invalid("type must be vLLM or Mooncake", "invalid_value", "type")
+        if "dp_rank" not in obj:
+            raise Invalid("dp_rank is required", "missing", "dp_rank")
+        rank = obj["dp_rank"]
+        if not _int(rank):
+            raise Invalid("dp_rank must be an integer", "invalid_type", "dp_rank")
+        if not 0 <= rank <= _I32[1]:
+            raise Invalid("dp_rank must be a non-negative int", "out_of_range", "dp_rank")
+        if typ == "Mooncake":
+            raise Invalid("type Mooncake (Mooncake Store's shared tiers) is not supported by kvidx yet",
+                          "unsupported", "type")
+        svc = Service(endpoint, replay, typ, model, lora, tenant, iid, bs, rank, group, profile)
+        ok = {"status": "registered successfully", "instance_id": iid}
+        with self.lock:
+            old = self.services.get(svc.key)
+            if old is not None:
+                if old == svc:
+                    return 200, ok  # the same registration again: nothing new
+                raise Invalid(f"conflicting registration for service key: {svc.key}", "invalid_registration")
+            if any(s.endpoint == endpoint for s in self.services.values()):
+                raise Invalid(f"conflicting active registration for endpoint: {endpoint}",
+                              "invalid_registration")
+            ctx = self.contexts.get(svc.context)
+            if ctx is not None and ctx.profile != profile:
+                raise Invalid("failed to register prefix context: registration conflicts with the "
+                              "ContextKey hash profile", "invalid_registration")
+            if ctx is None:
+                ctx = self.contexts[svc.context] = Context(profile)
+            ctx.instances.setdefault(iid, set()).add(rank)
+            self.services[svc.key] = svc
+        self._start(svc)
+        log.info("event=conductor_register instance=%s dp_rank=%d model=%s endpoint=%s", iid, rank, model,
+                 endpoint)
+        return 200, ok
+
+    def _start(self, svc: Service) -> None:
+        listener = svc.listener
+        if self.start_relay is None:
+            listener.status = "active"
+            return
+        try:
+            listener.stop = self.start_relay(svc.model, svc.endpoint, svc.dp_rank, svc.endpoint,
+                                             svc.replay_endpoint or None, listener, 0)
+            listener.status = "active"
+        except Exception as e:  # noqa: BLE001 - the conductor registers even when nothing listens yet
+            listener.status, listener.last_error = "failed", str(e)[:300]
+            log.warning("event=conductor_listener_failed instance=%s endpoint=%s error=%s", svc.instance_id,
+                        svc.endpoint, listener.last_error)
+
+    def unregister(self, body: bytes) -> tuple[int, dict]:
+        obj = decode_map(body, UNREGISTER_FIELDS)
+        iid = _text(obj, "instance_id")
+        tenant = _text(obj, "tenant_id", required=False) or "default"
+        if "dp_rank" not in obj:
+            raise Invalid("dp_rank is required", "missing", "dp_rank")
+        rank = obj["dp_rank"]
+        if not _int(rank) or not 0 <= rank <= _I32[1]:
+            raise Invalid("dp_rank must be a non-negative int", "invalid_value", "dp_rank")
+        key = f"{iid}|{tenant}|{rank}"
+        with self.lock:
+            svc = self.services.pop(key, None)
+            if svc is None:
+                return 404, {"error": f"service not found: {key}"}
+            ranks = self.contexts[svc.context].instances.get(iid, set())
+            ranks.discard(rank)
+            if not ranks:
+                self.contexts[svc.context].instances.pop(iid, None)
+        if svc.listener.stop is not None:
+            svc.listener.stop()  # and retract the replica
+        log.info("event=conductor_unregister key=%s", key)
+        return 200, {"status": "unregistered successfully", "removed_instances": [key]}
+
+    def stop_all(self) -> None:
+        """The service shuts down: relays end, the index's view of the engines stays."""
+        for svc in list(self.services.values()):
+            if svc.listener.stop is not None:
+                try:
+                    svc.listener.stop(False)
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
+
+    # ---- views ----------------------------------------------------------------------------------
+    def services_view(self) -> dict:
+        with self.lock:
+            svcs = [self.services[k] for k in sorted(self.services)]
+        return {"count": len(svcs), "services": [
+            {"Endpoint": s.endpoint, "ReplayEndpoint": s.replay_endpoint, "Type": s.type,
+             "ModelName": s.model, "LoraName": s.lora_name, "TenantID": s.tenant_id,
+             "InstanceID": s.instance_id, "BlockSize": s.block_size, "DPRank": s.dp_rank,
+             "CacheGroup": s.cache_group, "HashProfile": s.profile} for s in svcs]}
+
+    def global_view(self, store: ShardStore) -> dict:
+        with self.lock:
+            ctxs = [(k, c.profile, {i: sorted(r) for i, r in c.instances.items()})
+                    for k, c in self.contexts.items()]
+        out = []
+        for (tenant, model, lora, bs), profile, instances in ctxs:
+            shard = store.shards.get(model)
+            g = shard._lookup_group(None) if shard is not None else None
+            out.append({"model_name": model, "lora_name": lora, "block_size": bs, "tenant_id": tenant,
+                        "prefix_count": len(g.any) if g is not None else 0, "hash_profile": profile,
+                        "instances": {i: instances[i] for i in sorted(instances, key=str.encode)}})
+        return {"context_count": len(out), "contexts": out}
+
+    # ---- query ----------------------------------------------------------------------------------
+    def query(self, store: ShardStore, body: bytes) -> dict:
+        obj = decode_map(body, QUERY_FIELDS)
+        model = bs = tokens = None
+        tenant, lora, salt, only = "default", "", None, None
+        for k, v in obj.items():  # the conductor checks the fields in the request's order
+            if k == "model":
+                if not isinstance(v, str):
+                    raise Invalid("model must be a string", "invalid_type", k)
+                if not v:
+                    raise Invalid("model must not be empty", "invalid_value", k)
+                model = v
+            elif k == "block_size":
+                if not _int(v) or v > _I64:
+                    raise Invalid("block_size must be an integer", "invalid_type", k)
+                if v <= 0:
+                    raise Invalid("block_size must be a positive integer", "out_of_range", k)
+                bs = v
+            elif k == "token_ids":
+                tokens = _tokens(v)
+            elif k in ("tenant_id", "lora_name", "instance_id"):
+                if not isinstance(v, str):
+                    raise Invalid(f"{k} must be a string", "invalid_type", k)
+                if k == "tenant_id":
+                    tenant = v or "default"
+                elif k == "lora_name":
+                    lora = v
+                else:
+                    only = v
+            elif k == "cache_salt":
+                if v is not None and not isinstance(v, str):
+                    raise Invalid("cache_salt must be a string or null", "invalid_type", k)
+                salt = v or None
+        for name, v in (("model", model), ("block_size", bs), ("token_ids", tokens)):
+            if v is None:
+                raise Invalid(f"{name} is required", "missing", name)
+        with self.lock:
+            ctx = self.contexts.get((tenant, model, lora, bs))
+            if ctx is None:
+                return {"instances": {}}
+            ids = sorted(ctx.instances, key=str.encode) if only is None else \
+                ([only] if only in ctx.instances else [])
+            ranks = {i: sorted(ctx.instances[i]) for i in ids}
+            endpoints = {(s.instance_id, s.dp_rank): s.endpoint for s in self.services.values()
+                         if s.context == (tenant, model, lora, bs)}
+        reach = _Reach(store, model, bs, tokens, lora, salt)
+        out = {}
+        for iid in ids:
+            per = {r: reach.rank(endpoints.get((iid, r)), r) for r in ranks[iid]}
+            out[iid] = {"longest_matched": max(p[2] for p in per.values()),
+                        "dp": {str(r): p[0] for r, p in per.items()},
+                        "rank_matches": {str(r): {"gpu": p[0], "cpu": p[1], "disk": p[2]}
+                                         for r, p in per.items()},
+                        "gpu": max(p[0] for p in per.values()), "cpu": max(p[1] for p in per.values()),
+                        "disk": max(p[2] for p in per.values())}
+        return {"instances": out}
+
+
+def _tokens(v: Any) -> np.ndarray:
+    """token_ids: a bin of little-endian int32, or an array of ints in the int32 range."""
+    if isinstance(v, bytes):
+        if len(v) % 4:
+            raise Invalid("token_ids bin size must be a multiple of 4", "invalid_value", "token_ids")
+        return np.frombuffer(v, dtype="<i4")
+    if isinstance(v, list):
+        for i, t in enumerate(v):
+            if not _int(t):
+                raise Invalid("token_ids element must be an integer", "invalid_type", "token_ids", i)
+            if not _I32[0] <= t <= _I32[1]:
+                raise Invalid("token_ids element is outside the int32 range", "out_of_range", "token_ids", i)
+        return np.asarray(v, dtype="<i4")
+    raise Invalid("token_ids must be a bin or an array", "invalid_type", "token_ids")
+
+
+class _Reach:
+    """One prompt against a model's shard, by blocks of the registered size: per replica and DP rank,
+    the cursor over its GPU blocks, then blocks any replica holds in host memory, then on disk."""
+
+    def __init__(self, store: ShardStore, model: str, bs: int, tokens: np.ndarray, lora: str,
+                 salt: str | None):
+        self.bs = bs
+        self.shard = shard = store.shards.get(model)
+        g = shard._lookup_group(None) if shard is not None else None
+        self.n = len(tokens) // bs
+        self.gpu: list[int] = []
+        self.lower: list[list[bool]] = []
+        if g is None or bs % shard.block_size or not self.n:
+            self.n = 0
+            return
+        self.k = bs // shard.block_size
+        packed = tokens[:self.n * bs].astype("<i4").view("<u4").tobytes()
+        with store.lock:
+            hashes = prompt_hashes(packed, shard.block_size, lora or None, salt)
+            tier = g.tiers.get(TIER_IDS["GPU"])
+            self.gpu = tier.masks(hashes) if tier is not None else [0] * len(hashes)
+            for name in ("CPU", "DISK"):
+                t = g.tiers.get(TIER_IDS[name])
+                self.lower.append([bool(m) for m in t.masks(hashes)] if t is not None
+                                  else [False] * len(hashes))
+
+    def rank(self, endpoint: str | None, dp_rank: int) -> tuple[int, int, int]:
+        st = self.shard.replicas.get((endpoint, dp_rank)) if self.n and endpoint is not None else None
+        bit = 1 << st.slot if st is not None else 0
+        k, pos, out = self.k if self.n else 1, 0, []
+        held = [lambda i: self.gpu[i] & bit, *[(lambda i, held=h: held[i]) for h in self.lower]]
+        for has in held:
+            while pos < self.n and all(has(j) for j in range(pos * k, pos * k + k)):
+                pos += 1
+            out.append(pos * self.bs)
+        return out[0], out[1], out[2]
+
+
+MAX_BODY = 8 << 20
+
+
+class ConductorPaths:
+    """ASGI middleware: the conductor's msgpack requests, before Dynamo's JSON routes on the same paths
+    (POST /register, /unregister, /query with a msgpack content type) and its GET /services and
+    /global_view; everything else passes on."""
+
+    def __init__(self, app, store: ShardStore, registry: ConductorRegistry):
+        self.app, self.store, self.registry = app, store, registry
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path") if scope["type"] == "http" else None
+        if path in ("/register", "/unregister", "/query"):
+            ctype = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), "")
+            if scope["method"] == "POST" and is_msgpack(ctype):
+                body = await _read(receive)
+                response = reply(413, {"error": "request body too large"}) if body is None else \
+                    self.handle(path, body)
+                await response(scope, receive, send)
+                return
+        elif path in ("/services", "/global_view"):
+            if scope["method"] != "GET":
+                response = reply(405, {"error": "Method not allowed"})
+            elif path == "/services":
+                response = reply(200, self.registry.services_view())
+            else:
+                response = reply(200, self.registry.global_view(self.store))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def handle(self, path: str, body: bytes) -> Response:
+        reg = self.registry
+        try:
+            if path == "/register":
+                return reply(*reg.register(body))
+            if path == "/unregister":
+                return reply(*reg.unregister(body))
+            return reply(200, reg.query(self.store, body))
+        except Invalid as e:
+            return reply(400, e.body)
+
+
+async def _read(receive) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            return None
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(chunks)
