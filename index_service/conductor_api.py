@@ -393,29 +393,28 @@ class _Reach:
         self.shard = shard = store.shards.get(model)
         g = shard._lookup_group(None) if shard is not None else None
         self.n = len(tokens) // bs
-        self.gpu: list[int] = []
-        self.lower: list[list[bool]] = []
+        self.gpu: dict[int, int] = {}  # slot -> leading index blocks it holds on GPU (the map's walk)
+        self.lower: list[list[bool]] = []  # host memory, disk: each block held by any replica
         if g is None or bs % shard.block_size or not self.n:
-            self.n = 0
+            self.n, self.k = 0, 1
             return
         self.k = bs // shard.block_size
         packed = tokens[:self.n * bs].astype("<i4").view("<u4").tobytes()
         with store.lock:
             hashes = prompt_hashes(packed, shard.block_size, lora or None, salt)
-            tier = g.tiers.get(TIER_IDS["GPU"])
-            self.gpu = tier.masks(hashes) if tier is not None else [0] * len(hashes)
+            gpu = g.tiers.get(TIER_IDS["GPU"])
+            self.gpu = dict(gpu.walk(hashes).items()) if gpu is not None else {}
             for name in ("CPU", "DISK"):
                 t = g.tiers.get(TIER_IDS[name])
-                self.lower.append([bool(m) for m in t.masks(hashes)] if t is not None
-                                  else [False] * len(hashes))
+                self.lower.append([bool(m) for m in t.masks(hashes)] if t is not None else [])
 
     def rank(self, endpoint: str | None, dp_rank: int) -> tuple[int, int, int]:
-        st = self.shard.replicas.get((endpoint, dp_rank)) if self.n and endpoint is not None else None
-        bit = 1 << st.slot if st is not None else 0
-        k, pos, out = self.k if self.n else 1, 0, []
-        held = [lambda i: self.gpu[i] & bit, *[(lambda i, held=h: held[i]) for h in self.lower]]
-        for has in held:
-            while pos < self.n and all(has(j) for j in range(pos * k, pos * k + k)):
+        st = self.shard.replicas.get((endpoint, dp_rank)) if self.n else None
+        k = self.k
+        pos = self.gpu.get(st.slot, 0) // k if st is not None else 0  # whole blocks of the registered size
+        out = [pos * self.bs]
+        for held in self.lower:  # each tier continues where the faster ones stopped
+            while held and pos < self.n and all(held[pos * k:(pos + 1) * k]):
                 pos += 1
             out.append(pos * self.bs)
         return out[0], out[1], out[2]

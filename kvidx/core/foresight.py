@@ -84,8 +84,9 @@ Order: type = getattr(_native, "Order", None) or PyOrder
 
 
 class Recency:
-    """One (slot, group): its blocks oldest first (dict order; values unused), those routed but not
-    yet reported (hash -> expiry), and what the slot showed of its capacity."""
+    """One (slot, group): its blocks oldest first (an Order), those routed but not yet reported
+    (hash -> expiry, also in the order), their extra physical copies, and what the slot showed of its
+    capacity."""
 
     __slots__ = ("order", "unconfirmed", "peak", "full", "untrusted", "copies", "extra")
 
@@ -99,7 +100,7 @@ class Recency:
         # blocks held before the order was known: discounts wait until that many have gone
         self.untrusted = untrusted
 
-    def doomed(self) -> int:
+    def overflow(self) -> int:
         """How much room in-flight prefills will take from the oldest blocks (in blocks; a block
         with extra copies takes one per copy)."""
         if not self.full or self.untrusted > 0 or not self.unconfirmed:
@@ -134,12 +135,10 @@ class Foresight:
         the slot's live blocks in the group before this event (for a slot seen for the first time)."""
         if not hashes:
             return
-        r = self.slots.get((slot, gid)) or self.recency(slot, gid, held_before)
-        order = r.order
+        r = self.recency(slot, gid, held_before)
         if r.unconfirmed:  # routed blocks keep the place the route gave them
-            un = r.unconfirmed
-            _drain(map(un.pop, hashes, repeat(None)))
-        order.append(hashes, deepest_first)
+            _drain(map(r.unconfirmed.pop, hashes, repeat(None)))
+        r.order.append(hashes, deepest_first)
         self.grown.append(r)
         self.version += 1
 
@@ -249,22 +248,22 @@ class Foresight:
         masks: dict[int, dict[int, int]] = {}
         pressure: dict[int, int] = {}
         for (slot, gid), r in self.slots.items():
-            e = r.doomed()
-            if not e:
+            room = r.overflow()
+            if not room:
                 continue
             bit = 1 << slot
             g = masks.setdefault(gid, {})
             un, copies = r.unconfirmed, r.copies
             n = 0
-            for h in r.order.head(e + len(un)):  # oldest first, each block taking its copies' room
+            for h in r.order.head(room + len(un)):  # oldest first; routed blocks are not held yet
                 if h in un:
                     continue
-                e -= 1 + copies.get(h, 0) if copies else 1
-                if e < 0:
+                room -= 1 + copies.get(h, 0)  # the block goes once all its copies have
+                if room < 0:
                     break
                 g[h] = g.get(h, 0) | bit
                 n += 1
-                if not e:
+                if not room:
                     break
             pressure[slot] = pressure.get(slot, 0) + n
         self._doomed = (self.version, masks, pressure)

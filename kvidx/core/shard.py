@@ -168,12 +168,10 @@ class ModelShard(ShardWalk, ShardSnapshot):
         cache (and its pools') until then (eviction foresight)."""
         st = self.replica(replica, dp_rank)
         fa = self._lookup_group(None)
-        held_masks = fa.any.masks(hashes) if fa is not None and hashes else []
+        pend = hashes
         if fa is not None:  # blocks the replica already holds are the index's, not pending: an
             bit = slot_bit(st.slot)  # eviction of one must show at once
-            pend = [h for h, m in zip(hashes, held_masks, strict=True) if not m & bit]
-        else:
-            pend = hashes
+            pend = [h for h, m in zip(hashes, fa.any.masks(hashes), strict=True) if not m & bit]
         self.pending.add(st.slot, pend, expires, max(0, n_tokens - credited))
         self.foresight.active = True
         if self.foresight.slots and hashes:

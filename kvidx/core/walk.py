@@ -49,17 +49,6 @@ class ShardWalk:
             return None
         return self.foresight.doomed(now)[0] or None
 
-    @staticmethod
-    def _group_masks(g: GroupIndex, hashes: list[int], doomed: dict[int, dict[int, int]] | None
-                     ) -> list[int]:
-        """The group's slot masks of `hashes`, without the copies in-flight prefills will evict."""
-        masks = g.any.masks(hashes)
-        cut = doomed.get(g.gid) if doomed else None
-        if cut:
-            get = cut.get
-            masks = [m & ~get(h, 0) for h, m in zip(hashes, masks, strict=True)]
-        return masks
-
     def _overlay_get(self, get, pool_mask: int, pend: dict[int, int] | None,
                      cut: dict[int, int] | None = None):
         """A mask getter where a pool's bit also lights its readers', pending credit adds in, and
@@ -177,7 +166,7 @@ class ShardWalk:
         doomed = self._doomed(now)
         hits = self.prefix_blocks(hashes, doomed=doomed)
         tails = self.tail_hits(hashes, hits)
-        resume = self.resume_points(hashes, n_tokens, hits, tails=tails, doomed=doomed)
+        resume = self.resume_points(hashes, n_tokens, hits, tails=tails)
         evicting = self._evicting(hashes, n_tokens, resume) if doomed else None
         with_pending = (self.prefix_blocks(hashes, pending=True, doomed=doomed) if self._pending_applies()
                         else hits)
@@ -289,8 +278,7 @@ class ShardWalk:
             return 0
         doomed = self._doomed(now) if now is not None else None
         hits = self.prefix_blocks(hashes, doomed=doomed)
-        resume = self.resume_points(hashes, n_tokens, hits, set(slots), self.tail_hits(hashes, hits),
-                                    doomed)
+        resume = self.resume_points(hashes, n_tokens, hits, set(slots), self.tail_hits(hashes, hits))
         best = max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
         if now is not None and len(self.pending):
             self.pending.expire(now)
@@ -309,8 +297,7 @@ class ShardWalk:
         return self.resume_points(hashes, n_tokens, hits, {st.slot}).get(st.slot, _NO_HIT)[1]
 
     def resume_points(self, hashes: list[int], n_tokens: int, hits: dict[int, int],
-                      slots: set[int] | None = None, tails: dict[int, int] | None = None,
-                      doomed: dict[int, dict[int, int]] | None = None
+                      slots: set[int] | None = None, tails: dict[int, int] | None = None
                       ) -> dict[int, tuple[int, int, dict[int, int] | None]]:
         """slot -> (full-attention hit, resumable tokens, {group: its own hit} or None), vLLM's rule
         (vllm/v1/core/kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit):
@@ -363,7 +350,7 @@ class ShardWalk:
                 continue
             classes.setdefault((ebs, step), []).append((slot, top))
         for (ebs, step), members in classes.items():
-            self._scan(hashes, ebs, step, members, cons, out, doomed)
+            self._scan(hashes, ebs, step, members, cons, out)
         return out
 
     def _fine_fa_hit(self, hashes: list[int], n_tokens: int, slot: int, fa: GroupIndex, cached: int,
@@ -384,8 +371,7 @@ class ShardWalk:
         return full
 
     def _scan(self, hashes: list[int], ebs: int, step: int, members: list[tuple[int, int]],
-              cons: list[tuple[int, GroupIndex]], out: dict,
-              doomed: dict[int, dict[int, int]] | None = None) -> None:
+              cons: list[tuple[int, GroupIndex]], out: dict) -> None:
         ibs = self.block_size
         k = max(1, ebs // ibs)
         members.sort(key=lambda m: -m[1])
@@ -398,11 +384,11 @@ class ShardWalk:
             if g.kind in STATE_KINDS:
                 # checkpoints at the step boundaries only: masks[i] is the state after (i+1)*step tokens
                 sub = step // ibs
-                masks = self._group_masks(g, hashes[sub - 1:n_idx:sub], doomed)
+                masks = g.any.masks(hashes[sub - 1:n_idx:sub])
                 checks.append((gid, lambda e, masks=masks, sub=sub: masks[e // sub - 1]))
             else:
                 need = -(-(g.window - 1) // ebs) * k  # index blocks per window
-                masks = self._group_masks(g, hashes[:n_idx], doomed)
+                masks = g.any.masks(hashes[:n_idx])
                 checks.append((gid, _window_and(masks, max(1, need))))
             r = 0
             for m in masks:

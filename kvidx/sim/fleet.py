@@ -468,10 +468,9 @@ class FleetConfig:
     hybrid_hashless_p: float = 0.05  # mamba: chunk announcements without a hash
     hybrid_report_full_p: float = 0.1  # hits re-announced (kv_cache_report_mode "full")
     cpu_offload_blocks: int = 0  # vLLM offloading connector: CPU blocks per vLLM replica (0: none)
-    # the router records each decision as /v1/routes does (pending credit, eviction foresight); in
-    # process only (the HTTP service keeps wall-clock time, the run virtual time)
+    # the router records each decision as /v1/routes does (pending credit, eviction foresight, the
+    # service's pending_ttl_s); in process only (the HTTP service keeps wall-clock time, the run virtual)
     record_routes: bool = True
-    route_ttl_s: float = 10.0
 
 
 def hybrid_spec(spec: str) -> tuple[list[tuple[str, int | None]], int]:
@@ -723,7 +722,8 @@ class _IndexSide:
             return
         shard = self.store.shards.get(model)
         if shard is not None:
-            shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited, t + self.cfg.route_ttl_s)
+            shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited,
+                              t + self.store.config.pending_ttl_s)
 
     def kafka_counters(self) -> dict[str, Any]:
         """How long lookups waited for the follower (wall clock), when events went through Kafka."""
