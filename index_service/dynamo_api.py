@@ -342,8 +342,8 @@ class DynamoRegistry:
                     continue
                 blocks = per_key.setdefault((w.model_name, w.routing_group), [])
                 for tier, eh, tokens_hash, up, depth in listener.mirror.dynamo_blocks():
-                    blocks.append((_DYNAMO_TIERS.get(tier, "external") != "device", depth, iid, rank,
-                                   _DYNAMO_TIERS.get(tier, "external"), eh, tokens_hash, up))
+                    dtier = _DYNAMO_TIERS.get(tier, "external")
+                    blocks.append((dtier != "device", depth, iid, rank, dtier, eh, tokens_hash, up))
         for (model, group), blocks in per_key.items():
             blocks.sort(key=lambda b: b[:2])
             out[f"{model}:{group}"] = {"block_size": sizes.get((model, group), 0), "events": [
