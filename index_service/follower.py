@@ -78,12 +78,15 @@ class KafkaFollower(Background):
         t0 = time.monotonic()
         shards = read_snapshots(self.bootstrap, self.snapshot_topic)
         starts: dict[int, int] = {}
-        for shard in shards.values():
-            self.store.put(shard)
-            if shard.events_partition >= 0:
-                p = shard.events_partition
-                starts[p] = min(starts.get(p, shard.events_offset), shard.events_offset)
-        log.info("event=snapshots_loaded models=%d seconds=%.3f", len(shards), time.monotonic() - t0)
+        for key in sorted(shards):  # a model's replica groups merged in group order
+            shard = shards.pop(key)
+            partition, offset = shard.events_partition, shard.events_offset
+            if not self.store.put_group(shard):
+                continue  # a group this instance does not hold
+            if partition >= 0:
+                starts[partition] = min(starts.get(partition, offset), offset)
+        log.info("event=snapshots_loaded models=%d seconds=%.3f", len(self.store.shards),
+                 time.monotonic() - t0)
         c = Consumer({**client_config(), "bootstrap.servers": self.bootstrap,
                       "group.id": f"kvidx-service-{time.time_ns()}",
                       "enable.auto.commit": False, "fetch.wait.max.ms": 5, "fetch.min.bytes": 1,

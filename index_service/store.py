@@ -19,12 +19,20 @@ _SEEN_ROUTES = 200_000  # request ids remembered to apply each decision once (lo
 
 class ShardStore:
     """model -> ModelShard. Writers hold the lock while folding a batch; lookups read without it
-    (a dict read racing a fold sees the block either before or after: both are valid views)."""
+    (a dict read racing a fold sees the block either before or after: both are valid views).
+
+    A model split in replica groups (kvidx.core.groups) is one shard here all the same: the groups'
+    replicas are disjoint, so their events fold into one shard in any interleaving, and their
+    snapshots are merged into it (ModelShard.absorb). `groups`: the replica groups this instance holds
+    (None: all); batches of the others are skipped."""
 
     def __init__(self, index_block_size: int | None = None, block_sizes: dict[str, int] | None = None,
-                 unreported_eviction_kinds: tuple[str, ...] | None = None, config: Config | None = None):
+                 unreported_eviction_kinds: tuple[str, ...] | None = None, config: Config | None = None,
+                 groups: frozenset[int] | None = None):
         self.settings = ShardSettings(config or Config(), index_block_size, block_sizes or {},
                                       unreported_eviction_kinds)
+        self.groups = groups
+        self.skipped_batches = 0  # batches of replica groups this instance does not hold
         self.config = self.settings.config
         self.shards: dict[str, ModelShard] = {}
         self.lock = threading.Lock()
@@ -45,16 +53,28 @@ class ShardStore:
             s = self.shards[model] = self.settings.new_shard(model)
         return s
 
+    def holds(self, group: int) -> bool:
+        return self.groups is None or group in self.groups
+
+    def _shard_of(self, batch: EventBatch) -> ModelShard | None:
+        if self.groups is not None and batch.replica_group not in self.groups:
+            self.skipped_batches += 1
+            return None
+        return self.shard(batch.model)
+
     def apply(self, batch: EventBatch, now: float | None = None) -> bool:
         with self.lock:
+            shard = self._shard_of(batch)
+            if shard is None:
+                return False
             self.batches_applied += 1
-            return self.shard(batch.model).apply(batch, time.time() if now is None else now)
+            return shard.apply(batch, time.time() if now is None else now)
 
     def fold(self, raw: bytes, partition: int = -1, offset: int = -1, now: float | None = None) -> bool:
         """An events-topic message folded in (kvidx.core.fold); False if it was undecodable."""
         with self.lock:
             try:
-                fold_message(self.shard, raw, time.time() if now is None else now, partition, offset)
+                fold_message(self._shard_of, raw, time.time() if now is None else now, partition, offset)
             except Undecodable:
                 return False
             self.batches_applied += 1
@@ -64,6 +84,20 @@ class ShardStore:
         self.settings.configure(shard)
         with self.lock:
             self.shards[shard.model] = shard
+
+    def put_group(self, shard: ModelShard) -> bool:
+        """A replica group's shard (a snapshot): merged into its model's (the first one becomes it);
+        False if this instance does not hold that group."""
+        if not self.holds(shard.replica_group):
+            return False
+        with self.lock:
+            mine = self.shards.get(shard.model)
+            if mine is None:
+                self.settings.configure(shard)
+                self.shards[shard.model] = shard
+            else:
+                mine.absorb(shard)
+        return True
 
     def apply_route(self, d: RouteDecision) -> bool:
         """Credit a routed prompt to its replica until confirmed or expired; False if this decision

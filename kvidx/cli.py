@@ -74,9 +74,10 @@ def cmd_relay(args) -> int:
 
     log = logging.getLogger("kvidx.relay")
     _check_relay_inputs(args)
-    if args.index_block_size is None:  # the same source the worker and the service read
-        from kvidx.config import load_config
-        args.index_block_size = load_config(args.config).model(args.model).index_block_size
+    from kvidx.config import load_config
+    config = load_config(args.config)  # the same source the worker and the service read
+    if args.index_block_size is None:
+        args.index_block_size = config.model(args.model).index_block_size
     from kvidx import engines
 
     adapter = engines.get(args.engine)
@@ -100,7 +101,7 @@ def cmd_relay(args) -> int:
     from schemas.events import topic_names
     t = topic_names(args.topic_prefix)
     ensure_topics(bootstrap, t)
-    sink = KafkaSink(bootstrap, t["events"], t["dead_letters"])
+    sink = KafkaSink(bootstrap, t["events"], t["dead_letters"], replica_group=config.replica_group)
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, addr=args.metrics_host)
@@ -349,8 +350,15 @@ def cmd_serve(args) -> int:
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
     t = topic_names(args.topic_prefix)
     settings = _shard_settings(args)
+    groups = None
+    if args.groups:
+        from kvidx.core.groups import parse_groups
+        try:
+            groups = parse_groups(args.groups)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     store = ShardStore(settings.index_block_size, config=settings.config,
-                       unreported_eviction_kinds=settings.unreported_eviction_kinds)
+                       unreported_eviction_kinds=settings.unreported_eviction_kinds, groups=groups)
     store.publish_route = RoutePublisher(b, t["routes"])
     feedback: list[FeedbackFollower] = []
 
@@ -365,7 +373,8 @@ def cmd_serve(args) -> int:
     # Dynamo's indexer API: POST /register starts a relay here that publishes to the events topic; the
     # registrations topic keeps them (this instance takes its own up again after a restart)
     registrations = RegistrationLog(b, t["registrations"])
-    starter = vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"]), settings.block_size)
+    starter = vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"],
+                                           replica_group=settings.config.replica_group), settings.block_size)
     dynamo = DynamoRegistry(starter, owner=args.instance_name or f"{socket.gethostname()}:{args.port}",
                             log=registrations)
     conductor = ConductorRegistry(starter)  # Mooncake conductor's msgpack API (registrations in process)
@@ -567,7 +576,10 @@ def _add_serve(sub) -> None:
                    "(the token read from this file; or set $KVIDX_API_TOKEN)")
     s.add_argument("--max-tokens", type=int, default=1_000_000, help="largest prompt a lookup accepts")
     s.add_argument("--config", help="deployment configuration (.toml or .json): per-model block size, "
-                   "prices, pools; see kvidx/config.py")
+                   "prices, pools, replica groups; see kvidx/config.py")
+    s.add_argument("--groups", metavar="G,G...", help="hold only these replica groups of every model "
+                   "(models split with replica_groups in --config; default: all): the index of the others' "
+                   "replicas is not kept here")
     s.set_defaults(func=cmd_serve)
 
 

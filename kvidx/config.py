@@ -19,6 +19,10 @@ recompute_tokens_per_s = 2500.0
 0 = {kind = "sliding_window", window = 4096}
 1 = {kind = "full_attention"}
 
+[models."llama-3-70b"]                    # its index split in 4 replica groups (Kafka keys, shards)
+replica_groups = 4
+replica_placement = {"node-a:5557" = 0}   # explicit groups; the rest by a stable hash of the name
+
 [pools.rack-7-lmcache]                    # a shared cache: its relay publishes as replica "rack-7-lmcache"
 tier = "NODE_SHARED"
 replicas = ["rack7-node1:5557", "rack7-node2:5557"]
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvidx.core.groups import replica_group
 from kvidx.core.price import PriceConfig
 from kvidx.core.shard import ModelShard
 
@@ -54,6 +59,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     price: PriceConfig = msgspec.field(default_factory=PriceConfig)
     # KV-cache groups by index, for engines whose events do not carry the group's kind or window
     groups: dict[int, GroupConfig] = {}
+    # replica groups (kvidx.core.groups): the model's index as this many shards, each a Kafka key
+    # folded and snapshotted on its own; a replica's group from `replica_placement`, else its pool's,
+    # else a stable hash of its name
+    replica_groups: int = 1
+    replica_placement: dict[str, int] = {}
 
     def group_kinds(self) -> dict[int, tuple[str, int | None]]:
         return {g: (c.kind, c.window) for g, c in self.groups.items()}
@@ -76,6 +86,24 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def pool_readers(self) -> dict[str, list[str]]:
         return {name: p.replicas for name, p in self.pools.items()}
 
+    def replica_group(self, model: str, replica: str) -> int:
+        """The replica group of `replica`'s events and state in `model`'s index (kvidx.core.groups)."""
+        m = self.model(model)
+        if m.replica_groups <= 1:
+            return 0
+        pool_of = {r: name for name, p in self.pools.items() for r in p.replicas}
+        return replica_group(replica, m.replica_groups, m.replica_placement, pool_of)
+
+    def check(self) -> None:
+        """ValueError naming the first setting that cannot work."""
+        for name, m in [("default", self.default), *self.models.items()]:
+            if m.replica_groups < 1:
+                raise ValueError(f"model {name!r}: replica_groups must be at least 1, got {m.replica_groups}")
+            for replica, g in m.replica_placement.items():
+                if not 0 <= g < m.replica_groups:
+                    raise ValueError(f"model {name!r}: replica_placement puts {replica!r} in group {g}, "
+                                     f"outside 0..{m.replica_groups - 1}")
+
 
 def load_config(path: str | Path | None) -> Config:
     """The configuration in `path` (.toml or .json); the defaults when None. Errors name the file and
@@ -85,8 +113,10 @@ def load_config(path: str | Path | None) -> Config:
     p = Path(path)
     try:
         raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else msgspec.json.decode(p.read_bytes())
-        return msgspec.convert(raw, Config, strict=False)  # TOML keys are strings: groups 0, 1 ...
-    except (OSError, tomllib.TOMLDecodeError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        config = msgspec.convert(raw, Config, strict=False)  # TOML keys are strings: groups 0, 1 ...
+        config.check()
+        return config
+    except (OSError, tomllib.TOMLDecodeError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         raise SystemExit(f"error: bad configuration {p}: {e}") from None
 
 

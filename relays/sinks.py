@@ -1,7 +1,8 @@
 """Where a relay's batches go: Kafka (the production path) or a shard store in process (demo, shadow).
 
-Kafka: an idempotent producer (acks=all, no duplicates on retry), key = model so that every event of a
-model, and so of each replica, stays in order in one partition. Malformed engine messages go to the
+Kafka: an idempotent producer (acks=all, no duplicates on retry), key = the shard key of the replica's
+group (kvidx.core.groups; the model's name with one group) so that every event of a replica stays in
+order in one partition. Malformed engine messages go to the
 dead-letter topic with the reason in headers and the message with its token ids redacted.
 """
 
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from confluent_kafka import KafkaException, Producer
 
+from kvidx.core.groups import shard_key
 from kvidx.engines.contract import DeadLetter
 from kvidx.kafka.config import client_config
 from relays.redact import redact
@@ -33,8 +36,13 @@ STALL_REPEAT_S = 15.0
 
 class KafkaSink:
     def __init__(self, bootstrap: str, events_topic: str = EVENTS_TOPIC,
-                 dead_letter_topic: str = DEAD_LETTER_TOPIC, **config):
+                 dead_letter_topic: str = DEAD_LETTER_TOPIC,
+                 replica_group: Callable[[str, str], int] | None = None, **config):
+        """`replica_group(model, replica)`: the replica's group (kvidx.config.Config.replica_group);
+        None: one group per model."""
         self.bootstrap = bootstrap
+        self.replica_group = replica_group
+        self._groups: dict[tuple[str, str], int] = {}
         self.events_topic = events_topic
         self.dead_letter_topic = dead_letter_topic
         self.errors = 0
@@ -102,7 +110,14 @@ class KafkaSink:
         self.producer.poll(0)
 
     def publish(self, batch: EventBatch) -> None:
-        self._produce(self.events_topic, batch.model.encode(), encode_batch(batch))
+        if self.replica_group is not None:
+            who = (batch.model, batch.replica)
+            g = self._groups.get(who)
+            if g is None:
+                g = self._groups[who] = self.replica_group(*who)
+            batch.replica_group = g
+        self._produce(self.events_topic, shard_key(batch.model, batch.replica_group).encode(),
+                      encode_batch(batch))
 
     def dead_letter(self, dl: DeadLetter, model: str, replica: str) -> None:
         f = dl.frame

@@ -20,7 +20,7 @@ import msgspec
 
 SCHEMA_VERSION = 1
 EVENTS_TOPIC = f"kvidx.events.v{SCHEMA_VERSION}"
-SNAPSHOTS_TOPIC = f"kvidx.shards.v{SCHEMA_VERSION}"  # compacted: latest shard snapshot per model
+SNAPSHOTS_TOPIC = f"kvidx.shards.v{SCHEMA_VERSION}"  # compacted: latest snapshot per shard (model, group)
 DEAD_LETTER_TOPIC = "kvidx.deadletter"
 CONTROL_TOPIC = "kvidx.control.v1"  # requests to relays (schemas/control.py)
 ROUTES_TOPIC = "kvidx.routes.v1"  # routing decisions: pending credit and the audit (schemas/routes.py)
@@ -121,6 +121,9 @@ class EventBatch(msgspec.Struct, array_like=True):
     # while another copy stays (eviction foresight counts the room copies take). Not an event: a
     # reader before this field would retract a block that is still cached
     copies_removed: dict[int, list[BlockHash]] = {}
+    # the replica group of the model's index this replica belongs to (kvidx.core.groups): the batch's
+    # Kafka key is the group's shard key. Readers before this field fold every group into one shard
+    replica_group: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,7 +1,7 @@
 """The stream worker (faust-streaming): folds relay event batches into per-model shards.
 
-- Consumes `kvidx.events.v1` (key = model) in batches (`take_events`), folds each batch into the
-  model's shard (kvidx.core.shard: the same fold the embedded and shadow paths run).
+- Consumes `kvidx.events.v1` (key = a model's replica group, kvidx.core.groups) in batches, folds each
+  batch into that group's shard (kvidx.core.shard: the same fold the embedded and shadow paths run).
 - Durability: every `snapshot_interval` seconds the dirty shards are written to the local RocksDB and
   to the compacted snapshot topic (streams.snapshots: what changed since the last snapshot, and now
   and then pieces of a new base); only then are the folded events acknowledged, so the committed
@@ -29,6 +29,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvidx.config import ShardSettings
 from kvidx.core.fold import Undecodable, fold_message
+from kvidx.core.groups import shard_key
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
 from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SnapshotFormatError
@@ -48,7 +49,8 @@ SNAP_BYTES = Counter("kvidx_worker_snapshot_bytes_total", "Snapshot bytes writte
                      "(and the same to RocksDB), by part", ["model", "part"])
 LOCAL_ERRORS = Counter("kvidx_worker_local_store_errors_total",
                        "Snapshots the local RocksDB could not store (full disk ...)")
-INDEXED = Gauge("kvidx_worker_indexed_blocks", "Distinct blocks in the shard", ["model", "group"])
+INDEXED = Gauge("kvidx_worker_indexed_blocks", "Distinct blocks in the shard",
+                ["model", "group", "replica_group"])
 CORE = Gauge("kvidx_core_info", "The index core that runs (maskmap: native | python)", ["maskmap"])
 CORE.labels(MASKMAP_IMPLEMENTATION).set(1)
 
@@ -106,46 +108,48 @@ class ShardWorker:
         self.batches_folded = 0
         self.last_snapshot_at: float | None = None
 
-    def shard(self, model: str, partition: int) -> ModelShard:
-        s = self.shards.get(model)
+    def shard(self, key: str, partition: int, model: str | None = None, group: int = 0) -> ModelShard:
+        """The shard of `key` (kvidx.core.groups.shard_key: a model's replica group), loaded on first use."""
+        s = self.shards.get(key)
         if s is None:
             try:
-                s = self._load(model, partition)
+                s = self._load(key, partition, model or key, group)
             except SnapshotFormatError as e:  # refused, never misread; nothing is acknowledged
                 log.error("event=worker_stopped reason=%r", str(e))
                 logging.shutdown()
                 os._exit(78)  # EX_CONFIG: the supervisor stops instead of restarting into the same wall
-        self.partition_of[model] = partition
+        self.partition_of[key] = partition
         return s
 
-    def _load(self, model: str, partition: int) -> ModelShard:
-        """The model's newest snapshot (local RocksDB or the compacted topic), else a new shard."""
-        # The local copy may be older than the compacted topic's (another worker owned the model
+    def _load(self, key: str, partition: int, model: str, group: int) -> ModelShard:
+        """The shard's newest snapshot (local RocksDB or the compacted topic), else a new shard."""
+        # The local copy may be older than the compacted topic's (another worker owned the shard
         # meanwhile): take the newer snapshot. Snapshot ids grow across owners: a worker goes on
         # from the id it loaded.
-        local = self.local.load(model)
-        if partition not in self._topic_cache:  # one read of the partition for all its models
+        local = self.local.load(key)
+        if partition not in self._topic_cache:  # one read of the partition for all its shards
             # (what it reads is kept in the local RocksDB too: the next snapshots only add to it)
             self._topic_cache[partition] = read_snapshot_logs(self.bootstrap, self.snapshot_topic,
                                                               [partition], keep=self._keep_local)
-        remote = self._topic_cache[partition].pop(model, None)
+        remote = self._topic_cache[partition].pop(key, None)
         found, source = local, "rocksdb"
         if remote is not None and (local is None or remote[1].snapshot_id > local[1].snapshot_id):
             found, source = remote, "snapshot_topic"
         if found is None:
             s, manifest, source = self.settings.new_shard(model), None, "new"
+            s.replica_group = group
         else:
             (s, manifest) = found
             self.settings.configure(s)
         s.track_changes()
-        self.logs[model] = SnapshotLog(model, manifest)
+        self.logs[key] = SnapshotLog(key, manifest)
         if s.block_size != self.settings.block_size(model):
             log.warning("event=block_size_changed model=%s snapshot=%d configured=%d: the snapshot "
                         "keeps its own (the relays hash with theirs)", model, s.block_size,
                         self.settings.block_size(model))
-        log.info("event=shard_loaded model=%s source=%s blocks_applied=%d", model, source,
-                 s.blocks_applied)
-        self.shards[model] = s
+        log.info("event=shard_loaded model=%s replica_group=%d source=%s blocks_applied=%d", model, group,
+                 source, s.blocks_applied)
+        self.shards[key] = s
         return s
 
     def _keep_local(self, items: list[tuple[str, bytes]]) -> None:
@@ -158,21 +162,22 @@ class ShardWorker:
     def fold(self, raw: bytes, partition: int, offset: int = -1, now: float | None = None) -> None:
         now = time.time() if now is None else now
         try:
-            batch, applied = fold_message(lambda model: self.shard(model, partition), raw, now, partition,
-                                          offset)
+            batch, applied = fold_message(lambda b: self.shard(shard_key(b.model, b.replica_group), partition,
+                                                               b.model, b.replica_group),
+                                          raw, now, partition, offset)
         except Undecodable as e:
             self.dead_letter(raw, "undecodable_event_batch", str(e))
             return
         self.batches_folded += 1
         APPLIED.labels(batch.model, "applied" if applied else "duplicate").inc()
         if applied:
-            self.dirty.add(batch.model)
+            self.dirty.add(shard_key(batch.model, batch.replica_group))
             BLOCKS.labels(batch.model).inc(sum(len(getattr(e, "hashes", ())) for e in batch.events))
             if batch.seq >= 0:
                 LAG.labels(batch.model).observe(max(0.0, now - batch.engine_ts))
 
     def revoke(self, partitions: set[int]) -> list[str]:
-        """Partitions taken away by a rebalance: forget their models (the new owner rebuilds them
+        """Partitions taken away by a rebalance: forget their shards (the new owner rebuilds them
         from the compacted topic and the unacknowledged events; a snapshot written from here now
         could overwrite its newer one)."""
         gone = [m for m, p in self.partition_of.items() if p in partitions]
@@ -190,17 +195,18 @@ class ShardWorker:
     def snapshot_dirty(self) -> int:
         """Write every changed shard to RocksDB and the compacted topic; returns how many."""
         n = 0
-        for model in sorted(self.dirty):
-            shard = self.shards[model]
+        for key in sorted(self.dirty):
+            shard = self.shards[key]
+            model = shard.model
             t0 = time.perf_counter()
             # nothing moves on until the topic has the snapshot: a retry after a failed publish
             # writes the same ids again, with every change since the last durable one
-            snap = self.logs[model].plan(shard)
+            snap = self.logs[key].plan(shard)
             # the compacted topic is the durable copy; the local RocksDB only speeds up a restart
             # here, so a full or failing disk is reported and survived, not fatal
-            self.topic.publish(snap.items, self.partition_of[model])
-            self.logs[model].done(snap, shard)
-            self.dirty.discard(model)
+            self.topic.publish(snap.items, self.partition_of[key])
+            self.logs[key].done(snap, shard)
+            self.dirty.discard(key)
             for part, nbytes in snap.nbytes.items():
                 SNAP_BYTES.labels(model, part).inc(nbytes)
             try:
@@ -210,7 +216,7 @@ class ShardWorker:
                 log.error("event=local_snapshot_failed model=%s error=%s", model, str(e)[:200])
             SNAP.labels(model).observe(time.perf_counter() - t0)
             for gid, g in shard.groups.items():
-                INDEXED.labels(model, str(gid)).set(len(g.any))
+                INDEXED.labels(model, str(gid), str(shard.replica_group)).set(len(g.any))
             n += 1
         self.last_snapshot_at = time.time()
         return n

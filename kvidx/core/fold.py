@@ -27,12 +27,15 @@ def decode_event(raw: bytes) -> EventBatch:
         raise Undecodable(str(e)[:300]) from None
 
 
-def fold_message(shard_of: Callable[[str], ModelShard], raw: bytes, now: float, partition: int = -1,
-                 offset: int = -1) -> tuple[EventBatch, bool]:
-    """Fold one message into the shard `shard_of(model)` gives; (the batch, False if it was a
-    redelivery). Raises Undecodable, having changed nothing."""
+def fold_message(shard_of: Callable[[EventBatch], ModelShard | None], raw: bytes, now: float,
+                 partition: int = -1, offset: int = -1) -> tuple[EventBatch, bool]:
+    """Fold one message into the shard `shard_of(batch)` gives (by its model and replica group;
+    None: a group this process does not hold, skipped); (the batch, False if it was a redelivery or
+    skipped). Raises Undecodable, having changed nothing."""
     batch = decode_event(raw)
-    shard = shard_of(batch.model)
+    shard = shard_of(batch)
+    if shard is None:
+        return batch, False
     applied = shard.apply(batch, now)
     if offset >= 0:
         shard.events_partition = partition

@@ -96,6 +96,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.snapshot_id = 0  # the last durable snapshot this shard was written as or rebuilt from
         self.events_offset = 0  # next offset of the events partition after what is folded in
         self.events_partition = -1  # the events partition the model's key maps to, once known
+        self.replica_group = 0  # the model's replica group this shard folds (kvidx.core.groups)
         # shared caches: a pool publishes its blocks as a replica of its own (its name) and counts for
         # every replica attached to it (topology from configuration)
         self.pool_readers: dict[str, frozenset[str]] = {}
@@ -301,15 +302,18 @@ class ModelShard(ShardWalk, ShardSnapshot):
         if self.journal is not None:
             self.journal.cleared.add(st.slot)
         self.foresight.cleared(st.slot)
-        for g in self.groups.values():
-            for d in g.tiers.values():
-                d.clear_slot(st.slot)
-            if len(g.tiers) != 1:
-                g.any.clear_slot(st.slot)
+        self._drop_slot_blocks(st.slot)
         st.blocks = 0
         st.group_blocks = {}
         self.tail_keys -= st.tails
         st.tails = st.dynamo_keys = 0
+
+    def _drop_slot_blocks(self, slot: int) -> None:
+        for g in self.groups.values():
+            for d in g.tiers.values():
+                d.clear_slot(slot)
+            if len(g.tiers) != 1:
+                g.any.clear_slot(slot)
 
     def stats(self) -> dict:
         return {

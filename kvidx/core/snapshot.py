@@ -52,6 +52,25 @@ def _tier_id(stored: int | str, fmt: int) -> int:
     return tid
 
 
+def shift_masks(masks: bytes, words_in: int, shift: int, words_out: int, drop: int = 0) -> bytes:
+    """Slot masks (n masks of `words_in` little-endian u64 words) with the bits of `drop` cleared and
+    every bit moved up by `shift` slots, as masks of `words_out` words (vectorized: no loop per key)."""
+    n = len(masks) // (8 * words_in)
+    m = np.frombuffer(masks, dtype="<u8").reshape(n, words_in).copy()
+    if drop:
+        for w in range(words_in):
+            keep = ~np.uint64((drop >> (64 * w)) & 0xFFFF_FFFF_FFFF_FFFF)
+            m[:, w] &= keep
+    out = np.zeros((n, words_out), dtype="<u8")
+    q, r = divmod(shift, 64)
+    for w in range(words_in):
+        if q + w < words_out:
+            out[:, q + w] |= m[:, w] << np.uint64(r) if r else m[:, w]
+        if r and q + w + 1 < words_out:
+            out[:, q + w + 1] |= m[:, w] >> np.uint64(64 - r)
+    return out.tobytes()
+
+
 class ChangeJournal:
     """What the fold changed since the last delta: the hash lists it stored or removed per (group,
     tier) (kept as they came; deduplicated when the delta is written) and the slots it cleared."""
@@ -81,7 +100,7 @@ class ShardSnapshot:
 
     def _state(self) -> dict:
         """What every form carries besides the masks."""
-        return {"model": self.model, "block_size": self.block_size,
+        return {"model": self.model, "block_size": self.block_size, "replica_group": self.replica_group,
                 "replicas": [st for st in self.by_slot if st is not None],
                 "blocks_applied": self.blocks_applied, "events_offset": self.events_offset,
                 "unreported_eviction_kinds": sorted(self.unreported_eviction_kinds)}
@@ -174,6 +193,7 @@ class ShardSnapshot:
 
         self.blocks_applied = raw["blocks_applied"]
         self.events_offset = raw.get("events_offset", 0)
+        self.replica_group = raw.get("replica_group", 0)
         self.by_slot, self.replicas = [], {}
         for r in raw["replicas"]:
             st = msgspec.convert(r, ReplicaState)
@@ -212,6 +232,49 @@ class ShardSnapshot:
                 g.any = a
             elif g.tiers:
                 g.any = next(iter(g.tiers.values()))
+
+    # ---- replica groups ---------------------------------------------------------------------------
+    def absorb(self, other: ModelShard) -> None:
+        """Take in another shard of the same model (another replica group's, kvidx.core.groups): its
+        replicas get slots after this shard's, its masks shifted to them. Replicas are disjoint across
+        groups; one found in both (it moved between groups) keeps the newer state, by (epoch, seq,
+        part), and the other copy's blocks are dropped. Pending credit and foresight are not in
+        snapshots and are not moved."""
+        if other.block_size != self.block_size:
+            raise ValueError(f"model {self.model!r}: replica groups with index block sizes "
+                             f"{self.block_size} and {other.block_size} cannot be merged")
+        base = len(self.by_slot)
+        drop = 0  # other's slots whose state is older than this shard's copy of the replica
+        for st in other.by_slot:
+            if st is None:
+                continue
+            mine = self.replicas.get((st.replica, st.dp_rank))
+            if mine is not None:
+                if (mine.epoch, mine.seq, mine.part) >= (st.epoch, st.seq, st.part):
+                    drop |= 1 << st.slot
+                    continue
+                self._drop_slot_blocks(mine.slot)
+                self.by_slot[mine.slot] = None
+            moved = msgspec.structs.replace(st, slot=base + st.slot, group_blocks=dict(st.group_blocks))
+            self.replicas[(st.replica, st.dp_rank)] = moved
+        self.by_slot.extend([None] * len(other.by_slot))
+        for st in self.replicas.values():
+            if st.slot >= base:
+                self.by_slot[st.slot] = st
+        words_in = other._words()
+        words_out = self._words()
+        for gid, og in other.groups.items():
+            g = self._group(gid, og.kind, og.window)
+            for tid, d in og.tiers.items():
+                keys, masks = d.export(words_in)
+                shifted = shift_masks(masks, words_in, base, words_out, drop)
+                g.tier_map(tid).load(keys, shifted, words_out)
+        self.blocks_applied += other.blocks_applied
+        self._pool_cache = None
+        self._lookup_cache = None
+        self._lookahead_changed()
+        self.tail_keys = sum(st.tails for st in self.by_slot if st is not None)
+        self._rebuild_unions()
 
     @classmethod
     def restore(cls, data: bytes) -> ModelShard:

@@ -290,7 +290,7 @@ def replay(bootstrap: str, names: dict[str, str], model: str, until: float | Non
                 _add_route(shard, routes[ri][1])
                 ri += 1
             try:
-                fold_message(lambda _model: shard, m.value, m.ts, m.partition, m.offset)
+                fold_message(lambda _batch: shard, m.value, m.ts, m.partition, m.offset)
             except Undecodable:
                 result.undecodable += 1
                 continue

@@ -16,8 +16,8 @@ def _raw(seq: int, model: str = "m", v: int = SCHEMA_VERSION) -> bytes:
 def test_fold_applies_once_and_moves_the_shards_offset():
     shards: dict[str, ModelShard] = {}
 
-    def shard_of(model: str) -> ModelShard:
-        return shards.setdefault(model, ModelShard(model, 16))
+    def shard_of(batch: EventBatch) -> ModelShard:
+        return shards.setdefault(batch.model, ModelShard(batch.model, 16))
 
     batch, applied = fold_message(shard_of, _raw(0), 2.0, partition=3, offset=41)
     assert applied and batch.seq == 0
@@ -34,5 +34,13 @@ def test_fold_applies_once_and_moves_the_shards_offset():
 def test_undecodable_messages_raise_and_change_nothing(raw):
     shards: dict[str, ModelShard] = {}
     with pytest.raises(Undecodable):
-        fold_message(lambda m: shards.setdefault(m, ModelShard(m, 16)), raw, 0.0, 0, 5)
+        fold_message(lambda b: shards.setdefault(b.model, ModelShard(b.model, 16)), raw, 0.0, 0, 5)
     assert shards == {}
+
+
+def test_a_group_the_caller_does_not_hold_is_skipped():
+    stored = BlocksStored("GPU", 0, [7], None, 0)
+    raw = encode_batch(EventBatch(SCHEMA_VERSION, "m", "r", 0, 1, 0, 1.0, 1.0, 16, [stored], replica_group=2))
+    shard = ModelShard("m", 16)
+    batch, applied = fold_message(lambda b: shard if b.replica_group == 0 else None, raw, 0.0, 0, 5)
+    assert batch.replica_group == 2 and not applied and shard.events_offset == 0 and not shard.replicas
