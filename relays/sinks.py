@@ -18,6 +18,7 @@ from confluent_kafka import KafkaException, Producer
 from kvidx.core.groups import shard_key
 from kvidx.engines.contract import DeadLetter
 from kvidx.kafka.config import client_config
+from kvidx.kafka.topics import group_partition
 from relays.redact import redact
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, EventBatch, encode_batch
 
@@ -43,6 +44,7 @@ class KafkaSink:
         self.bootstrap = bootstrap
         self.replica_group = replica_group
         self._groups: dict[tuple[str, str], int] = {}
+        self._partitions = 0  # the events topic's partition count, once a group > 0 is published
         self.events_topic = events_topic
         self.dead_letter_topic = dead_letter_topic
         self.errors = 0
@@ -97,11 +99,13 @@ class KafkaSink:
                     "hint=%r", self.bootstrap, waiting, now - self._stalled_since,
                     "batches are kept and retried; check the broker at that address")
 
-    def _produce(self, topic: str, key: bytes, value: bytes, headers=None) -> None:
+    def _produce(self, topic: str, key: bytes, value: bytes, headers=None,
+                 partition: int | None = None) -> None:
+        where = {} if partition is None else {"partition": partition}
         while True:
             try:
                 self.producer.produce(topic, value=value, key=key, headers=headers,
-                                      on_delivery=self._on_delivery)
+                                      on_delivery=self._on_delivery, **where)
                 break
             except BufferError:  # local queue full: let librdkafka drain, never drop
                 self.producer.poll(0.05)
@@ -116,8 +120,18 @@ class KafkaSink:
             if g is None:
                 g = self._groups[who] = self.replica_group(*who)
             batch.replica_group = g
-        self._produce(self.events_topic, shard_key(batch.model, batch.replica_group).encode(),
-                      encode_batch(batch))
+        g = batch.replica_group
+        partition = group_partition(batch.model, g, self._partition_count()) if g else None
+        self._produce(self.events_topic, shard_key(batch.model, g).encode(), encode_batch(batch),
+                      partition=partition)
+
+    def _partition_count(self) -> int:
+        if not self._partitions:
+            meta = self.producer.list_topics(self.events_topic, timeout=30).topics.get(self.events_topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                raise RuntimeError(f"cannot publish replica groups: topic {self.events_topic} not found")
+            self._partitions = len(meta.partitions)
+        return self._partitions
 
     def dead_letter(self, dl: DeadLetter, model: str, replica: str) -> None:
         f = dl.frame

@@ -17,6 +17,14 @@ def partition_for(key: bytes, partitions: int) -> int:
     return zlib.crc32(key) % partitions
 
 
+def group_partition(model: str, group: int, partitions: int) -> int:
+    """The partition of a model's replica group (kvidx.core.groups): group 0's key where the default
+    partitioner puts it (the model's name: as without groups), group g the g-th partition after it,
+    so that a model's groups spread over distinct partitions (and workers) rather than where their
+    keys happen to hash."""
+    return (partition_for(model.encode(), partitions) + group) % partitions
+
+
 def create_topics(
     bootstrap: str,
     names: Iterable[str],

@@ -85,3 +85,34 @@ def fresh_service(store, bootstrap: str, topics: dict, timeout: float = 60.0):
         yield store
     finally:
         follower.stop()
+
+
+def group_worker(bootstrap, prefix, data_dir, log):
+    """A worker that leaves the consumer group 6 s after it dies (a failover test's pace)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvidx.cli", "worker", "--bootstrap", bootstrap, "--topic-prefix", prefix,
+         "--data-dir", str(data_dir), "--snapshot-interval", "0.5", "--web-port", "0",
+         "--session-timeout", "6", "--no-supervise"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(log, "w"),
+        stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def both_assigned(bootstrap, group: str, procs, logs, timeout=120) -> None:
+    """Until the consumer group has two members that both own partitions of the events topic (so the
+    test's events are split between the workers, whatever the machine's load)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p, log in zip(procs, logs, strict=True):
+            assert p.poll() is None, open(log).read()[-3000:]
+        try:
+            desc = admin.describe_consumer_groups([group])[group].result(10)
+            owners = [m for m in desc.members if m.assignment and m.assignment.topic_partitions]
+            if len(owners) == 2:
+                return
+        except Exception:  # noqa: BLE001 - the group does not exist yet
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the two workers were never both assigned partitions")
