@@ -151,9 +151,12 @@ def cmd_resync(args) -> int:
     from relays.control import send_resync
     from schemas.events import topic_names
 
+    if args.replica_groups < 0 or (args.replica_groups and args.model == "*"):
+        sys.exit("error: --replica-groups takes a positive group count and one --model")
     send_resync(bootstrap_of(args), topic_names(args.topic_prefix)["control"], args.model, args.replica,
-                args.reason)
-    print(f"resync requested: model={args.model} replica={args.replica}")
+                args.reason, args.replica_groups)
+    moved = f" into {args.replica_groups} replica groups" if args.replica_groups else ""
+    print(f"resync requested{moved}: model={args.model} replica={args.replica}")
     return 0
 
 
@@ -525,6 +528,11 @@ def _add_resync(sub) -> None:
     rs.add_argument("--model", default="*", help="model, or * for all")
     rs.add_argument("--replica", default="*", help="replica, or * for all of the model")
     rs.add_argument("--reason", default="operator", help="recorded in the relays' logs")
+    rs.add_argument("--replica-groups", type=int, default=0, metavar="G",
+                    help="re-group a live model: each relay whose replica's group changes among G groups "
+                         "clears it in the old group and replays its mirror into the new one (nothing is "
+                         "lost: a relay's mirror is all the index knows of its replica); set "
+                         "replica_groups = G in --config too, for relays started later (docs/scaling.md)")
     rs.set_defaults(func=cmd_resync)
 
 

@@ -86,13 +86,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def pool_readers(self) -> dict[str, list[str]]:
         return {name: p.replicas for name, p in self.pools.items()}
 
-    def replica_group(self, model: str, replica: str) -> int:
-        """The replica group of `replica`'s events and state in `model`'s index (kvidx.core.groups)."""
+    def replica_group(self, model: str, replica: str, groups: int | None = None) -> int:
+        """The replica group of `replica`'s events and state in `model`'s index (kvidx.core.groups);
+        `groups`: among that many instead of the configured count (re-grouping), the explicit
+        placement kept where it fits."""
         m = self.model(model)
-        if m.replica_groups <= 1:
+        n = m.replica_groups if groups is None else groups
+        if n <= 1:
             return 0
         pool_of = {r: name for name, p in self.pools.items() for r in p.replicas}
-        return replica_group(replica, m.replica_groups, m.replica_placement, pool_of)
+        placement = {r: g for r, g in m.replica_placement.items() if g < n}
+        return replica_group(replica, n, placement, pool_of)
 
     def check(self) -> None:
         """ValueError naming the first setting that cannot work."""

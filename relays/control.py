@@ -19,7 +19,8 @@ log = logging.getLogger("kvidx.relay")
 
 
 class ControlListener:
-    def __init__(self, bootstrap: str, topic: str, model: str, replica: str, on_resync: Callable[[], None]):
+    def __init__(self, bootstrap: str, topic: str, model: str, replica: str,
+                 on_resync: Callable[[ResyncRequest], None]):
         self.model, self.replica, self.on_resync = model, replica, on_resync
         self.consumer = Consumer({**client_config(), "bootstrap.servers": bootstrap,
                                   "group.id": f"kvidx-relay-{replica}-{time.time_ns()}",
@@ -57,8 +58,9 @@ class ControlListener:
                     log.warning("event=bad_control_message bytes=%d", len(msg.value() or b""))
                     continue
                 if req.matches(self.model, self.replica):
-                    log.info("event=resync_requested replica=%s reason=%s", self.replica, req.reason)
-                    self.on_resync()
+                    log.info("event=resync_requested replica=%s reason=%s replica_groups=%d", self.replica,
+                             req.reason, req.replica_groups)
+                    self.on_resync(req)
         finally:
             self.consumer.close()
 
@@ -67,9 +69,10 @@ class ControlListener:
         self.thread.join(5)
 
 
-def send_resync(bootstrap: str, topic: str, model: str = "*", replica: str = "*", reason: str = "") -> None:
+def send_resync(bootstrap: str, topic: str, model: str = "*", replica: str = "*", reason: str = "",
+                replica_groups: int = 0) -> None:
     p = Producer({**client_config(), "bootstrap.servers": bootstrap})
-    req = ResyncRequest(CONTROL_VERSION, model, replica, reason, time.time())
+    req = ResyncRequest(CONTROL_VERSION, model, replica, reason, time.time(), replica_groups)
     p.produce(topic, value=encode_control(req))
     if p.flush(10):
         raise RuntimeError(f"resync request not delivered to {topic}")

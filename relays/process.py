@@ -15,6 +15,7 @@ from relays.control import ControlListener
 from relays.run import Relay
 from relays.sinks import Sink
 from relays.zmq_source import ZmqSource
+from schemas.control import ResyncRequest
 
 log = logging.getLogger("kvidx.relay")
 
@@ -59,12 +60,12 @@ def run_live(s: LiveRelaySettings, make_core: Callable, sink: Sink, bootstrap: s
                     resync_jitter_s=s.resync_jitter_s, status_every_s=s.status_every_s)
               for rank, ep, rep in ranks]
 
-    def resync_all() -> None:
+    def resync_all(req: ResyncRequest | None = None) -> None:
         for r in relays:
-            r.request_resync()
+            r.request_resync(req.replica_groups if req is not None else 0)
 
     control = ControlListener(bootstrap, control_topic, s.model, s.replica, resync_all).start()
-    signal.signal(signal.SIGUSR1, lambda *_: resync_all())
+    signal.signal(signal.SIGUSR1, lambda *_: resync_all())  # a mirror replay in the same group
     log.info("event=relay_start model=%s replica=%s endpoint=%s ranks=%d kafka=%s waiting_for=%r", s.model,
              s.replica, s.endpoint, len(relays), bootstrap,
              f"the engine's KV events (a status line follows every {s.status_every_s:g}s)")

@@ -63,12 +63,17 @@ class Relay:
         self.resync_blocks_per_s = resync_blocks_per_s
         self.resync_jitter_s = resync_jitter_s
         self._resync_wanted = threading.Event()
+        self._regroup_to = 0  # > 0: the replay moves the replica to its group among this many
+        self._resync_first_part = 0
         self._resync = None
         self._resync_at = 0.0
         self._lmcache = None  # LMCache controller messages, when the source carries them
 
-    def request_resync(self) -> None:
-        """Ask for a mirror replay (thread-safe: control listeners call it)."""
+    def request_resync(self, replica_groups: int = 0) -> None:
+        """Ask for a mirror replay (thread-safe: control listeners call it); with `replica_groups`,
+        into the replica's group among that many (re-grouping: `_regroup`)."""
+        if replica_groups:
+            self._regroup_to = replica_groups
         self._resync_wanted.set()
 
     def resync_tick(self, now: float | None = None) -> bool:
@@ -77,10 +82,13 @@ class Relay:
         if self._resync_wanted.is_set() and self._resync is None:
             self._resync_wanted.clear()
             self._resync = self.core.resync(max_blocks=max(1, int(self.resync_blocks_per_s / 10)))
+            self._resync_first_part = self.core.resync_part
             self._resync_at = now + random.uniform(0, self.resync_jitter_s)
             log.info("event=resync_scheduled replica=%s in_s=%.2f", self.core.replica, self._resync_at - now)
         if self._resync is None or now < self._resync_at:
             return self._resync is not None
+        if self._regroup_to and self.core.resync_part == self._resync_first_part:
+            self._regroup()
         batch = next(self._resync, None)
         if batch is None:
             self._resync = None
@@ -90,6 +98,24 @@ class Relay:
         blocks = sum(len(getattr(e, "hashes", ())) for e in batch.events)
         self._resync_at = now + blocks / self.resync_blocks_per_s
         return True
+
+    def _regroup(self) -> None:
+        """Right before the replay's first part: if the replica's group changes, clear it in the old
+        group (in a new epoch, so that it orders after everything sent there) and publish from now
+        on, the replay first, under the new group's key. A reader that folds both groups sees the
+        clear and the replay in either order: the clear is older than every replay part."""
+        groups, self._regroup_to = self._regroup_to, 0
+        move = getattr(self.sink, "regroup", None)
+        if move is None:
+            return  # a sink without groups (in process)
+        old, new = move(self.core.model, self.core.replica, groups, dry_run=True)
+        if old == new:
+            return
+        self.core.epoch += 1
+        self._emit_clear("regroup")
+        move(self.core.model, self.core.replica, groups)
+        log.info("event=regrouped replica=%s replica_groups=%d from_group=%d to_group=%d",
+                 self.core.replica, groups, old, new)
 
     def handle(self, frame: Frame) -> None:
         if frame.src == "lmcache":  # LMCache controller admit/evict: same mirror, same thread

@@ -38,9 +38,9 @@ STALL_REPEAT_S = 15.0
 class KafkaSink:
     def __init__(self, bootstrap: str, events_topic: str = EVENTS_TOPIC,
                  dead_letter_topic: str = DEAD_LETTER_TOPIC,
-                 replica_group: Callable[[str, str], int] | None = None, **config):
-        """`replica_group(model, replica)`: the replica's group (kvidx.config.Config.replica_group);
-        None: one group per model."""
+                 replica_group: Callable[..., int] | None = None, **config):
+        """`replica_group(model, replica, groups=None)`: the replica's group (kvidx.config.Config.
+        replica_group; `groups` overrides the model's group count); None: one group per model."""
         self.bootstrap = bootstrap
         self.replica_group = replica_group
         self._groups: dict[tuple[str, str], int] = {}
@@ -124,6 +124,21 @@ class KafkaSink:
         partition = group_partition(batch.model, g, self._partition_count()) if g else None
         self._produce(self.events_topic, shard_key(batch.model, g).encode(), encode_batch(batch),
                       partition=partition)
+
+    def regroup(self, model: str, replica: str, groups: int, dry_run: bool = False) -> tuple[int, int]:
+        """(the replica's group now, its group among `groups`); unless `dry_run`, its batches go to the
+        new one from now on."""
+        if self.replica_group is None:  # made without the deployment's configuration (tests, tools)
+            log.warning("event=regroup_ignored replica=%s reason=%r", replica, "no replica groups here")
+            return 0, 0
+        who = (model, replica)
+        old = self._groups.get(who)
+        if old is None:
+            old = self._groups[who] = self.replica_group(model, replica)
+        new = self.replica_group(model, replica, groups)
+        if not dry_run:
+            self._groups[who] = new
+        return old, new
 
     def _partition_count(self) -> int:
         if not self._partitions:

@@ -1,4 +1,5 @@
-"""Control messages to relays (topic `kvidx.control.v1`): ask them to replay their mirrors."""
+"""Control messages to relays (topic `kvidx.control.v1`): ask them to replay their mirrors, or to move
+their replicas to the replica groups of a new group count (re-grouping a live model)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ class ResyncRequest(msgspec.Struct):
     replica: str = "*"  # "*" for every replica of the model
     reason: str = ""
     ts: float = 0.0
+    # > 0: re-group: the model now has this many replica groups (kvidx.core.groups); a relay whose
+    # replica changes group clears it in the old group and replays its mirror into the new one.
+    # Relays before this field only replay their mirrors (into the group they publish to)
+    replica_groups: int = 0
 
     def matches(self, model: str, replica: str) -> bool:
         return self.model in ("*", model) and self.replica in ("*", replica)

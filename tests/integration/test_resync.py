@@ -29,7 +29,7 @@ def test_resync_on_request_over_kafka_with_live_traffic(kafka_bootstrap, topics)
     relay = Relay(core, sink, ZmqSource(engine.endpoint, engine.replay_endpoint),
                   resync_blocks_per_s=400, resync_jitter_s=0.2)
     control = ControlListener(kafka_bootstrap, topics["control"], "sim", "sim-0",
-                              relay.request_resync).start()
+                              lambda req: relay.request_resync(req.replica_groups)).start()
     relay.start_fresh()
     t = threading.Thread(target=relay.run_live, args=(0.02,), daemon=True)
     t.start()
