@@ -328,6 +328,8 @@ def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], li
             raise SystemExit("error: --hybrid is simulated without --pool-blocks or --cpu-offload-blocks")
     if args.cpu_offload_blocks and "vllm" not in engines:
         raise SystemExit("error: --cpu-offload-blocks applies to vLLM replicas: --engines names none")
+    if args.replica_groups != 1 and (args.replica_groups < 1 or not args.kafka):
+        raise SystemExit("error: --replica-groups takes a count >= 1, with --kafka (groups are Kafka keys)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:
@@ -384,7 +386,8 @@ def _fleet_options(args: argparse.Namespace, engines: tuple[str, ...], sz: _Size
             "trtllm_poll_ms": args.trtllm_poll_ms, "pool_blocks": sz.pool_blocks,
             "pool_group": args.pool_group, "pool_tier": args.pool_tier, "hybrid": args.hybrid or "",
             "hybrid_group_blocks": args.hybrid_group_blocks, "hybrid_chunk_tokens": args.hybrid_chunk_tokens,
-            "cpu_offload_blocks": args.cpu_offload_blocks, "record_routes": not args.no_routes}
+            "cpu_offload_blocks": args.cpu_offload_blocks, "record_routes": not args.no_routes,
+            "replica_groups": args.replica_groups}
 
 
 def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: str, reqs: list[SimRequest],
@@ -405,7 +408,8 @@ def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: st
             "token_scale": sz.scale, "speed": args.speed, "delay_ms": list(sz.delay),
             "drop_rate": args.drop_rate,
             "replay": not args.no_replay, "prefill_tps": args.prefill_tps, "load_weight": args.load_weight,
-            "window_s": sz.window, "seed": args.seed, "routes": not args.no_routes}
+            "window_s": sz.window, "seed": args.seed, "routes": not args.no_routes,
+            "replica_groups": args.replica_groups}
 
 
 def _fleet_line(args: argparse.Namespace, engines: tuple[str, ...], reqs: list[SimRequest],
@@ -697,6 +701,9 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
                    "(a local one unless --bootstrap or $KAFKA_BOOTSTRAP_SERVERS)")
     r.add_argument("--bootstrap", help="Kafka bootstrap servers (with --kafka)")
     r.add_argument("--topic-prefix", default=None, help="topic prefix with --kafka (default: unique per run)")
+    r.add_argument("--replica-groups", type=int, default=1, metavar="G",
+                   help="with --kafka: each model's index split in G replica groups (Kafka keys and "
+                        "partitions, as replica_groups in --config does; docs/scaling.md)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:

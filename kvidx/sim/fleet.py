@@ -73,6 +73,7 @@ from index_service.store import ShardStore
 from kvidx.client import KvidxClient, UnknownModel
 from kvidx.config import Config, PoolConfig
 from kvidx.core.answers import ReplicaAnswer
+from kvidx.core.groups import hashed_group
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
@@ -471,6 +472,7 @@ class FleetConfig:
     # the router records each decision as /v1/routes does (pending credit, eviction foresight, the
     # service's pending_ttl_s); in process only (the HTTP service keeps wall-clock time, the run virtual)
     record_routes: bool = True
+    replica_groups: int = 1  # through Kafka: each model's index as this many groups (kvidx.core.groups)
 
 
 def hybrid_spec(spec: str) -> tuple[list[tuple[str, int | None]], int]:
@@ -671,7 +673,9 @@ class _IndexSide:
         from schemas.events import topic_names
         cfg, store = self.cfg, self.store
         names = topic_names(cfg.topic_prefix)
-        inner = KafkaSink(cfg.bootstrap, names["events"], names["dead_letters"])
+        groups = cfg.replica_groups
+        inner = KafkaSink(cfg.bootstrap, names["events"], names["dead_letters"],
+                          replica_group=lambda _model, replica, n=None: hashed_group(replica, n or groups))
         stack.append(inner.close)
         follower = KafkaFollower(store, cfg.bootstrap, names["events"], names["snapshots"]).start()
         stack.append(follower.stop)

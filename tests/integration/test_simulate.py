@@ -11,11 +11,29 @@ from tests.helpers import fleet_config as cfg
 
 
 @pytest.mark.kafka
-def test_events_through_kafka_agree_exactly(kafka_bootstrap, topics, trace_reqs):
+@pytest.mark.parametrize("groups", [1, 4])
+def test_events_through_kafka_agree_exactly(kafka_bootstrap, topics, trace_reqs, groups):
     reqs = trace_reqs[:120]
-    r = run_fleet(reqs, cfg(transport="kafka", bootstrap=kafka_bootstrap, topic_prefix=topics["prefix"]),
-                  "kv")
+    r = run_fleet(reqs, cfg(transport="kafka", bootstrap=kafka_bootstrap, topic_prefix=topics["prefix"],
+                            replica_groups=groups), "kv")
     s = r.overall.summary()
     assert s["requests"] == len(reqs) and s["reused_tokens"] > 0
     assert s["recall"] == 1.0 and s["over_credit"] == 0.0, s
     assert r.counters["kafka_wait_timeouts"] == 0
+    if groups > 1:  # the batches went under the groups' keys, to distinct partitions
+        from confluent_kafka import Consumer
+
+        c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "keys",
+                      "auto.offset.reset": "earliest"})
+        c.subscribe([topics["events"]])
+        keys: dict[bytes, set[int]] = {}
+        for _ in range(20):
+            for m in c.consume(1000, 0.5):
+                if not m.error():
+                    keys.setdefault(m.key(), set()).add(m.partition())
+        c.close()
+        assert len(keys) > 1 and all(len(p) == 1 for p in keys.values())  # a key stays in one partition
+        by_model: dict[bytes, list[int]] = {}
+        for k, p in keys.items():
+            by_model.setdefault(k.split(b"#")[0], []).extend(p)
+        assert all(len(set(p)) == len(p) for p in by_model.values())  # a model's groups: distinct partitions
