@@ -79,7 +79,7 @@ def _telemetry() -> dict:
 
 def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None,
                publish_usage=None, feedback=None, dynamo: DynamoRegistry | None = None,
-               conductor: ConductorRegistry | None = None) -> FastAPI:
+               conductor: ConductorRegistry | None = None, fanout=None) -> FastAPI:
     """`auth_token`: when set, every /v1/ request must carry `Authorization: Bearer <token>`
     (/healthz and /metrics stay open for probes and scrapers). `publish_usage(UsageReport)`: where
     POST /v1/usage sends reports (kvidx.ops.audit.UsagePublisher: the usage topic). `feedback`: an
@@ -87,7 +87,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     less than the index credits (kvidx.ops.feedback.FeedbackFollower). Both may be set later on
     `app.state`. `dynamo`: Dynamo's indexer API at its own paths (index_service/dynamo_api.py), its
     registrations starting relays; `conductor`: Mooncake conductor's msgpack API on the same paths
-    (index_service/conductor_api.py), told apart by the content type."""
+    (index_service/conductor_api.py), told apart by the content type. `fanout`
+    (index_service.fanout.Fanout): how an instance holding some replica groups asks for the others."""
     # /docs and /redoc with their JavaScript and CSS served by the service itself (fastapi-offline
     # ships them): the default pages load them from a CDN, which a cluster without internet lacks
     app: FastAPI = FastAPIOffline(title="kvidx lookup service", version="1", telemetry=_telemetry())
@@ -101,6 +102,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     app.state.store = store
     app.state.metrics = metrics
     ctx = ServiceContext(app, store, metrics, max_tokens)
+    ctx.fanout = fanout
     # registered in this order because it is the OpenAPI document's path order
     add_json_lookup(app, ctx, auth)
     add_routing_routes(app, ctx, auth)

@@ -10,10 +10,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.datastructures import QueryParams
 
-from index_service.context import ServiceContext
+from index_service.context import ServiceContext, encode
 from index_service.openapi import binary_lookup_extra, json_body
 from index_service.responses import errors, ok
 from index_service.wire import LOOKUP_SCHEMA, Reject, read_lookup
+from kvidx.core.answers import merge_replicas
+from kvidx.core.groups import parse_groups
+from kvidx.core.shard import ModelShard
 
 _BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt", "top_k"})
 
@@ -23,15 +26,54 @@ def lookup_responses(auth: tuple[int, ...]) -> dict:
             **errors(400, *auth, 404, 413, 422)}
 
 
+def _only_groups(q: QueryParams) -> frozenset[int] | None:
+    """`?local=1[&groups=G,G]`: another instance's fan-out, answered from this instance's shard alone
+    (the replicas of those replica groups); None for a router's lookup."""
+    if q.get("local") != "1":
+        return None
+    spec = q.get("groups")
+    if spec is None:
+        return frozenset(range(1 << 16))
+    try:
+        return parse_groups(spec)
+    except ValueError as e:
+        raise Reject(422, str(e).replace("--groups", "query parameter 'groups'")) from None
+
+
+async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int], n: int, rank: bool,
+                        top_k: int | None, only: frozenset[int] | None = None) -> tuple[bytes, int, int]:
+    """The answer's JSON (bytes, best resumable tokens, replicas): from this instance's shard, with
+    the replicas of the replica groups it does not hold asked of the instances that hold them
+    (index_service.fanout) when the model is split; `only`: those groups' replicas of this shard."""
+    feedback = ctx.app.state.feedback
+    if only is not None:
+        answer = ctx.pipeline.answer(shard, hashes, n, rank, top_k, feedback, groups=only)
+    else:
+        missing = ctx.store.missing_groups(shard.model) if ctx.fanout is not None else []
+        if not missing:
+            return ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)
+        answer = ctx.pipeline.answer(shard, hashes, n, rank, top_k, feedback)
+        t0 = time.perf_counter()
+        parts, gone, knew = await ctx.fanout.gather(shard.model, missing, hashes, n, rank, top_k)
+        ctx.metrics.fanout(time.perf_counter() - t0, len(gone))
+        if not knew and not gone and shard.model not in ctx.store.shards:
+            ctx.pipeline.unknown_model(shard.model)  # known to no instance
+        answer.replicas = merge_replicas([answer.replicas, *parts], rank, top_k)
+        answer.partial, answer.missing_groups = bool(gone), gone
+    replicas = answer.replicas
+    return encode(answer), replicas[0].resumable_tokens if replicas else 0, len(replicas)
+
+
 async def json_lookup(ctx: ServiceContext, request: Request, form: str, rank: bool) -> Response:
     """A JSON lookup (/v1/lookup; /v1/rank with `rank`) answered, or its error."""
     t0 = time.perf_counter()
     model = None
     try:
+        only = _only_groups(request.query_params)
         req = read_lookup(await ctx.read_body(request, ctx.max_json_bytes, "JSON body"))
         model = req.model
         shard, hashes, n = ctx.pipeline.prompt(req)
-        answer = ctx.pipeline.answer_json(shard, hashes, n, rank, req.top_k, ctx.app.state.feedback)
+        answer = await answer_lookup(ctx, shard, hashes, n, rank, req.top_k, only)
         return ctx.respond(form, t0, shard.model, n, answer, len(hashes))
     except Exception as e:  # noqa: BLE001 - every failure becomes a JSON error response
         return ctx.rejected(form, e, model)
@@ -60,8 +102,7 @@ async def binary_lookup(ctx: ServiceContext, request: Request) -> Response:
         top_k = q.get("top_k")
         if top_k is not None and not top_k.isdigit():
             raise Reject(422, f"query parameter 'top_k' must be a positive integer, got {top_k[:20]!r}")
-        answer = ctx.pipeline.answer_json(shard, hashes, n, top_k=int(top_k) if top_k else None,
-                                          feedback=ctx.app.state.feedback)
+        answer = await answer_lookup(ctx, shard, hashes, n, False, int(top_k) if top_k else None)
         return ctx.respond("binary", t0, shard.model, n, answer, len(hashes))
     except Exception as e:  # noqa: BLE001
         return ctx.rejected("binary", e, model)

@@ -24,6 +24,10 @@ not add series), read from the shards at scrape:
 - kvidx_replica_event_age_seconds           age of the last applied engine batch (freshness)
 - kvidx_replica_apply_lag_seconds           engine time to applied here, of the last batch
 - kvidx_replica_seq_gaps_total              batches missing between applied ones
+Replica groups held by other instances (index_service.fanout):
+- kvidx_fanout_seconds                      histogram of the wait for the other instances' answers
+- kvidx_fanout_partial_total                lookups answered without some groups (no live holder,
+                                            an error or the timeout: the answer says `partial`)
 Agreement (live; the offline audit joins request by request):
 - kvidx_routes_credited_tokens_total{model} tokens the index credited on the replicas routed to
 - kvidx_usage_prompt_tokens_total{model}    prompt tokens of the engine usage reports (POST /v1/usage)
@@ -147,6 +151,11 @@ class ServiceMetrics:
                                     ["model"], registry=self.registry)
         self.usage_reused = Counter("kvidx_usage_reused_tokens", "Tokens the engines reported reused",
                                     ["model"], registry=self.registry)
+        self.fanout_seconds = Histogram("kvidx_fanout_seconds", "Wait for the instances holding the other "
+                                        "replica groups", buckets=LATENCY_BUCKETS + (0.1, 0.25, 0.5, 1.0),
+                                        registry=self.registry)
+        self.fanout_partial = Counter("kvidx_fanout_partial", "Lookups answered without some replica groups",
+                                      registry=self.registry)
         self.store = store
         self.registry.register(_StoreCollector(store))
         self._latency = {f: self.latency.labels(form=f) for f in FORMS}
@@ -169,6 +178,11 @@ class ServiceMetrics:
                                            self.best_resumable.labels(model=model))
         pm[0].inc(prompt_tokens)
         pm[1].inc(best_resumable)
+
+    def fanout(self, seconds: float, missing_groups: int) -> None:
+        self.fanout_seconds.observe(seconds)
+        if missing_groups:
+            self.fanout_partial.inc()
 
     def routed(self, model: str, credited_tokens: int) -> None:
         self.credited.labels(model=self._known(model)).inc(max(0, credited_tokens))

@@ -11,6 +11,7 @@ the price (and the feedback cap where the audit set one).
 from __future__ import annotations
 
 import time
+from typing import NoReturn
 
 import msgspec
 
@@ -50,12 +51,19 @@ class QueryPipeline:
 
     def shard(self, model: str) -> ModelShard:
         shard = self.store.shards.get(model)
+        if shard is None and self.store.holds_part_of(model):
+            # a replica group held elsewhere (fan-out): hashed and answered as an empty shard here
+            return self.store.settings.new_shard(model)
         if shard is None:
-            known = sorted(self.store.shards)
-            listed = ", ".join(repr(m) for m in known[:MAX_MODELS_LISTED]) or "none"
-            more = f" (and {len(known) - MAX_MODELS_LISTED} more)" if len(known) > MAX_MODELS_LISTED else ""
-            raise Reject(404, f"unknown model {model[:200]!r}: known models are {listed}{more}")
+            self.unknown_model(model)
         return shard
+
+    def unknown_model(self, model: str) -> NoReturn:
+        """Reject(404) naming the models this instance knows."""
+        known = sorted(self.store.shards)
+        listed = ", ".join(repr(m) for m in known[:MAX_MODELS_LISTED]) or "none"
+        more = f" (and {len(known) - MAX_MODELS_LISTED} more)" if len(known) > MAX_MODELS_LISTED else ""
+        raise Reject(404, f"unknown model {model[:200]!r}: known models are {listed}{more}")
 
     def prompt(self, req: LookupRequest | RouteRequest) -> tuple[ModelShard, list[int], int]:
         """The shard, canonical block hashes and prompt length of a JSON request's prompt."""
@@ -119,16 +127,21 @@ class QueryPipeline:
         return pricer
 
     def answer(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
-               top_k: int | None = None, feedback=None) -> LookupAnswer:
+               top_k: int | None = None, feedback=None, groups: frozenset[int] | None = None) -> LookupAnswer:
         """The answer: replicas by resumable tokens (`rank`: by
         prefix price), each priced, the best `top_k` only if given. `feedback`: an object whose
-        `apply(model, replicas, block_size, prefix=)` caps replicas (kvidx.ops.feedback)."""
+        `apply(model, replicas, block_size, prefix=)` caps replicas (kvidx.ops.feedback). `groups`: only
+        the replicas of these replica groups (an instance answering another's fan-out)."""
         if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
             raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
-        # ranking by price or applying feedback needs every replica first; otherwise only the best
-        # k are described at all
-        whole = rank or (feedback is not None and bool(feedback.by_model.get(shard.model)))
+        # ranking by price, applying feedback or keeping some groups needs every replica first;
+        # otherwise only the best k are described at all
+        whole = (rank or groups is not None
+                 or (feedback is not None and bool(feedback.by_model.get(shard.model))))
         replicas = shard.lookup(hashes, n_tokens, time.time(), None if whole else top_k)
+        if groups is not None:
+            states = shard.replicas
+            replicas = [a for a in replicas if states[(a.replica, a.dp_rank)].group in groups]
         if feedback is not None:  # audit feedback: cap replicas whose engines reuse less
             replicas = feedback.apply(shard.model, replicas, shard.block_size,
                                       prefix=hashes[0] if hashes else None)
@@ -176,7 +189,8 @@ class QueryPipeline:
         if req.dp_rank < 0 or req.credited_tokens < 0 or req.evicting_tokens < 0:
             raise Reject(422, "dp_rank, credited_tokens and evicting_tokens must not be negative")
         shard, hashes, n = self.prompt(req)
-        if (req.replica, req.dp_rank) not in shard.replicas:
+        elsewhere = not self.store.holds(self.store.config.replica_group(req.model, req.replica))
+        if not elsewhere and (req.replica, req.dp_rank) not in shard.replicas:
             # a relay announces its replica when it starts: an unknown name is a router's mistake,
             # and must not become a slot in every answer
             raise Reject(422, f"unknown replica {req.replica[:200]!r} (dp_rank {req.dp_rank}) for model "

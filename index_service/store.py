@@ -56,6 +56,16 @@ class ShardStore:
     def holds(self, group: int) -> bool:
         return self.groups is None or group in self.groups
 
+    def missing_groups(self, model: str) -> list[int]:
+        """The replica groups of `model` (from the configuration) this instance does not hold."""
+        if self.groups is None:
+            return []
+        return [g for g in range(self.config.model(model).replica_groups) if g not in self.groups]
+
+    def holds_part_of(self, model: str) -> bool:
+        """`model` is split in replica groups and some are held by other instances."""
+        return bool(self.missing_groups(model))
+
     def _shard_of(self, batch: EventBatch) -> ModelShard | None:
         if self.groups is not None and batch.replica_group not in self.groups:
             self.skipped_batches += 1
@@ -108,6 +118,8 @@ class ShardStore:
             self._seen_routes[d.request_id] = None
             if len(self._seen_routes) > _SEEN_ROUTES:
                 self._seen_routes.popitem(last=False)
+            if not self.holds(self.config.replica_group(d.model, d.replica)):
+                return True  # its replica's group is held elsewhere: credited there (routes topic)
             self.routes_applied += 1
             self.shard(d.model).add_pending(d.replica, d.dp_rank, d.block_hashes, d.prompt_tokens,
                                             d.credited_tokens, d.ts + d.ttl_s)

@@ -353,9 +353,10 @@ def cmd_serve(args) -> int:
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
     t = topic_names(args.topic_prefix)
     settings = _shard_settings(args)
+    from kvidx.core.groups import parse_groups
+
     groups = None
     if args.groups:
-        from kvidx.core.groups import parse_groups
         try:
             groups = parse_groups(args.groups)
         except ValueError as e:
@@ -363,6 +364,19 @@ def cmd_serve(args) -> int:
     store = ShardStore(settings.index_block_size, config=settings.config,
                        unreported_eviction_kinds=settings.unreported_eviction_kinds, groups=groups)
     store.publish_route = RoutePublisher(b, t["routes"])
+    from index_service.fanout import Announcer, Fanout, PeerDirectory
+
+    name = args.instance_name or f"{socket.gethostname()}:{args.port}"
+    directory = PeerDirectory(name)
+    try:
+        for spec in args.peer:
+            url, _, gs = spec.partition("=")
+            directory.add_static(url, parse_groups(gs) if gs else None)
+    except ValueError as e:
+        sys.exit(f"error: --peer {spec!r}: {e}")
+    # every instance says which groups it holds; one that holds only some asks the others
+    announcer = Announcer(directory, b, t["instances"], args.url or f"http://{args.host}:{args.port}", groups)
+    fanout = Fanout(directory, args.fanout_timeout_ms / 1000, token) if groups is not None else None
     feedback: list[FeedbackFollower] = []
 
     def prepare() -> None:  # once the broker answers: the topics, the feedback follower, the registrations
@@ -371,6 +385,7 @@ def cmd_serve(args) -> int:
         feedback.append(f)
         app.state.feedback = f
         registrations.follow(dynamo.apply_record)
+        announcer.start()
 
     follower = KafkaFollower(store, b, t["events"], t["snapshots"], t["routes"], prepare=prepare)
     # Dynamo's indexer API: POST /register starts a relay here that publishes to the events topic; the
@@ -378,11 +393,11 @@ def cmd_serve(args) -> int:
     registrations = RegistrationLog(b, t["registrations"])
     starter = vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"],
                                            replica_group=settings.config.replica_group), settings.block_size)
-    dynamo = DynamoRegistry(starter, owner=args.instance_name or f"{socket.gethostname()}:{args.port}",
-                            log=registrations)
+    dynamo = DynamoRegistry(starter, owner=name, log=registrations)
     conductor = ConductorRegistry(starter)  # Mooncake conductor's msgpack API (registrations in process)
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
-                     publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor)
+                     publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
+                     fanout=fanout)
     follower.start()
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
@@ -396,6 +411,7 @@ def cmd_serve(args) -> int:
         for f in feedback:
             f.stop()
         follower.stop()
+        announcer.stop()
     return 0
 
 
@@ -586,8 +602,16 @@ def _add_serve(sub) -> None:
     s.add_argument("--config", help="deployment configuration (.toml or .json): per-model block size, "
                    "prices, pools, replica groups; see kvidx/config.py")
     s.add_argument("--groups", metavar="G,G...", help="hold only these replica groups of every model "
-                   "(models split with replica_groups in --config; default: all): the index of the others' "
-                   "replicas is not kept here")
+                   "(models split with replica_groups in --config; default: all): lookups ask the instances "
+                   "holding the others (docs/scaling.md)")
+    s.add_argument("--url", help="the URL other instances reach this one at (announced on the instances "
+                   "topic; default: http://HOST:PORT)")
+    s.add_argument("--peer", action="append", default=[], metavar="URL[=G,G]",
+                   help="an instance to ask for the groups it holds (default: all), besides those announced "
+                        "on the instances topic; repeatable")
+    s.add_argument("--fanout-timeout-ms", type=float, default=250.0,
+                   help="how long a lookup waits for the instances holding other groups; those that do "
+                        "not answer in time are named in the answer (missing_groups)")
     s.set_defaults(func=cmd_serve)
 
 

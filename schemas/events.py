@@ -27,6 +27,8 @@ ROUTES_TOPIC = "kvidx.routes.v1"  # routing decisions: pending credit and the au
 USAGE_TOPIC = "kvidx.usage.v1"  # engine usage reports (what was reused): the audit (schemas/usage.py)
 # compacted: the workers registered through Dynamo's API (schemas/registrations.py)
 REGISTRATIONS_TOPIC = "kvidx.registrations.v1"
+# compacted: the service instances and the replica groups they hold (index_service/fanout.py)
+INSTANCES_TOPIC = "kvidx.instances.v1"
 
 
 
@@ -35,7 +37,7 @@ def topic_names(prefix: str = "") -> dict[str, str]:
     return {"events": prefix + EVENTS_TOPIC, "snapshots": prefix + SNAPSHOTS_TOPIC,
             "dead_letters": prefix + DEAD_LETTER_TOPIC, "routes": prefix + ROUTES_TOPIC,
             "control": prefix + CONTROL_TOPIC, "usage": prefix + USAGE_TOPIC,
-            "registrations": prefix + REGISTRATIONS_TOPIC}
+            "registrations": prefix + REGISTRATIONS_TOPIC, "instances": prefix + INSTANCES_TOPIC}
 
 
 TIERS = ("GPU", "CPU", "DISK", "NODE_SHARED", "POOL")  # fastest first

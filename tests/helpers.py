@@ -109,3 +109,52 @@ class ListSink:
 
     def flush(self, timeout: float = 10.0) -> int:
         return 0
+
+
+def random_fleet(replicas: int, seed: int = 1, groups: int = 1, block_size: int = 16):
+    """Batches of a random fleet of model "m" (two KV-cache groups, GPU and CPU tiers, evictions, a
+    clear; each replica's batches in order, replicas interleaved; EventBatch.replica_group among
+    `groups`) and the prompts (hash chains) to look up."""
+    import random
+
+    from kvidx.core.groups import hashed_group
+    from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
+
+    rng = random.Random(seed)
+    docs = [[rng.getrandbits(63) for _ in range(rng.randint(2, 12))] for _ in range(30)]
+    batches = []
+    for r in range(replicas):
+        name = f"replica-{r}"
+        held: list[list[int]] = []
+        for seq in range(rng.randint(2, 8)):
+            events = []
+            doc = rng.choice(docs)
+            n = rng.randint(1, len(doc))
+            tier = "GPU" if rng.random() < 0.8 else "CPU"
+            events.append(BlocksStored(tier, 0, doc[:n], None, 0))
+            if rng.random() < 0.3:
+                events.append(BlocksStored(tier, 1, doc[:n], None, 0, group_kind="sliding_window",
+                                           sliding_window=32))
+            held.append(doc[:n])
+            if held and rng.random() < 0.3:
+                gone = rng.choice(held)
+                events.append(BlocksRemoved(tier, 0, gone[len(gone) // 2:]))
+            if rng.random() < 0.05:
+                events.append(ReplicaCleared("engine_cache_reset"))
+            t = 1.0 + seq
+            batches.append(EventBatch(SCHEMA_VERSION, "m", name, r % 2, 1, seq, t, t, block_size, events,
+                                      replica_group=hashed_group(name, groups)))
+    order = sorted(range(len(batches)), key=lambda i: rng.random())
+    by_replica: dict[str, list[EventBatch]] = {}
+    for b in batches:
+        by_replica.setdefault(b.replica, []).append(b)
+    mixed = []
+    cursors = {k: 0 for k in by_replica}
+    for i in order:  # a random interleaving that keeps each replica's order
+        k = batches[i].replica
+        if cursors[k] < len(by_replica[k]):
+            mixed.append(by_replica[k][cursors[k]])
+            cursors[k] += 1
+    for k, lst in by_replica.items():
+        mixed += lst[cursors[k]:]
+    return mixed, docs

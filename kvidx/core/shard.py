@@ -52,6 +52,7 @@ class ReplicaState(msgspec.Struct):
     lookahead: int = 0  # tokens after a block its engine's hash covers (EventBatch.lookahead_tokens)
     tails: int = 0  # live partial-block keys (BlocksStored.tail): the engine resumes inside blocks
     dynamo_keys: int = 0  # live Dynamo keys (BlocksStored.dynamo): Dynamo's /query_by_hash
+    group: int = 0  # the replica group its events come in (EventBatch.replica_group; kvidx.core.groups)
 
 
 class GroupIndex:
@@ -217,6 +218,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
             if self.foresight.grown:
                 self.foresight.settle()
         st.epoch, st.seq, st.part = epoch, seq, batch.part
+        st.group = batch.replica_group
         st.recompute = batch.recompute_tokens
         if batch.lookahead_tokens != st.lookahead:
             st.lookahead = batch.lookahead_tokens

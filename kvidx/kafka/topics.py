@@ -76,3 +76,5 @@ def ensure_topics(bootstrap: str, names: dict[str, str], partitions: int = 4) ->
     create_topics(bootstrap, [names["control"]], partitions=1)
     if "registrations" in names:  # one partition: one order of registrations and removals
         create_topics(bootstrap, [], partitions=1, compacted=[names["registrations"]])
+    if "instances" in names:  # one partition: every instance reads all announcements
+        create_topics(bootstrap, [], partitions=1, compacted=[names["instances"]])

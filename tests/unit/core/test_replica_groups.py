@@ -9,7 +9,8 @@ from kvidx.config import Config, ModelConfig, PoolConfig, load_config
 from kvidx.core.groups import hashed_group, parse_groups, replica_group, shard_key
 from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SEGMENTS, shift_masks
-from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
+from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, ReplicaCleared
+from tests.helpers import random_fleet
 
 BS = 16
 
@@ -60,48 +61,6 @@ def test_shift_masks_matches_python_ints(words_in, shift, words_out):
     assert got == want
 
 
-def _fleet(replicas: int, seed: int = 1):
-    """Batches of a random fleet (two KV-cache groups, GPU and CPU tiers, evictions, a clear) and the
-    prompts (hash chains) to look up."""
-    rng = random.Random(seed)
-    docs = [[rng.getrandbits(63) for _ in range(rng.randint(2, 12))] for _ in range(30)]
-    batches = []
-    for r in range(replicas):
-        name = f"replica-{r}"
-        held: list[list[int]] = []
-        for seq in range(rng.randint(2, 8)):
-            events = []
-            doc = rng.choice(docs)
-            n = rng.randint(1, len(doc))
-            tier = "GPU" if rng.random() < 0.8 else "CPU"
-            events.append(BlocksStored(tier, 0, doc[:n], None, 0))
-            if rng.random() < 0.3:
-                events.append(BlocksStored(tier, 1, doc[:n], None, 0, group_kind="sliding_window",
-                                           sliding_window=32))
-            held.append(doc[:n])
-            if held and rng.random() < 0.3:
-                gone = rng.choice(held)
-                events.append(BlocksRemoved(tier, 0, gone[len(gone) // 2:]))
-            if rng.random() < 0.05:
-                events.append(ReplicaCleared("engine_cache_reset"))
-            t = 1.0 + seq
-            batches.append(EventBatch(SCHEMA_VERSION, "m", name, r % 2, 1, seq, t, t, BS, events))
-    order = sorted(range(len(batches)), key=lambda i: rng.random())
-    by_replica: dict[str, list[EventBatch]] = {}
-    for b in batches:
-        by_replica.setdefault(b.replica, []).append(b)
-    mixed = []
-    cursors = {k: 0 for k in by_replica}
-    for i in order:  # a random interleaving that keeps each replica's order
-        k = batches[i].replica
-        if cursors[k] < len(by_replica[k]):
-            mixed.append(by_replica[k][cursors[k]])
-            cursors[k] += 1
-    for k, lst in by_replica.items():
-        mixed += lst[cursors[k]:]
-    return mixed, docs
-
-
 def _answers(shard: ModelShard, docs):
     out = []
     for d in docs:
@@ -113,7 +72,7 @@ def _answers(shard: ModelShard, docs):
 @pytest.mark.parametrize("replicas,groups", [(9, 4), (70, 3), (130, 4)])
 @pytest.mark.parametrize("through_snapshots", [False, True])
 def test_groups_absorbed_answer_like_one_shard(replicas, groups, through_snapshots):
-    batches, docs = _fleet(replicas, seed=replicas)
+    batches, docs = random_fleet(replicas, seed=replicas)
     whole = ModelShard("m", BS)
     parts = [ModelShard("m", BS) for _ in range(groups)]
     for b in batches:

@@ -1,0 +1,213 @@
+"""Answering for replica groups this instance does not hold (kvidx.core.groups): ask the instances
+that hold them, merge (kvidx.core.answers.merge_replicas).
+
+How instances find each other: what the deployment already has. Each `kvidx serve` announces itself
+on the compacted topic `kvidx.instances.v1` (key = its name; its URL, the groups it holds, a
+timestamp) every few seconds and reads everyone's announcements (`Announcer`); an instance whose last
+announcement is older than three intervals is taken for gone. Or a static list (`--peer URL=G,G`).
+
+A lookup asks, for the groups it misses, the fewest live instances that hold them (their own
+`POST /v1/lookup` or `/v1/rank` with `?local=1&groups=...`: answered from their shard alone, never
+fanned out again), all at once, with one timeout; a group no instance answered for in time is named
+in the answer (`partial`, `missing_groups`), never waited for longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+
+from kvidx.core.answers import LOOKUP_ANSWER_DECODER, ReplicaAnswer
+from kvidx.kafka.background import Background
+
+log = logging.getLogger("kvidx.service")
+
+ANNOUNCE_VERSION = 1
+
+
+class Announcement(msgspec.Struct):
+    """What an instance says of itself on the instances topic."""
+    v: int
+    name: str
+    url: str  # where its lookup API answers (http://host:port)
+    groups: list[int] | None  # the replica groups it holds (None: all)
+    ts: float
+
+
+@dataclass
+class Peer:
+    name: str
+    url: str
+    groups: frozenset[int] | None  # None: all
+    seen: float  # when it last announced itself (static peers: always now)
+    static: bool = False
+
+    def holds(self, group: int) -> bool:
+        return self.groups is None or group in self.groups
+
+
+class PeerDirectory:
+    """The other instances and the groups they hold: announced (Kafka) or listed (`--peer`)."""
+
+    def __init__(self, own_name: str, stale_s: float = 6.0):
+        self.own_name = own_name
+        self.stale_s = stale_s
+        self.peers: dict[str, Peer] = {}
+
+    def add_static(self, url: str, groups: frozenset[int] | None) -> None:
+        self.peers[url] = Peer(url, url.rstrip("/"), groups, 0.0, static=True)
+
+    def announced(self, a: Announcement) -> None:
+        if a.name != self.own_name:
+            groups = None if a.groups is None else frozenset(a.groups)
+            self.peers[a.name] = Peer(a.name, a.url.rstrip("/"), groups, a.ts)
+
+    def gone(self, name: str) -> None:
+        """An instance that stopped (its announcement deleted)."""
+        self.peers.pop(name, None)
+
+    def alive(self, now: float | None = None) -> list[Peer]:
+        now = time.time() if now is None else now
+        return sorted((p for p in self.peers.values() if p.static or now - p.seen <= self.stale_s),
+                      key=lambda p: p.name)
+
+    def plan(self, groups: list[int], now: float | None = None) -> tuple[dict[str, tuple[Peer, list[int]]],
+                                                                          list[int]]:
+        """The fewest live peers that hold `groups` (greedy: the one holding most of those left first):
+        (peer name -> (peer, the groups asked of it), the groups nobody holds)."""
+        left, asked = set(groups), {}
+        peers = self.alive(now)
+        while left:
+            best = max(peers, key=lambda p: sum(1 for g in left if p.holds(g)), default=None)
+            mine = sorted(g for g in left if best is not None and best.holds(g))
+            if not mine:
+                break
+            asked[best.name] = (best, mine)
+            left -= set(mine)
+            peers = [p for p in peers if p.name != best.name]
+        return asked, sorted(left)
+
+
+class Fanout:
+    """The remote half of a lookup over replica groups (see the module docstring)."""
+
+    def __init__(self, directory: PeerDirectory, timeout_s: float = 0.25, auth_token: str | None = None):
+        self.directory = directory
+        self.timeout_s = timeout_s
+        headers = {"content-type": "application/json"}
+        if auth_token:
+            headers["authorization"] = f"Bearer {auth_token}"
+        self._headers = headers
+        self._client: httpx.AsyncClient | None = None  # made in the serving event loop
+        self.requests = 0
+        self.failures = 0
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, headers=self._headers,
+                                             limits=httpx.Limits(max_keepalive_connections=64))
+        return self._client
+
+    async def gather(self, model: str, groups: list[int], hashes: list[int], n_tokens: int, rank: bool,
+                     top_k: int | None) -> tuple[list[list[ReplicaAnswer]], list[int], int]:
+        """The per-replica answers of `groups` from the peers holding them: (one list per peer, the
+        groups missing (no live holder, an error or the timeout), how many peers knew the model)."""
+        asked, missing = self.directory.plan(groups)
+        if not asked:
+            return [], missing, 0
+        body = msgspec.json.encode({"model": model, "block_hashes": hashes, "prompt_tokens": n_tokens,
+                                    "top_k": top_k})
+        path = "/v1/rank" if rank else "/v1/lookup"
+        names = list(asked)
+        calls = [self._ask(asked[name][0], path, asked[name][1], body) for name in names]
+        results = await asyncio.gather(*calls)
+        parts, knew = [], 0
+        for name, res in zip(names, results, strict=True):
+            if res is None:
+                missing += asked[name][1]
+            elif res is not False:
+                parts.append(res)
+                knew += 1
+        return parts, sorted(missing), knew
+
+    async def _ask(self, peer: Peer, path: str, groups: list[int], body: bytes):
+        """The peer's replicas of `groups`; False if it does not know the model (no replica of those
+        groups has published yet); None on an error or the timeout."""
+        self.requests += 1
+        url = f"{peer.url}{path}?local=1&groups={','.join(map(str, groups))}"
+        try:
+            r = await self.client().post(url, content=body)
+        except httpx.HTTPError as e:
+            self.failures += 1
+            log.warning("event=fanout_failed peer=%s error=%r", peer.name, str(e)[:200] or type(e).__name__)
+            return None
+        if r.status_code == 404:
+            return False
+        if r.status_code != 200:
+            self.failures += 1
+            log.warning("event=fanout_failed peer=%s status=%d body=%r", peer.name, r.status_code,
+                        r.text[:200])
+            return None
+        return LOOKUP_ANSWER_DECODER.decode(r.content).replicas
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+class Announcer(Background):
+    """This instance's announcements on the instances topic, and everyone's read into a directory."""
+
+    thread_name = "kvidx-announcer"
+
+    def __init__(self, directory: PeerDirectory, bootstrap: str, topic: str, url: str,
+                 groups: frozenset[int] | None, interval_s: float = 2.0):
+        self.directory = directory
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.own = Announcement(ANNOUNCE_VERSION, directory.own_name, url,
+                                None if groups is None else sorted(groups), 0.0)
+        self.interval_s = interval_s
+        super().__init__()
+
+    def run(self) -> None:
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+        from kvidx.kafka.config import client_config
+
+        producer = Producer({**client_config(), "bootstrap.servers": self.bootstrap, "linger.ms": 0})
+        consumer = Consumer({**client_config(), "bootstrap.servers": self.bootstrap,
+                             "group.id": f"kvidx-announcer-{time.time_ns()}", "enable.auto.commit": False})
+        consumer.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+        decode = msgspec.json.Decoder(Announcement).decode
+        next_at = 0.0
+        key = self.own.name.encode()
+        try:
+            while not self.stop_event.is_set():
+                now = time.time()
+                if now >= next_at:
+                    next_at = now + self.interval_s
+                    self.own.ts = now
+                    producer.produce(self.topic, key=key, value=msgspec.json.encode(self.own))
+                    producer.poll(0)
+                for msg in consumer.consume(100, 0.2):
+                    if msg.error():
+                        continue
+                    if msg.value() is None:  # a stopped instance's tombstone
+                        self.directory.gone(msg.key().decode(errors="replace"))
+                        continue
+                    try:
+                        a = decode(msg.value())
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue
+                    if a.v == ANNOUNCE_VERSION:
+                        self.directory.announced(a)
+        finally:
+            consumer.close()
+            producer.produce(self.topic, key=key, value=None)  # stopping: gone at once, not when stale
+            producer.flush(5)

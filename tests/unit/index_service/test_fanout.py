@@ -1,0 +1,128 @@
+"""Service instances holding part of a model (replica groups, `kvidx serve --groups`) over real HTTP:
+an instance asks the one holding the other groups and answers every lookup form like one instance
+holding all; a peer that is down gives a partial answer naming its groups; routes to replicas of
+groups held elsewhere are accepted and left to their holder."""
+
+import httpx
+import msgspec
+import pytest
+
+from index_service.app import create_app
+from index_service.fanout import Announcement, Fanout, PeerDirectory
+from index_service.store import ShardStore
+from kvidx.config import Config, ModelConfig
+from kvidx.core.answers import LOOKUP_ANSWER_DECODER
+from kvidx.core.groups import hashed_group
+from tests.helpers import ServerThread, random_fleet
+
+G = 4
+CONFIG = Config(models={"m": ModelConfig(replica_groups=G)})
+
+
+def _store(groups=None) -> ShardStore:
+    return ShardStore(16, config=CONFIG, groups=groups)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    batches, docs = random_fleet(40, seed=5, groups=G)
+    stores = {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
+    for b in batches:
+        for s in stores.values():
+            s.apply(b, 2.0)
+    for s in stores.values():
+        s.ready = True
+    return stores, docs
+
+
+def _names(store: ShardStore) -> set[str]:
+    return {st.replica for st in store.shards["m"].replicas.values()}
+
+
+def _replicas(c: httpx.Client, url: str, path: str, body: dict) -> list[dict]:
+    return c.post(f"{url}{path}", json=body).json()["replicas"]
+
+
+def _canon(raw: bytes) -> list:
+    """An answer's replicas without what depends on the moment asked (event age), in a stable order."""
+    ans = LOOKUP_ANSWER_DECODER.decode(raw)
+    out = []
+    for r in ans.replicas:
+        r.freshness.last_event_age_ms = None
+        out.append(msgspec.to_builtins(r))
+    return sorted(out, key=lambda r: (-r["resumable_tokens"], r["replica"], r["dp_rank"]))
+
+
+def test_a_partial_instance_answers_like_a_full_one(fleet):
+    stores, docs = fleet
+    directory = PeerDirectory("a")
+    with ServerThread(create_app(stores["full"])) as full, ServerThread(create_app(stores["b"])) as b:
+        directory.add_static(b, frozenset({2, 3}))
+        app = create_app(stores["a"], fanout=Fanout(directory, timeout_s=5.0))
+        with ServerThread(app) as a, httpx.Client() as c:
+            assert _names(stores["a"]) < _names(stores["full"])
+            hits = 0
+            for d in docs:
+                body = {"model": "m", "block_hashes": d, "prompt_tokens": len(d) * 16 + 1}
+                want = c.post(f"{full}/v1/lookup", json=body)
+                got = c.post(f"{a}/v1/lookup", json=body)
+                assert got.status_code == 200 and _canon(got.content) == _canon(want.content)
+                assert "partial" not in got.json()
+                hits += sum(1 for r in want.json()["replicas"] if r["resumable_tokens"])
+                ranked = [[r["price"]["total_s"] for r in _replicas(c, u, "/v1/rank", {**body, "top_k": 5})]
+                          for u in (a, full)]
+                assert ranked[0] == ranked[1]
+                top = [[r["resumable_tokens"] for r in _replicas(c, u, "/v1/lookup", {**body, "top_k": 3})]
+                       for u in (a, full)]
+                assert top[0] == top[1]
+            assert hits > len(docs)
+            # another instance's fan-out is answered from the shard alone, for the groups asked
+            only = _replicas(c, b, "/v1/lookup?local=1&groups=2", body)
+            assert {r["replica"] for r in only} == {r for r in _names(stores["b"]) if hashed_group(r, G) == 2}
+            assert c.post(f"{b}/v1/lookup?local=1&groups=x", json=body).status_code == 422
+            assert c.post(f"{a}/v1/lookup", json={**body, "model": "nope"}).status_code == 404
+            assert "kvidx_fanout_seconds_count" in c.get(f"{a}/metrics").text
+
+        # a route to a replica of a group held elsewhere: accepted, credited by its holder
+        with ServerThread(app) as a, httpx.Client() as c:
+            far = sorted(_names(stores["b"]))[0]
+            route = {"model": "m", "block_hashes": docs[0], "prompt_tokens": len(docs[0]) * 16 + 1,
+                     "request_id": "r1", "replica": far, "dp_rank": 0}
+            assert c.post(f"{a}/v1/routes", json=route).status_code == 202
+            assert (far, 0) not in stores["a"].shards["m"].replicas  # no slot made here
+            bad = {**route, "request_id": "r2", "replica": "no-such-replica"}
+            if stores["a"].holds(hashed_group("no-such-replica", G)):
+                assert c.post(f"{a}/v1/routes", json=bad).status_code == 422
+
+
+def test_a_peer_that_is_down_gives_a_partial_answer(fleet):
+    stores, docs = fleet
+    directory = PeerDirectory("a")
+    directory.add_static("http://127.0.0.1:9", frozenset({2, 3}))  # nothing listens there
+    with ServerThread(create_app(stores["a"], fanout=Fanout(directory, timeout_s=0.5))) as a, \
+            httpx.Client() as c:
+        body = {"model": "m", "block_hashes": docs[0], "prompt_tokens": len(docs[0]) * 16 + 1}
+        got = c.post(f"{a}/v1/lookup", json=body)
+        assert got.status_code == 200, got.text
+        ans = got.json()
+        assert ans["partial"] is True and ans["missing_groups"] == [2, 3]
+        assert {r["replica"] for r in ans["replicas"]} <= _names(stores["a"])
+        binary = c.post(f"{a}/v1/lookup/binary?model=m", content=b"\x01\x00\x00\x00" * 40)
+        assert binary.status_code == 200 and binary.json()["missing_groups"] == [2, 3]
+        assert "kvidx_fanout_partial_total 2.0" in c.get(f"{a}/metrics").text
+
+
+def test_directory_plans_the_fewest_live_peers():
+    d = PeerDirectory("me", stale_s=5.0)
+    d.announced(Announcement(1, "me", "http://me", [0], 100.0))  # itself: never asked
+    d.announced(Announcement(1, "x", "http://x", [1, 2], 100.0))
+    d.announced(Announcement(1, "y", "http://y", [2], 100.0))
+    d.announced(Announcement(1, "z", "http://z", [3], 90.0))  # stale at 100
+    asked, missing = d.plan([1, 2, 3], now=100.0)
+    assert {n: g for n, (_, g) in asked.items()} == {"x": [1, 2]} and missing == [3]
+    d.gone("x")
+    asked, missing = d.plan([1, 2], now=100.0)
+    assert {n: g for n, (_, g) in asked.items()} == {"y": [2]} and missing == [1]
+    d.announced(Announcement(1, "all", "http://all", None, 100.0))  # holds every group
+    asked, missing = d.plan([1, 2, 3], now=100.0)
+    assert list(asked) == ["all"] and not missing
