@@ -76,12 +76,12 @@ class PeerDirectory:
         return sorted((p for p in self.peers.values() if p.static or now - p.seen <= self.stale_s),
                       key=lambda p: p.name)
 
-    def plan(self, groups: list[int], now: float | None = None) -> tuple[dict[str, tuple[Peer, list[int]]],
-                                                                          list[int]]:
-        """The fewest live peers that hold `groups` (greedy: the one holding most of those left first):
-        (peer name -> (peer, the groups asked of it), the groups nobody holds)."""
+    def plan(self, groups: list[int], now: float | None = None, skip: frozenset[str] = frozenset()
+             ) -> tuple[dict[str, tuple[Peer, list[int]]], list[int]]:
+        """The fewest live peers that hold `groups` (greedy: the one holding most of those left first),
+        not those in `skip`: (peer name -> (peer, the groups asked of it), the groups nobody holds)."""
         left, asked = set(groups), {}
-        peers = self.alive(now)
+        peers = [p for p in self.alive(now) if p.name not in skip]
         while left:
             best = max(peers, key=lambda p: sum(1 for g in left if p.holds(g)), default=None)
             mine = sorted(g for g in left if best is not None and best.holds(g))
@@ -117,31 +117,38 @@ class Fanout:
                      top_k: int | None) -> tuple[list[list[ReplicaAnswer]], list[int], int]:
         """The per-replica answers of `groups` from the peers holding them: (one list per peer, the
         groups missing (no live holder, an error or the timeout), how many peers knew the model)."""
-        asked, missing = self.directory.plan(groups)
-        if not asked:
-            return [], missing, 0
         body = msgspec.json.encode({"model": model, "block_hashes": hashes, "prompt_tokens": n_tokens,
                                     "top_k": top_k})
         path = "/v1/rank" if rank else "/v1/lookup"
-        names = list(asked)
-        calls = [self._ask(asked[name][0], path, asked[name][1], body) for name in names]
-        results = await asyncio.gather(*calls)
-        parts, knew = [], 0
-        for name, res in zip(names, results, strict=True):
-            if res is None:
-                missing += asked[name][1]
-            elif res is not False:
-                parts.append(res)
-                knew += 1
-        return parts, sorted(missing), knew
+        deadline = time.monotonic() + self.timeout_s
+        parts, knew, failed, left = [], 0, set(), list(groups)
+        while left:  # a peer that fails: its groups asked of another holder, while time is left
+            asked, missing = self.directory.plan(left, skip=frozenset(failed))
+            names = list(asked)
+            wait = deadline - time.monotonic()
+            if not names or wait <= 0:
+                return parts, sorted(left), knew
+            results = await asyncio.gather(*(self._ask(asked[n][0], path, asked[n][1], body, wait)
+                                             for n in names))
+            left = list(missing)
+            for name, res in zip(names, results, strict=True):
+                if res is None:
+                    failed.add(name)
+                    left += asked[name][1]
+                elif res is not False:
+                    parts.append(res)
+                    knew += 1
+            if not any(res is None for res in results):
+                return parts, sorted(left), knew
+        return parts, [], knew
 
-    async def _ask(self, peer: Peer, path: str, groups: list[int], body: bytes):
+    async def _ask(self, peer: Peer, path: str, groups: list[int], body: bytes, timeout_s: float):
         """The peer's replicas of `groups`; False if it does not know the model (no replica of those
         groups has published yet); None on an error or the timeout."""
         self.requests += 1
         url = f"{peer.url}{path}?local=1&groups={','.join(map(str, groups))}"
         try:
-            r = await self.client().post(url, content=body)
+            r = await self.client().post(url, content=body, timeout=timeout_s)
         except httpx.HTTPError as e:
             self.failures += 1
             log.warning("event=fanout_failed peer=%s error=%r", peer.name, str(e)[:200] or type(e).__name__)

@@ -126,3 +126,18 @@ def test_directory_plans_the_fewest_live_peers():
     d.announced(Announcement(1, "all", "http://all", None, 100.0))  # holds every group
     asked, missing = d.plan([1, 2, 3], now=100.0)
     assert list(asked) == ["all"] and not missing
+
+
+def test_a_dead_holder_is_passed_over_for_another(fleet):
+    stores, docs = fleet
+    directory = PeerDirectory("a")
+    with ServerThread(create_app(stores["full"])) as full, ServerThread(create_app(stores["b"])) as b:
+        now = 1e12  # announced far ahead: never stale during the test
+        directory.announced(Announcement(1, "b-dead", "http://127.0.0.1:9", [2, 3], now))  # asked first
+        directory.announced(Announcement(1, "b-live", b, [2, 3], now))
+        app = create_app(stores["a"], fanout=Fanout(directory, timeout_s=5.0))
+        with ServerThread(app) as a, httpx.Client() as c:
+            body = {"model": "m", "block_hashes": docs[1], "prompt_tokens": len(docs[1]) * 16 + 1}
+            got = c.post(f"{a}/v1/lookup", json=body)
+            assert "partial" not in got.json()
+            assert _canon(got.content) == _canon(c.post(f"{full}/v1/lookup", json=body).content)
