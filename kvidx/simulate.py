@@ -178,6 +178,9 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
         c = primary["counters"]
         out["kafka_wait_ms"] = {"p50": c["kafka_wait_ms_p50"], "p99": c["kafka_wait_ms_p99"],
                                 "timeouts": c["kafka_wait_timeouts"]}
+    for key in ("instances", "fanout_lookup_us", "fanout_lookups", "fanout_mismatches"):
+        if key in primary.get("counters", {}):
+            out[key] = primary["counters"][key]
     out["config"] = config
     out["runtime_s"] = round(runtime, 2)
     return out
@@ -330,6 +333,10 @@ def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], li
         raise SystemExit("error: --cpu-offload-blocks applies to vLLM replicas: --engines names none")
     if args.replica_groups != 1 and (args.replica_groups < 1 or not args.kafka):
         raise SystemExit("error: --replica-groups takes a count >= 1, with --kafka (groups are Kafka keys)")
+    n = args.service_instances
+    if n and (n < 2 or args.replica_groups < n):
+        raise SystemExit("error: --service-instances takes N >= 2, at most --replica-groups (each instance "
+                         "holds some groups)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:
@@ -387,7 +394,7 @@ def _fleet_options(args: argparse.Namespace, engines: tuple[str, ...], sz: _Size
             "pool_group": args.pool_group, "pool_tier": args.pool_tier, "hybrid": args.hybrid or "",
             "hybrid_group_blocks": args.hybrid_group_blocks, "hybrid_chunk_tokens": args.hybrid_chunk_tokens,
             "cpu_offload_blocks": args.cpu_offload_blocks, "record_routes": not args.no_routes,
-            "replica_groups": args.replica_groups}
+            "replica_groups": args.replica_groups, "service_instances": args.service_instances}
 
 
 def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: str, reqs: list[SimRequest],
@@ -409,7 +416,7 @@ def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: st
             "drop_rate": args.drop_rate,
             "replay": not args.no_replay, "prefill_tps": args.prefill_tps, "load_weight": args.load_weight,
             "window_s": sz.window, "seed": args.seed, "routes": not args.no_routes,
-            "replica_groups": args.replica_groups}
+            "replica_groups": args.replica_groups, "service_instances": args.service_instances}
 
 
 def _fleet_line(args: argparse.Namespace, engines: tuple[str, ...], reqs: list[SimRequest],
@@ -704,6 +711,11 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replica-groups", type=int, default=1, metavar="G",
                    help="with --kafka: each model's index split in G replica groups (Kafka keys and "
                         "partitions, as replica_groups in --config does; docs/scaling.md)")
+    r.add_argument("--service-instances", type=int, default=0, metavar="N",
+                   help="with --replica-groups: N service instances each holding ~1/N of the groups; every "
+                        "lookup goes to one of them, which merges the others' answers (as `serve --groups` "
+                        "does), compared with a full instance's (JSON: instances, fanout_lookup_us, "
+                        "fanout_mismatches)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:

@@ -71,9 +71,8 @@ import numpy as np
 
 from index_service.store import ShardStore
 from kvidx.client import KvidxClient, UnknownModel
-from kvidx.config import Config, PoolConfig
-from kvidx.core.answers import ReplicaAnswer
-from kvidx.core.groups import hashed_group
+from kvidx.config import Config, ModelConfig, PoolConfig
+from kvidx.core.answers import ReplicaAnswer, merge_replicas
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
@@ -473,6 +472,9 @@ class FleetConfig:
     # service's pending_ttl_s); in process only (the HTTP service keeps wall-clock time, the run virtual)
     record_routes: bool = True
     replica_groups: int = 1  # through Kafka: each model's index as this many groups (kvidx.core.groups)
+    # through Kafka: service instances each holding ~1/N of the groups, every lookup sent to one of them
+    # (round-robin), which merges the others' answers as the service's fan-out does; 0: none
+    service_instances: int = 0
 
 
 def hybrid_spec(spec: str) -> tuple[list[tuple[str, int | None]], int]:
@@ -654,6 +656,10 @@ class _IndexSide:
         self.store = store
         self.kafka_waits: list[float] = []  # wall-clock seconds each lookup waited for the follower
         self.kafka_timeouts = 0
+        self.instances: list[ShardStore] = []  # partial service instances (cfg.service_instances)
+        self.fanout_us: list[float] = []
+        self.fanout_mismatches = 0
+        self._next_instance = 0
         if cfg.transport == "kafka":
             inner: Any = self._start_kafka(stack)
         else:
@@ -674,37 +680,51 @@ class _IndexSide:
         cfg, store = self.cfg, self.store
         names = topic_names(cfg.topic_prefix)
         groups = cfg.replica_groups
+        # the deployment's configuration as relays and instances read it: G groups per model
+        split = Config(models={m: ModelConfig(replica_groups=groups) for m in cfg.models},
+                       pools=store.config.pools)
         inner = KafkaSink(cfg.bootstrap, names["events"], names["dead_letters"],
-                          replica_group=lambda _model, replica, n=None: hashed_group(replica, n or groups))
+                          replica_group=split.replica_group)
         stack.append(inner.close)
         follower = KafkaFollower(store, cfg.bootstrap, names["events"], names["snapshots"]).start()
         stack.append(follower.stop)
+        followers = [(store, follower)]
+        n = cfg.service_instances
+        if n:
+            for i in range(n):
+                part = ShardStore(cfg.index_block, config=split,
+                                  groups=frozenset(g for g in range(groups) if g % n == i))
+                f = KafkaFollower(part, cfg.bootstrap, names["events"], names["snapshots"]).start()
+                stack.append(f.stop)
+                self.instances.append(part)
+                followers.append((part, f))
         deadline = time.monotonic() + 60
-        while not store.ready:
-            if follower.error is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the Kafka follower did not start: {follower.error}")
-            time.sleep(0.01)
+        for s, f in followers:
+            while not s.ready:
+                if f.error is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the Kafka follower did not start: {f.error}")
+                time.sleep(0.01)
         return inner
 
     def wait_until_applied(self, model: str) -> None:
         """Through Kafka, wait (up to kafka_wait_s) until the follower has applied everything the relays
         of `model` published: the lookup then sees what an in-process run would."""
         self.sink.flush(0)
-        store = self.store
-        shard = store.shards.get(model)
-        want = [(k[1], v) for k, v in self.sink.last.items() if k[0] == model]
         t0 = time.perf_counter()
-        while want:
-            shard = shard or store.shards.get(model)
-            if shard is not None:
-                want = [(rep, v) for rep, v in want
-                        if (st := shard.replicas.get((rep, 0))) is None or (st.epoch, st.seq) < v]
-            if not want:
-                break
-            if time.perf_counter() - t0 > self.cfg.kafka_wait_s:
-                self.kafka_timeouts += 1
-                break
-            time.sleep(0.0003)
+        for store in [self.store, *self.instances]:
+            want = [(k[1], v) for k, v in self.sink.last.items()
+                    if k[0] == model and store.holds(store.config.replica_group(model, k[1]))]
+            while want:
+                shard = store.shards.get(model)
+                if shard is not None:
+                    want = [(rep, v) for rep, v in want
+                            if (st := shard.replicas.get((rep, 0))) is None or (st.epoch, st.seq) < v]
+                if not want:
+                    break
+                if time.perf_counter() - t0 > self.cfg.kafka_wait_s:
+                    self.kafka_timeouts += 1
+                    break
+                time.sleep(0.0003)
         self.kafka_waits.append(time.perf_counter() - t0)
 
     def lookup(self, model: str, prompt: np.ndarray, t: float) -> dict[str, ReplicaAnswer]:
@@ -718,16 +738,53 @@ class _IndexSide:
                 self.last_hashes = prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block,
                                                  tails=bool(shard.tail_keys))
             answers = shard.lookup(self.last_hashes, len(prompt), t) if shard is not None else []
+            if self.instances and self.last_hashes is not None:
+                answers = self._fanout_lookup(model, self.last_hashes, len(prompt), t, answers)
         return {a.replica: a for a in answers if a.dp_rank == 0}
+
+    def _fanout_lookup(self, model: str, hashes: list[int], n: int, t: float,
+                       full: list[ReplicaAnswer]) -> list[ReplicaAnswer]:
+        """The lookup as one partial instance answers it (round-robin): its own shard, then the other
+        instances' (the groups it misses), merged as the service's fan-out merges; compared with the
+        full instance's answer (`full`), every lookup."""
+        i = self._next_instance = (self._next_instance + 1) % len(self.instances)
+        t0 = time.perf_counter()
+        order = self.instances[i:] + self.instances[:i]  # its own first, then the others
+        parts = [s.lookup(hashes, n, t) for s in (st.shards.get(model) for st in order) if s is not None]
+        merged = merge_replicas(parts)
+        self.fanout_us.append((time.perf_counter() - t0) * 1e6)
+        if _answer_key(merged) != _answer_key(full):
+            self.fanout_mismatches += 1
+        return merged
 
     def route(self, model: str, replica: str, n_tokens: int, credited: int, t: float) -> None:
         """Record the router's decision for the prompt last looked up, as POST /v1/routes does."""
         if not self.cfg.record_routes or self.last_hashes is None:
             return
-        shard = self.store.shards.get(model)
-        if shard is not None:
-            shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited,
-                              t + self.store.config.pending_ttl_s)
+        if self.store.shards.get(model) is None:
+            return
+        for store in [self.store, *self.instances]:  # as the routes topic reaches every instance
+            if store.holds(store.config.replica_group(model, replica)):
+                with store.lock:  # its follower may be making the shard
+                    shard = store.shard(model)
+                shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited,
+                                  t + self.store.config.pending_ttl_s)
+
+    def instance_counters(self) -> dict[str, Any]:
+        """The partial service instances: groups, entries and index memory each; the fan-out lookups'
+        time (in process: the shards' walks and the merge, no HTTP) and how many differed from the
+        full instance's answer."""
+        if not self.instances:
+            return {}
+        out = []
+        for s in self.instances:
+            maps = [d for shard in s.shards.values() for g in shard.groups.values() for d in g.tiers.values()]
+            out.append({"groups": sorted(s.groups or ()), "entries": sum(len(d) for d in maps),
+                        "index_bytes": sum(d.memory_bytes() for d in maps)})
+        us = np.asarray(self.fanout_us or [0.0])
+        return {"instances": out, "fanout_lookup_us": {"p50": round(float(np.percentile(us, 50)), 1),
+                                                       "p99": round(float(np.percentile(us, 99)), 1)},
+                "fanout_lookups": len(self.fanout_us), "fanout_mismatches": self.fanout_mismatches}
 
     def kafka_counters(self) -> dict[str, Any]:
         """How long lookups waited for the follower (wall clock), when events went through Kafka."""
@@ -1018,6 +1075,17 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
         progress(len(requests))
 
 
+def _answer_key(answers: list[ReplicaAnswer]) -> list:
+    """An answer's per-replica content, in a stable order, without its freshness (each instance
+    applied the events at its own moment)."""
+    out = []
+    for a in answers:
+        d = msgspec.to_builtins(a)
+        d.pop("freshness", None)
+        out.append(d)
+    return sorted(out, key=lambda d: (-d["resumable_tokens"], d["replica"], d["dp_rank"]))
+
+
 def _stream_counters(fleet: _Fleet, net: _Network, index: _IndexSide) -> dict[str, Any]:
     """What the event streams went through: messages sent and lost, gaps seen and left unfilled, replay
     requests, dead letters, delays; engine blocks stored and evicted (per engine kind when mixed) and
@@ -1141,7 +1209,8 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         accounts = _Accounts(cfg, plan, fleet.replicas())
         _replay_requests(requests, cfg, clock, index, fleet, router, load, accounts, progress)
         counters = {**_stream_counters(fleet, net, index), **_tier_counters(cfg, fleet),
-                    **index.kafka_counters(), "foresight": _foresight_counters(accounts)}
+                    **index.kafka_counters(), **index.instance_counters(),
+                    "foresight": _foresight_counters(accounts)}
         return RunResult(policy, accounts.overall, accounts.per_model, accounts.per_replica, accounts.windows,
                          load.served, load.ttft, counters, time.perf_counter() - t_wall, accounts.per_engine,
                          accounts.per_tier, accounts.kind_of, accounts.per_group_kind)

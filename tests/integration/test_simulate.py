@@ -15,11 +15,15 @@ from tests.helpers import fleet_config as cfg
 def test_events_through_kafka_agree_exactly(kafka_bootstrap, topics, trace_reqs, groups):
     reqs = trace_reqs[:120]
     r = run_fleet(reqs, cfg(transport="kafka", bootstrap=kafka_bootstrap, topic_prefix=topics["prefix"],
-                            replica_groups=groups), "kv")
+                            replica_groups=groups, service_instances=2 if groups > 1 else 0), "kv")
     s = r.overall.summary()
     assert s["requests"] == len(reqs) and s["reused_tokens"] > 0
     assert s["recall"] == 1.0 and s["over_credit"] == 0.0, s
     assert r.counters["kafka_wait_timeouts"] == 0
+    if groups > 1:  # every lookup through a partial instance merged like the full instance's answer
+        assert r.counters["fanout_lookups"] > len(reqs) * 0.9 and r.counters["fanout_mismatches"] == 0
+        assert [i["groups"] for i in r.counters["instances"]] == [[0, 2], [1, 3]]
+        assert all(i["entries"] for i in r.counters["instances"])
     if groups > 1:  # the batches went under the groups' keys, to distinct partitions
         from confluent_kafka import Consumer
 
