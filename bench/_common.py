@@ -211,15 +211,20 @@ class ReplicaLRU:
 
 
 def event_stream(replicas: int, capacity: int, block_size: int, seed: int = 1,
-                 trace_limit: int | None = None) -> Iterator[tuple[int, list[int], list[int], int]]:
+                 trace_limit: int | None = None, affine: bool = False
+                 ) -> Iterator[tuple[int, list[int], list[int], int]]:
     """Endless (replica, stored, evicted, depth of first stored) per trace request, requests routed
-    at random over `replicas` LRU caches; the trace is replayed with a new salt on each pass."""
+    at random over `replicas` LRU caches (`affine`: by their first block, as a prefix-aware router
+    keeps a conversation where its prefix is); the trace is replayed with a new salt on each pass."""
     trace = load_trace(trace_limit)
     rng = np.random.default_rng(seed)
     caches = [ReplicaLRU(capacity) for _ in range(replicas)]
     salt = 0
     while True:
         route = rng.integers(0, replicas, len(trace))
+        if affine:
+            first = np.asarray([ids[0] if ids else 0 for _, ids in trace], dtype=np.uint64)
+            route = (mix64(first + np.uint64(salt << 40)) % np.uint64(replicas)).astype(np.int64)
         for (n_in, ids), r in zip(trace, route.tolist(), strict=True):
             hashes = request_blocks(n_in, ids, block_size, salt)
             if not hashes:
@@ -230,7 +235,8 @@ def event_stream(replicas: int, capacity: int, block_size: int, seed: int = 1,
 
 
 def batches_from_stream(replicas: int, capacity: int, block_size: int, per_batch: int, n_events: int,
-                        warm_fill: float = 0.9, seed: int = 1) -> tuple[list[EventBatch], list[EventBatch]]:
+                        warm_fill: float = 0.9, seed: int = 1, affine: bool = False
+                        ) -> tuple[list[EventBatch], list[EventBatch]]:
     """EventBatches of at most `per_batch` block events (removes then stores) per replica, as
     (warm-up batches until the caches are `warm_fill` full, timed batches of ~n_events events)."""
     seqs = [0] * replicas
@@ -240,7 +246,7 @@ def batches_from_stream(replicas: int, capacity: int, block_size: int, per_batch
     target_live = int(warm_fill * replicas * capacity)
     timed_events = 0
     t_engine = 1.7e9
-    for r, stored, evicted, depth in event_stream(replicas, capacity, block_size, seed):
+    for r, stored, evicted, depth in event_stream(replicas, capacity, block_size, seed, affine=affine):
         live += len(stored) - len(evicted)
         out = warm if live < target_live and not timed else timed
         # chunk: removes first (the engine evicts before it caches), then the stored chain

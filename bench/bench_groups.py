@@ -47,10 +47,11 @@ PARTITIONS = 4
 CONFIG = Config(models={c.MODEL: ModelConfig(replica_groups=G)})
 
 
-def messages(replicas: int, capacity: int, n_events: int) -> tuple[list[tuple[bytes, int, bytes]], int]:
+def messages(replicas: int, capacity: int, n_events: int, affine: bool
+             ) -> tuple[list[tuple[bytes, int, bytes]], int]:
     """The stream as Kafka messages (key, partition, value) with their replica groups, and its block
     events."""
-    warm, timed = c.batches_from_stream(replicas, capacity, 16, 64, n_events)
+    warm, timed = c.batches_from_stream(replicas, capacity, 16, 64, n_events, affine=affine)
     out, blocks = [], 0
     for b in warm + timed:
         b.replica_group = CONFIG.replica_group(b.model, b.replica)
@@ -180,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--capacity", type=int, default=8192, help="blocks per replica's cache")
     p.add_argument("--events", type=int, default=1_500_000, help="block events after the warm-up")
+    p.add_argument("--routing", choices=("random", "affine"), default="affine",
+                   help="how the stream's requests were routed: affine (by their first block, as a "
+                        "prefix-aware router keeps a conversation on a replica) or random (every prefix "
+                        "spread over every replica: the worst case for splitting by replica)")
     p.add_argument("--prompts", type=int, default=1000)
     p.add_argument("--rate", type=float, default=1000.0, help="lookups/s of the latency runs")
     p.add_argument("--seconds", type=float, default=10.0)
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         c.log(f"building the stream: {args.replicas} replicas x {args.capacity} blocks, "
               f"{args.events:,} block events after the warm-up, G = {G} ...")
-        msgs, blocks = messages(args.replicas, args.capacity, args.events)
+        msgs, blocks = messages(args.replicas, args.capacity, args.events, args.routing == "affine")
         c.log(f"  {len(msgs):,} batches, {blocks:,} block events")
         rates = {}
         for w in (1, 2):
@@ -237,13 +242,19 @@ def main(argv: list[str] | None = None) -> int:
         procs += [a, b]
         base = rss(empty.pid)
         sizes = {"full": rss(full.pid), "a": rss(a.pid), "b": rss(b.pid)}
+        blocks_held = {k: metric(int(u.rsplit(":", 1)[1]), "kvidx_index_blocks")
+                       for k, u in (("full", full_url), ("a", a_url), ("b", b_url))}
+        c.log(f"  distinct blocks indexed: full {blocks_held['full']:,.0f}, groups 0,1 "
+              f"{blocks_held['a']:,.0f}, groups 2,3 {blocks_held['b']:,.0f}")
         c.log(f"  RSS: empty {base / 2**20:.0f} MiB, full {sizes['full'] / 2**20:.0f} MiB, groups 0,1 "
               f"{sizes['a'] / 2**20:.0f} MiB, groups 2,3 {sizes['b'] / 2**20:.0f} MiB")
         figs.add("service RSS, every group", sizes["full"] / 2**20, "MiB", "",
                  f"an empty instance: {base / 2**20:.0f}")
         for k, label in (("a", "0,1"), ("b", "2,3")):
             figs.add(f"service RSS, groups {label}", sizes[k] / 2**20, "MiB", "",
-                     f"index part x{(sizes[k] - base) / max(1, sizes['full'] - base):.2f} of the full one's")
+                     f"index part x{(sizes[k] - base) / max(1, sizes['full'] - base):.2f} of the full one's; "
+                     f"distinct blocks x{blocks_held[k] / max(1, blocks_held['full']):.2f}; "
+                     f"{args.routing} routing")
 
         c.log(f"identity: {args.prompts} lookups, partial (fan-out) vs full ...")
         trace = c.load_trace(args.prompts)

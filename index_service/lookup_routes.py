@@ -14,7 +14,7 @@ from index_service.context import ServiceContext, encode
 from index_service.openapi import binary_lookup_extra, json_body
 from index_service.responses import errors, ok
 from index_service.wire import LOOKUP_SCHEMA, Reject, read_lookup
-from kvidx.core.answers import merge_replicas
+from kvidx.core.answers import LOOKUP_ANSWER_DECODER, merge_replicas
 from kvidx.core.groups import parse_groups
 from kvidx.core.shard import ModelShard
 
@@ -47,12 +47,16 @@ async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int
     (index_service.fanout) when the model is split; `only`: those groups' replicas of this shard."""
     feedback = ctx.app.state.feedback
     if only is not None:
+        if all(st.group in only for st in shard.by_slot if st is not None):  # every replica here: no filter
+            return ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)
         answer = ctx.pipeline.answer(shard, hashes, n, rank, top_k, feedback, groups=only)
     else:
         missing = ctx.store.missing_groups(shard.model) if ctx.fanout is not None else []
         if not missing:
             return ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)
-        answer = ctx.pipeline.answer(shard, hashes, n, rank, top_k, feedback)
+        # this shard's part as the compiled core writes it, decoded (cheaper than the typed answer)
+        raw = ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)[0]
+        answer = LOOKUP_ANSWER_DECODER.decode(raw)
         t0 = time.perf_counter()
         parts, gone, knew = await ctx.fanout.gather(shard.model, missing, hashes, n, rank, top_k)
         ctx.metrics.fanout(time.perf_counter() - t0, len(gone))
