@@ -214,7 +214,7 @@ def event_stream(replicas: int, capacity: int, block_size: int, seed: int = 1,
                  trace_limit: int | None = None, affine: bool = False
                  ) -> Iterator[tuple[int, list[int], list[int], int]]:
     """Endless (replica, stored, evicted, depth of first stored) per trace request, requests routed
-    at random over `replicas` LRU caches (`affine`: by their first block, as a prefix-aware router
+    at random over `replicas` LRU caches (`affine`: by their first blocks, as a prefix-aware router
     keeps a conversation where its prefix is); the trace is replayed with a new salt on each pass."""
     trace = load_trace(trace_limit)
     rng = np.random.default_rng(seed)
@@ -222,9 +222,10 @@ def event_stream(replicas: int, capacity: int, block_size: int, seed: int = 1,
     salt = 0
     while True:
         route = rng.integers(0, replicas, len(trace))
-        if affine:
-            first = np.asarray([ids[0] if ids else 0 for _, ids in trace], dtype=np.uint64)
-            route = (mix64(first + np.uint64(salt << 40)) % np.uint64(replicas)).astype(np.int64)
+        if affine:  # by the first 4 trace blocks: a conversation's turns share them, and a system
+            # prompt alone (the first block of most requests) does not send everything to one replica
+            head = [hash((salt, *ids[:4])) & _M64 for _, ids in trace]
+            route = (mix64(np.asarray(head, dtype=np.uint64)) % np.uint64(replicas)).astype(np.int64)
         for (n_in, ids), r in zip(trace, route.tolist(), strict=True):
             hashes = request_blocks(n_in, ids, block_size, salt)
             if not hashes:

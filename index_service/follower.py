@@ -76,7 +76,7 @@ class KafkaFollower(Background):
         if not self._wait_for_broker():
             return
         t0 = time.monotonic()
-        shards = read_snapshots(self.bootstrap, self.snapshot_topic)
+        shards = read_snapshots(self.bootstrap, self.snapshot_topic, groups=self.store.groups)
         starts: dict[int, int] = {}
         for key in sorted(shards):  # a model's replica groups merged in group order
             shard = shards.pop(key)

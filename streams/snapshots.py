@@ -29,6 +29,7 @@ import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from rocksdict import Options, Rdict
 
+from kvidx.core.groups import key_group
 from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import PART_FORMAT, SEGMENTS, SnapshotFormatError
 from kvidx.kafka.config import client_config
@@ -314,15 +315,19 @@ def release_free_memory() -> None:
 
 def read_snapshot_logs(bootstrap: str, topic: str, partitions: list[int] | None = None,
                        timeout_s: float = 120.0, attempts: int = 3,
-                       keep: Callable[[list[Item]], None] | None = None
-                       ) -> dict[str, tuple[ModelShard, Manifest]]:
-    """The newest complete snapshot of every model in the compacted topic (all partitions unless
-    given), with its manifest. Read again if a part went missing meanwhile (a new base replaced it).
-    `keep(items)`: also given each model's snapshot items (a worker's local copy)."""
+                       keep: Callable[[list[Item]], None] | None = None,
+                       groups: frozenset[int] | None = None) -> dict[str, tuple[ModelShard, Manifest]]:
+    """The newest complete snapshot of every shard (a model's replica group) in the compacted topic
+    (all partitions unless given), with its manifest. Read again if a part went missing meanwhile
+    (a new base replaced it). `keep(items)`: also given each shard's snapshot items (a worker's local
+    copy). `groups`: only the shards of these replica groups (the others are not even kept in memory
+    while reading)."""
     for attempt in range(attempts):
         latest: dict[str, bytes] = {}
         partition_of: dict[str, int] = {}
         for key, value, partition in _read_to_end(bootstrap, topic, partitions, timeout_s):
+            if groups is not None and key_group(key) not in groups:
+                continue
             if value is None:
                 latest.pop(key, None)
             else:
@@ -361,7 +366,8 @@ def read_snapshot_logs(bootstrap: str, topic: str, partitions: list[int] | None 
 
 
 def read_snapshots(bootstrap: str, topic: str, partitions: list[int] | None = None,
-                   timeout_s: float = 120.0) -> dict[str, ModelShard]:
-    """The newest complete snapshot of every model in the compacted topic (all partitions unless
-    given)."""
-    return {m: s for m, (s, _) in read_snapshot_logs(bootstrap, topic, partitions, timeout_s).items()}
+                   timeout_s: float = 120.0, groups: frozenset[int] | None = None) -> dict[str, ModelShard]:
+    """The newest complete snapshot of every shard in the compacted topic (all partitions unless
+    given; only the replica groups in `groups` if given), by shard key."""
+    return {m: s for m, (s, _) in read_snapshot_logs(bootstrap, topic, partitions, timeout_s,
+                                                     groups=groups).items()}

@@ -14,6 +14,8 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import re
+
 import xxhash
 
 KEY_SEP = "#"  # shard key of group g > 0: f"{model}#{g}"; group 0's key is the model's name
@@ -23,6 +25,16 @@ def shard_key(model: str, group: int) -> str:
     """The Kafka key (and snapshot name) of one group of a model's index. Group 0 keeps the model's
     own name: a model that never had groups, or that grows them, keeps its first shard."""
     return model if group == 0 else f"{model}{KEY_SEP}{group}"
+
+
+_GROUP_IN_KEY = re.compile(r"#(\d+)(?:/|$)")
+
+
+def key_group(key: str) -> int:
+    """The replica group of a shard key, or of a snapshot key under it (`model#2/manifest` -> 2,
+    `model/manifest` -> 0)."""
+    m = _GROUP_IN_KEY.search(key)
+    return int(m.group(1)) if m else 0
 
 
 def hashed_group(replica: str, groups: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from kvidx.kafka.config import client_config
@@ -64,10 +65,21 @@ def create_topics(
                 raise RuntimeError(f"creating topic {name!r} failed: {e}") from e
 
 
-def ensure_topics(bootstrap: str, names: dict[str, str], partitions: int = 4) -> None:
+def topic_partitions() -> int:
+    """Partitions of the topics this deployment creates: $KVIDX_TOPIC_PARTITIONS, else 4. A model's
+    replica groups spread over distinct partitions up to this many (docs/scaling.md)."""
+    raw = os.environ.get("KVIDX_TOPIC_PARTITIONS", "4")
+    if not raw.isdigit() or int(raw) < 1:
+        raise SystemExit(f"error: KVIDX_TOPIC_PARTITIONS={raw!r}: give a positive partition count")
+    return int(raw)
+
+
+def ensure_topics(bootstrap: str, names: dict[str, str], partitions: int | None = None) -> None:
     """The topics of one deployment (schemas.events.topic_names): events, routes and dead letters
     kept for days, the snapshot topic compacted, the control topic with one partition (one order),
-    engine usage reports (the audit's other half) kept as long as the routes."""
+    engine usage reports (the audit's other half) kept as long as the routes. Existing topics keep
+    their partitions; new ones get `partitions` (default: topic_partitions())."""
+    partitions = partitions or topic_partitions()
     retained = [names["events"], names["dead_letters"], names["routes"]]
     if "usage" in names:
         retained.append(names["usage"])

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvidx.config import Config, ModelConfig, PoolConfig, load_config
-from kvidx.core.groups import hashed_group, parse_groups, replica_group, shard_key
+from kvidx.core.groups import hashed_group, key_group, parse_groups, replica_group, shard_key
 from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SEGMENTS, shift_masks
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, ReplicaCleared
@@ -28,6 +28,8 @@ def test_shard_keys_and_group_assignment():
     assert (replica_group("a", 4, None, pool_of) == replica_group("b", 4, None, pool_of)
             == hashed_group("pool-7", 4))
     assert parse_groups("0, 2") == {0, 2}
+    keys = ("m/manifest", "m#2/manifest", "org/llama#3/b0/12/4", "m#12")
+    assert [key_group(k) for k in keys] == [0, 2, 3, 12]
     with pytest.raises(ValueError, match="group numbers"):
         parse_groups("0,x")
 

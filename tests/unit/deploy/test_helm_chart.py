@@ -1,0 +1,118 @@
+"""The Helm chart (deploy/helm/kvidx) lints and renders, for one and four replica groups, into
+manifests that agree with its values: the config file's groups, the service sets' --groups, the topic
+partitions, ports and probes; and it refuses values that cannot work. Needs the helm binary that
+scripts/setup.sh builds from its Go module (CI sets KVIDX_REQUIRE_HELM=1: then a missing helm fails)."""
+
+import os
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT
+
+CHART = ROOT / "deploy" / "helm" / "kvidx"
+HELM = shutil.which("helm") or (str(ROOT / ".venv" / "bin" / "helm")
+                                if (ROOT / ".venv" / "bin" / "helm").exists() else None)
+if HELM is None and os.environ.get("KVIDX_REQUIRE_HELM") != "1":
+    pytest.skip("no helm binary (scripts/setup.sh builds it where Go is installed)",
+                allow_module_level=True)
+
+FOUR = {
+    "kafka": {"bootstrap": "my-cluster-kafka-bootstrap.kafka:9092", "partitions": 8,
+              "topicPrefix": "prod."},
+    "config": {"models": [{"name": "llama-3-70b", "replicaGroups": 4},
+                          {"name": "small", "replicaGroups": 1}]},
+    "worker": {"replicas": 2},
+    "service": {"port": 8181, "sets": [{"name": "a", "groups": "0,1", "replicas": 2},
+                                       {"name": "b", "groups": "2,3", "replicas": 2}]},
+    "relays": [{"name": "node-a", "engine": "vllm", "model": "llama-3-70b",
+                "endpoint": "tcp://node-a:5557", "replayEndpoint": "tcp://node-a:5558"}],
+}
+
+
+def helm(*args: str, values: dict | None = None, tmp: Path | None = None) -> subprocess.CompletedProcess:
+    assert HELM is not None, "KVIDX_REQUIRE_HELM=1 but no helm binary: scripts/setup.sh builds it"
+    extra = []
+    if values is not None:
+        f = tmp / "values.yaml"
+        f.write_text(yaml.safe_dump(values))
+        extra = ["-f", str(f)]
+    return subprocess.run([HELM, *args, str(CHART), *extra], capture_output=True, text=True, timeout=120)
+
+
+def render(values: dict | None, tmp: Path) -> list[dict]:
+    r = helm("template", "kv", values=values, tmp=tmp)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def _arg(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("values", [None, FOUR], ids=["defaults-G1", "G4"])
+def test_lints_and_renders_what_the_values_say(values, tmp_path):
+    lint = helm("lint", values=values, tmp=tmp_path)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    docs = render(values, tmp_path)
+    want = values or yaml.safe_load((CHART / "values.yaml").read_text())
+    by_kind: dict[str, list[dict]] = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    (cm,) = by_kind["ConfigMap"]
+    toml = tomllib.loads(cm["data"]["kvidx.toml"])
+    assert {m: c["replica_groups"] for m, c in toml["models"].items()} == \
+        {m["name"]: m.get("replicaGroups", 1) for m in want["config"]["models"]}
+    max_groups = max(m.get("replicaGroups", 1) for m in want["config"]["models"])
+    partitions = str(want["kafka"]["partitions"])
+    port = (want.get("service") or {}).get("port", 8080)
+    held: set[int] = set()
+    services = [d for d in by_kind["Deployment"]
+                if d["metadata"]["labels"]["app.kubernetes.io/component"] == "service"]
+    assert len(services) == len(want["service"]["sets"])
+    for d in services + by_kind["StatefulSet"] + [x for x in by_kind["Deployment"] if x not in services]:
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["KVIDX_TOPIC_PARTITIONS"] == partitions
+        assert env["KAFKA_BOOTSTRAP_SERVERS"] == want["kafka"]["bootstrap"]
+        assert "--config" in c["args"] and _arg(c["args"], "--config") == "/etc/kvidx/kvidx.toml"
+        annotations = d["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) == c["ports"][0]["containerPort"]
+    for d in services:
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        assert c["args"][0] == "serve"
+        assert int(_arg(c["args"], "--port")) == port == c["ports"][0]["containerPort"]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+        groups = _arg(c["args"], "--groups")
+        held |= set(range(max_groups)) if groups is None else {int(g) for g in groups.split(",")}
+    assert held == set(range(max_groups))  # every group is held by some set
+    (svc,) = by_kind["Service"]
+    assert svc["spec"]["ports"][0]["port"] == port
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "service"
+    (worker,) = by_kind["StatefulSet"]
+    assert worker["spec"]["replicas"] == want["worker"]["replicas"]
+    (wc,) = worker["spec"]["template"]["spec"]["containers"]
+    assert wc["args"][0] == "worker"
+    assert int(_arg(wc["args"], "--metrics-port")) == wc["ports"][0]["containerPort"]
+    relays = [d for d in by_kind["Deployment"] if d not in services]
+    assert len(relays) == len(want.get("relays") or [])
+    for d, r in zip(relays, want.get("relays") or [], strict=True):
+        (c,) = d["spec"]["template"]["spec"]["containers"]
+        assert _arg(c["args"], "--model") == r["model"] and _arg(c["args"], "--endpoint") == r["endpoint"]
+        assert d["spec"]["replicas"] == 1
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"kafka": {**FOUR["kafka"], "partitions": 2}}, "replicaGroups 4 is more than kafka.partitions 2"),
+    ({"service": {"sets": [{"name": "a", "groups": "0,1", "replicas": 1}]}},
+     "no service set holds replica group 2"),
+    ({"service": {"sets": [{"name": "a", "groups": "0,1,2,3,7", "replicas": 1}]}}, "holds group 7"),
+])
+def test_refuses_values_that_cannot_work(change, message, tmp_path):
+    r = helm("template", "kv", values={**FOUR, **change}, tmp=tmp_path)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
