@@ -114,9 +114,16 @@ def members_assigned(bootstrap: str, group: str) -> int:
     return sum(1 for m in desc.members if m.assignment and m.assignment.topic_partitions)
 
 
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def ingest(bootstrap: str, prefix: str, workers: int, msgs, blocks: int, tmp: Path, ctx
-           ) -> tuple[float, list[subprocess.Popen]]:
-    """Block events/s folded by `workers` workers; returns the rate and the (running) workers."""
+           ) -> tuple[float, list[float], list[subprocess.Popen]]:
+    """Block events/s folded by `workers` workers, and the CPU seconds each spent meanwhile; returns
+    them and the (running) workers."""
     names = topic_names(prefix)
     ensure_topics(bootstrap, names, partitions=PARTITIONS)
     ports = [h.free_port() for _ in range(workers)]
@@ -131,6 +138,7 @@ def ingest(bootstrap: str, prefix: str, workers: int, msgs, blocks: int, tmp: Pa
             raise RuntimeError(f"the {workers} workers did not form their group; see {tmp}")
         time.sleep(0.5)
     time.sleep(3.0)  # a settled group: no rebalance while the stream arrives
+    cpu0 = [cpu_seconds(p.pid) for p in procs]
     pub = ctx.Process(target=publish, args=(bootstrap, names["events"], msgs))
     pub.start()
     first = last = None
@@ -143,10 +151,11 @@ def ingest(bootstrap: str, prefix: str, workers: int, msgs, blocks: int, tmp: Pa
             first = now
         last = now
         time.sleep(0.05)
+    cpu = [cpu_seconds(p.pid) - c0 for p, c0 in zip(procs, cpu0, strict=True)]
     pub.join()
     if done < blocks:
         c.log(f"  only {done:,.0f} of {blocks:,} block events folded in time")
-    return (done / (last - first) if first and last > first else 0.0), procs
+    return (done / (last - first) if first and last > first else 0.0), cpu, procs
 
 
 def rss(pid: int) -> int:
@@ -215,12 +224,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.events:,} block events after the warm-up, G = {G} ...")
         msgs, blocks = messages(args.replicas, args.capacity, args.events, args.routing == "affine")
         c.log(f"  {len(msgs):,} batches, {blocks:,} block events")
-        rates = {}
+        rates, cpus = {}, {}
         for w in (1, 2):
             c.log(f"ingest: {w} worker(s) ...")
-            rate, ws = ingest(bootstrap, f"{run}.w{w}.", w, msgs, blocks, tmp, ctx)
+            rate, cpus[w], ws = ingest(bootstrap, f"{run}.w{w}.", w, msgs, blocks, tmp, ctx)
             rates[w] = rate
-            c.log(f"  {rate:,.0f} block events/s")
+            shown = ", ".join(f"{x:.1f}" for x in cpus[w])
+            c.log(f"  {rate:,.0f} block events/s; worker CPU seconds {shown}")
             if w == 2:
                 procs += ws  # their snapshots feed the service instances below
             else:
@@ -229,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                  f"{blocks:,} block events; the broker and the producer share the 2 cores")
         figs.add("ingest through 2 workers (G = 4), block events/s", rates[2], "blocks/s", "",
                  f"x{rates[2] / rates[1]:.2f} of 1 worker" if rates[1] else "")
+        for w in (1, 2):  # what the workers could fold with a core each: the busiest one's CPU bounds it
+            shown = ", ".join(f"{x:.1f}" for x in cpus[w])
+            figs.add(f"ingest capacity with a core per worker, {w} worker(s), block events/s",
+                     blocks / max(cpus[w]), "blocks/s", "",
+                     f"block events / the busiest worker's CPU seconds ({shown})")
 
         prefix = f"{run}.w2."
         c.log("service instances: empty, full, groups 0,1 and 2,3 ...")
@@ -242,15 +257,22 @@ def main(argv: list[str] | None = None) -> int:
         procs += [a, b]
         base = rss(empty.pid)
         sizes = {"full": rss(full.pid), "a": rss(a.pid), "b": rss(b.pid)}
-        blocks_held = {k: metric(int(u.rsplit(":", 1)[1]), "kvidx_index_blocks")
-                       for k, u in (("full", full_url), ("a", a_url), ("b", b_url))}
+        urls = (("full", full_url), ("a", a_url), ("b", b_url))
+        blocks_held = {k: metric(int(u.rsplit(":", 1)[1]), "kvidx_index_blocks") for k, u in urls}
+        index_bytes = {k: metric(int(u.rsplit(":", 1)[1]), "kvidx_index_bytes") for k, u in urls}
         c.log(f"  distinct blocks indexed: full {blocks_held['full']:,.0f}, groups 0,1 "
-              f"{blocks_held['a']:,.0f}, groups 2,3 {blocks_held['b']:,.0f}")
+              f"{blocks_held['a']:,.0f}, groups 2,3 {blocks_held['b']:,.0f}; index bytes "
+              + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in index_bytes.items()))
         c.log(f"  RSS: empty {base / 2**20:.0f} MiB, full {sizes['full'] / 2**20:.0f} MiB, groups 0,1 "
               f"{sizes['a'] / 2**20:.0f} MiB, groups 2,3 {sizes['b'] / 2**20:.0f} MiB")
         figs.add("service RSS, every group", sizes["full"] / 2**20, "MiB", "",
                  f"an empty instance: {base / 2**20:.0f}")
+        figs.add("index memory (mask maps), every group", index_bytes["full"] / 2**20, "MiB", "",
+                 f"{blocks_held['full']:,.0f} distinct blocks")
         for k, label in (("a", "0,1"), ("b", "2,3")):
+            figs.add(f"index memory (mask maps), groups {label}", index_bytes[k] / 2**20, "MiB", "",
+                     f"x{index_bytes[k] / max(1, index_bytes['full']):.2f} of the full one's; "
+                     f"{blocks_held[k]:,.0f} distinct blocks")
             figs.add(f"service RSS, groups {label}", sizes[k] / 2**20, "MiB", "",
                      f"index part x{(sizes[k] - base) / max(1, sizes['full'] - base):.2f} of the full one's; "
                      f"distinct blocks x{blocks_held[k] / max(1, blocks_held['full']):.2f}; "

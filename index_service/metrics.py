@@ -8,6 +8,7 @@ Series:
 - kvidx_lookup_best_resumable_tokens_total{model}  best replica's resumable tokens, summed (hit rate =
                                             this / prompt tokens)
 - kvidx_index_blocks{model,group}           distinct blocks indexed (read from the shards at scrape)
+- kvidx_index_bytes{model}                  memory of the model's mask maps (compiled core only)
 - kvidx_replicas{model}                     replicas (replica, DP rank) known per model
 - kvidx_partial_keys{model}                 live partial-block keys (engines resuming inside blocks:
                                             docs/engines.md "Partial blocks")
@@ -73,6 +74,8 @@ class _StoreCollector:
                                      labels=["model"])
         cut = CounterMetricFamily("kvidx_foresight_discounted_lookups", "Lookups where eviction "
                                   "foresight cut a replica's credit", labels=["model"])
+        nbytes = GaugeMetricFamily("kvidx_index_bytes", "Memory of the index's mask maps (compiled core "
+                                   "only: the Python reference would be walked to measure)", labels=["model"])
         now = time.time()
         with store.lock:  # scrapes are rare: a consistent view is worth a short wait
             for model, shard in sorted(store.shards.items()):
@@ -80,6 +83,9 @@ class _StoreCollector:
                     blocks.add_metric([model, str(gid)], len(g.any))
                 replicas.add_metric([model], len(shard.replicas))
                 partial.add_metric([model], shard.tail_keys)
+                if MASKMAP_IMPLEMENTATION == "native":
+                    maps = {id(m): m for g in shard.groups.values() for m in (*g.tiers.values(), g.any)}
+                    nbytes.add_metric([model], sum(m.memory_bytes() for m in maps.values()))
                 ages = [now - st.engine_ts for st in shard.replicas.values() if st.batches]
                 if ages:
                     age.add_metric([model], max(ages))
@@ -93,6 +99,7 @@ class _StoreCollector:
         yield age
         yield evicting
         yield cut
+        yield nbytes
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)
         yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))
