@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvidx.config import load_config
 from tests.helpers import ROOT
 
 CHART = ROOT / "deploy" / "helm" / "kvidx"
@@ -65,6 +66,11 @@ def test_lints_and_renders_what_the_values_say(values, tmp_path):
         by_kind.setdefault(d["kind"], []).append(d)
     (cm,) = by_kind["ConfigMap"]
     toml = tomllib.loads(cm["data"]["kvidx.toml"])
+    rendered = tmp_path / "kvidx.toml"
+    rendered.write_text(cm["data"]["kvidx.toml"])
+    config = load_config(rendered)  # what every kvidx process will read: accepted as it is
+    models = want["config"]["models"]
+    assert all(config.model(m["name"]).replica_groups == m.get("replicaGroups", 1) for m in models)
     assert {m: c["replica_groups"] for m, c in toml["models"].items()} == \
         {m["name"]: m.get("replicaGroups", 1) for m in want["config"]["models"]}
     max_groups = max(m.get("replicaGroups", 1) for m in want["config"]["models"])
