@@ -22,7 +22,7 @@ from pathlib import Path
 import _common as c
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["bench_fold", "bench_lookup", "bench_http", "bench_kafka_ingest"]
+BENCHES = ["bench_fold", "bench_lookup", "bench_http", "bench_kafka_ingest", "bench_groups"]
 
 
 def run_one(name: str, quick: bool, out_dir: Path, scale: str = "") -> tuple[dict | None, str, float, int]:
