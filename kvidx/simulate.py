@@ -178,7 +178,8 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
         c = primary["counters"]
         out["kafka_wait_ms"] = {"p50": c["kafka_wait_ms_p50"], "p99": c["kafka_wait_ms_p99"],
                                 "timeouts": c["kafka_wait_timeouts"]}
-    for key in ("instances", "fanout_lookup_us", "fanout_lookups", "fanout_mismatches"):
+    for key in ("instances", "fanout_lookup_us", "fanout_lookups", "fanout_mismatches", "blind_lookups",
+                "credit_lost_tokens", "rolling_restart"):
         if key in primary.get("counters", {}):
             out[key] = primary["counters"][key]
     out["config"] = config
@@ -334,6 +335,8 @@ def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], li
     if args.replica_groups != 1 and (args.replica_groups < 1 or not args.kafka):
         raise SystemExit("error: --replica-groups takes a count >= 1, with --kafka (groups are Kafka keys)")
     n = args.service_instances
+    if args.rolling_restart and not n:
+        raise SystemExit("error: --rolling-restart needs --kafka and --service-instances")
     if n and (n < 2 or args.replica_groups < n):
         raise SystemExit("error: --service-instances takes N >= 2, at most --replica-groups (each instance "
                          "holds some groups)")
@@ -394,7 +397,8 @@ def _fleet_options(args: argparse.Namespace, engines: tuple[str, ...], sz: _Size
             "pool_group": args.pool_group, "pool_tier": args.pool_tier, "hybrid": args.hybrid or "",
             "hybrid_group_blocks": args.hybrid_group_blocks, "hybrid_chunk_tokens": args.hybrid_chunk_tokens,
             "cpu_offload_blocks": args.cpu_offload_blocks, "record_routes": not args.no_routes,
-            "replica_groups": args.replica_groups, "service_instances": args.service_instances}
+            "replica_groups": args.replica_groups, "service_instances": args.service_instances,
+            "rolling_restart": args.rolling_restart}
 
 
 def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: str, reqs: list[SimRequest],
@@ -416,7 +420,8 @@ def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: st
             "drop_rate": args.drop_rate,
             "replay": not args.no_replay, "prefill_tps": args.prefill_tps, "load_weight": args.load_weight,
             "window_s": sz.window, "seed": args.seed, "routes": not args.no_routes,
-            "replica_groups": args.replica_groups, "service_instances": args.service_instances}
+            "replica_groups": args.replica_groups, "service_instances": args.service_instances,
+            "rolling_restart": args.rolling_restart}
 
 
 def _fleet_line(args: argparse.Namespace, engines: tuple[str, ...], reqs: list[SimRequest],
@@ -716,6 +721,10 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
                         "lookup goes to one of them, which merges the others' answers (as `serve --groups` "
                         "does), compared with a full instance's (JSON: instances, fanout_lookup_us, "
                         "fanout_mismatches)")
+    r.add_argument("--rolling-restart", action="store_true",
+                   help="with --service-instances: two real `kvidx worker` processes, and every worker and "
+                        "instance restarted once during the run, one at a time (JSON: blind_lookups, "
+                        "credit_lost_tokens, rolling_restart)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:

@@ -80,6 +80,7 @@ from kvidx.engines.trtllm.relay import TrtllmPollRelay
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
 from kvidx.sim.hybrid_engine import FleetHybridEngine
+from kvidx.sim.rolling import RollingRestart
 from kvidx.sim.sglang_engine import SimSglangEngine
 from kvidx.sim.trtllm_engine import SimTrtllmEngine
 from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, external_hash
@@ -475,6 +476,9 @@ class FleetConfig:
     # through Kafka: service instances each holding ~1/N of the groups, every lookup sent to one of them
     # (round-robin), which merges the others' answers as the service's fan-out does; 0: none
     service_instances: int = 0
+    # through Kafka with service instances: restart every worker (2, real processes) and every instance
+    # once during the run, one at a time (kvidx/sim/rolling.py)
+    rolling_restart: bool = False
 
 
 def hybrid_spec(spec: str) -> tuple[list[tuple[str, int | None]], int]:
@@ -660,6 +664,11 @@ class _IndexSide:
         self.fanout_us: list[float] = []
         self.fanout_mismatches = 0
         self._next_instance = 0
+        self.followers: dict[int, Any] = {}  # id(instance store) -> its KafkaFollower
+        self.rolling: RollingRestart | None = None
+        self.blind_lookups = 0  # answered by an instance not ready or not caught up
+        self.credit_lost = 0  # credit on the chosen replica the full instance gave and the merge did not
+        self._full_credit: dict[str, int] = {}
         if cfg.transport == "kafka":
             inner: Any = self._start_kafka(stack)
         else:
@@ -688,23 +697,39 @@ class _IndexSide:
         stack.append(inner.close)
         follower = KafkaFollower(store, cfg.bootstrap, names["events"], names["snapshots"]).start()
         stack.append(follower.stop)
-        followers = [(store, follower)]
+        self._wait_ready(store, follower)
         n = cfg.service_instances
-        if n:
-            for i in range(n):
-                part = ShardStore(cfg.index_block, config=split,
-                                  groups=frozenset(g for g in range(groups) if g % n == i))
-                f = KafkaFollower(part, cfg.bootstrap, names["events"], names["snapshots"]).start()
-                stack.append(f.stop)
-                self.instances.append(part)
-                followers.append((part, f))
-        deadline = time.monotonic() + 60
-        for s, f in followers:
-            while not s.ready:
-                if f.error is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the Kafka follower did not start: {f.error}")
-                time.sleep(0.01)
+
+        def new_instance(held: frozenset[int] | None) -> tuple[ShardStore, Any]:
+            part = ShardStore(cfg.index_block, config=split, groups=held)
+            f = KafkaFollower(part, cfg.bootstrap, names["events"], names["snapshots"]).start()
+            stack.append(f.stop)
+            self.followers[id(part)] = f
+            self._wait_ready(part, f)
+            return part, f
+
+        for i in range(n):
+            self.instances.append(new_instance(frozenset(g for g in range(groups) if g % n == i))[0])
+        if cfg.rolling_restart and n:
+            self.rolling = RollingRestart(cfg.bootstrap, cfg.topic_prefix, 2, store.config.pending_ttl_s,
+                                          new_instance, stack)
+            self.rolling.schedule(n)
         return inner
+
+    @staticmethod
+    def _wait_ready(store: ShardStore, follower: Any, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not store.ready:
+            if follower.error is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Kafka follower did not start: {follower.error}")
+            time.sleep(0.01)
+
+    def tick(self, i: int, n: int) -> None:
+        """Before request i of n: the rolling restart's next step, if due."""
+        if self.rolling is not None:
+            due = self.rolling.due(i, n)
+            if due is not None:
+                self.rolling.restart(*due, self.instances, self.followers)
 
     def wait_until_applied(self, model: str) -> None:
         """Through Kafka, wait (up to kafka_wait_s) until the follower has applied everything the relays
@@ -723,6 +748,8 @@ class _IndexSide:
                     break
                 if time.perf_counter() - t0 > self.cfg.kafka_wait_s:
                     self.kafka_timeouts += 1
+                    if store is not self.store:
+                        self.blind_lookups += 1
                     break
                 time.sleep(0.0003)
         self.kafka_waits.append(time.perf_counter() - t0)
@@ -748,6 +775,9 @@ class _IndexSide:
         instances' (the groups it misses), merged as the service's fan-out merges; compared with the
         full instance's answer (`full`), every lookup."""
         i = self._next_instance = (self._next_instance + 1) % len(self.instances)
+        if not all(s.ready for s in self.instances):
+            self.blind_lookups += 1
+        self._full_credit = {a.replica: a.resumable_tokens for a in full if a.dp_rank == 0}
         t0 = time.perf_counter()
         order = self.instances[i:] + self.instances[:i]  # its own first, then the others
         parts = [s.lookup(hashes, n, t) for s in (st.shards.get(model) for st in order) if s is not None]
@@ -763,12 +793,16 @@ class _IndexSide:
             return
         if self.store.shards.get(model) is None:
             return
+        if self.instances:
+            self.credit_lost += max(0, self._full_credit.get(replica, 0) - credited)
+        expires = t + self.store.config.pending_ttl_s
+        if self.rolling is not None:
+            self.rolling.routed(t, (model, replica, 0, self.last_hashes, n_tokens, credited, expires))
         for store in [self.store, *self.instances]:  # as the routes topic reaches every instance
             if store.holds(store.config.replica_group(model, replica)):
                 with store.lock:  # its follower may be making the shard
                     shard = store.shard(model)
-                shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited,
-                                  t + self.store.config.pending_ttl_s)
+                shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited, expires)
 
     def instance_counters(self) -> dict[str, Any]:
         """The partial service instances: groups, entries and index memory each; the fan-out lookups'
@@ -782,9 +816,13 @@ class _IndexSide:
             out.append({"groups": sorted(s.groups or ()), "entries": sum(len(d) for d in maps),
                         "index_bytes": sum(d.memory_bytes() for d in maps)})
         us = np.asarray(self.fanout_us or [0.0])
-        return {"instances": out, "fanout_lookup_us": {"p50": round(float(np.percentile(us, 50)), 1),
-                                                       "p99": round(float(np.percentile(us, 99)), 1)},
-                "fanout_lookups": len(self.fanout_us), "fanout_mismatches": self.fanout_mismatches}
+        out = {"instances": out, "fanout_lookup_us": {"p50": round(float(np.percentile(us, 50)), 1),
+                                                      "p99": round(float(np.percentile(us, 99)), 1)},
+               "fanout_lookups": len(self.fanout_us), "fanout_mismatches": self.fanout_mismatches,
+               "blind_lookups": self.blind_lookups, "credit_lost_tokens": self.credit_lost}
+        if self.rolling is not None:
+            out["rolling_restart"] = self.rolling.counters()
+        return out
 
     def kafka_counters(self) -> dict[str, Any]:
         """How long lookups waited for the follower (wall clock), when events went through Kafka."""
@@ -1056,6 +1094,7 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
         n = len(req.prompt)
         reps = fleet.engines[model]
         if cfg.transport == "kafka":
+            index.tick(i, len(requests))
             index.wait_until_applied(model)
         # the router's view: resumable tokens per replica (from the index) and load
         by_rep = index.lookup(model, req.prompt, t)

@@ -41,3 +41,18 @@ def test_events_through_kafka_agree_exactly(kafka_bootstrap, topics, trace_reqs,
         for k, p in keys.items():
             by_model.setdefault(k.split(b"#")[0], []).extend(p)
         assert all(len(set(p)) == len(p) for p in by_model.values())  # a model's groups: distinct partitions
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(600)
+def test_a_rolling_restart_of_every_worker_and_instance_loses_nothing(kafka_bootstrap, topics, trace_reqs):
+    """Two real workers and two partial instances, each restarted once during the run (an instance
+    only takes lookups once rebuilt and caught up): no lookup answered blind, no credit lost, and
+    every merged answer the full instance's."""
+    reqs = trace_reqs[:300]
+    r = run_fleet(reqs, cfg(transport="kafka", bootstrap=kafka_bootstrap, topic_prefix=topics["prefix"],
+                            replica_groups=4, service_instances=2, rolling_restart=True), "kv")
+    c = r.counters
+    assert c["rolling_restart"]["restarted_workers"] == 2 and c["rolling_restart"]["restarted_instances"] == 2
+    assert c["blind_lookups"] == 0 and c["credit_lost_tokens"] == 0 and c["fanout_mismatches"] == 0
+    assert r.overall.summary()["reused_tokens"] > 0
