@@ -44,7 +44,8 @@ from schemas.events import encode_batch, topic_names
 
 G = 4
 PARTITIONS = 4
-CONFIG = Config(models={c.MODEL: ModelConfig(replica_groups=G)})
+PLACEMENT: dict[str, int] = {}  # --placement even: replica i in group i % G (else a hash of the name)
+CONFIG = Config(models={c.MODEL: ModelConfig(replica_groups=G, replica_placement=PLACEMENT)})
 
 
 def messages(replicas: int, capacity: int, n_events: int, affine: bool
@@ -190,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--capacity", type=int, default=8192, help="blocks per replica's cache")
     p.add_argument("--events", type=int, default=1_500_000, help="block events after the warm-up")
+    p.add_argument("--placement", choices=("even", "hashed"), default="even",
+                   help="replicas' groups: even (an explicit replica_placement, replica i in group i %% 4) "
+                        "or hashed (a stable hash of the name: uneven for few replicas)")
     p.add_argument("--routing", choices=("random", "affine"), default="affine",
                    help="how the stream's requests were routed: affine (by their first block, as a "
                         "prefix-aware router keeps a conversation on a replica) or random (every prefix "
@@ -207,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     figs = c.Figures("groups")
     ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp(prefix="kvidx-bench-groups-"))
+    if args.placement == "even":
+        PLACEMENT.update({f"replica-{r:03d}": r % G for r in range(args.replicas)})
     config = tmp / "kvidx.toml"
-    config.write_text(f'[models."{c.MODEL}"]\nreplica_groups = {G}\n')
+    placement = ", ".join(f'"{k}" = {v}' for k, v in PLACEMENT.items())
+    config.write_text(f'[models."{c.MODEL}"]\nreplica_groups = {G}\nreplica_placement = {{{placement}}}\n')
     kafka = None
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
