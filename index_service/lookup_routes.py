@@ -4,6 +4,7 @@ encode its answer (ServiceContext.respond)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import FastAPI, Request
@@ -54,11 +55,15 @@ async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int
         missing = ctx.store.missing_groups(shard.model) if ctx.fanout is not None else []
         if not missing:
             return ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)
+        # the other instances asked first, so that they walk their shards while this one walks its own
+        t0 = time.perf_counter()
+        asked = asyncio.ensure_future(ctx.fanout.gather(shard.model, missing, hashes, n, rank, top_k))
+        for _ in range(3):  # the gather, then its requests, until they are written to the sockets
+            await asyncio.sleep(0)
         # this shard's part as the compiled core writes it, decoded (cheaper than the typed answer)
         raw = ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)[0]
         answer = LOOKUP_ANSWER_DECODER.decode(raw)
-        t0 = time.perf_counter()
-        parts, gone, knew = await ctx.fanout.gather(shard.model, missing, hashes, n, rank, top_k)
+        parts, gone, knew = await asked
         ctx.metrics.fanout(time.perf_counter() - t0, len(gone))
         if not knew and not gone and shard.model not in ctx.store.shards:
             ctx.pipeline.unknown_model(shard.model)  # known to no instance
