@@ -35,6 +35,27 @@ MODEL = "bench-model"
 _M64 = (1 << 64) - 1
 
 
+# ---- the broker -------------------------------------------------------------------------------
+def start_broker(data_dir: str | Path):
+    """(bootstrap, the LocalKafka started in `data_dir`, or None where $KAFKA_BOOTSTRAP_SERVERS names
+    a broker to use)."""
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if bootstrap:
+        log(f"broker: $KAFKA_BOOTSTRAP_SERVERS={bootstrap}")
+        return bootstrap, None
+    from kvidx.kafka.local import LocalKafka
+
+    kafka = LocalKafka(log=lambda m: log(f"  [kafka] {m}"))
+    log("starting LocalKafka ...")
+    return kafka.start(str(data_dir)), kafka
+
+
+def stop_broker(kafka) -> None:
+    if kafka is not None:
+        log("stopping LocalKafka ...")
+        kafka.stop()
+
+
 # ---- output ----------------------------------------------------------------------------------
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

@@ -143,15 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     from streams.worker import SNAP_BYTES, ShardWorker
 
     figs = c.Figures("durability")
-    kafka = None
     tmp = tempfile.mkdtemp(prefix="kvidx-bench-durability-")
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        from kvidx.kafka.local import LocalKafka
-
-        kafka = LocalKafka(log=lambda m: c.log(f"  [kafka] {m}"))
-        c.log("starting LocalKafka ...")
-        bootstrap = kafka.start(os.path.join(tmp, "kafka"))
+    bootstrap, kafka = c.start_broker(os.path.join(tmp, "kafka"))
     topic = f"kvidx-bench-durability-{os.getpid()}.shards"
     try:
         create_topics(bootstrap, [topic + ".dlq"], partitions=1, compacted=[topic])
@@ -259,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.close()
         return 0 if exact else 1
     finally:
-        if kafka is not None:
-            kafka.stop()
+        c.stop_broker(kafka)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

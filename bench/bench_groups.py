@@ -216,14 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     config = tmp / "kvidx.toml"
     placement = ", ".join(f'"{k}" = {v}' for k, v in PLACEMENT.items())
     config.write_text(f'[models."{c.MODEL}"]\nreplica_groups = {G}\nreplica_placement = {{{placement}}}\n')
-    kafka = None
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        from kvidx.kafka.local import LocalKafka
-
-        kafka = LocalKafka(log=lambda m: c.log(f"  [kafka] {m}"))
-        c.log("starting LocalKafka ...")
-        bootstrap = kafka.start(tmp / "kafka")
+    bootstrap, kafka = c.start_broker(tmp / "kafka")
     run = f"groups{os.getpid()}t{int(time.time())}"
     procs: list[subprocess.Popen] = []
     try:
@@ -327,9 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r['ok']:,} ok, {r['errors']} errors, achieved {r['achieved']:,.0f}/s")
     finally:
         stop(procs)
-        if kafka is not None:
-            c.log("stopping LocalKafka ...")
-            kafka.stop()
+        c.stop_broker(kafka)
         shutil.rmtree(tmp, ignore_errors=True)
     figs.write(args.json)
     return 0

@@ -180,18 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     figs = c.Figures("kafka")
     ctx = mp.get_context("spawn")
 
-    kafka = None
-    data_dir = None
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if bootstrap:
-        c.log(f"broker: $KAFKA_BOOTSTRAP_SERVERS={bootstrap}")
-    else:
-        from kvidx.kafka.local import LocalKafka
-
-        data_dir = tempfile.mkdtemp(prefix="kvidx-bench-kafka-")
-        kafka = LocalKafka(log=lambda m: c.log(f"  [kafka] {m}"))
-        c.log("starting LocalKafka ...")
-        bootstrap = kafka.start(data_dir)
+    data_dir = tempfile.mkdtemp(prefix="kvidx-bench-kafka-")
+    bootstrap, kafka = c.start_broker(data_dir)
     prefix = f"kvidx-bench-{os.getpid()}-{int(time.time())}"
     try:
         c.log(f"throughput: {args.batches:,} batches, producer as fast as it can, consumer folding ...")
@@ -245,10 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             figs.scale("rebuild from the compacted topic (read_snapshots)", f, f"{n / 1e6:g}M blocks",
                        dt, "s", "<= 10")
     finally:
-        if kafka is not None:
-            c.log("stopping LocalKafka ...")
-            kafka.stop()
-            shutil.rmtree(data_dir, ignore_errors=True)
+        c.stop_broker(kafka)
+        shutil.rmtree(data_dir, ignore_errors=True)
     figs.write(args.json)
     return 0
 

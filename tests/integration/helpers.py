@@ -116,3 +116,11 @@ def both_assigned(bootstrap, group: str, procs, logs, timeout=120) -> None:
             pass
         time.sleep(0.5)
     raise AssertionError("the two workers were never both assigned partitions")
+
+
+def stop_workers(*procs) -> None:
+    """Terminate the worker processes still running, and wait for them."""
+    for w in procs:
+        if w.poll() is None:
+            w.terminate()
+            w.wait(30)

@@ -21,7 +21,7 @@ from kvidx.core.hashing import prompt_hashes
 from relays.run import play_recording
 from relays.sinks import KafkaSink
 from tests.helpers import LLAMA, ServerThread, wait_for
-from tests.integration.helpers import both_assigned, group_worker, prompts
+from tests.integration.helpers import both_assigned, group_worker, prompts, stop_workers
 
 G = 4
 MODEL = "m"
@@ -129,8 +129,5 @@ def test_partial_instances_and_failover(kafka_bootstrap, topics, tmp_path):
             assert w2.poll() is None, open(logs[1]).read()[-3000:]
             assert "shard_loaded" in open(logs[1]).read()
     finally:
-        for w in (w1, w2):
-            if w.poll() is None:
-                w.terminate()
-                w.wait(30)
+        stop_workers(w1, w2)
         sink.close()

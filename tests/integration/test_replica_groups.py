@@ -18,7 +18,14 @@ from relays.run import play_recording
 from relays.sinks import KafkaSink, StoreSink
 from streams.snapshots import read_snapshots
 from tests.helpers import LLAMA
-from tests.integration.helpers import answers, both_assigned, fresh_service, group_worker, prompts
+from tests.integration.helpers import (
+    answers,
+    both_assigned,
+    fresh_service,
+    group_worker,
+    prompts,
+    stop_workers,
+)
 
 G = 4
 MODEL = "m"
@@ -128,10 +135,7 @@ def test_four_groups_two_workers_answer_like_one_shard(kafka_bootstrap, topics, 
             want[r] += n_batches[p]
         shards = _snapshots(kafka_bootstrap, topics["snapshots"], want, [w2], logs[1:])
     finally:
-        for w in (w1, w2):
-            if w.poll() is None:
-                w.terminate()
-                w.wait(30)
+        stop_workers(w1, w2)
         sink.close()
     after = _expected(first + second)
     expected = answers(after, ps)

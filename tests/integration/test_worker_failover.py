@@ -13,7 +13,7 @@ from relays.run import play_recording
 from relays.sinks import KafkaSink
 from streams.snapshots import read_snapshots
 from tests.helpers import GEMMA, LLAMA
-from tests.integration.helpers import answers, both_assigned, prompts
+from tests.integration.helpers import answers, both_assigned, prompts, stop_workers
 from tests.integration.helpers import group_worker as worker
 
 pytestmark = pytest.mark.kafka
@@ -54,10 +54,7 @@ def test_killed_worker_hands_its_models_over(kafka_bootstrap, topics, tmp_path):
         n_gemma = sum(1 for _ in read_frames(GEMMA / "frames.jsonl")) + 1
         shards = snapshots_cover(kafka_bootstrap, topics["snapshots"], n_llama + n_gemma, [w2], logs[1:])
     finally:
-        for w in (w1, w2):
-            if w.poll() is None:
-                w.terminate()
-                w.wait(30)
+        stop_workers(w1, w2)
         sink.close()
     want = InProcessIndex("x", 16)
     frames = [(f, "llama") for f in read_frames(LLAMA / "frames.jsonl")]
