@@ -45,6 +45,7 @@ from confluent_kafka import Producer
 from kvidx.config import ShardSettings
 from kvidx.core.answers import ReplicaAnswer
 from kvidx.core.fold import Undecodable, fold_message
+from kvidx.core.groups import shard_key
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config
@@ -220,7 +221,11 @@ def replay(bootstrap: str, names: dict[str, str], model: str, until: float | Non
     t0 = time.monotonic()
     topic = names["events"]
     key = model.encode()
-    cps = read_checkpoints(bootstrap, names, model) if use_checkpoints else []
+    # a model split in replica groups (kvidx.core.groups) is every group's key; a history checkpoint
+    # holds one key's shard, so such a model is replayed from the beginning of the topic
+    groups = (settings or ShardSettings()).config.model(model).replica_groups
+    keys = {shard_key(model, g).encode() for g in range(groups)}
+    cps = read_checkpoints(bootstrap, names, model) if use_checkpoints and groups == 1 else []
     c = consumer(bootstrap, "replay")
     try:
         parts = partitions(c, topic)
@@ -281,7 +286,7 @@ def replay(bootstrap: str, names: dict[str, str], model: str, until: float | Non
             bar.update(sum(pos[p] - base[p] for p in pos), result.batches)
 
         for m in read(c, topic, starts, stops, on_progress=on_progress, timeout_s=3600):
-            if m.key != key:
+            if m.key not in keys:
                 result.other_models += 1
                 if len(result.models_seen) < 20 and m.key is not None:
                     result.models_seen.add(m.key.decode(errors="replace"))

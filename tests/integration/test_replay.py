@@ -158,3 +158,33 @@ def test_replay_answers_as_the_index_did_then(kafka_bootstrap, topics, tmp_path,
         follower.stop()
         routes.close()
         sink.close()
+
+
+@pytest.mark.kafka
+def test_replay_of_a_model_split_in_replica_groups(kafka_bootstrap, topics):
+    """Every group's key is replayed (each on its own partition), and the shard answers as the fold of
+    everything did."""
+    from kvidx.config import Config, ModelConfig, ShardSettings
+    from kvidx.core.shard import ModelShard
+    from tests.helpers import random_fleet
+
+    config = Config(models={"m": ModelConfig(replica_groups=4)})
+    batches, docs = random_fleet(24, seed=9, groups=4)
+    sink = KafkaSink(kafka_bootstrap, topics["events"], topics["dead_letters"],
+                     replica_group=config.replica_group)
+    whole = ModelShard("m", 16)
+    for batch in batches:
+        whole.apply(batch, 1.0)
+        sink.publish(batch)
+    sink.flush()
+    sink.close()
+    time.sleep(0.5)
+    r = replay(kafka_bootstrap, topics, "m", until=time.time(), settings=ShardSettings(config),
+               progress=False)
+    assert r.other_models == 0  # the groups' keys are the model's
+
+    def seen(shard):
+        return [sorted((a.replica, a.dp_rank, a.cached_tokens, a.resumable_tokens)
+                       for a in shard.lookup(d, len(d) * 16 + 1, 100.0)) for d in docs]
+
+    assert sorted(r.shard.replicas) == sorted(whole.replicas) and seen(r.shard) == seen(whole)
