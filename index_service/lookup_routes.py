@@ -27,14 +27,17 @@ def lookup_responses(auth: tuple[int, ...]) -> dict:
             **errors(400, *auth, 404, 413, 422)}
 
 
+LOCAL_ONLY = frozenset[int]()  # `?local=1` without groups: every replica of this instance's shard
+
+
 def _only_groups(q: QueryParams) -> frozenset[int] | None:
     """`?local=1[&groups=G,G]`: another instance's fan-out, answered from this instance's shard alone
-    (the replicas of those replica groups); None for a router's lookup."""
+    (the replicas of those replica groups; LOCAL_ONLY: all of them); None for a router's lookup."""
     if q.get("local") != "1":
         return None
     spec = q.get("groups")
     if spec is None:
-        return frozenset(range(1 << 16))
+        return LOCAL_ONLY
     try:
         return parse_groups(spec)
     except ValueError as e:
@@ -48,8 +51,8 @@ async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int
     (index_service.fanout) when the model is split; `only`: those groups' replicas of this shard."""
     feedback = ctx.app.state.feedback
     if only is not None:
-        if all(st.group in only for st in shard.by_slot if st is not None):  # every replica here: no filter
-            return ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)
+        if only is LOCAL_ONLY or all(st.group in only for st in shard.by_slot if st is not None):
+            return ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)  # no filter needed
         answer = ctx.pipeline.answer(shard, hashes, n, rank, top_k, feedback, groups=only)
     else:
         missing = ctx.store.missing_groups(shard.model) if ctx.fanout is not None else []

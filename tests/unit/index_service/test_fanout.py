@@ -79,6 +79,7 @@ def test_a_partial_instance_answers_like_a_full_one(fleet):
             # another instance's fan-out is answered from the shard alone, for the groups asked
             only = _replicas(c, b, "/v1/lookup?local=1&groups=2", body)
             assert {r["replica"] for r in only} == {r for r in _names(stores["b"]) if hashed_group(r, G) == 2}
+            assert {r["replica"] for r in _replicas(c, b, "/v1/lookup?local=1", body)} == _names(stores["b"])
             assert c.post(f"{b}/v1/lookup?local=1&groups=x", json=body).status_code == 422
             assert c.post(f"{a}/v1/lookup", json={**body, "model": "nope"}).status_code == 404
             assert "kvidx_fanout_seconds_count" in c.get(f"{a}/metrics").text
