@@ -33,12 +33,20 @@ class UsageAccepted(msgspec.Struct):
     published: bool  # False: no Kafka, kept in memory
 
 
+class Peer(msgspec.Struct):
+    name: str
+    url: str
+    groups: list[int] | None  # None: all
+
+
 class Health(msgspec.Struct):
     status: Literal["ok", "not_ready"]
     ready: bool
     models: int
     batches_applied: int
     reason: str | None = None  # while not ready: what it waits for (e.g. a broker that does not answer)
+    groups: list[int] | None = None  # the replica groups this instance holds (absent: all)
+    peers: list[Peer] | None = None  # with groups: the live instances it asks for the others
 
 
 class ModelFreshness(msgspec.Struct):

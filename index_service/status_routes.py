@@ -41,6 +41,12 @@ def add_status_routes(app: FastAPI, ctx: ServiceContext, auth: tuple[int, ...]) 
                 "models": len(store.shards), "batches_applied": store.batches_applied}
         if not ready and getattr(store, "not_ready_reason", None):
             body["reason"] = store.not_ready_reason  # e.g. which broker address does not answer
+        if store.groups is not None:  # a partial instance: what it holds, whom it asks for the rest
+            body["groups"] = sorted(store.groups)
+            if ctx.fanout is not None:
+                body["peers"] = [{"name": p.name, "url": p.url,
+                                  "groups": None if p.groups is None else sorted(p.groups)}
+                                 for p in ctx.fanout.directory.alive()]
         return json_response(body, 200 if ready else 503)
 
     @app.get("/v1/models", response_class=Response, responses={**ok("Models", "the models indexed"),

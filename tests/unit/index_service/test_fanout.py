@@ -83,6 +83,8 @@ def test_a_partial_instance_answers_like_a_full_one(fleet):
             assert c.post(f"{b}/v1/lookup?local=1&groups=x", json=body).status_code == 422
             assert c.post(f"{a}/v1/lookup", json={**body, "model": "nope"}).status_code == 404
             assert "kvidx_fanout_seconds_count" in c.get(f"{a}/metrics").text
+            health = c.get(f"{a}/healthz").json()  # what it holds, whom it asks
+            assert health["groups"] == [0, 1] and health["peers"] == [{"name": b, "url": b, "groups": [2, 3]}]
 
         # a route to a replica of a group held elsewhere: accepted, credited by its holder
         with ServerThread(app) as a, httpx.Client() as c:
