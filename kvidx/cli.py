@@ -102,6 +102,11 @@ def cmd_relay(args) -> int:
     t = topic_names(args.topic_prefix)
     ensure_topics(bootstrap, t)
     sink = KafkaSink(bootstrap, t["events"], t["dead_letters"], replica_group=config.replica_group)
+    groups = config.model(args.model).replica_groups
+    who = args.replica or args.endpoint
+    if groups > 1 and who:  # where this replica's events go (docs/scaling.md)
+        log.info("event=replica_group model=%s replica=%s group=%d of=%d", args.model, who,
+                 config.replica_group(args.model, who), groups)
     if args.metrics_port:
         from prometheus_client import start_http_server
         start_http_server(args.metrics_port, addr=args.metrics_host)
