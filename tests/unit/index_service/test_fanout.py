@@ -144,3 +144,18 @@ def test_a_dead_holder_is_passed_over_for_another(fleet):
             got = c.post(f"{a}/v1/lookup", json=body)
             assert "partial" not in got.json()
             assert _canon(got.content) == _canon(c.post(f"{full}/v1/lookup", json=body).content)
+
+
+def test_fanout_carries_the_bearer_token(fleet):
+    stores, docs = fleet
+    body = {"model": "m", "block_hashes": docs[2], "prompt_tokens": len(docs[2]) * 16 + 1}
+    auth = {"authorization": "Bearer s3cret"}
+    with ServerThread(create_app(stores["b"], auth_token="s3cret")) as b, httpx.Client() as c:
+        for token, partial in (("s3cret", False), ("wrong", True)):
+            directory = PeerDirectory("a")
+            directory.add_static(b, frozenset({2, 3}))
+            app = create_app(stores["a"], auth_token="s3cret",
+                             fanout=Fanout(directory, timeout_s=5.0, auth_token=token))
+            with ServerThread(app) as a:
+                got = c.post(f"{a}/v1/lookup", json=body, headers=auth).json()
+                assert bool(got.get("partial")) is partial  # a peer refusing the token: its groups missing
