@@ -118,6 +118,8 @@ def test_lints_and_renders_what_the_values_say(values, tmp_path):
     ({"service": {"sets": [{"name": "a", "groups": "0,1", "replicas": 1}]}},
      "no service set holds replica group 2"),
     ({"service": {"sets": [{"name": "a", "groups": "0,1,2,3,7", "replicas": 1}]}}, "holds group 7"),
+    ({"service": {"sets": [{"name": "a", "groups": "0-3", "replicas": 1}]}}, "groups"),  # values.schema.json
+    ({"kafka": {**FOUR["kafka"], "partitions": 0}}, "partitions"),
 ])
 def test_refuses_values_that_cannot_work(change, message, tmp_path):
     r = helm("template", "kv", values={**FOUR, **change}, tmp=tmp_path)
