@@ -113,7 +113,17 @@ class Http1Pool:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        if self.idle:  # a kept connection the peer may have closed meanwhile (its keep-alive timeout)
+            try:
+                return await self._post(self.idle.pop(), path, body)
+            except (asyncio.IncompleteReadError, ConnectionError) as e:
+                if getattr(e, "partial", b""):  # it had started answering: not a stale connection
+                    raise
+        return await self._post(await asyncio.open_connection(self.host, self.port), path, body)
+
+    async def _post(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], path: str, body: bytes
+                    ) -> tuple[int, bytes]:
+        reader, writer = conn
         try:
             writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n"
                          % (path.encode(), self.host.encode(), len(body), self.headers) + body)

@@ -159,3 +159,19 @@ def test_fanout_carries_the_bearer_token(fleet):
             with ServerThread(app) as a:
                 got = c.post(f"{a}/v1/lookup", json=body, headers=auth).json()
                 assert bool(got.get("partial")) is partial  # a peer refusing the token: its groups missing
+
+
+def test_a_connection_the_peer_closed_while_idle_is_replaced(fleet):
+    """uvicorn closes keep-alive connections idle for timeout_keep_alive seconds: the next fan-out must
+    not take the closed one for a dead peer."""
+    import time
+
+    stores, docs = fleet
+    body = {"model": "m", "block_hashes": docs[3], "prompt_tokens": len(docs[3]) * 16 + 1}
+    with ServerThread(create_app(stores["b"]), timeout_keep_alive=1) as b, httpx.Client() as c:
+        directory = PeerDirectory("a")
+        directory.add_static(b, frozenset({2, 3}))
+        with ServerThread(create_app(stores["a"], fanout=Fanout(directory, timeout_s=5.0))) as a:
+            for _ in range(2):
+                assert "partial" not in c.post(f"{a}/v1/lookup", json=body).json()
+                time.sleep(1.5)  # the peer drops the idle connection
