@@ -19,6 +19,7 @@ import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from index_service.store import ShardStore
+from kvidx.core.groups import key_group
 from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
@@ -125,9 +126,11 @@ class KafkaFollower(Background):
                     if msg.topic() == self.routes_topic:
                         self._route(msg.value())
                         continue
-                    if not self.store.fold(msg.value(), msg.partition(), msg.offset()):
+                    key, held = msg.key(), self.store.groups
+                    if held is not None and key and key_group(key.decode(errors="replace")) not in held:
+                        self.store.skipped_batches += 1  # a group held elsewhere: not even decoded
+                    elif not self.store.fold(msg.value(), msg.partition(), msg.offset()):
                         self.undecodable += 1  # the worker dead-letters it; a replica only skips
-                        continue
                     if ends and msg.offset() + 1 >= ends.get(msg.partition(), 0):
                         ends.pop(msg.partition(), None)
                         if not ends:

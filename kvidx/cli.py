@@ -380,7 +380,9 @@ def cmd_serve(args) -> int:
     except ValueError as e:
         sys.exit(f"error: --peer {spec!r}: {e}")
     # every instance says which groups it holds; one that holds only some asks the others
-    announcer = Announcer(directory, b, t["instances"], args.url or f"http://{args.host}:{args.port}", groups)
+    # where the others reach this instance: a wildcard address is no address for them
+    host = socket.getfqdn() if args.host in ("0.0.0.0", "::", "") else args.host
+    announcer = Announcer(directory, b, t["instances"], args.url or f"http://{host}:{args.port}", groups)
     fanout = Fanout(directory, args.fanout_timeout_ms / 1000, token) if groups is not None else None
     feedback: list[FeedbackFollower] = []
 
@@ -610,7 +612,7 @@ def _add_serve(sub) -> None:
                    "(models split with replica_groups in --config; default: all): lookups ask the instances "
                    "holding the others (docs/scaling.md)")
     s.add_argument("--url", help="the URL other instances reach this one at (announced on the instances "
-                   "topic; default: http://HOST:PORT)")
+                   "topic; default: http://HOST:PORT, this machine's name for a wildcard HOST)")
     s.add_argument("--peer", action="append", default=[], metavar="URL[=G,G]",
                    help="an instance to ask for the groups it holds (default: all), besides those announced "
                         "on the instances topic; repeatable")
