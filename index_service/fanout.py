@@ -161,8 +161,6 @@ class Fanout:
             headers += b"Authorization: Bearer %s\r\n" % auth_token.encode()
         self._headers = headers
         self._pools: dict[str, Http1Pool] = {}  # peer URL -> its connections (in the serving loop)
-        self.requests = 0
-        self.failures = 0
 
     async def gather(self, model: str, groups: list[int], hashes: list[int], n_tokens: int, rank: bool,
                      top_k: int | None) -> tuple[list[list[ReplicaAnswer]], list[int], int]:
@@ -196,7 +194,6 @@ class Fanout:
     async def _ask(self, peer: Peer, path: str, groups: list[int], body: bytes, timeout_s: float):
         """The peer's replicas of `groups`; False if it does not know the model (no replica of those
         groups has published yet); None on an error or the timeout."""
-        self.requests += 1
         pool = self._pools.get(peer.url)
         if pool is None:
             pool = self._pools[peer.url] = Http1Pool(peer.url, self._headers)
@@ -204,13 +201,11 @@ class Fanout:
             status, data = await asyncio.wait_for(
                 pool.post(f"{path}?local=1&groups={','.join(map(str, groups))}", body), timeout_s)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError, PeerError) as e:
-            self.failures += 1
             log.warning("event=fanout_failed peer=%s error=%r", peer.name, str(e)[:200] or type(e).__name__)
             return None
         if status == 404:
             return False
         if status != 200:
-            self.failures += 1
             log.warning("event=fanout_failed peer=%s status=%d body=%r", peer.name, status, data[:200])
             return None
         return LOOKUP_ANSWER_DECODER.decode(data).replicas

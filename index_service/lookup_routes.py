@@ -39,9 +39,9 @@ def _only_groups(q: QueryParams) -> frozenset[int] | None:
     if spec is None:
         return LOCAL_ONLY
     try:
-        return parse_groups(spec)
+        return parse_groups(spec, "query parameter 'groups'")
     except ValueError as e:
-        raise Reject(422, str(e).replace("--groups", "query parameter 'groups'")) from None
+        raise Reject(422, str(e)) from None
 
 
 async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int], n: int, rank: bool,

@@ -189,7 +189,7 @@ class QueryPipeline:
         if req.dp_rank < 0 or req.credited_tokens < 0 or req.evicting_tokens < 0:
             raise Reject(422, "dp_rank, credited_tokens and evicting_tokens must not be negative")
         shard, hashes, n = self.prompt(req)
-        elsewhere = not self.store.holds(self.store.config.replica_group(req.model, req.replica))
+        elsewhere = not self.store.holds_replica(req.model, req.replica)
         if not elsewhere and (req.replica, req.dp_rank) not in shard.replicas:
             # a relay announces its replica when it starts: an unknown name is a router's mistake,
             # and must not become a slot in every answer

@@ -56,6 +56,10 @@ class ShardStore:
     def holds(self, group: int) -> bool:
         return self.groups is None or group in self.groups
 
+    def holds_replica(self, model: str, replica: str) -> bool:
+        """This instance holds the replica group `replica` is in (always, when it holds every group)."""
+        return self.groups is None or self.config.replica_group(model, replica) in self.groups
+
     def missing_groups(self, model: str) -> list[int]:
         """The replica groups of `model` (from the configuration) this instance does not hold."""
         if self.groups is None:
@@ -118,7 +122,7 @@ class ShardStore:
             self._seen_routes[d.request_id] = None
             if len(self._seen_routes) > _SEEN_ROUTES:
                 self._seen_routes.popitem(last=False)
-            if not self.holds(self.config.replica_group(d.model, d.replica)):
+            if not self.holds_replica(d.model, d.replica):
                 return True  # its replica's group is held elsewhere: credited there (routes topic)
             self.routes_applied += 1
             self.shard(d.model).add_pending(d.replica, d.dp_rank, d.block_hashes, d.prompt_tokens,

@@ -108,12 +108,12 @@ class ShardWorker:
         self.batches_folded = 0
         self.last_snapshot_at: float | None = None
 
-    def shard(self, key: str, partition: int, model: str | None = None, group: int = 0) -> ModelShard:
+    def shard(self, key: str, partition: int, model: str, group: int) -> ModelShard:
         """The shard of `key` (kvidx.core.groups.shard_key: a model's replica group), loaded on first use."""
         s = self.shards.get(key)
         if s is None:
             try:
-                s = self._load(key, partition, model or key, group)
+                s = self._load(key, partition, model, group)
             except SnapshotFormatError as e:  # refused, never misread; nothing is acknowledged
                 log.error("event=worker_stopped reason=%r", str(e))
                 logging.shutdown()

@@ -59,12 +59,12 @@ def replica_group(replica: str, groups: int, placement: dict[str, int] | None = 
     return hashed_group(replica, groups)
 
 
-def parse_groups(spec: str) -> frozenset[int]:
-    """`--groups 0,2` -> {0, 2}; ValueError with what is wrong."""
+def parse_groups(spec: str, what: str = "--groups") -> frozenset[int]:
+    """`--groups 0,2` -> {0, 2}; ValueError naming `what` (the option or parameter) and what is wrong."""
     out = set()
     for part in spec.split(","):
         part = part.strip()
         if not part.isdigit():
-            raise ValueError(f"--groups takes group numbers separated by commas (e.g. 0,2), not {spec!r}")
+            raise ValueError(f"{what} takes group numbers separated by commas (e.g. 0,2), not {spec!r}")
         out.add(int(part))
     return frozenset(out)

@@ -738,7 +738,7 @@ class _IndexSide:
         t0 = time.perf_counter()
         for store in [self.store, *self.instances]:
             want = [(k[1], v) for k, v in self.sink.last.items()
-                    if k[0] == model and store.holds(store.config.replica_group(model, k[1]))]
+                    if k[0] == model and store.holds_replica(model, k[1])]
             while want:
                 shard = store.shards.get(model)
                 if shard is not None:
@@ -799,7 +799,7 @@ class _IndexSide:
         if self.rolling is not None:
             self.rolling.routed(t, (model, replica, 0, self.last_hashes, n_tokens, credited, expires))
         for store in [self.store, *self.instances]:  # as the routes topic reaches every instance
-            if store.holds(store.config.replica_group(model, replica)):
+            if store.holds_replica(model, replica):
                 with store.lock:  # its follower may be making the shard
                     shard = store.shard(model)
                 shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited, expires)
@@ -810,13 +810,13 @@ class _IndexSide:
         full instance's answer."""
         if not self.instances:
             return {}
-        out = []
+        instances = []
         for s in self.instances:
             maps = [d for shard in s.shards.values() for g in shard.groups.values() for d in g.tiers.values()]
-            out.append({"groups": sorted(s.groups or ()), "entries": sum(len(d) for d in maps),
-                        "index_bytes": sum(d.memory_bytes() for d in maps)})
+            instances.append({"groups": sorted(s.groups or ()), "entries": sum(len(d) for d in maps),
+                              "index_bytes": sum(d.memory_bytes() for d in maps)})
         us = np.asarray(self.fanout_us or [0.0])
-        out = {"instances": out, "fanout_lookup_us": {"p50": round(float(np.percentile(us, 50)), 1),
+        out = {"instances": instances, "fanout_lookup_us": {"p50": round(float(np.percentile(us, 50)), 1),
                                                       "p99": round(float(np.percentile(us, 99)), 1)},
                "fanout_lookups": len(self.fanout_us), "fanout_mismatches": self.fanout_mismatches,
                "blind_lookups": self.blind_lookups, "credit_lost_tokens": self.credit_lost}

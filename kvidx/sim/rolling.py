@@ -107,7 +107,7 @@ class RollingRestart:
         self.rebuild_s.append(time.monotonic() - t0)
         for _, args in self.routes:  # the routes topic's lookback
             model, replica = args[0], args[1]
-            if store.holds(store.config.replica_group(model, replica)):
+            if store.holds_replica(model, replica):
                 with store.lock:
                     shard = store.shard(model)
                 shard.add_pending(*args[1:])
