@@ -1,0 +1,59 @@
+"""Prefetch hints (issue #16, first slice): what a replica chosen for a prompt could load back to GPU
+memory while the request waits in its queue, so the load overlaps the wait instead of adding to it.
+
+Pure, no I/O: built from one replica's lookup answer (its tier runs) and the model's price rates. A
+prefetch is worth issuing only for the resumable tokens held below GPU memory; its benefit is the part
+of their load time the queue can hide (min(load, queue wait)); its cost the bytes it moves.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvidx.core.answers import ReplicaAnswer
+from kvidx.core.price import PriceConfig
+
+
+class PrefetchRun(msgspec.Struct):
+    """Tokens [start, end) of the prompt, held in `tier`, to load to GPU memory."""
+    tier: str
+    start: int
+    end: int
+    load_s: float
+
+
+class PrefetchHint(msgspec.Struct):
+    replica: str
+    dp_rank: int
+    runs: list[PrefetchRun]
+    tokens: int  # tokens to load, all runs
+    load_s: float  # their load time, all runs, at the model's rates
+    deadline_s: float  # seconds from now when the request is expected to start its prefill
+    benefit_s: float  # load time the wait hides: min(load_s, deadline_s)
+    bytes: int  # bytes moved (tokens x bytes_per_token; 0 when the model's KV size is not configured)
+
+
+def prefetch_hint(answer: ReplicaAnswer, cfg: PriceConfig, queue_s: float,
+                  bytes_per_token: int = 0) -> PrefetchHint | None:
+    """The prefetch plan for `answer`'s replica, expected to start the request in `queue_s` seconds:
+    its resumable tokens held outside GPU memory, in prompt order, or None when there are none (or
+    none whose tier costs anything to load)."""
+    left = answer.resumable_tokens
+    pos = 0
+    runs: list[PrefetchRun] = []
+    for run in answer.tiers:
+        if left <= 0:
+            break
+        take = min(run.tokens, left)
+        rate = cfg.load_tokens_per_s.get(run.tier, 0.0)
+        if run.tier != "GPU" and rate > 0 and take > 0:
+            runs.append(PrefetchRun(run.tier, pos, pos + take, take / rate))
+        pos += take
+        left -= take
+    if not runs:
+        return None
+    tokens = sum(r.end - r.start for r in runs)
+    load_s = sum(r.load_s for r in runs)
+    wait = max(0.0, queue_s)
+    return PrefetchHint(answer.replica, answer.dp_rank, runs, tokens, load_s, wait, min(load_s, wait),
+                        tokens * bytes_per_token)
