@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from kvidx.core.answers import ReplicaAnswer
-from kvidx.core.price import PriceConfig
+from kvidx.core.price import Pricer
 
 
 class PrefetchRun(msgspec.Struct):
@@ -33,11 +33,13 @@ class PrefetchHint(msgspec.Struct):
     bytes: int  # bytes moved (tokens x bytes_per_token; 0 when the model's KV size is not configured)
 
 
-def prefetch_hint(answer: ReplicaAnswer, cfg: PriceConfig, queue_s: float,
+def prefetch_hint(answer: ReplicaAnswer, pricer: Pricer, queue_s: float,
                   bytes_per_token: int = 0) -> PrefetchHint | None:
     """The prefetch plan for `answer`'s replica, expected to start the request in `queue_s` seconds:
     its resumable tokens held outside GPU memory, in prompt order, or None when there are none (or
-    none whose tier costs anything to load)."""
+    none whose tier costs anything to load). Load costs are the model's `Pricer`'s (the service keeps one
+    per model), so a plan and the price it came with agree; the walk mirrors Pricer.__call__'s, kept
+    inline there because the price runs for every replica of every lookup."""
     left = answer.resumable_tokens
     pos = 0
     runs: list[PrefetchRun] = []
@@ -45,9 +47,9 @@ def prefetch_hint(answer: ReplicaAnswer, cfg: PriceConfig, queue_s: float,
         if left <= 0:
             break
         take = min(run.tokens, left)
-        rate = cfg.load_tokens_per_s.get(run.tier, 0.0)
-        if run.tier != "GPU" and rate > 0 and take > 0:
-            runs.append(PrefetchRun(run.tier, pos, pos + take, take / rate))
+        per_token = pricer.load_cost.get(run.tier, 0.0)
+        if run.tier != "GPU" and per_token > 0:
+            runs.append(PrefetchRun(run.tier, pos, pos + take, take * per_token))
         pos += take
         left -= take
     if not runs:

@@ -4,13 +4,13 @@ rates, and the benefit the queue wait can hide."""
 import pytest
 
 from kvidx.core.hints import prefetch_hint
-from kvidx.core.price import PriceConfig
+from kvidx.core.price import PriceConfig, Pricer
 from kvidx.core.shard import ModelShard
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 
 H = list(range(2000, 2010))  # one chain of ten 16-token index blocks
-CFG = PriceConfig(recompute_tokens_per_s=8000.0,
-                  load_tokens_per_s={"GPU": 0.0, "CPU": 160.0, "DISK": 32.0})
+CFG = Pricer(PriceConfig(recompute_tokens_per_s=8000.0,
+                         load_tokens_per_s={"GPU": 0.0, "CPU": 160.0, "DISK": 32.0}))
 
 
 def answer(events):
@@ -33,5 +33,5 @@ def test_runs_below_gpu_in_prompt_order_with_load_time_and_hidden_part():
 
 def test_no_hint_when_everything_resumable_is_on_gpu_or_free_to_load():
     assert prefetch_hint(answer([BlocksStored("GPU", 0, H[:4], None, 0)]), CFG, 1.0) is None
-    free = PriceConfig(load_tokens_per_s={"GPU": 0.0, "CPU": 0.0})
+    free = Pricer(PriceConfig(load_tokens_per_s={"GPU": 0.0, "CPU": 0.0}))
     assert prefetch_hint(answer([BlocksStored("CPU", 0, H[:4], None, 0)]), free, 1.0) is None
