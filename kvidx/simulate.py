@@ -46,7 +46,17 @@ import numpy as np
 
 from kvidx.clihelp import HelpFormatter
 from kvidx.shadow import Agreement
-from kvidx.sim.fleet import ENGINES, POLICIES, POOL_TIERS, FleetConfig, RunResult, hybrid_spec, run_fleet
+from kvidx.sim.fleet import (
+    DEFAULT_POLICIES,
+    ENGINES,
+    HINT_KINDS,
+    POLICIES,
+    POOL_TIERS,
+    FleetConfig,
+    RunResult,
+    hybrid_spec,
+    run_fleet,
+)
 from kvidx.sim.workloads import (
     MOONCAKE_TRACE,
     TRACE_BLOCK,
@@ -68,7 +78,8 @@ def build_workload(w: dict) -> list[SimRequest]:
     if w["kind"] == "chat":
         return chat_requests(w["requests"] or 2000, w["models"], w["chat_rate"], w["seed"])
     if w["kind"] == "agent":
-        return agent_requests(w["requests"] or 2000, w["models"], w["chat_rate"], w["seed"])
+        return agent_requests(w["requests"] or 2000, w["models"], w["chat_rate"], w["seed"],
+                              concurrent=w.get("agents", 24))
     rows = load_trace(w["trace"], w["requests"])
     return trace_requests(rows, w["block_tokens"], w["models"])
 
@@ -151,7 +162,10 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
             continue
         pol[r["name"]] = {"reuse_rate": r["reuse_rate"], "prefill_tokens_saved": r["prefill_tokens_saved"],
                           "prefill_tokens": r["prefill_tokens"], "recall": r["recall"],
-                          "over_credit": r["over_credit"], "ttft_est_s": r["ttft_est_s"]}
+                          "over_credit": r["over_credit"], "ttft_est_s": r["ttft_est_s"],
+                          **r["counters"]["serving"]}
+        if "hints" in r["counters"]:
+            pol[r["name"]]["hints"] = r["counters"]["hints"]
     out["policies"] = pol
     brief = ("requests", "reuse_rate", "recall", "over_credit")
     out["per_engine"] = {k: {x: v[x] for x in brief} for k, v in primary["per_engine"].items()}
@@ -171,7 +185,7 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
                                                for k, v in zero["per_group_kind"].items()}
     if "foresight" in primary.get("counters", {}):
         out["foresight"] = primary["counters"]["foresight"]
-    base = [v["reuse_rate"] for k, v in pol.items() if k != "kv"]
+    base = [v["reuse_rate"] for k, v in pol.items() if k not in ("kv", "kv_hints")]
     if "kv" in pol and base:
         out["kv_beats_baselines"] = all(pol["kv"]["reuse_rate"] > b for b in base)
     if primary.get("counters", {}).get("kafka_wait_ms_p99") is not None:
@@ -332,6 +346,15 @@ def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], li
             raise SystemExit("error: --hybrid is simulated without --pool-blocks or --cpu-offload-blocks")
     if args.cpu_offload_blocks and "vllm" not in engines:
         raise SystemExit("error: --cpu-offload-blocks applies to vLLM replicas: --engines names none")
+    if args.disk_offload_blocks and not args.cpu_offload_blocks:
+        raise SystemExit("error: --disk-offload-blocks is the level under --cpu-offload-blocks: give both")
+    kinds = [k.strip() for k in args.hints.split(",") if k.strip()]
+    for k in kinds:
+        if k not in HINT_KINDS:
+            raise SystemExit(f"error: hint kind {k!r} is not simulated (simulated: {', '.join(HINT_KINDS)}; "
+                             "placement and eviction advice are not built yet)")
+    if not 0.0 <= args.hint_compliance <= 1.0 or args.hint_delay_ms < 0:
+        raise SystemExit("error: --hint-compliance takes a share in [0, 1] and --hint-delay-ms a delay >= 0")
     if args.replica_groups != 1 and (args.replica_groups < 1 or not args.kafka):
         raise SystemExit("error: --replica-groups takes a count >= 1, with --kafka (groups are Kafka keys)")
     n = args.service_instances
@@ -382,6 +405,22 @@ class _Sizes:
         return cls(scale, num_blocks, pool_blocks, duration, window, delay)
 
 
+def _load_rates(spec: str) -> dict[str, float]:
+    """--load-tps TIER=RATE,...: the service's default price rates, with those named replaced."""
+    from kvidx.core.price import PriceConfig
+    rates = dict(PriceConfig().load_tokens_per_s)
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        tier, _, v = part.partition("=")
+        try:
+            rate = float(v)
+        except ValueError:
+            rate = -1.0
+        if not tier or rate < 0:
+            raise SystemExit(f"error: --load-tps takes TIER=TOKENS_PER_S,... (e.g. CPU=150000), not {part!r}")
+        rates[tier.strip().upper()] = rate
+    return rates
+
+
 def _fleet_options(args: argparse.Namespace, engines: tuple[str, ...], sz: _Sizes) -> dict[str, Any]:
     """FleetConfig's fields for every run (a job overrides transport, lookup, delays): a plain dict, so
     that a job pickles to a worker process as is."""
@@ -396,7 +435,11 @@ def _fleet_options(args: argparse.Namespace, engines: tuple[str, ...], sz: _Size
             "trtllm_poll_ms": args.trtllm_poll_ms, "pool_blocks": sz.pool_blocks,
             "pool_group": args.pool_group, "pool_tier": args.pool_tier, "hybrid": args.hybrid or "",
             "hybrid_group_blocks": args.hybrid_group_blocks, "hybrid_chunk_tokens": args.hybrid_chunk_tokens,
-            "cpu_offload_blocks": args.cpu_offload_blocks, "record_routes": not args.no_routes,
+            "cpu_offload_blocks": args.cpu_offload_blocks, "disk_offload_blocks": args.disk_offload_blocks,
+            "load_tps": _load_rates(args.load_tps), "kv_bytes_per_token": args.kv_bytes_per_token,
+            "hints": tuple(k.strip() for k in args.hints.split(",") if k.strip()),
+            "hint_compliance": args.hint_compliance, "hint_delay_ms": args.hint_delay_ms,
+            "record_routes": not args.no_routes,
             "replica_groups": args.replica_groups, "service_instances": args.service_instances,
             "rolling_restart": args.rolling_restart}
 
@@ -412,7 +455,9 @@ def _config_report(args: argparse.Namespace, engines: tuple[str, ...], trace: st
             "engines": list(engines), "host_tier_blocks": args.host_tier_blocks,
             "pool_blocks": sz.pool_blocks, "pool_group": args.pool_group if sz.pool_blocks else None,
             "pool_tier": args.pool_tier if sz.pool_blocks else None, "hybrid": args.hybrid,
-            "cpu_offload_blocks": args.cpu_offload_blocks,
+            "cpu_offload_blocks": args.cpu_offload_blocks, "disk_offload_blocks": args.disk_offload_blocks,
+            "load_tps": _load_rates(args.load_tps), "kv_bytes_per_token": args.kv_bytes_per_token,
+            "hints": args.hints, "hint_compliance": args.hint_compliance, "hint_delay_ms": args.hint_delay_ms,
             "engine_block_size": args.engine_block_size,
             "index_block_size": args.index_block_size, "engine_blocks": sz.num_blocks,
             "trace_block_tokens": args.trace_block_tokens if args.workload == "trace" else None,
@@ -553,6 +598,8 @@ def run(args: argparse.Namespace) -> dict:
         require_broker(given)
     wl = {"kind": args.workload, "trace": trace, "requests": args.requests, "models": args.models,
           "block_tokens": args.trace_block_tokens, "chat_rate": args.chat_rate, "seed": args.seed}
+    if args.workload == "agent":
+        wl["agents"] = args.agents
     reqs = _workload(wl)
     if not reqs:
         raise SystemExit("error: the workload is empty")
@@ -644,7 +691,9 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
                         "this/512, which keeps the prefix structure and divides the work")
     w.add_argument("--speed", type=float, default=1.0,
                    help="time compression: arrivals come SPEED times faster")
-    w.add_argument("--chat-rate", type=float, default=20.0, help="chat workload: requests/s (Poisson)")
+    w.add_argument("--chat-rate", type=float, default=20.0, help="chat and agent workloads: requests/s "
+                   "(Poisson)")
+    w.add_argument("--agents", type=int, default=24, help="agent workload: agent loops in flight at once")
     w.add_argument("--seed", type=int, default=7,
                    help="random seed (generated workloads, delays, drops, random routing)")
 
@@ -679,6 +728,13 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     f.add_argument("--hybrid-chunk-tokens", type=int, default=2048, help="swa: the scheduler's prefill chunk")
     f.add_argument("--cpu-offload-blocks", type=int, default=0, help="vLLM offloading connector: CPU blocks "
                    "per vLLM replica (blocks evicted from the GPU move there, LRU; CPU hits are reused)")
+    f.add_argument("--disk-offload-blocks", type=int, default=0, help="a disk level under the CPU tier: "
+                   "disk blocks per vLLM replica (CPU evictions move there, LRU; disk hits are reused)")
+    f.add_argument("--load-tps", default="", metavar="TIER=RATE,...", help="load model: tokens/s (workload "
+                   "tokens) at which a replica loads reused tokens from each tier (default: the service's "
+                   "price rates, CPU=150000,DISK=40000,NODE_SHARED=100000,POOL=25000)")
+    f.add_argument("--kv-bytes-per-token", type=int, default=131072,
+                   help="KV cache bytes per workload token, for bytes moved (Llama-3-8B: 131072)")
     f.add_argument("--no-routes", action="store_true", help="the router does not record its decisions "
                    "(POST /v1/routes): no pending credit, no eviction foresight, the index from events alone")
     f.add_argument("--engine-block-size", type=int, default=16,
@@ -703,7 +759,16 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
 def _add_routing_flags(p: argparse.ArgumentParser) -> None:
     """The routers to compare and the index's transport (in process, Kafka, HTTP lookups)."""
     r = p.add_argument_group("routing and index")
-    r.add_argument("--policies", default=",".join(POLICIES), help="routers to run (kv = KV-aware)")
+    r.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"routers to run, of {', '.join(POLICIES)} (kv = KV-aware; kv_hints = KV-aware with "
+                        "the index's hints, which the replicas follow)")
+    r.add_argument("--hints", default=",".join(HINT_KINDS), metavar="KIND[,KIND...]",
+                   help="kv_hints: the hint kinds issued (prefetch: the chosen replica loads the prompt's "
+                        "blocks held below GPU memory while the request is queued)")
+    r.add_argument("--hint-compliance", type=float, default=1.0,
+                   help="kv_hints: share of hints the replicas follow")
+    r.add_argument("--hint-delay-ms", type=float, default=2.0,
+                   help="kv_hints: time from the routing decision until a replica acts on its hint")
     r.add_argument("--load-weight", type=float, default=1.0,
                    help="kv router: price = prefill tokens left + WEIGHT x prefill tokens already queued "
                         "on the replica")

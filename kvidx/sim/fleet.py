@@ -40,9 +40,11 @@ Per request (in arrival order, virtual time `now`):
    from the engine's replay buffer, or, with replay off, clears the replica).
 
 Engines run a request's cache step at its arrival (continuous batching admits it at once); the
-queueing that load causes is modelled apart, per replica, as a FIFO prefill server (prefill tokens /
+queueing that load causes is modelled apart (kvidx/sim/serving.py), per replica, as a FIFO prefill server
+(the load of reused tokens held below GPU memory at the tier's rate, `load_tps`, then prefill tokens /
 `prefill_tps`) and in-flight decodes (`decode_ms_per_token`): it gives the routers their load
-signals and an estimated time to first token.
+signals and an estimated time to first token. The kv_hints policy adds prefetch hints (kvidx.core.hints)
+that replicas follow (`hint_compliance`, `hint_delay_ms`) by loading while the request is queued.
 
 Engines publish into an in-process outbox (no sockets on the hot path); their payloads are exactly
 what they would send on their ZMQ PUB socket.
@@ -50,7 +52,8 @@ what they would send on their ZMQ PUB socket.
 In the code: run_fleet lays the fleet out (_FleetPlan: kinds, names, pools, hybrid groups), opens the
 index side (_IndexSide: the sink, the lookup, the Kafka wait) and builds the replicas and their relays
 (_Fleet, over a _Network); _replay_requests then takes each request through steps 1-4 with a _Router,
-the _LoadModel and the _Accounts (agreement), and _stream_counters / _tier_counters report the rest.
+the ServingModel (kvidx/sim/serving.py: queues, tier loads, prefetches), the _Hints and the _Accounts
+(agreement), and _stream_counters / _tier_counters report the rest.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ from kvidx.client import KvidxClient, UnknownModel
 from kvidx.config import Config, ModelConfig, PoolConfig
 from kvidx.core.answers import ReplicaAnswer, merge_replicas
 from kvidx.core.hashing import prompt_hashes
+from kvidx.core.hints import prefetch_hint
+from kvidx.core.price import PriceConfig
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
 from kvidx.engines.trtllm.relay import TrtllmPollRelay
@@ -81,6 +86,7 @@ from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
 from kvidx.sim.hybrid_engine import FleetHybridEngine
 from kvidx.sim.rolling import RollingRestart
+from kvidx.sim.serving import ServingModel
 from kvidx.sim.sglang_engine import SimSglangEngine
 from kvidx.sim.trtllm_engine import SimTrtllmEngine
 from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, external_hash
@@ -88,7 +94,9 @@ from kvidx.sim.workloads import SimRequest
 from relays.run import Relay
 from schemas.events import EventBatch, ReplicaCleared
 
-POLICIES = ("kv", "random", "round_robin", "least_loaded")
+POLICIES = ("kv", "kv_hints", "random", "round_robin", "least_loaded")
+DEFAULT_POLICIES = ("kv", "random", "round_robin", "least_loaded")
+HINT_KINDS = ("prefetch",)  # simulated so far (placement and eviction advice: issue #16, still open)
 ENGINES = ("vllm", "sglang", "trtllm")
 POOL_TIERS = ("NODE_SHARED", "POOL")
 _inproc_ids = itertools.count()
@@ -128,15 +136,43 @@ class OffloadVllmEngine(OutboxVllmEngine):
     _placeholder_stored: block_size 0, no token ids, the block's hash, medium "CPU"; the CPU's own
     evictions as BlockRemoved "CPU"). A request's GPU hit is extended by the blocks the CPU holds
     right after it (the connector's lookup starts at the GPU hit and counts consecutive CPU hits),
-    below the last prompt token; they are loaded into GPU blocks and cached there again."""
+    below the last prompt token; they are loaded into GPU blocks and cached there again.
+
+    With `disk_blocks`, a second level below the CPU (a tiered store, as LMCache's local disk backend
+    under its CPU one): a block the CPU evicts moves to a disk LRU (placeholder medium "DISK"; the disk's
+    evictions as BlockRemoved "DISK"), and the lookup's consecutive hits count blocks in either level,
+    each loaded from the faster one holding it."""
 
     def __init__(self, name: str, num_blocks: int, block_size: int, cpu_blocks: int,
-                 buffer_steps: int = 1000) -> None:
+                 buffer_steps: int = 1000, disk_blocks: int = 0) -> None:
         super().__init__(name, num_blocks, block_size, buffer_steps)
         self.cpu_blocks = cpu_blocks
         self.cpu: OrderedDict[bytes, None] = OrderedDict()
+        self.disk_blocks = disk_blocks
+        self.disk: OrderedDict[bytes, None] = OrderedDict()
         self.offloaded = self.cpu_evicted = self.cpu_hit_blocks = 0
+        self.disk_stored = self.disk_evicted = self.disk_hit_blocks = 0
         self.last_split: dict[str, int] = {}
+
+    @staticmethod
+    def _placeholder(d: bytes, medium: str) -> dict[str, Any]:
+        return {"type": "BlockStored", "block_hashes": [external_hash(d)], "parent_block_hash": None,
+                "token_ids": [], "block_size": 0, "lora_id": None, "medium": medium, "lora_name": None,
+                "group_idx": 0}
+
+    def _to_disk(self, d: bytes, events: list[dict[str, Any]]) -> None:
+        disk = self.disk
+        if d in disk:
+            disk.move_to_end(d)
+            return
+        while len(disk) >= self.disk_blocks:
+            old, _ = disk.popitem(last=False)
+            events.append({"type": "BlockRemoved", "block_hashes": [external_hash(old)], "medium": "DISK",
+                           "group_idx": 0})
+            self.disk_evicted += 1
+        disk[d] = None
+        self.disk_stored += 1
+        events.append(self._placeholder(d, "DISK"))
 
     def _evict(self, b: Any, events: list[dict[str, Any]]) -> None:
         d = b.digest
@@ -152,11 +188,11 @@ class OffloadVllmEngine(OutboxVllmEngine):
             events.append({"type": "BlockRemoved", "block_hashes": [external_hash(old)], "medium": "CPU",
                            "group_idx": 0})
             self.cpu_evicted += 1
+            if self.disk_blocks > 0:
+                self._to_disk(old, events)
         cpu[d] = None
         self.offloaded += 1
-        events.append({"type": "BlockStored", "block_hashes": [external_hash(d)], "parent_block_hash": None,
-                       "token_ids": [], "block_size": 0, "lora_id": None, "medium": "CPU",
-                       "lora_name": None, "group_idx": 0})
+        events.append(self._placeholder(d, "CPU"))
 
     def serve(self, prompt_token_ids: list[int], output_token_ids: list[int] | None = None) -> int:
         prompt = list(prompt_token_ids)
@@ -166,16 +202,26 @@ class OffloadVllmEngine(OutboxVllmEngine):
         g = 0
         while g < limit and digests[g] in self._cached:
             g += 1
-        c = 0
-        cpu = self.cpu
-        while g + c < limit and digests[g + c] in cpu:
-            cpu.move_to_end(digests[g + c])  # touched by the lookup / load
-            c += 1
+        c = k = 0  # blocks loaded from the CPU, from the disk
+        cpu, disk = self.cpu, self.disk
+        while g + c + k < limit:
+            d = digests[g + c + k]
+            if d in cpu:
+                cpu.move_to_end(d)  # touched by the lookup / load
+                c += 1
+            elif d in disk:
+                disk.move_to_end(d)
+                k += 1
+            else:
+                break
         self.cpu_hit_blocks += c
+        self.disk_hit_blocks += k
         gpu = super().serve(prompt, output_token_ids)
         assert gpu == g * B
         self.last_split = {"GPU": g * B, "CPU": c * B}
-        return (g + c) * B
+        if self.disk_blocks > 0:
+            self.last_split["DISK"] = k * B
+        return (g + c + k) * B
 
 
 class OutboxSglangEngine(SimSglangEngine):
@@ -469,6 +515,16 @@ class FleetConfig:
     hybrid_hashless_p: float = 0.05  # mamba: chunk announcements without a hash
     hybrid_report_full_p: float = 0.1  # hits re-announced (kv_cache_report_mode "full")
     cpu_offload_blocks: int = 0  # vLLM offloading connector: CPU blocks per vLLM replica (0: none)
+    disk_offload_blocks: int = 0  # under the CPU tier: disk blocks per vLLM replica (0: none)
+    # serving time (kvidx/sim/serving.py): load rates per tier in workload tokens/s (the service's
+    # default price rates), KV bytes per workload token (Llama-3-8B: 32 layers x 8 KV heads x 128 x 2 x 2)
+    load_tps: dict[str, float] = field(default_factory=lambda: dict(PriceConfig().load_tokens_per_s))
+    kv_bytes_per_token: int = 131072
+    # the kv_hints policy: the hint kinds the index issues, the share of hints engines follow, and how long
+    # after the routing decision a hint reaches the engine
+    hints: tuple[str, ...] = ("prefetch",)
+    hint_compliance: float = 1.0
+    hint_delay_ms: float = 2.0
     # the router records each decision as /v1/routes does (pending credit, eviction foresight, the
     # service's pending_ttl_s); in process only (the HTTP service keeps wall-clock time, the run virtual)
     record_routes: bool = True
@@ -641,9 +697,11 @@ class _FleetPlan:
         """The tiers a run's reuse is split over: GPU, the CPU tier if an engine has one, the pools'."""
         kinds = self.kinds
         names = ["GPU"]
-        if (cfg.host_tier_blocks > 0 and "trtllm" in kinds) or (cfg.cpu_offload_blocks > 0 and "vllm" in kinds
-                                                                 and not self.hgroups):
+        offload = cfg.cpu_offload_blocks > 0 and "vllm" in kinds and not self.hgroups
+        if (cfg.host_tier_blocks > 0 and "trtllm" in kinds) or offload:
             names.append("CPU")
+        if offload and cfg.disk_offload_blocks > 0:
+            names.append("DISK")
         if self.pools:
             names.append(cfg.pool_tier)
         return names
@@ -903,7 +961,8 @@ class _Fleet:
         cfg = self.cfg
         if cfg.cpu_offload_blocks > 0:
             e: OutboxVllmEngine = OffloadVllmEngine(name, cfg.num_blocks, cfg.engine_block,
-                                                    cfg.cpu_offload_blocks, cfg.replay_buffer)
+                                                    cfg.cpu_offload_blocks, cfg.replay_buffer,
+                                                    cfg.disk_offload_blocks)
         else:
             e = OutboxVllmEngine(name, cfg.num_blocks, cfg.engine_block, cfg.replay_buffer)
         self.stack.append(e.close)
@@ -966,54 +1025,50 @@ class _Fleet:
         return reused, split
 
 
-class _LoadModel:
-    """The queueing that routing causes, apart from the cache step: per replica a FIFO prefill server
-    (`prefill_tps`) and the decodes in flight (`decode_ms_per_token`). Gives the routers their load
-    signals and each request its estimated time to first token."""
-
-    def __init__(self, cfg: FleetConfig, names: list[str], n_requests: int) -> None:
-        self.served = {name: 0 for name in names}
-        self.busy_until = {name: 0.0 for name in names}  # end of the replica's queued prefill
-        self.inflight: dict[str, list[float]] = {name: [] for name in names}  # heaps of decode end times
-        self.ttft = np.zeros(n_requests)
-        self.tok_rate = cfg.prefill_tps * cfg.token_scale  # simulated tokens per second per replica
-        self.decode_s = cfg.decode_ms_per_token / 1000.0 / cfg.token_scale  # per simulated output token
-
-    def expire(self, reps: list[SimReplica], t: float) -> None:
-        """Forget the decodes of `reps` that ended by `t`."""
-        for e in reps:
-            q = self.inflight[e.name]
-            while q and q[0] <= t:
-                heapq.heappop(q)
-
-    def admit(self, i: int, name: str, t: float, n: int, reused: int, n_output: int) -> None:
-        """Queue request `i` (n prompt tokens, `reused` of them cached) on replica `name` at `t`."""
-        start = max(t, self.busy_until[name])
-        self.busy_until[name] = start + (n - reused) / self.tok_rate
-        self.ttft[i] = self.busy_until[name] - t
-        heapq.heappush(self.inflight[name], self.busy_until[name] + n_output * self.decode_s)
-        self.served[name] += 1
+def _serving_model(cfg: FleetConfig, names: list[str], n_requests: int) -> ServingModel:
+    """The run's queues and load channels, in simulated tokens (rates x `token_scale`)."""
+    sc = cfg.token_scale
+    return ServingModel(names, n_requests, cfg.prefill_tps * sc, {t: r * sc for t, r in cfg.load_tps.items()},
+                        cfg.decode_ms_per_token / 1000.0 / sc, cfg.kv_bytes_per_token / sc)
 
 
 class _Router:
-    """One routing policy over a model's replicas. The KV-aware one prices a replica by the prefill tokens
-    left after the index's resumable tokens plus `load_weight` x its queued prefill; ties, and the random
-    policy, draw from `rng` (one draw per replica per request for kv and least_loaded)."""
+    """One routing policy over a model's replicas. The KV-aware one prices a replica, in prefill tokens,
+    by the tokens left after the index's resumable tokens, the load of the resumable tokens held below
+    GPU memory (their seconds at the replica's prefill rate) and `load_weight` x its queued prefill;
+    kv_hints prices the same but knows that a followed prefetch overlaps the load with the queue wait
+    (max of the two instead of their sum, at the hints' compliance). Ties, and the random policy, draw
+    from `rng` (one draw per replica per request for kv and least_loaded)."""
 
-    def __init__(self, policy: str, cfg: FleetConfig, rng: random.Random, load: _LoadModel) -> None:
+    def __init__(self, policy: str, cfg: FleetConfig, rng: random.Random, serving: ServingModel) -> None:
         self.policy = policy
         self.rng = rng
-        self.load = load
+        self.serving = serving
         self.load_weight = cfg.load_weight
         self.rr = {m: 0 for m in cfg.models}
+        self.prefetch = policy == "kv_hints" and "prefetch" in cfg.hints
+        self.compliance = cfg.hint_compliance
+        self.hint_delay_s = cfg.hint_delay_ms / 1000.0
 
-    def choose(self, model: str, reps: list[SimReplica], n: int, resumable: dict[str, int],
+    def _price(self, name: str, n: int, ans: ReplicaAnswer | None, t: float) -> float:
+        sv = self.serving
+        resumable = ans.resumable_tokens if ans is not None else 0
+        queue = max(0.0, sv.busy_until[name] - t)
+        price = n - resumable + self.load_weight * sv.prefill_tps * queue
+        load = sv.load_s(ans, n)
+        if load and self.prefetch:
+            c, wq = self.compliance, self.load_weight * queue
+            price += sv.prefill_tps * (c * max(0.0, self.hint_delay_s + load - wq) + (1 - c) * load)
+        elif load:
+            price += sv.prefill_tps * load
+        return price
+
+    def choose(self, model: str, reps: list[SimReplica], n: int, answers: dict[str, ReplicaAnswer],
                t: float) -> SimReplica:
-        busy_until, inflight, rng = self.load.busy_until, self.load.inflight, self.rng
-        if self.policy == "kv":
-            w = self.load_weight * self.load.tok_rate
-            prices = [(n - resumable.get(e.name, 0) + w * max(0.0, busy_until[e.name] - t),
-                       len(inflight[e.name]), rng.random(), k) for k, e in enumerate(reps)]
+        busy_until, inflight, rng = self.serving.busy_until, self.serving.inflight, self.rng
+        if self.policy in ("kv", "kv_hints"):
+            prices = [(self._price(e.name, n, answers.get(e.name), t), len(inflight[e.name]), rng.random(), k)
+                      for k, e in enumerate(reps)]
             return reps[min(prices)[3]]
         if self.policy == "random":
             return reps[rng.randrange(len(reps))]
@@ -1024,6 +1079,32 @@ class _Router:
         # least_loaded: fewest requests in flight, then the shortest prefill queue
         loads = [(len(inflight[e.name]), busy_until[e.name], rng.random(), k) for k, e in enumerate(reps)]
         return reps[min(loads)[3]]
+
+
+class _Hints:
+    """The kv_hints policy's side: the prefetch plan for the chosen replica (kvidx.core.hints, as the
+    service builds it), followed by the replica with probability `hint_compliance`, `hint_delay_ms` after
+    the decision."""
+
+    def __init__(self, cfg: FleetConfig, policy: str, serving: ServingModel) -> None:
+        self.on = policy == "kv_hints" and "prefetch" in cfg.hints
+        self.rng = random.Random(cfg.seed + 2)  # its own draws: the routing draws stay the kv run's
+        self.compliance = cfg.hint_compliance
+        self.delay_s = cfg.hint_delay_ms / 1000.0
+        self.serving = serving
+
+    def prefetch(self, ans: ReplicaAnswer | None, name: str, t: float) -> tuple[Any, float | None]:
+        """(the hint for `name`'s answer or None, the time the replica starts on it or None)."""
+        if not self.on or ans is None or not ans.resumable_tokens:
+            return None, None
+        sv = self.serving
+        hint = prefetch_hint(ans, sv.pricer, sv.queue_s(name, t))
+        if hint is None:
+            return None, None
+        sv.prefetch.issued += 1
+        if self.rng.random() >= self.compliance:
+            return hint, None
+        return hint, t + self.delay_s
 
 
 class _Accounts:
@@ -1082,8 +1163,8 @@ class _Accounts:
 
 
 def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock, index: _IndexSide,
-                     fleet: _Fleet, router: _Router, load: _LoadModel, accounts: _Accounts,
-                     progress: Callable[[int], None] | None) -> None:
+                     fleet: _Fleet, router: _Router, serving: ServingModel, hints: _Hints,
+                     accounts: _Accounts, progress: Callable[[int], None] | None) -> None:
     """The run itself, one request at a time in arrival order (the module docstring's steps 1-4), then
     every message still in flight delivered."""
     for i, req in enumerate(requests):
@@ -1098,14 +1179,15 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
             index.wait_until_applied(model)
         # the router's view: resumable tokens per replica (from the index) and load
         by_rep = index.lookup(model, req.prompt, t)
-        resumable = {r: a.resumable_tokens for r, a in by_rep.items()}
-        load.expire(reps, t)
-        chosen = router.choose(model, reps, n, resumable, t)
-        credited = resumable.get(chosen.name, 0)
+        serving.expire([e.name for e in reps], t)
+        chosen = router.choose(model, reps, n, by_rep, t)
+        ans = by_rep.get(chosen.name)
+        credited = ans.resumable_tokens if ans is not None else 0
         index.route(model, chosen.name, n, credited, t)
+        hint, followed_at = hints.prefetch(ans, chosen.name, t)
         reused, reused_split = fleet.run_request(chosen, req, t)
-        load.admit(i, chosen.name, t, n, reused, len(req.output))
-        accounts.add(i, t, n, chosen, reused, reused_split, credited, by_rep.get(chosen.name))
+        serving.admit(i, chosen.name, t, n, reused, reused_split, len(req.output), hint, followed_at)
+        accounts.add(i, t, n, chosen, reused, reused_split, credited, ans)
         if progress is not None and (i & 63) == 63:
             progress(i + 1)
     fleet.deliver_until(float("inf"))
@@ -1204,6 +1286,9 @@ def _tier_counters(cfg: FleetConfig, fleet: _Fleet) -> dict[str, Any]:
             "cpu_blocks": cfg.cpu_offload_blocks, "offloaded_blocks": sum(e.offloaded for e in oe),
             "cpu_evicted_blocks": sum(e.cpu_evicted for e in oe),
             "cpu_hit_blocks": sum(e.cpu_hit_blocks for e in oe),
+            **({"disk_blocks": cfg.disk_offload_blocks, "disk_stored_blocks": sum(e.disk_stored for e in oe),
+                "disk_evicted_blocks": sum(e.disk_evicted for e in oe),
+                "disk_hit_blocks": sum(e.disk_hit_blocks for e in oe)} if cfg.disk_offload_blocks else {}),
             "relay_placeholder_stored": sum(m["placeholder_stored"] for m in ms),
             "relay_placeholder_unknown": sum(m["placeholder_unknown"] for m in ms)}
     return out
@@ -1243,15 +1328,18 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         index = _IndexSide(cfg, store, clock, stack)
         net = _Network(cfg, rng)
         fleet = _Fleet(cfg, plan, index.sink, net, clock, stack)
-        load = _LoadModel(cfg, [r.name for r in fleet.replicas()], len(requests))
-        router = _Router(policy, cfg, route_rng, load)
+        serving = _serving_model(cfg, [r.name for r in fleet.replicas()], len(requests))
+        router = _Router(policy, cfg, route_rng, serving)
+        hints = _Hints(cfg, policy, serving)
         accounts = _Accounts(cfg, plan, fleet.replicas())
-        _replay_requests(requests, cfg, clock, index, fleet, router, load, accounts, progress)
+        _replay_requests(requests, cfg, clock, index, fleet, router, serving, hints, accounts, progress)
         counters = {**_stream_counters(fleet, net, index), **_tier_counters(cfg, fleet),
                     **index.kafka_counters(), **index.instance_counters(),
-                    "foresight": _foresight_counters(accounts)}
+                    "foresight": _foresight_counters(accounts), "serving": serving.report()}
+        if hints.on:
+            counters["hints"] = {"prefetch": serving.prefetch.report()}
         return RunResult(policy, accounts.overall, accounts.per_model, accounts.per_replica, accounts.windows,
-                         load.served, load.ttft, counters, time.perf_counter() - t_wall, accounts.per_engine,
-                         accounts.per_tier, accounts.kind_of, accounts.per_group_kind)
+                         serving.served, serving.ttft, counters, time.perf_counter() - t_wall,
+                         accounts.per_engine, accounts.per_tier, accounts.kind_of, accounts.per_group_kind)
     finally:
         _stop_all(stack)

@@ -238,3 +238,60 @@ def test_cli_hybrid_and_offload_json(tmp_path, capsys):
     assert set(head["per_tier"]) == {"GPU", "CPU"} and head["zero_delay"]["per_tier"]["CPU"]["recall"] == 1.0
     with pytest.raises(SystemExit):
         cli_main([*base, "--hybrid", "swa:64", "--cpu-offload-blocks", "10"])
+
+
+def test_vllm_disk_level_under_the_cpu_zero_delay_agrees_per_tier(trace_reqs):
+    """CPU evictions move to a disk level (placeholders with medium DISK); a request loads the blocks
+    after its GPU hit from either level, credited in the tier it came from, exactly without delay."""
+    r = run_fleet(trace_reqs, cfg(num_blocks=700, cpu_offload_blocks=300, disk_offload_blocks=2000), "kv")
+    assert set(r.per_tier) == {"GPU", "CPU", "DISK"}
+    for tn in ("GPU", "CPU", "DISK"):
+        t = r.per_tier[tn].summary()
+        assert t["reused_tokens"] > 0 and t["recall"] == 1.0 and t["over_credit"] == 0.0, (tn, t)
+    c = r.counters["cpu_offload"]
+    assert c["disk_stored_blocks"] > 0 and c["disk_hit_blocks"] > 0
+    assert c["relay_placeholder_stored"] == c["offloaded_blocks"] + c["disk_stored_blocks"]
+    assert r.counters["serving"]["bytes_moved"] > 0
+
+
+def test_kv_hints_prefetch_followed_pays_off_and_never_slows_a_request(trace_reqs):
+    """The same fleet and routing, with the index's prefetch plans followed: the loads the queue hides
+    come off the requests' turns (TTFT no worse on average), and the counters say so."""
+    c = cfg(num_blocks=700, cpu_offload_blocks=300, disk_offload_blocks=2000, speed=4.0)
+    kv = run_fleet(trace_reqs, c, "kv")
+    hinted = run_fleet(trace_reqs, c, "kv_hints")
+    p = hinted.counters["hints"]["prefetch"]
+    assert p["issued"] > 0 and p["followed"] == p["issued"] and 0 < p["paid_off"] <= p["followed"]
+    assert p["saved_s"] > 0
+    assert "hints" not in kv.counters
+    assert hinted.ttft_s.mean() < kv.ttft_s.mean()
+    assert hinted.counters["serving"]["gpu_share_of_reused"] > kv.counters["serving"]["gpu_share_of_reused"]
+    # engines that never follow: the hints are issued, nothing changes
+    ignored = run_fleet(trace_reqs, cfg(num_blocks=700, cpu_offload_blocks=300, disk_offload_blocks=2000,
+                                        speed=4.0, hint_compliance=0.0), "kv_hints")
+    assert ignored.counters["hints"]["prefetch"]["followed"] == 0
+    assert np.allclose(ignored.ttft_s, kv.ttft_s)
+
+
+def test_cli_kv_hints_json_and_bad_hint_flags(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    with open(MOONCAKE_TRACE) as f:
+        trace.write_text("".join(next(f) for _ in range(100)))
+    base = ["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "3", "--jobs", "1",
+            "--json", "--no-progress", "--quiet", "--no-zero-delay", "--engine-blocks", "300",
+            "--cpu-offload-blocks", "100", "--disk-offload-blocks", "500"]
+    assert cli_main([*base, "--policies", "kv,kv_hints", "--load-tps", "DISK=20000"]) == 0
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(head["policies"]) == {"kv", "kv_hints"}
+    for p in head["policies"].values():
+        assert {"p50", "p99", "mean"} <= set(p["ttft_est_s"]) and 0 <= p["gpu_share_of_reused"] <= 1
+        assert p["bytes_moved"] >= 0 and 0 < p["reuse_rate"] < 1
+    assert set(head["policies"]["kv_hints"]["hints"]["prefetch"]) >= {"issued", "followed", "paid_off"}
+    assert head["config"]["load_tps"]["DISK"] == 20000.0
+    for bad in (["--hints", "placement"], ["--hint-compliance", "2"], ["--load-tps", "DISK"],
+                ["--load-tps", "CPU=-1"]):
+        with pytest.raises(SystemExit) as e:
+            cli_main([*base, "--policies", "kv_hints", *bad])
+        assert str(e.value).startswith("error: ")
+    with pytest.raises(SystemExit, match="--disk-offload-blocks"):
+        cli_main([*base[:-4], "--disk-offload-blocks", "500"])
