@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
@@ -25,6 +26,7 @@ from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
 from kvidx.kafka.reach import message, wait_for_broker
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC
+from schemas.hints import HintRecord
 from schemas.routes import RouteDecision, decode_route, encode_route
 from streams.snapshots import read_snapshots, watermarks
 
@@ -184,18 +186,20 @@ class KafkaFollower(Background):
 
 
 class RoutePublisher:
-    """Sends the routing decisions this instance records to the routes topic (key = model)."""
+    """Sends the routing decisions this instance records to the routes topic (key = model); with
+    `encode=encode_hint`, its prefetch hints to the hints topic."""
 
-    def __init__(self, bootstrap: str, topic: str):
+    def __init__(self, bootstrap: str, topic: str, encode: Callable[[Any], bytes] = encode_route):
         from confluent_kafka import Producer
 
         self.topic = topic
+        self.encode = encode
         self.errors = 0
         self.producer = Producer({**client_config(), "bootstrap.servers": bootstrap,
                                   "enable.idempotence": True, "linger.ms": 1})
 
-    def __call__(self, d: RouteDecision) -> None:
-        self.producer.produce(self.topic, key=d.model.encode(), value=encode_route(d),
+    def __call__(self, d: RouteDecision | HintRecord) -> None:
+        self.producer.produce(self.topic, key=d.model.encode(), value=self.encode(d),
                               on_delivery=self._delivered)
         self.producer.poll(0)
 

@@ -72,6 +72,8 @@ async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int
             ctx.pipeline.unknown_model(shard.model)  # known to no instance
         answer.replicas = merge_replicas([answer.replicas, *parts], rank, top_k)
         answer.partial, answer.missing_groups = bool(gone), gone
+        if rank and answer.replicas:
+            answer.prefetch = ctx.pipeline.prefetch_plan(shard.model, answer.replicas[0])
     replicas = answer.replicas
     return encode(answer), replicas[0].resumable_tokens if replicas else 0, len(replicas)
 

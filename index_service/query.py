@@ -25,10 +25,12 @@ from index_service.wire import (
     check_hashes,
     pack_tokens,
 )
-from kvidx.core.answers import LookupAnswer, ReplicaAnswer
+from kvidx.core.answers import LookupAnswer, PrefetchHint, ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
+from kvidx.core.hints import prefetch_hint
 from kvidx.core.price import Pricer
 from kvidx.core.shard import ModelShard
+from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
 from schemas.routes import ROUTES_VERSION, RouteDecision
 from schemas.usage import USAGE_VERSION, UsageReport
 
@@ -126,6 +128,19 @@ class QueryPipeline:
             pricer = self.pricers[model] = Pricer(self.store.config.model(model).price)
         return pricer
 
+    def prefetch_on(self, model: str) -> bool:
+        """Whether the operator turned prefetch hints on for `model` (hints.prefetch in its config)."""
+        return self.store.config.model(model).hints.prefetch
+
+    def prefetch_plan(self, model: str, answer: ReplicaAnswer) -> PrefetchHint | None:
+        """`answer`'s replica's prefetch plan (kvidx.core.hints), expected to start the request after
+        the prefill already routed there (its price's queue), or None (hints off, nothing below GPU)."""
+        hints = self.store.config.model(model).hints
+        if not hints.prefetch:
+            return None
+        queue_s = answer.price.queue_s if answer.price is not None else 0.0
+        return prefetch_hint(answer, self.pricer(model), queue_s, hints.kv_bytes_per_token)
+
     def answer(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
                top_k: int | None = None, feedback=None, groups: frozenset[int] | None = None) -> LookupAnswer:
         """The answer: replicas by resumable tokens (`rank`: by
@@ -154,7 +169,10 @@ class QueryPipeline:
             replicas.sort(key=_by_price)
         if top_k is not None:
             del replicas[top_k:]
-        return LookupAnswer(shard.model, n_tokens, shard.block_size, replicas)
+        out = LookupAnswer(shard.model, n_tokens, shard.block_size, replicas)
+        if rank and replicas:
+            out.prefetch = self.prefetch_plan(shard.model, replicas[0])
+        return out
 
     def answer_json(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
                     top_k: int | None = None, feedback=None) -> tuple[bytes, int, int]:
@@ -163,7 +181,9 @@ class QueryPipeline:
         encoded; the same answer either way (tests/unit/index_service/test_answer_json.py)."""
         if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
             raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
-        if feedback is None or not feedback.by_model.get(shard.model):  # feedback caps need the structs
+        # feedback caps, and a rank's prefetch plan, need the structs
+        if (feedback is None or not feedback.by_model.get(shard.model)) and not (
+                rank and self.prefetch_on(shard.model)):
             pricer = self.pricer(shard.model)
             fast = shard.lookup_json(hashes, n_tokens, time.time(), pricer.per_token, pricer.load_cost,
                                      rank, top_k)
@@ -178,9 +198,10 @@ class QueryPipeline:
         shard, hashes, n = self.prompt(req)
         return self.answer(shard, hashes, n, rank, req.top_k, feedback)
 
-    def route(self, req: RouteRequest) -> tuple[RouteDecision, bool]:
+    def route(self, req: RouteRequest) -> tuple[RouteDecision, bool, PrefetchHint | None]:
         """Record a routing decision as pending credit on its replica (published when the store has
-        a publisher); False with it if the request id was applied already."""
+        a publisher); False with it if the request id was applied already; and the replica's prefetch
+        plan where the model's hints are on (published on the hints topic when the store has one)."""
         if not req.request_id or not req.replica:
             raise Reject(422, "request_id and replica must not be empty")
         ttl = self.store.config.pending_ttl_s if req.ttl_s is None else req.ttl_s
@@ -198,10 +219,28 @@ class QueryPipeline:
         d = RouteDecision(ROUTES_VERSION, req.request_id[:200], req.model, req.replica[:500], req.dp_rank,
                           list(hashes), n, req.credited_tokens, time.time(), ttl, req.router[:200],
                           req.evicting_tokens)
+        # the plan from the replica's state before this decision's own pending credit counts there
+        hint = self._route_prefetch(shard, d) if not elsewhere and self.prefetch_on(shard.model) else None
         applied = self.store.apply_route(d)
         if applied and self.store.publish_route is not None:
             self.store.publish_route(d)
-        return d, applied
+        if applied and hint is not None and self.store.publish_hint is not None:
+            self.store.publish_hint(hint_record(d, shard.block_size, hint))
+        return d, applied, hint
+
+    def _route_prefetch(self, shard: ModelShard, d: RouteDecision) -> PrefetchHint | None:
+        for a in shard.lookup(d.block_hashes, d.prompt_tokens, d.ts, None):
+            if a.replica == d.replica and a.dp_rank == d.dp_rank:
+                a.price = self.pricer(shard.model)(a, d.prompt_tokens)
+                return self.prefetch_plan(shard.model, a)
+        return None
+
+
+def hint_record(d: RouteDecision, block_size: int, hint: PrefetchHint) -> HintRecord:
+    """A routing decision's prefetch plan as the hints topic carries it."""
+    return HintRecord(HINTS_VERSION, "prefetch", d.request_id, d.model, d.replica, d.dp_rank, d.block_hashes,
+                      block_size, [PrefetchRunRecord(r.tier, r.start, r.end, r.load_s) for r in hint.runs],
+                      hint.tokens, hint.load_s, hint.deadline_s, hint.benefit_s, hint.bytes, d.ts)
 
 
 def usage_report(req: UsageRequest) -> UsageReport:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -24,11 +25,14 @@ async def record_route(ctx: ServiceContext, request: Request) -> Response:
     try:
         req = await ctx.read_json(request, ROUTE_DECODER)
         model = req.model
-        d, applied = ctx.pipeline.route(req)
+        d, applied, hint = ctx.pipeline.route(req)
         if applied:
             ctx.metrics.routed(d.model, req.credited_tokens)
         ctx.metrics.observe("routes", 202, time.perf_counter() - t0)
-        return json_response({"accepted": True, "duplicate": not applied, "expires_at": d.ts + d.ttl_s}, 202)
+        body = {"accepted": True, "duplicate": not applied, "expires_at": d.ts + d.ttl_s}
+        if hint is not None:
+            body["prefetch"] = msgspec.to_builtins(hint)
+        return json_response(body, 202)
     except Exception as e:  # noqa: BLE001
         return ctx.rejected("routes", e, model)
 

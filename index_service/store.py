@@ -12,6 +12,7 @@ from kvidx.config import Config, ShardSettings
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.shard import ModelShard
 from schemas.events import EventBatch
+from schemas.hints import HintRecord
 from schemas.routes import RouteDecision
 
 _SEEN_ROUTES = 200_000  # request ids remembered to apply each decision once (local + Kafka echo)
@@ -42,6 +43,7 @@ class ShardStore:
         self.ready = False  # set once the shards were rebuilt (snapshots + catch-up)
         self.not_ready_reason: str | None = None  # what /healthz says while not ready
         self.publish_route: Callable[[RouteDecision], None] | None = None  # set when routes go to Kafka
+        self.publish_hint: Callable[[HintRecord], None] | None = None  # set when hints go to Kafka
         self._seen_routes: OrderedDict[str, None] = OrderedDict()
 
     def block_size(self, model: str) -> int:

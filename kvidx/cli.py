@@ -350,6 +350,7 @@ def cmd_serve(args) -> int:
     from relays.managed import vllm_relay_starter
     from relays.sinks import KafkaSink
     from schemas.events import topic_names
+    from schemas.hints import encode_hint
 
     log = logging.getLogger("kvidx.service")
     b = resolve_bootstrap(args.bootstrap)
@@ -368,7 +369,8 @@ def cmd_serve(args) -> int:
             sys.exit(f"error: {e}")
     store = ShardStore(settings.index_block_size, config=settings.config,
                        unreported_eviction_kinds=settings.unreported_eviction_kinds, groups=groups)
-    store.publish_route = RoutePublisher(b, t["routes"])
+    publishers = [RoutePublisher(b, t["routes"]), RoutePublisher(b, t["hints"], encode_hint)]
+    store.publish_route, store.publish_hint = publishers
     from index_service.fanout import Announcer, Fanout, PeerDirectory
 
     name = args.instance_name or f"{socket.gethostname()}:{args.port}"
@@ -419,6 +421,8 @@ def cmd_serve(args) -> int:
             f.stop()
         follower.stop()
         announcer.stop()
+        for p in publishers:  # the decisions and hints still buffered reach the broker
+            p.close()
     return 0
 
 

@@ -51,6 +51,12 @@ class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
     window: int | None = None  # sliding window length in tokens
 
 
+class HintsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Hints (issue #16) are off until the operator turns them on, per model."""
+    prefetch: bool = False  # /v1/rank and /v1/routes answers carry the prefetch plan; the hints topic
+    kv_bytes_per_token: int = 0  # for the bytes a hint moves (0: not reported)
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     index_block_size: int = 16
     unreported_eviction_kinds: list[str] = []
@@ -64,6 +70,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     # else a stable hash of its name
     replica_groups: int = 1
     replica_placement: dict[str, int] = {}
+    hints: HintsConfig = msgspec.field(default_factory=HintsConfig)
 
     def group_kinds(self) -> dict[int, tuple[str, int | None]]:
         return {g: (c.kind, c.window) for g, c in self.groups.items()}

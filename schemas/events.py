@@ -25,6 +25,7 @@ DEAD_LETTER_TOPIC = "kvidx.deadletter"
 CONTROL_TOPIC = "kvidx.control.v1"  # requests to relays (schemas/control.py)
 ROUTES_TOPIC = "kvidx.routes.v1"  # routing decisions: pending credit and the audit (schemas/routes.py)
 USAGE_TOPIC = "kvidx.usage.v1"  # engine usage reports (what was reused): the audit (schemas/usage.py)
+HINTS_TOPIC = "kvidx.hints.v1"  # prefetch hints for routed requests (schemas/hints.py)
 # compacted: the workers registered through Dynamo's API (schemas/registrations.py)
 REGISTRATIONS_TOPIC = "kvidx.registrations.v1"
 # compacted: the service instances and the replica groups they hold (index_service/fanout.py)
@@ -37,7 +38,8 @@ def topic_names(prefix: str = "") -> dict[str, str]:
     return {"events": prefix + EVENTS_TOPIC, "snapshots": prefix + SNAPSHOTS_TOPIC,
             "dead_letters": prefix + DEAD_LETTER_TOPIC, "routes": prefix + ROUTES_TOPIC,
             "control": prefix + CONTROL_TOPIC, "usage": prefix + USAGE_TOPIC,
-            "registrations": prefix + REGISTRATIONS_TOPIC, "instances": prefix + INSTANCES_TOPIC}
+            "registrations": prefix + REGISTRATIONS_TOPIC, "instances": prefix + INSTANCES_TOPIC,
+            "hints": prefix + HINTS_TOPIC}
 
 
 TIERS = ("GPU", "CPU", "DISK", "NODE_SHARED", "POOL")  # fastest first

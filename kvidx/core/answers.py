@@ -70,6 +70,27 @@ class ReplicaAnswer(msgspec.Struct, omit_defaults=True):
     evicting_tokens: int = 0
 
 
+class PrefetchRun(msgspec.Struct):
+    """Tokens [start, end) of the prompt, held in `tier`, to load to GPU memory."""
+    tier: str
+    start: int
+    end: int
+    load_s: float
+
+
+class PrefetchHint(msgspec.Struct):
+    """What a replica chosen for a prompt could load back to GPU memory while the request waits in its
+    queue (kvidx.core.hints)."""
+    replica: str
+    dp_rank: int
+    runs: list[PrefetchRun]
+    tokens: int  # tokens to load, all runs
+    load_s: float  # their load time, all runs, at the model's rates
+    deadline_s: float  # seconds from now when the request is expected to start its prefill
+    benefit_s: float  # load time the wait hides: min(load_s, deadline_s)
+    bytes: int  # bytes moved (tokens x bytes_per_token; 0 when the model's KV size is not configured)
+
+
 class LookupAnswer(msgspec.Struct, omit_defaults=True):
     """Replicas best first: by resumable tokens (/v1/lookup), by price (/v1/rank)."""
     model: str
@@ -80,6 +101,8 @@ class LookupAnswer(msgspec.Struct, omit_defaults=True):
     # the groups no instance answered for in time (their replicas are missing from `replicas`)
     partial: bool = False
     missing_groups: list[int] = []
+    # /v1/rank, for a model whose hints are on (its `hints.prefetch`): the first replica's prefetch plan
+    prefetch: PrefetchHint | None = None
 
 
 def _best_resumable(a: ReplicaAnswer) -> int:

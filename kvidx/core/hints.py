@@ -1,4 +1,4 @@
-"""Prefetch hints (issue #16, first slice): what a replica chosen for a prompt could load back to GPU
+"""Prefetch hints (issue #16): what a replica chosen for a prompt could load back to GPU
 memory while the request waits in its queue, so the load overlaps the wait instead of adding to it.
 
 Pure, no I/O: built from one replica's lookup answer (its tier runs) and the model's price rates. A
@@ -8,29 +8,10 @@ of their load time the queue can hide (min(load, queue wait)); its cost the byte
 
 from __future__ import annotations
 
-import msgspec
-
-from kvidx.core.answers import ReplicaAnswer
+from kvidx.core.answers import PrefetchHint, PrefetchRun, ReplicaAnswer
 from kvidx.core.price import Pricer
 
-
-class PrefetchRun(msgspec.Struct):
-    """Tokens [start, end) of the prompt, held in `tier`, to load to GPU memory."""
-    tier: str
-    start: int
-    end: int
-    load_s: float
-
-
-class PrefetchHint(msgspec.Struct):
-    replica: str
-    dp_rank: int
-    runs: list[PrefetchRun]
-    tokens: int  # tokens to load, all runs
-    load_s: float  # their load time, all runs, at the model's rates
-    deadline_s: float  # seconds from now when the request is expected to start its prefill
-    benefit_s: float  # load time the wait hides: min(load_s, deadline_s)
-    bytes: int  # bytes moved (tokens x bytes_per_token; 0 when the model's KV size is not configured)
+__all__ = ["PrefetchHint", "PrefetchRun", "prefetch_hint"]
 
 
 def prefetch_hint(answer: ReplicaAnswer, pricer: Pricer, queue_s: float,

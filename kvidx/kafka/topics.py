@@ -81,8 +81,7 @@ def ensure_topics(bootstrap: str, names: dict[str, str], partitions: int | None 
     their partitions; new ones get `partitions` (default: topic_partitions())."""
     partitions = partitions or topic_partitions()
     retained = [names["events"], names["dead_letters"], names["routes"]]
-    if "usage" in names:
-        retained.append(names["usage"])
+    retained += [names[k] for k in ("usage", "hints") if k in names]
     create_topics(bootstrap, retained,
                   partitions=partitions, compacted=[names["snapshots"]], retention_ms=EVENTS_RETENTION_MS)
     create_topics(bootstrap, [names["control"]], partitions=1)

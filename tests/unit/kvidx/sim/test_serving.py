@@ -24,7 +24,8 @@ def answer(replica: str, runs: list[tuple[str, int]]) -> ReplicaAnswer:
 
 def test_reused_tokens_below_gpu_load_at_the_requests_turn():
     sv = model()
-    # 1,000 prompt tokens: 200 from GPU, 300 from the CPU (0.03 s), 400 from disk (0.2 s), 100 computed (0.1 s)
+    # 1,000 prompt tokens: 200 from GPU, 300 from the CPU (0.03 s), 400 from disk (0.2 s), 100 computed
+    # (0.1 s)
     sv.admit(0, "a", 0.0, 1000, 900, {"GPU": 200, "CPU": 300, "DISK": 400}, 0)
     assert sv.ttft[0] == pytest.approx(0.33)
     # the next request on the same replica queues behind the whole turn, load included

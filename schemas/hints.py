@@ -1,0 +1,57 @@
+"""Hints (topic `kvidx.hints.v1`, key = model): what the index advises an engine to do for a routed
+request, for any consumer (an engine-side agent, a cache controller, the audit). Published by the
+service for each routing decision (POST /v1/routes) on a model whose hints are on; hashes and counts
+only, never tokens. Same evolution rule as schemas/events.py: fields are only added, with defaults;
+a change in meaning is a new version and a new topic.
+
+A prefetch hint names the prompt's canonical block hashes (the model's index block size) and, per run
+of the prompt held below GPU memory, the tier and the token range [start, end) to load, with the load
+time the wait can hide (`benefit_s`) by `deadline_s` seconds after `ts`."""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.events import BlockHash
+
+HINTS_VERSION = 1
+
+
+class PrefetchRunRecord(msgspec.Struct, array_like=True):
+    tier: str
+    start: int
+    end: int
+    load_s: float
+
+
+class HintRecord(msgspec.Struct, array_like=True):
+    v: int
+    kind: str  # "prefetch" (placement and eviction advice: later kinds, same record)
+    request_id: str  # the routing decision's
+    model: str
+    replica: str
+    dp_rank: int
+    block_hashes: list[BlockHash]  # the prompt's canonical block hashes
+    block_size: int  # the index block size they were made with
+    runs: list[PrefetchRunRecord]
+    tokens: int
+    load_s: float
+    deadline_s: float
+    benefit_s: float
+    bytes: int
+    ts: float  # when the hint was issued (s since the epoch)
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(HintRecord)
+
+
+def encode_hint(h: HintRecord) -> bytes:
+    return _enc.encode(h)
+
+
+def decode_hint(data: bytes) -> HintRecord:
+    h = _dec.decode(data)
+    if h.v != HINTS_VERSION:
+        raise ValueError(f"unsupported hints version {h.v} (this reader knows {HINTS_VERSION})")
+    return h

@@ -1,0 +1,83 @@
+"""Prefetch hints through the service over real HTTP (issue #16): off by default; with a model's
+`hints.prefetch` on, /v1/rank answers carry the cheapest replica's prefetch plan and /v1/routes
+answers the chosen replica's, published on the hints topic in its versioned schema."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from index_service.app import create_app
+from index_service.store import ShardStore
+from kvidx.config import Config, HintsConfig, ModelConfig
+from kvidx.core.hashing import prompt_hashes
+from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
+from schemas.hints import HINTS_VERSION, decode_hint, encode_hint
+from tests.helpers import ServerThread
+
+MODEL = "m"
+P = np.random.default_rng(5).integers(0, 50_000, 97).tolist()  # 6 blocks of 16 and one token
+
+
+def hashes(t: list[int]) -> list[int]:
+    return list(prompt_hashes(np.asarray(t, dtype="<u4").tobytes(), 16))
+
+
+def store_with(hints: HintsConfig) -> ShardStore:
+    """Replica "r": P's first 2 blocks on GPU, the next 4 on disk only."""
+    store = ShardStore(16, config=Config(default=ModelConfig(hints=hints)))
+    h = hashes(P)
+    now = time.time()
+    store.apply(EventBatch(SCHEMA_VERSION, MODEL, "r", 0, 1, 0, now, now, 16, [
+        BlocksStored("GPU", 0, h[:2], None, 0), BlocksStored("DISK", 0, h[2:6], h[1], 2)]))
+    return store
+
+
+def test_hints_are_off_unless_the_operator_turns_them_on():
+    with ServerThread(create_app(store_with(HintsConfig()))) as base, httpx.Client(base_url=base) as c:
+        rank = c.post("/v1/rank", json={"model": MODEL, "token_ids": P}).json()
+        assert rank["replicas"][0]["resumable_tokens"] == 96 and "prefetch" not in rank
+        r = c.post("/v1/routes", json={"request_id": "a", "model": MODEL, "replica": "r", "token_ids": P})
+        assert r.status_code == 202 and "prefetch" not in r.json()
+
+
+def test_rank_and_routes_carry_the_prefetch_plan_and_the_topic_gets_it():
+    store = store_with(HintsConfig(prefetch=True, kv_bytes_per_token=1000))
+    sent = []
+    store.publish_hint = sent.append
+    with ServerThread(create_app(store)) as base, httpx.Client(base_url=base) as c:
+        rank = c.post("/v1/rank", json={"model": MODEL, "token_ids": P}).json()
+        plan = rank["prefetch"]
+        assert plan["replica"] == "r" and plan["tokens"] == 64 and plan["bytes"] == 64_000
+        assert [(x["tier"], x["start"], x["end"]) for x in plan["runs"]] == [("DISK", 32, 96)]
+        # the default disk rate (40,000 tokens/s): 64 tokens in 1.6 ms; nothing queued yet
+        assert plan["load_s"] == pytest.approx(64 / 40_000) and plan["deadline_s"] == 0.0
+        assert rank["replicas"][0]["price"]["load_s"] == pytest.approx(plan["load_s"])
+        r = c.post("/v1/routes", json={"request_id": "a", "model": MODEL, "replica": "r", "token_ids": P,
+                                       "credited_tokens": 96})
+        assert r.status_code == 202 and r.json()["prefetch"]["runs"] == plan["runs"]
+        again = c.post("/v1/routes", json={"request_id": "a", "model": MODEL, "replica": "r", "token_ids": P})
+        assert again.json()["duplicate"] is True
+        # after the first decision, its prefill is queued on "r": the next plan has a deadline
+        later = c.post("/v1/rank", json={"model": MODEL, "token_ids": P}).json()["prefetch"]
+        assert later["deadline_s"] > 0 and later["benefit_s"] == pytest.approx(min(later["load_s"],
+                                                                                   later["deadline_s"]))
+    assert len(sent) == 1  # the duplicate decision publishes nothing
+    rec = decode_hint(encode_hint(sent[0]))
+    assert (rec.v, rec.kind, rec.request_id, rec.replica, rec.block_size) == (HINTS_VERSION, "prefetch", "a", "r",
+                                                                              16)
+    assert rec.block_hashes == hashes(P) and [(x.tier, x.start, x.end) for x in rec.runs] == [("DISK", 32, 96)]
+
+
+def test_a_hints_record_of_another_version_is_refused():
+    store = store_with(HintsConfig(prefetch=True))
+    sent = []
+    store.publish_hint = sent.append
+    with ServerThread(create_app(store)) as base, httpx.Client(base_url=base) as c:
+        c.post("/v1/routes", json={"request_id": "a", "model": MODEL, "replica": "r", "token_ids": P})
+    sent[0].v = HINTS_VERSION + 1
+    with pytest.raises(ValueError, match="unsupported hints version"):
+        decode_hint(encode_hint(sent[0]))
