@@ -13,6 +13,11 @@ answer's evicting_tokens, carried by the decision) and the overall recall and ov
 are the engine's. A decision's `tier` is the one its usage report carries (the router copies the
 slowest tier of the credited prefix from the lookup answer; "unknown" when it does not).
 
+Hints (`kvidx.hints.v1`, where a model's hints are on): how many the engines followed (the hinted
+blocks stored on GPU before the request's expected start, from the events) and how many paid off (the
+usage report counts the prefetched prefix as reused), per model, replica and window
+(kvidx/ops/hint_audit.py); the report's `hints`, absent when no hint was published in the range.
+
 Joining: decisions stamped in [from, to] are audited; their usage reports may arrive up to `--grace`
 seconds later. Unmatched: decisions in the range without a usage report (`routes`), and reports in
 the range whose decision is not found, even `--grace` seconds before the range (`usages`).
@@ -30,9 +35,11 @@ from pathlib import Path
 
 import msgspec
 
+from kvidx.ops.hint_audit import audit_hints
 from kvidx.ops.kafkalog import add_kafka_args, bootstrap_of, iso, parse_time, read_range
 from kvidx.shadow import Agreement
-from schemas.events import topic_names
+from schemas.events import decode_batch, topic_names
+from schemas.hints import decode_hint
 from schemas.routes import RouteDecision, decode_route
 from schemas.usage import UsageReport, decode_usage, encode_usage
 
@@ -110,6 +117,22 @@ def read_joined(bootstrap: str, names: dict[str, str], t_from: float, t_to: floa
     j = join(routes, usages, t_from, t_to)
     j.undecodable = bad_r + bad_u
     return j
+
+
+def read_hints(bootstrap: str, names: dict[str, str], j: Joined, t_from: float, t_to: float, window_s: float,
+               grace_s: float) -> dict | None:
+    """The hints published in [t_from, t_to], their follow-through (the replicas' events up to the last
+    hint's deadline) and pay-off (the usage reports read for `j`); None when there are none."""
+    hints, bad = _decode_all(read_range(bootstrap, names["hints"], t_from, t_to, "audit-hints"), decode_hint)
+    if not hints and not bad:
+        return None
+    until = max((h.ts + h.deadline_s for h in hints), default=t_to) + 60.0
+    batches, _ = _decode_all(read_range(bootstrap, names["events"], t_from, until, "audit-hints"),
+                             decode_batch)
+    usages = [u for _, u in j.pairs] + j.unmatched_usages
+    report = audit_hints(hints, usages, batches, t_from, window_s)
+    report["undecodable"] = bad
+    return report
 
 
 def _group(pairs, key: Callable) -> dict:
@@ -201,6 +224,17 @@ def table(report: dict) -> str:
     section("per engine", report["by_engine"], ("engine",))
     section("per tier", report["by_tier"], ("tier",))
     section("over time", report["over_time"], ("start_iso",))
+    h = report.get("hints")
+    if h:
+        o = h["overall"]
+        lines.append("")
+        lines.append(f"prefetch hints: {o['issued']} issued, {o['followed']} followed "
+                     f"({_fmt(o['followed_rate'])}), {o['paid_off']} paid off ({_fmt(o['paid_off_rate'])}), "
+                     f"{o['unreported']} without a usage report; {o['benefit_s']:g} s of load hidden by the "
+                     "paid-off ones")
+        for r in h["by_replica"]:
+            lines.append(f"  {r['model']} {r['replica']} dp{r['dp_rank']}: {r['issued']} issued, "
+                         f"{r['followed']} followed, {r['paid_off']} paid off")
     return "\n".join(lines)
 
 
@@ -298,6 +332,9 @@ def cmd_audit(args) -> int:
         sys.exit("error: --from must be before --to")
     j = read_joined(bootstrap_of(args), names, t_from, t_to, args.grace)
     report = audit(j, t_from, t_to, args.window)
+    hints = read_hints(bootstrap_of(args), names, j, t_from, t_to, report["window_s"], args.grace)
+    if hints is not None:
+        report["hints"] = hints
     if not report["overall"]["requests"]:  # not silent: nothing was measured, no ratio is 1.0
         u = report["unmatched"]
         print(f"warning: no request between {iso(t_from)} and {iso(t_to)} has both a routing decision "

@@ -67,9 +67,10 @@ def test_rank_and_routes_carry_the_prefetch_plan_and_the_topic_gets_it():
                                                                                    later["deadline_s"]))
     assert len(sent) == 1  # the duplicate decision publishes nothing
     rec = decode_hint(encode_hint(sent[0]))
-    assert (rec.v, rec.kind, rec.request_id, rec.replica, rec.block_size) == (HINTS_VERSION, "prefetch", "a", "r",
-                                                                              16)
-    assert rec.block_hashes == hashes(P) and [(x.tier, x.start, x.end) for x in rec.runs] == [("DISK", 32, 96)]
+    got = (rec.v, rec.kind, rec.request_id, rec.replica, rec.block_size)
+    assert got == (HINTS_VERSION, "prefetch", "a", "r", 16)
+    assert rec.block_hashes == hashes(P)
+    assert [(x.tier, x.start, x.end) for x in rec.runs] == [("DISK", 32, 96)]
 
 
 def test_a_hints_record_of_another_version_is_refused():

@@ -1,0 +1,103 @@
+"""Audit of the hints (issue #16): of the prefetch hints the service published (`kvidx.hints.v1`), how
+many the engines followed and how many paid off, per model, replica and time window.
+
+- followed: every block the hint named was stored in GPU memory on its replica (a BlocksStored in tier
+  GPU in that replica's events, `kvidx.events.v1`) between the hint and its deadline (+ `grace_s`):
+  the engine loaded it while the request was queued, not at its turn;
+- paid off: followed, and the engine reused the prefetched prefix (its usage report for the same
+  request id, `kvidx.usage.v1`, counts at least the hint's last prefetched token as cached).
+
+Blocks are the hint's own block hashes (the model's index block size), so nothing but hashes and
+counts is read. A hint without a usage report is counted `unreported` (it cannot have paid off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from schemas.events import BlocksStored, EventBatch
+from schemas.hints import HintRecord
+from schemas.usage import UsageReport
+
+
+@dataclass
+class HintTally:
+    issued: int = 0
+    followed: int = 0
+    paid_off: int = 0
+    unreported: int = 0
+    tokens: int = 0  # hinted tokens, all hints
+    paid_off_tokens: int = 0
+    benefit_s: float = 0.0  # the load time the paid-off hints were expected to hide
+
+    def add(self, h: HintRecord, followed: bool, reported: bool, paid: bool) -> None:
+        self.issued += 1
+        self.followed += followed
+        self.unreported += not reported
+        self.paid_off += paid
+        self.tokens += h.tokens
+        if paid:
+            self.paid_off_tokens += h.tokens
+            self.benefit_s += h.benefit_s
+
+    def summary(self) -> dict:
+        return {"issued": self.issued, "followed": self.followed, "paid_off": self.paid_off,
+                "unreported": self.unreported,
+                "followed_rate": round(self.followed / self.issued, 6) if self.issued else 0.0,
+                "paid_off_rate": round(self.paid_off / self.issued, 6) if self.issued else 0.0,
+                "tokens": self.tokens, "paid_off_tokens": self.paid_off_tokens,
+                "benefit_s": round(self.benefit_s, 4)}
+
+
+def _hinted_blocks(h: HintRecord) -> set[int]:
+    bs = h.block_size
+    out: set[int] = set()
+    for r in h.runs:
+        out.update(h.block_hashes[r.start // bs:-(-r.end // bs)])
+    return out
+
+
+def gpu_stores(batches: Iterable[EventBatch]) -> dict[tuple[str, str, int], list[tuple[float, list[int]]]]:
+    """Per (model, replica, dp_rank), the GPU blocks each batch stored, with the batch's engine time."""
+    out: dict[tuple[str, str, int], list[tuple[float, list[int]]]] = {}
+    for b in batches:
+        stored = [x for e in b.events if isinstance(e, BlocksStored) and e.tier == "GPU" for x in e.hashes]
+        if stored:
+            out.setdefault((b.model, b.replica, b.dp_rank), []).append((b.engine_ts, stored))
+    return out
+
+
+def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batches: Iterable[EventBatch],
+                t_from: float, window_s: float, grace_s: float = 0.1) -> dict:
+    """The hints stamped from `t_from` on, tallied overall, per model, replica and time window."""
+    stores = gpu_stores(batches)
+    by_usage: dict[str, UsageReport] = {}
+    for u in usages:
+        by_usage.setdefault(u.request_id, u)
+    overall = HintTally()
+    groups: dict[str, dict] = {"by_model": {}, "by_replica": {}, "over_time": {}}
+    for h in sorted(hints, key=lambda h: h.ts):
+        if h.ts < t_from:
+            continue
+        want = _hinted_blocks(h)
+        seen: set[int] = set()
+        for ts, stored in stores.get((h.model, h.replica, h.dp_rank), ()):
+            if h.ts <= ts <= h.ts + h.deadline_s + grace_s:
+                seen.update(x for x in stored if x in want)
+        followed = bool(want) and seen == want
+        u = by_usage.get(h.request_id)
+        end = max((r.end for r in h.runs), default=0)
+        paid = followed and u is not None and u.cached_tokens >= end
+        overall.add(h, followed, u is not None, paid)
+        for name, key in (("by_model", h.model), ("by_replica", (h.model, h.replica, h.dp_rank)),
+                          ("over_time", int((h.ts - t_from) // window_s))):
+            groups[name].setdefault(key, HintTally()).add(h, followed, u is not None, paid)
+    return {
+        "overall": overall.summary(),
+        "by_model": [{"model": k, **t.summary()} for k, t in sorted(groups["by_model"].items())],
+        "by_replica": [{"model": m, "replica": r, "dp_rank": d, **t.summary()}
+                       for (m, r, d), t in sorted(groups["by_replica"].items())],
+        "over_time": [{"window": w, "start": t_from + w * window_s, **t.summary()}
+                      for w, t in sorted(groups["over_time"].items())],
+    }
