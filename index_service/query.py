@@ -226,6 +226,8 @@ class QueryPipeline:
             self.store.publish_route(d)
         if applied and hint is not None and self.store.publish_hint is not None:
             self.store.publish_hint(hint_record(d, shard.block_size, hint))
+        if applied and hint is not None and req.token_ids and self.store.act_on_hint is not None:
+            self.store.act_on_hint(d.model, d.replica, hint, req.token_ids)  # the tokens are not kept
         return d, applied, hint
 
     def _route_prefetch(self, shard: ModelShard, d: RouteDecision) -> PrefetchHint | None:

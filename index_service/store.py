@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvidx.config import Config, ShardSettings
+from kvidx.core.answers import PrefetchHint
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.shard import ModelShard
 from schemas.events import EventBatch
@@ -44,6 +45,8 @@ class ShardStore:
         self.not_ready_reason: str | None = None  # what /healthz says while not ready
         self.publish_route: Callable[[RouteDecision], None] | None = None  # set when routes go to Kafka
         self.publish_hint: Callable[[HintRecord], None] | None = None  # set when hints go to Kafka
+        # set where a model's hints are acted on (an LMCache controller): (model, replica, hint, token ids)
+        self.act_on_hint: Callable[[str, str, PrefetchHint, list[int]], None] | None = None
         self._seen_routes: OrderedDict[str, None] = OrderedDict()
 
     def block_size(self, model: str) -> int:

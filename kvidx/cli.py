@@ -343,6 +343,7 @@ def cmd_serve(args) -> int:
     from index_service.follower import KafkaFollower, RoutePublisher
     from index_service.registrations import RegistrationLog
     from index_service.store import ShardStore
+    from kvidx.engines.lmcache.actuator import HintActuators
     from kvidx.kafka.reach import resolve_bootstrap
     from kvidx.kafka.topics import ensure_topics
     from kvidx.ops.audit import UsagePublisher
@@ -371,6 +372,7 @@ def cmd_serve(args) -> int:
                        unreported_eviction_kinds=settings.unreported_eviction_kinds, groups=groups)
     publishers = [RoutePublisher(b, t["routes"]), RoutePublisher(b, t["hints"], encode_hint)]
     store.publish_route, store.publish_hint = publishers
+    store.act_on_hint = actuators = HintActuators(settings.config)  # models with an LMCache controller
     from index_service.fanout import Announcer, Fanout, PeerDirectory
 
     name = args.instance_name or f"{socket.gethostname()}:{args.port}"
@@ -423,6 +425,7 @@ def cmd_serve(args) -> int:
         announcer.stop()
         for p in publishers:  # the decisions and hints still buffered reach the broker
             p.close()
+        actuators.close()
     return 0
 
 

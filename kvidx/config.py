@@ -55,6 +55,10 @@ class HintsConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Hints (issue #16) are off until the operator turns them on, per model."""
     prefetch: bool = False  # /v1/rank and /v1/routes answers carry the prefetch plan; the hints topic
     kv_bytes_per_token: int = 0  # for the bytes a hint moves (0: not reported)
+    # an LMCache controller that acts on the prefetch hints (kvidx/engines/lmcache/actuator.py): its
+    # PULL socket, tcp://host:port; the LMCache instance id of each replica (default: the replica's name)
+    lmcache_controller: str = ""
+    lmcache_instances: dict[str, str] = {}
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
