@@ -1,0 +1,165 @@
+"""Sessions, from the routing decisions (issue #16): which prompts continue which, how soon they come
+back, how many sessions pass through each block, and the advice made of it.
+
+Pure, no I/O, hashes and counts only. A routing decision's prompt continues a session when one of its
+block hashes is the last block of that session's latest prompt (a chat's next turn, an agent's next
+step: the previous prompt, plus output and new input); else it starts one. Per session: where its latest
+prompt went, how often and how soon it came back (the mean gap), and its blocks; per block, how many
+sessions pass through it (a system prompt: many; a conversation's own turns: one).
+
+- Eviction advice, per replica, ranked by tokens freed: a session silent for longer than `idle_factor`
+  x its gap (or than `idle_s` for one that never came back) is `demote` (its own blocks can leave GPU
+  memory for a lower tier), and after `drop_factor` x that, `drop` (they can go); blocks other sessions
+  pass through are never named. A recurring session that is due back soon is `keep`.
+- Placement: a recurring session whose replica has a long queue is worth copying ahead of its next
+  prompt to the replica with the shortest one, when the wait it avoids exceeds the copy's time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class EvictionAdvice(msgspec.Struct):
+    replica: str
+    action: str  # keep, demote or drop
+    hashes: list[int]  # the session's own blocks (no other session passes through them)
+    tokens: int  # their tokens (blocks x block size)
+    idle_s: float  # how long the session has been silent
+    gap_s: float  # its mean gap between prompts (0: it never came back)
+
+
+class PlacementHint(msgspec.Struct):
+    source: str
+    target: str
+    hashes: list[int]  # the session's prompt, all of it (the target holds none of it)
+    tokens: int
+    copy_s: float  # the copy's time at the transfer rate
+    benefit_s: float  # the wait at the source its next prompt avoids, less the target's
+    bytes: int
+
+
+@dataclass
+class Session:
+    sid: int
+    hashes: list[int]  # its latest prompt's block hashes
+    replica: str  # where its latest prompt went
+    last_ts: float
+    returns: int = 0
+    gap_s: float = 0.0  # mean time between its prompts (0 until it comes back)
+    advised: str = ""  # the last eviction advice given for it
+    version: int = 0  # bumps at each prompt: stale entries of the due heap are skipped
+
+
+@dataclass
+class SessionTracker:
+    block_size: int
+    idle_factor: float = 4.0
+    idle_s: float = 30.0  # for sessions that never came back
+    drop_factor: float = 4.0  # drop after demote's threshold x this
+    sessions: dict[int, Session] = field(default_factory=dict)
+    by_last: dict[int, int] = field(default_factory=dict)  # last block hash -> session id
+    passes: dict[int, int] = field(default_factory=dict)  # block hash -> sessions through it
+    _due: list[tuple[float, int, int]] = field(default_factory=list)  # (when to look again, sid, version)
+    _next: int = 0
+
+    def observe(self, hashes: Sequence[int], replica: str, ts: float) -> Session:
+        """A routing decision: its prompt's block hashes, where it went, when. The session it continues
+        (updated) or the one it starts."""
+        s = None
+        for i in range(len(hashes) - 1, -1, -1):  # the deepest block that ends a known session's prompt
+            sid = self.by_last.get(hashes[i])
+            if sid is not None:
+                s = self.sessions[sid]
+                break
+        if s is None:
+            s = Session(self._next, [], replica, ts)
+            self._next += 1
+            self.sessions[s.sid] = s
+        else:
+            gap = ts - s.last_ts
+            s.gap_s = (s.gap_s * s.returns + gap) / (s.returns + 1)
+            s.returns += 1
+            if self.by_last.get(s.hashes[-1]) == s.sid:
+                del self.by_last[s.hashes[-1]]
+        old = set(s.hashes)
+        for h in hashes:
+            if h not in old:
+                self.passes[h] = self.passes.get(h, 0) + 1
+        s.hashes, s.replica, s.last_ts, s.advised = list(hashes), replica, ts, ""
+        s.version += 1
+        if hashes:
+            self.by_last[hashes[-1]] = s.sid
+        heapq.heappush(self._due, (ts + self._idle_after(s), s.sid, s.version))
+        return s
+
+    def _idle_after(self, s: Session) -> float:
+        return self.idle_factor * s.gap_s if s.returns else self.idle_s
+
+    def own_blocks(self, s: Session) -> list[int]:
+        """The session's blocks no other session passes through."""
+        return [h for h in s.hashes if self.passes.get(h, 0) <= 1]
+
+    def eviction_advice(self, now: float) -> list[EvictionAdvice]:
+        """Sessions that fell silent since the last call: demote, then (silent `drop_factor` times
+        longer) drop, their own blocks; ranked per replica by tokens freed. A dropped session is
+        forgotten (a later prompt of it starts a new one)."""
+        out: list[EvictionAdvice] = []
+        while self._due and self._due[0][0] <= now:
+            _, sid, version = heapq.heappop(self._due)
+            s = self.sessions.get(sid)
+            if s is None or s.version != version:
+                continue
+            own = self.own_blocks(s)
+            action = "drop" if s.advised == "demote" else "demote"
+            if own:
+                out.append(EvictionAdvice(s.replica, action, own, len(own) * self.block_size, now - s.last_ts,
+                                          s.gap_s))
+            if action == "demote":
+                s.advised = "demote"
+                heapq.heappush(self._due, (s.last_ts + self._idle_after(s) * self.drop_factor, sid, version))
+            else:
+                self._forget(s)
+        out.sort(key=lambda a: (a.replica, -a.tokens))
+        return out
+
+    def keep_advice(self, now: float, within_s: float) -> list[EvictionAdvice]:
+        """Recurring sessions due back within `within_s`: keep their own blocks where they are."""
+        out = [EvictionAdvice(s.replica, "keep", own, len(own) * self.block_size, now - s.last_ts, s.gap_s)
+               for s in self.sessions.values()
+               if s.returns and s.last_ts + s.gap_s <= now + within_s and (own := self.own_blocks(s))]
+        out.sort(key=lambda a: (a.replica, -a.tokens))
+        return out
+
+    def _forget(self, s: Session) -> None:
+        del self.sessions[s.sid]
+        if s.hashes and self.by_last.get(s.hashes[-1]) == s.sid:
+            del self.by_last[s.hashes[-1]]
+        for h in s.hashes:
+            c = self.passes.get(h, 0) - 1
+            if c > 0:
+                self.passes[h] = c
+            else:
+                self.passes.pop(h, None)
+
+    def placement(self, s: Session, queue_s: dict[str, float], transfer_tokens_per_s: float,
+                  bytes_per_token: int = 0) -> PlacementHint | None:
+        """Where to copy recurring session `s`'s prompt ahead of its next one: the replica with the
+        shortest queue, when the wait at its own replica it avoids (that queue less the target's) is
+        longer than the copy; None otherwise (or for a session that never came back)."""
+        if not s.returns or not s.hashes or s.replica not in queue_s:
+            return None
+        target = min((r for r in queue_s if r != s.replica), key=queue_s.__getitem__, default=None)
+        if target is None:
+            return None
+        tokens = len(s.hashes) * self.block_size
+        copy_s = tokens / transfer_tokens_per_s
+        benefit = queue_s[s.replica] - queue_s[target]
+        if benefit <= copy_s:
+            return None
+        return PlacementHint(s.replica, target, list(s.hashes), tokens, copy_s, benefit,
+                             tokens * bytes_per_token)

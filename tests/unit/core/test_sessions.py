@@ -1,0 +1,63 @@
+"""Sessions from routing decisions (kvidx/core/sessions.py): continuation by the previous prompt's last
+block, recurrence, sharing, eviction advice (demote, then drop; never a shared block) and placement."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvidx.core.sessions import SessionTracker
+
+SYS = [1, 2, 3]  # a system prompt every session starts with
+
+
+def test_a_next_turn_continues_its_session_and_sharing_is_counted():
+    t = SessionTracker(block_size=16)
+    a = t.observe(SYS + [10, 11], "r0", 0.0)
+    b = t.observe(SYS + [20], "r1", 1.0)
+    assert a.sid != b.sid
+    a2 = t.observe(SYS + [10, 11, 12, 13], "r0", 5.0)  # a's next turn: its last block 11 is in there
+    assert a2.sid == a.sid and a2.returns == 1 and a2.gap_s == 5.0
+    a3 = t.observe(SYS + [10, 11, 12, 13, 14], "r2", 8.0)
+    assert a3.sid == a.sid and a3.gap_s == pytest.approx(4.0) and a3.replica == "r2"
+    assert t.passes[1] == 2 and t.passes[10] == 1 and t.passes[14] == 1
+    assert t.own_blocks(a3) == [10, 11, 12, 13, 14]
+    # a prompt that shares only the system prompt starts its own session
+    assert t.observe(SYS + [30], "r0", 9.0).sid not in (a.sid, b.sid)
+
+
+def test_silent_sessions_are_demoted_then_dropped_and_shared_blocks_never_named():
+    t = SessionTracker(block_size=16, idle_factor=4.0, idle_s=30.0, drop_factor=4.0)
+    t.observe(SYS + [10], "r0", 0.0)
+    t.observe(SYS + [10, 11], "r0", 2.0)  # gap 2 s: silent after 8 s
+    t.observe(SYS + [20], "r1", 0.0)  # never came back: silent after 30 s
+    assert t.eviction_advice(9.0) == []  # 7 s after its last prompt
+    adv = t.eviction_advice(10.5)
+    assert [(a.replica, a.action, a.hashes, a.tokens) for a in adv] == [("r0", "demote", [10, 11], 32)]
+    assert [(a.replica, a.action) for a in t.eviction_advice(31.0)] == [("r1", "demote")]
+    # 4 x 8 s after its last prompt: drop, and the session is forgotten
+    assert [(a.replica, a.action, a.hashes) for a in t.eviction_advice(35.0)] == [("r0", "drop", [10, 11])]
+    assert len(t.sessions) == 1 and 10 not in t.passes and t.passes[1] == 1
+    # a session that speaks again is not advised on its old silence
+    t.observe(SYS + [20, 21], "r1", 40.0)
+    assert t.eviction_advice(100.0) == []  # its gap is now 40 s: silent after 160 s
+    assert [(a.action, a.hashes) for a in t.eviction_advice(201.0)] == [("demote", [20, 21])]
+
+
+def test_keep_advice_for_sessions_due_back_soon():
+    t = SessionTracker(block_size=16)
+    t.observe(SYS + [10], "r0", 0.0)
+    t.observe(SYS + [10, 11], "r0", 3.0)  # due back at 6 s
+    t.observe(SYS + [20], "r1", 0.0)  # never came back: nothing to expect
+    assert [(a.action, a.hashes) for a in t.keep_advice(4.0, within_s=2.5)] == [("keep", [10, 11])]
+    assert t.keep_advice(4.0, within_s=1.0) == []
+
+
+def test_placement_only_when_the_wait_avoided_exceeds_the_copy():
+    t = SessionTracker(block_size=16)
+    s = t.observe(SYS + [10], "r0", 0.0)
+    assert t.placement(s, {"r0": 5.0, "r1": 0.0}, 1000.0) is None  # never came back
+    s = t.observe(SYS + [10, 11], "r0", 1.0)  # 5 blocks, 80 tokens: 0.08 s to copy at 1,000 tokens/s
+    p = t.placement(s, {"r0": 1.0, "r1": 0.5, "r2": 0.1}, 1000.0, bytes_per_token=2)
+    assert (p.source, p.target, p.tokens, p.bytes) == ("r0", "r2", 80, 160)
+    assert p.copy_s == pytest.approx(0.08) and p.benefit_s == pytest.approx(0.9)
+    assert t.placement(s, {"r0": 0.15, "r1": 0.1}, 1000.0) is None  # 0.05 s avoided < 0.08 s copy
