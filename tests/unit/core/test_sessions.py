@@ -40,7 +40,8 @@ def test_silent_sessions_are_demoted_then_dropped_and_shared_blocks_never_named(
     # a session that speaks again is not advised on its old silence
     t.observe(SYS + [20, 21], "r1", 40.0)
     assert t.eviction_advice(100.0) == []  # its gap is now 40 s: silent after 160 s
-    assert [(a.action, a.hashes) for a in t.eviction_advice(201.0)] == [("demote", [20, 21])]
+    # the system prompt is its own now: the only other session through it was forgotten
+    assert [(a.action, a.hashes) for a in t.eviction_advice(201.0)] == [("demote", [1, 2, 3, 20, 21])]
 
 
 def test_keep_advice_for_sessions_due_back_soon():
