@@ -2,11 +2,12 @@
 routing whose replicas follow the index's prefetch plans (kv_hints), on the same fleet and workload,
 with host (CPU) and disk tiers under load, at several loads. Prints one markdown table.
 
-    python bench/bench_hints.py [--requests 3000] [--rates 60,90,120] [--jobs 2]
+    python bench/bench_hints.py [--requests 3000] [--rates 60,90,120] [--kinds prefetch,placement,...]
 
-Each row is one `kvidx simulate --policies kv,kv_hints` run (the command is printed with it), so a
-figure can be rerun on its own. Nothing is asserted: the table is judged against the goal (TTFT p99
-at least 20 % lower with hints) in README.md and RESULTS.md.
+Each row is one `kvidx simulate` run of one router (KV-aware alone, or with one set of hint kinds; the
+command is printed after each workload), so a figure can be rerun on its own; the runs are
+deterministic, so kv is run once per workload. Nothing is asserted: the table is judged against the
+goal (TTFT p99 at least 20 % lower with hints) in README.md and RESULTS.md.
 """
 
 from __future__ import annotations
@@ -27,23 +28,20 @@ AGENT = ["--workload", "agent", "--agents", "128", "--cache-tokens", "17000", "-
 TRACE = ["--cache-tokens", "200000", "--cpu-offload-blocks", "2000", "--disk-offload-blocks", "20000"]
 
 
-def run(args: list[str], jobs: int) -> dict:
-    cmd = [sys.executable, "-m", "kvidx.cli", "simulate", *args, "--policies", "kv,kv_hints",
-           "--no-zero-delay", "--json", "--no-progress", "--quiet", "--jobs", str(jobs)]
+def run(args: list[str], policy: str, jobs: int) -> dict:
+    cmd = [sys.executable, "-m", "kvidx.cli", "simulate", *args, "--policies", policy, "--no-zero-delay",
+           "--json", "--no-progress", "--quiet", "--jobs", str(jobs)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])["policies"][policy]
 
 
-def row(label: str, args: list[str], head: dict) -> str:
-    kv, h = head["policies"]["kv"], head["policies"]["kv_hints"]
-    p = h["hints"]["prefetch"]
-    change = h["ttft_est_s"]["p99"] / kv["ttft_est_s"]["p99"] - 1
-    return (f"| {label} | {kv['ttft_est_s']['p50']:.3f} / {h['ttft_est_s']['p50']:.3f} | "
-            f"{kv['ttft_est_s']['p99']:.3f} / {h['ttft_est_s']['p99']:.3f} | **{change * 100:+.0f} %** | "
-            f"{kv['reuse_rate']:.3f} / {h['reuse_rate']:.3f} | "
-            f"{kv['gpu_share_of_reused']:.2f} / {h['gpu_share_of_reused']:.2f} | "
-            f"{kv['bytes_moved'] / 1e9:.0f} / {h['bytes_moved'] / 1e9:.0f} | "
-            f"{p['issued']} / {p['followed']} / {p['paid_off']} |")
+def row(label: str, name: str, p: dict, kv: dict) -> str:
+    change = p["ttft_est_s"]["p99"] / kv["ttft_est_s"]["p99"] - 1
+    hints = " ".join(f"{k} {h['issued']}/{h['followed']}/{h['paid_off']}"
+                     for k, h in p.get("hints", {}).items())
+    return (f"| {label} | {name} | {p['ttft_est_s']['p50']:.3f} | {p['ttft_est_s']['p99']:.3f} | "
+            f"{change * 100:+.0f} % | {p['reuse_rate']:.3f} | {p['gpu_share_of_reused']:.2f} | "
+            f"{p['bytes_moved'] / 1e9:.0f} | {hints or '-'} |")
 
 
 def main() -> None:
@@ -51,18 +49,24 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--requests", type=int, default=3000, help="requests per run")
     ap.add_argument("--rates", default="60,90,120", help="agent workload: arrival rates (requests/s)")
-    ap.add_argument("--trace-speeds", default="1,3", help="Mooncake trace: time compressions")
-    ap.add_argument("--jobs", type=int, default=2, help="runs of one row in parallel")
+    ap.add_argument("--trace-speeds", default="1", help="Mooncake trace: time compressions")
+    ap.add_argument("--kinds", default="prefetch,placement,eviction,prefetch+placement+eviction",
+                    help="the hint kinds of each kv_hints run (+ joins kinds in one run)")
+    ap.add_argument("--jobs", type=int, default=1, help="processes per run")
     a = ap.parse_args()
-    print("| workload | TTFT p50 s, kv / kv_hints | TTFT p99 s, kv / kv_hints | p99 change | reuse rate | "
-          "GPU share of reused | GB moved | prefetch issued / followed / paid off |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | router (hints) | TTFT p50 s | TTFT p99 s | p99 vs kv | reuse rate "
+          "| GPU share of reused | GB moved | hints issued/followed/paid off |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = [(f"agent loops, {r} req/s", [*AGENT, "--chat-rate", r]) for r in a.rates.split(",") if r]
     rows += [(f"Mooncake trace, speed {s}", [*TRACE, "--speed", s]) for s in a.trace_speeds.split(",") if s]
     for label, args in rows:
         args = [*args, "--requests", str(a.requests)]
-        print(row(label, args, run(args, a.jobs)), flush=True)
-        print(f"<!-- kvidx simulate {' '.join(args)} --policies kv,kv_hints -->", flush=True)
+        kv = run(args, "kv", a.jobs)
+        print(row(label, "kv", kv, kv), flush=True)
+        for kinds in a.kinds.split(","):
+            hinted = run([*args, "--hints", kinds.replace("+", ",")], "kv_hints", a.jobs)
+            print(row(label, f"kv_hints ({kinds.replace('+', ', ')})", hinted, kv), flush=True)
+        print(f"<!-- kvidx simulate {' '.join(args)} --policies kv,kv_hints [--hints KINDS] -->", flush=True)
 
 
 if __name__ == "__main__":

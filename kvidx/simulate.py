@@ -46,10 +46,10 @@ import numpy as np
 
 from kvidx.clihelp import HelpFormatter
 from kvidx.shadow import Agreement
+from kvidx.sim.advice import HINT_KINDS
 from kvidx.sim.fleet import (
     DEFAULT_POLICIES,
     ENGINES,
-    HINT_KINDS,
     POLICIES,
     POOL_TIERS,
     FleetConfig,
@@ -351,8 +351,7 @@ def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], li
     kinds = [k.strip() for k in args.hints.split(",") if k.strip()]
     for k in kinds:
         if k not in HINT_KINDS:
-            raise SystemExit(f"error: hint kind {k!r} is not simulated (simulated: {', '.join(HINT_KINDS)}; "
-                             "placement and eviction advice are not built yet)")
+            raise SystemExit(f"error: unknown hint kind {k!r} (known: {', '.join(HINT_KINDS)})")
     if not 0.0 <= args.hint_compliance <= 1.0 or args.hint_delay_ms < 0:
         raise SystemExit("error: --hint-compliance takes a share in [0, 1] and --hint-delay-ms a delay >= 0")
     if args.replica_groups != 1 and (args.replica_groups < 1 or not args.kafka):
@@ -439,7 +438,7 @@ def _fleet_options(args: argparse.Namespace, engines: tuple[str, ...], sz: _Size
             "load_tps": _load_rates(args.load_tps), "kv_bytes_per_token": args.kv_bytes_per_token,
             "hints": tuple(k.strip() for k in args.hints.split(",") if k.strip()),
             "hint_compliance": args.hint_compliance, "hint_delay_ms": args.hint_delay_ms,
-            "record_routes": not args.no_routes,
+            "placement_tps": args.placement_tps, "record_routes": not args.no_routes,
             "replica_groups": args.replica_groups, "service_instances": args.service_instances,
             "rolling_restart": args.rolling_restart}
 
@@ -764,7 +763,11 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
                         "the index's hints, which the replicas follow)")
     r.add_argument("--hints", default=",".join(HINT_KINDS), metavar="KIND[,KIND...]",
                    help="kv_hints: the hint kinds issued (prefetch: the chosen replica loads the prompt's "
-                        "blocks held below GPU memory while the request is queued)")
+                        "blocks held below GPU memory while the request is queued; placement: a recurring "
+                        "session's prompt copied ahead of time to the replica with the shortest queue; "
+                        "eviction: silent sessions' own blocks demoted, then dropped)")
+    r.add_argument("--placement-tps", type=float, default=100_000.0,
+                   help="kv_hints: tokens/s (workload tokens) of a placement's copy between replicas")
     r.add_argument("--hint-compliance", type=float, default=1.0,
                    help="kv_hints: share of hints the replicas follow")
     r.add_argument("--hint-delay-ms", type=float, default=2.0,

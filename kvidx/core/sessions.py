@@ -11,8 +11,9 @@ sessions pass through it (a system prompt: many; a conversation's own turns: one
   x its gap (or than `idle_s` for one that never came back) is `demote` (its own blocks can leave GPU
   memory for a lower tier), and after `drop_factor` x that, `drop` (they can go); blocks other sessions
   pass through are never named. A recurring session that is due back soon is `keep`.
-- Placement: a recurring session whose replica has a long queue is worth copying ahead of its next
-  prompt to the replica with the shortest one, when the wait it avoids exceeds the copy's time.
+- Placement: a recurring session whose replica will still be busy when it is due back is worth copying
+  ahead of its next prompt to the replica with the shortest queue, when the wait it avoids exceeds the
+  copy's time.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import msgspec
 
 class EvictionAdvice(msgspec.Struct):
     replica: str
+    session: int  # the tracker's session id
     action: str  # keep, demote or drop
     hashes: list[int]  # the session's own blocks (no other session passes through them)
     tokens: int  # their tokens (blocks x block size)
@@ -67,15 +69,18 @@ class SessionTracker:
     _due: list[tuple[float, int, int]] = field(default_factory=list)  # (when to look again, sid, version)
     _next: int = 0
 
+    def find(self, hashes: Sequence[int]) -> Session | None:
+        """The session a prompt continues: the one whose latest prompt ends at its deepest such block."""
+        for i in range(len(hashes) - 1, -1, -1):
+            sid = self.by_last.get(hashes[i])
+            if sid is not None:
+                return self.sessions[sid]
+        return None
+
     def observe(self, hashes: Sequence[int], replica: str, ts: float) -> Session:
         """A routing decision: its prompt's block hashes, where it went, when. The session it continues
         (updated) or the one it starts."""
-        s = None
-        for i in range(len(hashes) - 1, -1, -1):  # the deepest block that ends a known session's prompt
-            sid = self.by_last.get(hashes[i])
-            if sid is not None:
-                s = self.sessions[sid]
-                break
+        s = self.find(hashes)
         if s is None:
             s = Session(self._next, [], replica, ts)
             self._next += 1
@@ -117,8 +122,8 @@ class SessionTracker:
             own = self.own_blocks(s)
             action = "drop" if s.advised == "demote" else "demote"
             if own:
-                out.append(EvictionAdvice(s.replica, action, own, len(own) * self.block_size, now - s.last_ts,
-                                          s.gap_s))
+                out.append(EvictionAdvice(s.replica, s.sid, action, own, len(own) * self.block_size,
+                                          now - s.last_ts, s.gap_s))
             if action == "demote":
                 s.advised = "demote"
                 heapq.heappush(self._due, (s.last_ts + self._idle_after(s) * self.drop_factor, sid, version))
@@ -129,7 +134,8 @@ class SessionTracker:
 
     def keep_advice(self, now: float, within_s: float) -> list[EvictionAdvice]:
         """Recurring sessions due back within `within_s`: keep their own blocks where they are."""
-        out = [EvictionAdvice(s.replica, "keep", own, len(own) * self.block_size, now - s.last_ts, s.gap_s)
+        out = [EvictionAdvice(s.replica, s.sid, "keep", own, len(own) * self.block_size, now - s.last_ts,
+                              s.gap_s)
                for s in self.sessions.values()
                if s.returns and s.last_ts + s.gap_s <= now + within_s and (own := self.own_blocks(s))]
         out.sort(key=lambda a: (a.replica, -a.tokens))
@@ -149,8 +155,9 @@ class SessionTracker:
     def placement(self, s: Session, queue_s: dict[str, float], transfer_tokens_per_s: float,
                   bytes_per_token: int = 0) -> PlacementHint | None:
         """Where to copy recurring session `s`'s prompt ahead of its next one: the replica with the
-        shortest queue, when the wait at its own replica it avoids (that queue less the target's) is
-        longer than the copy; None otherwise (or for a session that never came back)."""
+        shortest queue, when the wait it avoids is longer than the copy; None otherwise (or for a session
+        that never came back). The wait avoided is the queue still left at its own replica when the
+        session is due back (queues drain while it is away: now less its mean gap), less the target's."""
         if not s.returns or not s.hashes or s.replica not in queue_s:
             return None
         target = min((r for r in queue_s if r != s.replica), key=queue_s.__getitem__, default=None)
@@ -158,7 +165,8 @@ class SessionTracker:
             return None
         tokens = len(s.hashes) * self.block_size
         copy_s = tokens / transfer_tokens_per_s
-        benefit = queue_s[s.replica] - queue_s[target]
+        gap = s.gap_s
+        benefit = max(0.0, queue_s[s.replica] - gap) - max(0.0, queue_s[target] - gap)
         if benefit <= copy_s:
             return None
         return PlacementHint(s.replica, target, list(s.hashes), tokens, copy_s, benefit,

@@ -77,13 +77,13 @@ from kvidx.client import KvidxClient, UnknownModel
 from kvidx.config import Config, ModelConfig, PoolConfig
 from kvidx.core.answers import ReplicaAnswer, merge_replicas
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.hints import prefetch_hint
 from kvidx.core.price import PriceConfig
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
 from kvidx.engines.trtllm.relay import TrtllmPollRelay
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
+from kvidx.sim.advice import HintFollower
 from kvidx.sim.hybrid_engine import FleetHybridEngine
 from kvidx.sim.rolling import RollingRestart
 from kvidx.sim.serving import ServingModel
@@ -96,7 +96,6 @@ from schemas.events import EventBatch, ReplicaCleared
 
 POLICIES = ("kv", "kv_hints", "random", "round_robin", "least_loaded")
 DEFAULT_POLICIES = ("kv", "random", "round_robin", "least_loaded")
-HINT_KINDS = ("prefetch",)  # simulated so far (placement and eviction advice: issue #16, still open)
 ENGINES = ("vllm", "sglang", "trtllm")
 POOL_TIERS = ("NODE_SHARED", "POOL")
 _inproc_ids = itertools.count()
@@ -193,6 +192,17 @@ class OffloadVllmEngine(OutboxVllmEngine):
         cpu[d] = None
         self.offloaded += 1
         events.append(self._placeholder(d, "CPU"))
+
+    def advise(self, digests: list[bytes], drop: bool = False) -> int:
+        """As SimVllmEngine.advise; `drop` also puts them first in the CPU and disk LRUs."""
+        moved = super().advise(digests, drop)
+        if drop:
+            for level in (self.cpu, self.disk):
+                for d in digests:
+                    if d in level:
+                        level.move_to_end(d, last=False)
+                        moved += 1
+        return moved
 
     def serve(self, prompt_token_ids: list[int], output_token_ids: list[int] | None = None) -> int:
         prompt = list(prompt_token_ids)
@@ -522,7 +532,8 @@ class FleetConfig:
     kv_bytes_per_token: int = 131072
     # the kv_hints policy: the hint kinds the index issues, the share of hints engines follow, and how long
     # after the routing decision a hint reaches the engine
-    hints: tuple[str, ...] = ("prefetch",)
+    hints: tuple[str, ...] = ("prefetch", "placement", "eviction")
+    placement_tps: float = 100_000.0  # a placement's copy between replicas, workload tokens/s (RDMA-class)
     hint_compliance: float = 1.0
     hint_delay_ms: float = 2.0
     # the router records each decision as /v1/routes does (pending credit, eviction foresight, the
@@ -1012,6 +1023,14 @@ class _Fleet:
             else:
                 r.handle(Frame(b"kv", seq, payload, int(at * 1e9), name, "pub"))
 
+    def place(self, rep: SimReplica, prompt: np.ndarray, t: float) -> None:
+        """A placement hint followed: `rep`'s engine caches `prompt` (copied from another replica; it
+        publishes the blocks as a prefill would) at `t`."""
+        eng = rep.engine
+        eng.now = t
+        eng.serve(prompt.tolist(), [])
+        self.net.send(eng, t)
+
     def run_request(self, rep: SimReplica, req: SimRequest, t: float) -> tuple[int, dict[str, int]]:
         """Serve `req` on `rep` at `t` and put the engine's (and its pool's) messages on the network."""
         eng = rep.engine
@@ -1081,32 +1100,6 @@ class _Router:
         return reps[min(loads)[3]]
 
 
-class _Hints:
-    """The kv_hints policy's side: the prefetch plan for the chosen replica (kvidx.core.hints, as the
-    service builds it), followed by the replica with probability `hint_compliance`, `hint_delay_ms` after
-    the decision."""
-
-    def __init__(self, cfg: FleetConfig, policy: str, serving: ServingModel) -> None:
-        self.on = policy == "kv_hints" and "prefetch" in cfg.hints
-        self.rng = random.Random(cfg.seed + 2)  # its own draws: the routing draws stay the kv run's
-        self.compliance = cfg.hint_compliance
-        self.delay_s = cfg.hint_delay_ms / 1000.0
-        self.serving = serving
-
-    def prefetch(self, ans: ReplicaAnswer | None, name: str, t: float) -> tuple[Any, float | None]:
-        """(the hint for `name`'s answer or None, the time the replica starts on it or None)."""
-        if not self.on or ans is None or not ans.resumable_tokens:
-            return None, None
-        sv = self.serving
-        hint = prefetch_hint(ans, sv.pricer, sv.queue_s(name, t))
-        if hint is None:
-            return None, None
-        sv.prefetch.issued += 1
-        if self.rng.random() >= self.compliance:
-            return hint, None
-        return hint, t + self.delay_s
-
-
 class _Accounts:
     """Agreement between what the engines reused and what the index credited the chosen replica with:
     overall, per model, replica, time window and engine kind; per tier (the engine's reuse split by where
@@ -1163,7 +1156,7 @@ class _Accounts:
 
 
 def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock, index: _IndexSide,
-                     fleet: _Fleet, router: _Router, serving: ServingModel, hints: _Hints,
+                     fleet: _Fleet, router: _Router, serving: ServingModel, hints: HintFollower,
                      accounts: _Accounts, progress: Callable[[int], None] | None) -> None:
     """The run itself, one request at a time in arrival order (the module docstring's steps 1-4), then
     every message still in flight delivered."""
@@ -1185,8 +1178,11 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
         credited = ans.resumable_tokens if ans is not None else 0
         index.route(model, chosen.name, n, credited, t)
         hint, followed_at = hints.prefetch(ans, chosen.name, t)
+        ready_at = hints.ready_at(model, index.last_hashes, chosen.name)
         reused, reused_split = fleet.run_request(chosen, req, t)
-        serving.admit(i, chosen.name, t, n, reused, reused_split, len(req.output), hint, followed_at)
+        serving.admit(i, chosen.name, t, n, reused, reused_split, len(req.output), hint, followed_at,
+                      ready_at)
+        hints.routed(model, req.prompt, req.output, index.last_hashes, chosen.name, t, reused)
         accounts.add(i, t, n, chosen, reused, reused_split, credited, ans)
         if progress is not None and (i & 63) == 63:
             progress(i + 1)
@@ -1330,14 +1326,14 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         fleet = _Fleet(cfg, plan, index.sink, net, clock, stack)
         serving = _serving_model(cfg, [r.name for r in fleet.replicas()], len(requests))
         router = _Router(policy, cfg, route_rng, serving)
-        hints = _Hints(cfg, policy, serving)
+        hints = HintFollower(cfg, policy, serving, fleet)
         accounts = _Accounts(cfg, plan, fleet.replicas())
         _replay_requests(requests, cfg, clock, index, fleet, router, serving, hints, accounts, progress)
         counters = {**_stream_counters(fleet, net, index), **_tier_counters(cfg, fleet),
                     **index.kafka_counters(), **index.instance_counters(),
                     "foresight": _foresight_counters(accounts), "serving": serving.report()}
-        if hints.on:
-            counters["hints"] = {"prefetch": serving.prefetch.report()}
+        if policy == "kv_hints":
+            counters["hints"] = hints.report()
         return RunResult(policy, accounts.overall, accounts.per_model, accounts.per_replica, accounts.windows,
                          serving.served, serving.ttft, counters, time.perf_counter() - t_wall,
                          accounts.per_engine, accounts.per_tier, accounts.kind_of, accounts.per_group_kind)

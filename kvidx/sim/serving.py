@@ -39,10 +39,12 @@ class HintCounts:
     paid_off: int = 0
     saved_s: float = 0.0
     wasted_tokens: int = 0  # prefetched, not reused by the request
+    regretted: int = 0  # eviction advice followed for a session that came back
 
     def report(self) -> dict:
         return {"issued": self.issued, "followed": self.followed, "paid_off": self.paid_off,
-                "saved_s": round(self.saved_s, 4), "wasted_tokens": self.wasted_tokens}
+                "saved_s": round(self.saved_s, 4), "wasted_tokens": self.wasted_tokens,
+                "regretted": self.regretted}
 
 
 @dataclass
@@ -93,12 +95,21 @@ class ServingModel:
             while q and q[0] <= t:
                 heapq.heappop(q)
 
+    def reserve_channel(self, name: str, at: float, seconds: float, tokens: int) -> float:
+        """A copy of `tokens` to `name` (a placement) on its load channel from `at`: when it is done."""
+        end = max(at, self.channel_free[name]) + seconds
+        self.channel_free[name] = end
+        self.loaded_tokens += tokens
+        return end
+
     def admit(self, i: int, name: str, t: float, n: int, reused: int, split: dict[str, int], n_output: int,
-              hint: PrefetchHint | None = None, followed_at: float | None = None) -> None:
+              hint: PrefetchHint | None = None, followed_at: float | None = None, ready_at: float = 0.0
+              ) -> None:
         """Queue request `i` (n prompt tokens at `t`, `reused` of them cached, `split` by the tier they
-        came from) on `name`; `hint`, when the replica follows it, starts loading at `followed_at`."""
+        came from) on `name`; `hint`, when the replica follows it, starts loading at `followed_at`; a
+        copy placed there for it is done at `ready_at`."""
         cost = self.load_cost
-        start = max(t, self.busy_until[name])
+        start = max(t, self.busy_until[name], ready_at if reused else 0.0)
         hinted: dict[str, int] = {}
         if hint is not None and followed_at is not None:
             for run in hint.runs:

@@ -244,6 +244,19 @@ class SimVllmEngine:
                 self._publish_events(events)
             return cached
 
+    def advise(self, digests: list[bytes], drop: bool = False) -> int:
+        """Eviction advice followed: those of these cached blocks no request holds move to the head of
+        the free queue (evicted next). `drop`: the same (lower tiers, where an engine has them, too).
+        Returns how many blocks moved."""
+        moved = 0
+        with self._lock:
+            for d in digests:
+                for bid in self._cached.get(d, ()):
+                    if bid in self._free:
+                        self._free.move_to_end(bid, last=False)
+                        moved += 1
+        return moved
+
     def reset(self, defer: bool = False) -> None:
         """Empty the prefix cache and publish AllBlocksCleared.
 

@@ -58,7 +58,9 @@ def test_placement_only_when_the_wait_avoided_exceeds_the_copy():
     s = t.observe(SYS + [10], "r0", 0.0)
     assert t.placement(s, {"r0": 5.0, "r1": 0.0}, 1000.0) is None  # never came back
     s = t.observe(SYS + [10, 11], "r0", 1.0)  # 5 blocks, 80 tokens: 0.08 s to copy at 1,000 tokens/s
-    p = t.placement(s, {"r0": 1.0, "r1": 0.5, "r2": 0.1}, 1000.0, bytes_per_token=2)
+    # due back in 1 s: of r0's 2 s queue 1 s is left then, of r2's 1.2 s 0.2 s
+    p = t.placement(s, {"r0": 2.0, "r1": 1.5, "r2": 1.2}, 1000.0, bytes_per_token=2)
     assert (p.source, p.target, p.tokens, p.bytes) == ("r0", "r2", 80, 160)
-    assert p.copy_s == pytest.approx(0.08) and p.benefit_s == pytest.approx(0.9)
-    assert t.placement(s, {"r0": 0.15, "r1": 0.1}, 1000.0) is None  # 0.05 s avoided < 0.08 s copy
+    assert p.copy_s == pytest.approx(0.08) and p.benefit_s == pytest.approx(0.8)
+    assert t.placement(s, {"r0": 1.05, "r1": 0.0}, 1000.0) is None  # 0.05 s left at r0 < 0.08 s copy
+    assert t.placement(s, {"r0": 0.9, "r1": 0.0}, 1000.0) is None  # drained before it is back

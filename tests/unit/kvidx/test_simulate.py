@@ -288,10 +288,30 @@ def test_cli_kv_hints_json_and_bad_hint_flags(tmp_path, capsys):
         assert p["bytes_moved"] >= 0 and 0 < p["reuse_rate"] < 1
     assert set(head["policies"]["kv_hints"]["hints"]["prefetch"]) >= {"issued", "followed", "paid_off"}
     assert head["config"]["load_tps"]["DISK"] == 20000.0
-    for bad in (["--hints", "placement"], ["--hint-compliance", "2"], ["--load-tps", "DISK"],
+    for bad in (["--hints", "placement,moving"], ["--hint-compliance", "2"], ["--load-tps", "DISK"],
                 ["--load-tps", "CPU=-1"]):
         with pytest.raises(SystemExit) as e:
             cli_main([*base, "--policies", "kv_hints", *bad])
         assert str(e.value).startswith("error: ")
     with pytest.raises(SystemExit, match="--disk-offload-blocks"):
         cli_main([*base[:-4], "--disk-offload-blocks", "500"])
+
+
+def test_kv_hints_placement_and_eviction_advice_are_issued_followed_and_counted():
+    """Agent loops on small GPU caches: the session tracker sees every decision; silent sessions are
+    advised away (the engines move their free blocks to the head of the free queue, published as usual:
+    the index still agrees exactly), recurring ones on busy replicas are copied ahead of time, and each
+    kind's fate is counted. Whether they pay is the benchmark's question (bench/bench_hints.py)."""
+    reqs = agent_requests(400, rate=200.0, seed=3, concurrent=48)
+    c = cfg(token_scale=1.0, num_blocks=1100, cpu_offload_blocks=400, delay_ms=(0.0, 0.0), drop_rate=0.0,
+            hints=("placement", "eviction"))
+    r = run_fleet(reqs, c, "kv_hints")
+    h = r.counters["hints"]
+    assert set(h) == {"placement", "eviction"}
+    p, e = h["placement"], h["eviction"]
+    assert p["issued"] > 0 and p["followed"] == p["issued"] and 0 <= p["paid_off"] <= p["followed"]
+    assert e["issued"] > 0 and 0 < e["followed"] <= e["issued"]
+    assert e["paid_off"] == e["followed"] - e["regretted"]
+    s = r.overall.summary()
+    assert s["recall"] == 1.0 and s["over_credit"] == 0.0, s  # placements reach the index as events
+    assert r.counters["serving"]["bytes_moved"] > 0

@@ -1,0 +1,162 @@
+"""The kv_hints policy's side of the simulator (issue #16): the index's hints, made as the service makes
+them from what the router and the events tell it, followed by the simulated engines.
+
+- prefetch (kvidx.core.hints): the chosen replica's plan, loaded while the request is queued
+  (kvidx/sim/serving.py times it);
+- placement and eviction advice (kvidx.core.sessions, fed with every routing decision's block hashes):
+  a recurring session's prompt copied ahead of time to the replica with the shortest queue (the target
+  engine caches it as a prefill would, publishing its events; the copy takes the target's load channel
+  for tokens / `placement_tps`, and a request of the session there waits for it), and a silent session's
+  own blocks demoted (moved to the head of its GPU free queue: evicted next, to the CPU tier where there
+  is one) or dropped (from every tier first).
+Each is followed with probability `hint_compliance`, `hint_delay_ms` after the decision, by vLLM replicas
+(placement and eviction advice; prefetch by any). The engines know their prompts' tokens; the index side
+(the trackers) sees hashes only: the sim keeps each session's latest prompt apart, as the engine would.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+
+from kvidx.core.answers import ReplicaAnswer
+from kvidx.core.hints import prefetch_hint
+from kvidx.core.sessions import Session, SessionTracker
+from kvidx.sim.serving import HintCounts, ServingModel
+from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests
+
+HINT_KINDS = ("prefetch", "placement", "eviction")
+
+
+class HintFollower:
+    def __init__(self, cfg: Any, policy: str, serving: ServingModel, fleet: Any) -> None:
+        kinds = set(cfg.hints) if policy == "kv_hints" else set()
+        self.prefetch_on = "prefetch" in kinds
+        self.sessions_on = bool(kinds & {"placement", "eviction"})
+        self.placement_on = "placement" in kinds
+        self.eviction_on = "eviction" in kinds
+        self.rng = random.Random(cfg.seed + 2)  # its own draws: the routing draws stay the kv run's
+        self.compliance = cfg.hint_compliance
+        self.delay_s = cfg.hint_delay_ms / 1000.0
+        self.serving = serving
+        self.fleet = fleet
+        self.index_block = cfg.index_block
+        self.engine_block = cfg.engine_block
+        self.placement_tps = cfg.placement_tps * cfg.token_scale
+        self.bytes_per_token = cfg.kv_bytes_per_token / cfg.token_scale
+        self.trackers = {m: SessionTracker(cfg.index_block) for m in cfg.models}
+        # the engines' side: each session's latest prompt and its index block hashes
+        self.prompts: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, list[int]]] = {}
+        self.advised: dict[int, tuple[str, int]] = {}  # last block of an advised session -> its key
+        self.placed: dict[tuple[str, int], tuple[str, float]] = {}  # session -> (target, copy done at)
+        self.placement = HintCounts()
+        self.eviction = HintCounts()
+        self.reps = {r.name: r for r in fleet.replicas()}
+
+    def _follows(self) -> bool:
+        return self.rng.random() < self.compliance
+
+    # ---- prefetch ----------------------------------------------------------------------------------
+    def prefetch(self, ans: ReplicaAnswer | None, name: str, t: float) -> tuple[Any, float | None]:
+        """(the hint for `name`'s answer or None, the time the replica starts on it or None)."""
+        if not self.prefetch_on or ans is None or not ans.resumable_tokens:
+            return None, None
+        sv = self.serving
+        hint = prefetch_hint(ans, sv.pricer, sv.queue_s(name, t))
+        if hint is None:
+            return None, None
+        sv.prefetch.issued += 1
+        return hint, (t + self.delay_s if self._follows() else None)
+
+    # ---- placement and eviction advice ---------------------------------------------------------------
+    def ready_at(self, model: str, hashes: list[int] | None, replica: str) -> float:
+        """When a placed copy this prompt would reuse on `replica` is there (0: none pending)."""
+        if not self.placement_on or not hashes:
+            return 0.0
+        s = self.trackers[model].find(hashes)
+        placed = self.placed.get((model, s.sid)) if s is not None else None
+        return placed[1] if placed is not None and placed[0] == replica else 0.0
+
+    def routed(self, model: str, prompt: np.ndarray, output: np.ndarray, hashes: list[int] | None,
+               replica: str, t: float, reused: int) -> None:
+        """After the request was served: the tracker sees the decision; placement pays off when the session
+        came back to its copy; new advice is issued and followed."""
+        if not self.sessions_on or not hashes:
+            return
+        tracker = self.trackers[model]
+        if self.advised:  # a session advised away came back: that advice did not pay off
+            for h in hashes:
+                if self.advised.pop(h, None) is not None:
+                    self.eviction.regretted += 1
+        s = tracker.observe(hashes, replica, t)
+        key = (model, s.sid)
+        placed = self.placed.pop(key, None)
+        if placed is not None and placed[0] == replica and reused > 0:
+            self.placement.paid_off += 1
+        self.prompts[key] = (prompt, output, list(hashes))
+        if self.eviction_on:
+            for adv in tracker.eviction_advice(t):
+                self._evict(model, adv)
+        if self.placement_on:
+            self._place(model, s, tracker, t)
+        if len(self.prompts) > 2 * len(tracker.sessions) + 64:  # the sessions the tracker forgot
+            for k in [k for k in self.prompts if k[0] == model and k[1] not in tracker.sessions]:
+                del self.prompts[k]
+
+    def _engine_digests(self, key: tuple[str, int], hashes: list[int], engine: SimVllmEngine) -> list[bytes]:
+        """The engine's block digests of the session's blocks named by `hashes` (index blocks), and of
+        every block its latest request cached after its prompt (the output's): advice on a prefix holds for
+        all below it, which its loss makes unreachable anyway (the engine acts on the subtree)."""
+        known = self.prompts.get(key)
+        if known is None:
+            return []
+        prompt, output, session_hashes = known
+        pos = {h: i for i, h in enumerate(session_hashes)}
+        per = self.engine_block // self.index_block
+        wanted = sorted({pos[h] // per for h in hashes if h in pos})
+        if not wanted:
+            return []
+        tokens = np.concatenate([prompt, output[:-1]]) if len(output) > 1 else prompt
+        digests = chain_digests(tokens.tolist(), self.engine_block, engine._root)
+        below = range(len(prompt) // self.engine_block, len(digests))
+        return [digests[i] for i in [*wanted, *below] if i < len(digests)]
+
+    def _evict(self, model: str, adv: Any) -> None:
+        self.eviction.issued += 1
+        rep = self.reps.get(adv.replica)
+        if rep is None or not isinstance(rep.engine, SimVllmEngine) or not self._follows():
+            return
+        key = (model, adv.session)
+        digests = self._engine_digests(key, adv.hashes, rep.engine)
+        if rep.engine.advise(digests, drop=adv.action == "drop"):
+            self.eviction.followed += 1
+            self.advised[self.prompts[key][2][-1]] = key
+
+    def _place(self, model: str, s: Session, tracker: SessionTracker, t: float) -> None:
+        sv = self.serving
+        names = [r.name for r in self.fleet.engines[model] if isinstance(r.engine, SimVllmEngine)]
+        hint = tracker.placement(s, {n: sv.queue_s(n, t) for n in names}, self.placement_tps)
+        if hint is None:
+            return
+        self.placement.issued += 1
+        known = self.prompts.get((model, s.sid))
+        if known is None or not self._follows():
+            return
+        self.placement.followed += 1
+        done = sv.reserve_channel(hint.target, t + self.delay_s, hint.copy_s, hint.tokens)
+        self.fleet.place(self.reps[hint.target], known[0], t)
+        self.placed[(model, s.sid)] = (hint.target, done)
+
+    def report(self) -> dict:
+        out = {}
+        if self.prefetch_on:
+            out["prefetch"] = self.serving.prefetch.report()
+        if self.placement_on:
+            out["placement"] = self.placement.report()
+        if self.eviction_on:
+            # paid off: followed, and the session never came back (its blocks were dead weight)
+            self.eviction.paid_off = self.eviction.followed - self.eviction.regretted
+            out["eviction"] = self.eviction.report()
+        return out
