@@ -102,6 +102,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     app.state.store = store
     app.state.metrics = metrics
     ctx = ServiceContext(app, store, metrics, max_tokens)
+    app.state.pipeline = ctx.pipeline  # the query pipeline, for code that embeds the app (and tests)
     ctx.fanout = fanout
     # registered in this order because it is the OpenAPI document's path order
     add_json_lookup(app, ctx, auth)

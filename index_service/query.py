@@ -29,6 +29,7 @@ from kvidx.core.answers import LookupAnswer, PrefetchHint, ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.hints import prefetch_hint
 from kvidx.core.price import Pricer
+from kvidx.core.sessions import SessionTracker
 from kvidx.core.shard import ModelShard
 from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
 from schemas.routes import ROUTES_VERSION, RouteDecision
@@ -50,6 +51,7 @@ class QueryPipeline:
         self.store = store
         self.max_tokens = max_tokens
         self.pricers: dict[str, Pricer] = {}  # per model, from the configuration
+        self.trackers: dict[str, SessionTracker] = {}  # per model whose hints.sessions is on
 
     def shard(self, model: str) -> ModelShard:
         shard = self.store.shards.get(model)
@@ -219,8 +221,11 @@ class QueryPipeline:
         d = RouteDecision(ROUTES_VERSION, req.request_id[:200], req.model, req.replica[:500], req.dp_rank,
                           list(hashes), n, req.credited_tokens, time.time(), ttl, req.router[:200],
                           req.evicting_tokens)
+        hints = self.store.config.model(shard.model).hints
         # the plan from the replica's state before this decision's own pending credit counts there
-        hint = self._route_prefetch(shard, d) if not elsewhere and self.prefetch_on(shard.model) else None
+        answers = (shard.lookup(d.block_hashes, d.prompt_tokens, d.ts, None)
+                   if not elsewhere and (hints.prefetch or hints.sessions) else [])
+        hint = self._route_prefetch(shard.model, answers, d) if hints.prefetch else None
         applied = self.store.apply_route(d)
         if applied and self.store.publish_route is not None:
             self.store.publish_route(d)
@@ -228,14 +233,41 @@ class QueryPipeline:
             self.store.publish_hint(hint_record(d, shard.block_size, hint))
         if applied and hint is not None and req.token_ids and self.store.act_on_hint is not None:
             self.store.act_on_hint(d.model, d.replica, hint, req.token_ids)  # the tokens are not kept
+        if applied and hints.sessions:
+            self._session_hints(d, shard.block_size, answers, hints.placement_tokens_per_s,
+                                hints.kv_bytes_per_token)
         return d, applied, hint
 
-    def _route_prefetch(self, shard: ModelShard, d: RouteDecision) -> PrefetchHint | None:
-        for a in shard.lookup(d.block_hashes, d.prompt_tokens, d.ts, None):
+    def _route_prefetch(self, model: str, answers: list[ReplicaAnswer], d: RouteDecision
+                        ) -> PrefetchHint | None:
+        for a in answers:
             if a.replica == d.replica and a.dp_rank == d.dp_rank:
-                a.price = self.pricer(shard.model)(a, d.prompt_tokens)
-                return self.prefetch_plan(shard.model, a)
+                a.price = self.pricer(model)(a, d.prompt_tokens)
+                return self.prefetch_plan(model, a)
         return None
+
+    def _session_hints(self, d: RouteDecision, block_size: int, answers: list[ReplicaAnswer],
+                       copy_tps: float, bytes_per_token: int) -> None:
+        """The decision's session tracked (kvidx.core.sessions); the eviction advice now due and this
+        session's placement, if any, published on the hints topic."""
+        tracker = self.trackers.get(d.model)
+        if tracker is None:
+            tracker = self.trackers[d.model] = SessionTracker(block_size)
+        s = tracker.observe(d.block_hashes, d.replica, d.ts)
+        publish = self.store.publish_hint
+        if publish is None:
+            return
+        for adv in tracker.eviction_advice(d.ts):
+            publish(HintRecord(HINTS_VERSION, "eviction", "", d.model, adv.replica, 0, adv.hashes, block_size,
+                               [], adv.tokens, 0.0, 0.0, 0.0, adv.tokens * bytes_per_token, d.ts,
+                               action=adv.action))
+        per_token = self.pricer(d.model).per_token
+        queues = {a.replica: a.inflight_prefill_tokens * per_token for a in answers if a.dp_rank == 0}
+        p = tracker.placement(s, queues, copy_tps, bytes_per_token)
+        if p is not None:
+            publish(HintRecord(HINTS_VERSION, "placement", d.request_id, d.model, p.source, 0, p.hashes,
+                               block_size, [], p.tokens, p.copy_s, 0.0, p.benefit_s, p.bytes, d.ts,
+                               target=p.target))
 
 
 def hint_record(d: RouteDecision, block_size: int, hint: PrefetchHint) -> HintRecord:

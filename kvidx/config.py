@@ -54,6 +54,9 @@ class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
 class HintsConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Hints (issue #16) are off until the operator turns them on, per model."""
     prefetch: bool = False  # /v1/rank and /v1/routes answers carry the prefetch plan; the hints topic
+    # the hints topic also gets eviction advice and placements, from the sessions of the routing decisions
+    sessions: bool = False
+    placement_tokens_per_s: float = 100_000.0  # a copy between replicas, for placements
     kv_bytes_per_token: int = 0  # for the bytes a hint moves (0: not reported)
     # an LMCache controller that acts on the prefetch hints (kvidx/engines/lmcache/actuator.py): its
     # PULL socket, tcp://host:port; the LMCache instance id of each replica (default: the replica's name)

@@ -6,7 +6,11 @@ a change in meaning is a new version and a new topic.
 
 A prefetch hint names the prompt's canonical block hashes (the model's index block size) and, per run
 of the prompt held below GPU memory, the tier and the token range [start, end) to load, with the load
-time the wait can hide (`benefit_s`) by `deadline_s` seconds after `ts`."""
+time the wait can hide (`benefit_s`) by `deadline_s` seconds after `ts`. Eviction advice (kind
+"eviction", `action` demote or drop) names a silent session's own blocks on `replica`; a placement
+(kind "placement") a recurring session's blocks to copy from `replica` to `target` (`load_s`: the copy,
+`benefit_s`: the wait its next prompt avoids); both come from kvidx.core.sessions, fed with the
+routing decisions the instance records."""
 
 from __future__ import annotations
 
@@ -40,6 +44,10 @@ class HintRecord(msgspec.Struct, array_like=True):
     benefit_s: float
     bytes: int
     ts: float  # when the hint was issued (s since the epoch)
+    # eviction advice: keep, demote or drop the named blocks (the session's own) on `replica`
+    action: str = ""
+    # placement: copy the named blocks (the session's prompt) from `replica` to `target`
+    target: str = ""
 
 
 _enc = msgspec.msgpack.Encoder()

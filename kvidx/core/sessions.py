@@ -62,6 +62,7 @@ class SessionTracker:
     block_size: int
     idle_factor: float = 4.0
     idle_s: float = 30.0  # for sessions that never came back
+    min_idle_s: float = 5.0  # for those that did: a gap from a few returns is noisy
     drop_factor: float = 4.0  # drop after demote's threshold x this
     sessions: dict[int, Session] = field(default_factory=dict)
     by_last: dict[int, int] = field(default_factory=dict)  # last block hash -> session id
@@ -103,7 +104,7 @@ class SessionTracker:
         return s
 
     def _idle_after(self, s: Session) -> float:
-        return self.idle_factor * s.gap_s if s.returns else self.idle_s
+        return max(self.idle_factor * s.gap_s, self.min_idle_s) if s.returns else self.idle_s
 
     def own_blocks(self, s: Session) -> list[int]:
         """The session's blocks no other session passes through."""
@@ -120,13 +121,14 @@ class SessionTracker:
             if s is None or s.version != version:
                 continue
             own = self.own_blocks(s)
-            action = "drop" if s.advised == "demote" else "demote"
+            dropped_by = s.last_ts + self._idle_after(s) * self.drop_factor
+            action = "drop" if s.advised == "demote" or now >= dropped_by else "demote"
             if own:
                 out.append(EvictionAdvice(s.replica, s.sid, action, own, len(own) * self.block_size,
                                           now - s.last_ts, s.gap_s))
             if action == "demote":
                 s.advised = "demote"
-                heapq.heappush(self._due, (s.last_ts + self._idle_after(s) * self.drop_factor, sid, version))
+                heapq.heappush(self._due, (dropped_by, sid, version))
             else:
                 self._forget(s)
         out.sort(key=lambda a: (a.replica, -a.tokens))

@@ -9,6 +9,8 @@ many the engines followed and how many paid off, per model, replica and time win
 
 Blocks are the hint's own block hashes (the model's index block size), so nothing but hashes and
 counts is read. A hint without a usage report is counted `unreported` (it cannot have paid off).
+Eviction advice and placements (kvidx.core.sessions) are counted as issued, per kind and action; their
+follow-through is not audited yet.
 """
 
 from __future__ import annotations
@@ -77,8 +79,13 @@ def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batc
         by_usage.setdefault(u.request_id, u)
     overall = HintTally()
     groups: dict[str, dict] = {"by_model": {}, "by_replica": {}, "over_time": {}}
+    other: dict[str, int] = {}  # eviction advice and placements: issued (their follow-through: not yet)
     for h in sorted(hints, key=lambda h: h.ts):
         if h.ts < t_from:
+            continue
+        if h.kind != "prefetch":
+            key = f"{h.kind}:{h.action}" if h.action else h.kind
+            other[key] = other.get(key, 0) + 1
             continue
         want = _hinted_blocks(h)
         seen: set[int] = set()
@@ -95,6 +102,7 @@ def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batc
             groups[name].setdefault(key, HintTally()).add(h, followed, u is not None, paid)
     return {
         "overall": overall.summary(),
+        "other_kinds_issued": other,
         "by_model": [{"model": k, **t.summary()} for k, t in sorted(groups["by_model"].items())],
         "by_replica": [{"model": m, "replica": r, "dp_rank": d, **t.summary()}
                        for (m, r, d), t in sorted(groups["by_replica"].items())],

@@ -14,6 +14,7 @@ from index_service.app import create_app
 from index_service.store import ShardStore
 from kvidx.config import Config, HintsConfig, ModelConfig
 from kvidx.core.hashing import prompt_hashes
+from kvidx.core.sessions import SessionTracker
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 from schemas.hints import HINTS_VERSION, decode_hint, encode_hint
 from tests.helpers import ServerThread
@@ -82,3 +83,41 @@ def test_a_hints_record_of_another_version_is_refused():
     sent[0].v = HINTS_VERSION + 1
     with pytest.raises(ValueError, match="unsupported hints version"):
         decode_hint(encode_hint(sent[0]))
+
+
+def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic():
+    """hints.sessions on: each recorded decision feeds the model's session tracker; a recurring session
+    on a replica with a long queue gets a placement to the idle one, and a silent session, eviction advice
+    (its own blocks, never the shared system prompt)."""
+    store = ShardStore(16, config=Config(default=ModelConfig(hints=HintsConfig(sessions=True))))
+    sent = []
+    store.publish_hint = sent.append
+    system = P[:32]
+    turn1, other = system + P[32:80], system + list(range(7000, 7050))
+    now = time.time()
+    for rep in ("busy", "idle"):
+        store.apply(EventBatch(SCHEMA_VERSION, MODEL, rep, 0, 1, 0, now, now, 16, []))
+    app = create_app(store)
+    # silent after 0.3 s (not 30 s, or 4 gaps and at least 5 s)
+    app.state.pipeline.trackers[MODEL] = SessionTracker(16, idle_s=0.3, min_idle_s=0.3)
+    with ServerThread(app) as base, httpx.Client(base_url=base) as c:
+        def route(rid: str, replica: str, tokens: list[int]) -> None:
+            r = c.post("/v1/routes", json={"request_id": rid, "model": MODEL, "replica": replica,
+                                           "token_ids": tokens, "ttl_s": 60})
+            assert r.status_code == 202 and "prefetch" not in r.json()
+        # a long prefill queued on "busy" (pending credit of 400,000 tokens: 50 s at 8,000 tokens/s)
+        route("big", "busy", list(range(10_000, 410_000)))
+        route("o1", "idle", other)
+        route("a1", "busy", turn1)
+        route("a2", "busy", turn1 + P[80:96])  # the session comes back: recurring, its replica busy
+        placements = [h for h in sent if h.kind == "placement"]
+        assert [(h.replica, h.target, h.request_id) for h in placements] == [("busy", "idle", "a2")]
+        assert placements[0].block_hashes == hashes(turn1 + P[80:96]) and placements[0].benefit_s > 1.0
+        time.sleep(0.5)
+        route("x", "idle", list(range(20_000, 20_040)))  # any decision: the tracker looks at the silent
+    advice = {(h.replica, tuple(h.block_hashes)): h.action for h in sent if h.kind == "eviction"}
+    # every session fell silent (the last decision's own, just started, is not); the system prompt's
+    # 2 blocks, shared by two sessions, are never named
+    assert advice == {("busy", tuple(hashes(list(range(10_000, 410_000))))): "demote",
+                      ("idle", tuple(hashes(other)[2:])): "demote",
+                      ("busy", tuple(hashes(turn1 + P[80:96])[2:])): "demote"}
