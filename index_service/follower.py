@@ -199,14 +199,18 @@ class RoutePublisher:
                                   "enable.idempotence": True, "linger.ms": 1})
 
     def __call__(self, d: RouteDecision | HintRecord) -> None:
-        self.producer.produce(self.topic, key=d.model.encode(), value=self.encode(d),
-                              on_delivery=self._delivered)
+        try:
+            self.producer.produce(self.topic, key=d.model.encode(), value=self.encode(d),
+                                  on_delivery=self._delivered)
+        except BufferError:  # the local queue is full (broker unreachable): counted, never a failed request
+            self.errors += 1
+            log.error("event=publish_queue_full topic=%s", self.topic)
         self.producer.poll(0)
 
     def _delivered(self, err, msg) -> None:
         if err is not None:
             self.errors += 1
-            log.error("event=route_delivery_failed error=%s", err)
+            log.error("event=publish_failed topic=%s error=%s", self.topic, err)
 
     def close(self) -> None:
         self.producer.flush(10)

@@ -121,6 +121,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                 if not 0 <= g < m.replica_groups:
                     raise ValueError(f"model {name!r}: replica_placement puts {replica!r} in group {g}, "
                                      f"outside 0..{m.replica_groups - 1}")
+            h = m.hints
+            if h.placement_tokens_per_s <= 0 or h.kv_bytes_per_token < 0:
+                raise ValueError(f"model {name!r}: hints.placement_tokens_per_s must be > 0 and "
+                                 "hints.kv_bytes_per_token >= 0")
+            if h.lmcache_controller and not h.lmcache_controller.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"model {name!r}: hints.lmcache_controller must be a ZMQ address "
+                                 "(tcp://HOST:PORT, the controller's pull port), not "
+                                 f"{h.lmcache_controller!r}")
+            if (h.lmcache_controller or h.lmcache_instances) and not h.prefetch:
+                raise ValueError(f"model {name!r}: hints.lmcache_controller acts on prefetch plans: turn on "
+                                 "hints.prefetch too")
 
 
 def load_config(path: str | Path | None) -> Config:

@@ -352,6 +352,8 @@ def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], li
     for k in kinds:
         if k not in HINT_KINDS:
             raise SystemExit(f"error: unknown hint kind {k!r} (known: {', '.join(HINT_KINDS)})")
+    if args.placement_tps <= 0 or args.kv_bytes_per_token < 0 or args.agents < 1:
+        raise SystemExit("error: --placement-tps must be > 0, --kv-bytes-per-token >= 0 and --agents >= 1")
     if not 0.0 <= args.hint_compliance <= 1.0 or args.hint_delay_ms < 0:
         raise SystemExit("error: --hint-compliance takes a share in [0, 1] and --hint-delay-ms a delay >= 0")
     if args.replica_groups != 1 and (args.replica_groups < 1 or not args.kafka):

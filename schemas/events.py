@@ -25,7 +25,8 @@ DEAD_LETTER_TOPIC = "kvidx.deadletter"
 CONTROL_TOPIC = "kvidx.control.v1"  # requests to relays (schemas/control.py)
 ROUTES_TOPIC = "kvidx.routes.v1"  # routing decisions: pending credit and the audit (schemas/routes.py)
 USAGE_TOPIC = "kvidx.usage.v1"  # engine usage reports (what was reused): the audit (schemas/usage.py)
-HINTS_TOPIC = "kvidx.hints.v1"  # prefetch hints for routed requests (schemas/hints.py)
+# prefetch plans, eviction advice and placements for routed requests' replicas (schemas/hints.py)
+HINTS_TOPIC = "kvidx.hints.v1"
 # compacted: the workers registered through Dynamo's API (schemas/registrations.py)
 REGISTRATIONS_TOPIC = "kvidx.registrations.v1"
 # compacted: the service instances and the replica groups they hold (index_service/fanout.py)

@@ -30,8 +30,8 @@ class PrefetchRunRecord(msgspec.Struct, array_like=True):
 
 class HintRecord(msgspec.Struct, array_like=True):
     v: int
-    kind: str  # "prefetch" (placement and eviction advice: later kinds, same record)
-    request_id: str  # the routing decision's
+    kind: str  # "prefetch", "eviction" or "placement"
+    request_id: str  # the routing decision's ("" for eviction advice: it follows no one decision)
     model: str
     replica: str
     dp_rank: int

@@ -10,10 +10,15 @@ sessions pass through it (a system prompt: many; a conversation's own turns: one
 - Eviction advice, per replica, ranked by tokens freed: a session silent for longer than `idle_factor`
   x its gap (or than `idle_s` for one that never came back) is `demote` (its own blocks can leave GPU
   memory for a lower tier), and after `drop_factor` x that, `drop` (they can go); blocks other sessions
-  pass through are never named. A recurring session that is due back soon is `keep`.
+  pass through are never named. A recurring session that is due back soon is `keep` (keep_advice: an
+  API for engines that pin; neither the service nor the simulator issues it yet).
 - Placement: a recurring session whose replica will still be busy when it is due back is worth copying
   ahead of its next prompt to the replica with the shortest queue, when the wait it avoids exceeds the
   copy's time.
+
+Known ambiguity: a first prompt that ends exactly where many conversations branch (a system prompt and
+nothing else) is continued by the next conversation through it; its blocks stop being anyone's own as
+soon as a second session passes through them. Sessions are per replica name (DP rank 0).
 """
 
 from __future__ import annotations

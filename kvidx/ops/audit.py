@@ -119,8 +119,8 @@ def read_joined(bootstrap: str, names: dict[str, str], t_from: float, t_to: floa
     return j
 
 
-def read_hints(bootstrap: str, names: dict[str, str], j: Joined, t_from: float, t_to: float, window_s: float,
-               grace_s: float) -> dict | None:
+def read_hints(bootstrap: str, names: dict[str, str], j: Joined, t_from: float, t_to: float, window_s: float
+               ) -> dict | None:
     """The hints published in [t_from, t_to], their follow-through (the replicas' events up to the last
     hint's deadline) and pay-off (the usage reports read for `j`); None when there are none."""
     hints, bad = _decode_all(read_range(bootstrap, names["hints"], t_from, t_to, "audit-hints"), decode_hint)
@@ -332,7 +332,7 @@ def cmd_audit(args) -> int:
         sys.exit("error: --from must be before --to")
     j = read_joined(bootstrap_of(args), names, t_from, t_to, args.grace)
     report = audit(j, t_from, t_to, args.window)
-    hints = read_hints(bootstrap_of(args), names, j, t_from, t_to, report["window_s"], args.grace)
+    hints = read_hints(bootstrap_of(args), names, j, t_from, t_to, report["window_s"])
     if hints is not None:
         report["hints"] = hints
     if not report["overall"]["requests"]:  # not silent: nothing was measured, no ratio is 1.0

@@ -56,7 +56,7 @@ def _hinted_blocks(h: HintRecord) -> set[int]:
     bs = h.block_size
     out: set[int] = set()
     for r in h.runs:
-        out.update(h.block_hashes[r.start // bs:-(-r.end // bs)])
+        out.update(h.block_hashes[r.start // bs:r.end // bs])  # the full index blocks the run covers
     return out
 
 

@@ -50,6 +50,10 @@ class HintFollower:
         # the engines' side: each session's latest prompt and its index block hashes
         self.prompts: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, list[int]]] = {}
         self.advised: dict[int, tuple[str, int]] = {}  # last block of an advised session -> its key
+        # eviction advice is counted per session (demote and drop of one session are one advice followed)
+        self.issued_sessions: set[tuple[str, int]] = set()
+        self.followed_sessions: set[tuple[str, int]] = set()
+        self.regretted_sessions: set[tuple[str, int]] = set()
         self.placed: dict[tuple[str, int], tuple[str, float]] = {}  # session -> (target, copy done at)
         self.placement = HintCounts()
         self.eviction = HintCounts()
@@ -88,8 +92,9 @@ class HintFollower:
         tracker = self.trackers[model]
         if self.advised:  # a session advised away came back: that advice did not pay off
             for h in hashes:
-                if self.advised.pop(h, None) is not None:
-                    self.eviction.regretted += 1
+                came_back = self.advised.pop(h, None)
+                if came_back is not None:
+                    self.regretted_sessions.add(came_back)
         s = tracker.observe(hashes, replica, t)
         key = (model, s.sid)
         placed = self.placed.pop(key, None)
@@ -124,14 +129,14 @@ class HintFollower:
         return [digests[i] for i in [*wanted, *below] if i < len(digests)]
 
     def _evict(self, model: str, adv: Any) -> None:
-        self.eviction.issued += 1
+        key = (model, adv.session)
+        self.issued_sessions.add(key)
         rep = self.reps.get(adv.replica)
         if rep is None or not isinstance(rep.engine, SimVllmEngine) or not self._follows():
             return
-        key = (model, adv.session)
         digests = self._engine_digests(key, adv.hashes, rep.engine)
         if rep.engine.advise(digests, drop=adv.action == "drop"):
-            self.eviction.followed += 1
+            self.followed_sessions.add(key)
             self.advised[self.prompts[key][2][-1]] = key
 
     def _place(self, model: str, s: Session, tracker: SessionTracker, t: float) -> None:
@@ -156,7 +161,11 @@ class HintFollower:
         if self.placement_on:
             out["placement"] = self.placement.report()
         if self.eviction_on:
-            # paid off: followed, and the session never came back (its blocks were dead weight)
-            self.eviction.paid_off = self.eviction.followed - self.eviction.regretted
+            # per session: followed, and paid off when it never came back (its blocks were dead weight)
+            e = self.eviction
+            e.issued = len(self.issued_sessions)
+            e.followed = len(self.followed_sessions)
+            e.regretted = len(self.followed_sessions & self.regretted_sessions)
+            e.paid_off = e.followed - e.regretted
             out["eviction"] = self.eviction.report()
         return out

@@ -52,7 +52,8 @@ what they would send on their ZMQ PUB socket.
 In the code: run_fleet lays the fleet out (_FleetPlan: kinds, names, pools, hybrid groups), opens the
 index side (_IndexSide: the sink, the lookup, the Kafka wait) and builds the replicas and their relays
 (_Fleet, over a _Network); _replay_requests then takes each request through steps 1-4 with a _Router,
-the ServingModel (kvidx/sim/serving.py: queues, tier loads, prefetches), the _Hints and the _Accounts
+the ServingModel (kvidx/sim/serving.py: queues, tier loads, prefetches), the HintFollower
+(kvidx/sim/advice.py) and the _Accounts
 (agreement), and _stream_counters / _tier_counters report the rest.
 """
 
@@ -1075,9 +1076,9 @@ class _Router:
         queue = max(0.0, sv.busy_until[name] - t)
         price = n - resumable + self.load_weight * sv.prefill_tps * queue
         load = sv.load_s(ans, n)
-        if load and self.prefetch:
-            c, wq = self.compliance, self.load_weight * queue
-            price += sv.prefill_tps * (c * max(0.0, self.hint_delay_s + load - wq) + (1 - c) * load)
+        if load and self.prefetch:  # the load overlaps the replica's real queue, whatever its weight
+            c = self.compliance
+            price += sv.prefill_tps * (c * max(0.0, self.hint_delay_s + load - queue) + (1 - c) * load)
         elif load:
             price += sv.prefill_tps * load
         return price

@@ -138,13 +138,16 @@ class ServingModel:
             ch_start = max(followed_at, self.channel_free[name])
             ch_end = ch_start + channel_s
             self.channel_free[name] = ch_end
-            wait_s = max(0.0, ch_end - start)
+            # the reused tokens are the plan's first (a prompt's prefix, loaded in prompt order): the turn
+            # waits for them only; the rest of the plan just holds the channel
+            useful_end = ch_start + useful_s
+            wait_s = max(0.0, useful_end - start) if prefetched_reused else 0.0
             saved = useful_s - wait_s if useful_s > 0 else 0.0
             if saved > 0:
                 self.prefetch.paid_off += 1
                 self.prefetch.saved_s += saved
             # reused tokens whose prefetch was done at the request's turn count as GPU hits
-            done = 1.0 if ch_end <= start or channel_s <= 0 else max(0.0, (start - ch_start) / channel_s)
+            done = 1.0 if useful_end <= start or useful_s <= 0 else max(0.0, (start - ch_start) / useful_s)
             gpu += int(prefetched_reused * done)
         self.reused_tokens += reused
         self.gpu_reused_tokens += gpu

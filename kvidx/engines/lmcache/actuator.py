@@ -88,18 +88,37 @@ class LmcacheActuator:
 
     def __init__(self, url: str, instances: dict[str, str] | None = None,
                  locations: dict[str, str] | None = None) -> None:
+        import zmq
+
         self.url = url
         self.instances = instances or {}
         self.locations = locations or TIER_LOCATION
-        self.counters = {"hints": 0, "sent": 0, "dropped": 0, "errors": 0}
+        # each counter written by one thread: hints and queue_full by the router's, the rest by the sender
+        self.counters = {"hints": 0, "queue_full": 0, "sent": 0, "not_sent": 0, "errors": 0}
         self._ids = itertools.count()
         self._run = uuid.uuid4().hex[:8]
         self._q: queue.Queue[bytes | None] = queue.Queue(MAX_QUEUED)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.setsockopt(zmq.SNDHWM, MAX_QUEUED)
+        try:
+            self._sock.connect(url)  # ZMQ connects in the background: a controller not up yet is fine
+        except zmq.ZMQError as e:  # a malformed address: acting is off, routing goes on
+            self.broken = f"cannot connect to LMCache controller {url!r}: {e}"
+            log.error("event=lmcache_actuator_off error=%s", self.broken)
+            self._sock.close()
+            self._ctx.term()
+            self._thread = None
+            return
+        self.broken = ""
         self._thread = threading.Thread(target=self._send_loop, name="lmcache-actuator", daemon=True)
         self._thread.start()
 
     def act(self, replica: str, hint: PrefetchHint, tokens: Sequence[int]) -> int:
         """Queue the messages for `hint` on `replica`'s LMCache instance; how many were queued."""
+        if self.broken:
+            return 0
         instance = self.instances.get(replica, replica)
         event_id = f"kvidx-{self._run}-{next(self._ids)}"
         msgs = prefetch_messages(hint, tokens, instance, event_id, self.locations)
@@ -109,34 +128,36 @@ class LmcacheActuator:
             try:
                 self._q.put_nowait(encode(m))
             except queue.Full:
-                self.counters["dropped"] += 1
+                self.counters["queue_full"] += 1
         return len(msgs)
 
     def _send_loop(self) -> None:
         import zmq
 
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.SNDHWM, MAX_QUEUED)
-        sock.connect(self.url)
+        sock = self._sock  # handed over: only this thread uses it from here on
         try:
             while (payload := self._q.get()) is not None:
                 try:
                     sock.send(payload, flags=zmq.NOBLOCK)
                     self.counters["sent"] += 1
                 except zmq.Again:
-                    self.counters["dropped"] += 1  # the controller is not reading: never block routing
+                    self.counters["not_sent"] += 1  # the controller is not reading: never block routing
                 except zmq.ZMQError as e:
                     self.counters["errors"] += 1
                     log.warning("event=lmcache_actuator_error url=%s error=%s", self.url, e)
         finally:
             sock.close()
-            ctx.term()
+            self._ctx.term()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (up to the socket's linger), then stop."""
-        self._q.put(None)
+        """Send what is queued (up to the socket's linger), then stop; never blocks longer than `timeout`."""
+        if self._thread is None:
+            return
+        try:
+            self._q.put(None, timeout=timeout)
+        except queue.Full:  # the sender is stuck: it is a daemon thread, the process may exit
+            log.warning("event=lmcache_actuator_close_timeout url=%s", self.url)
+            return
         self._thread.join(timeout)
 
 

@@ -47,3 +47,15 @@ def test_unreported_tiers_flag_upper_bounds(tmp_path):
     (gpu_only,) = shard.lookup([1, 2], 33, 0.0)
     (with_cpu,) = shard.lookup([1, 2, 3, 4], 65, 0.0)
     assert gpu_only.upper_bound is False and with_cpu.upper_bound is True
+
+
+@pytest.mark.parametrize("hints, says", [
+    ('placement_tokens_per_s = 0', "placement_tokens_per_s"),
+    ('prefetch = true\nlmcache_controller = "controller:8300"', "ZMQ address"),
+    ('lmcache_controller = "tcp://controller:8300"', "turn on hints.prefetch"),
+])
+def test_bad_hints_settings_are_refused_at_load(tmp_path, hints, says):
+    path = tmp_path / "kvidx.toml"
+    path.write_text(f"[models.llama.hints]\n{hints}\n")
+    with pytest.raises(SystemExit, match=says):
+        load_config(path)

@@ -110,3 +110,9 @@ def test_the_service_acts_only_for_a_model_that_names_a_controller():
         actuators.close()
         sock.close()
         ctx.term()
+
+
+def test_a_malformed_controller_address_turns_acting_off_without_failing_routing():
+    a = LmcacheActuator("controller-without-scheme:8300")
+    assert a.broken and a.act("r0", disk_hint("r0"), TOKENS) == 0
+    a.close()  # returns at once

@@ -69,3 +69,12 @@ def test_prefetched_tokens_the_request_did_not_reuse_are_wasted_but_still_moved(
     # the engine evicted part of it meanwhile: only 200 of the 500 hinted tokens were reused
     sv.admit(0, "a", 0.0, 600, 200, {"CPU": 200}, 0, hint, followed_at=0.0)
     assert sv.prefetch.wasted_tokens == 300 and sv.loaded_tokens == 500
+
+
+def test_a_prefetch_the_request_does_not_reuse_holds_the_channel_not_the_turn():
+    sv = model()
+    hint = prefetch_hint(answer("a", [("DISK", 1000)]), sv.pricer, 0.0)  # 0.5 s of disk load
+    # the index was wrong: the engine had all of it on GPU
+    sv.admit(0, "a", 0.0, 1100, 1000, {"GPU": 1000}, 0, hint, followed_at=0.0)
+    assert sv.ttft[0] == pytest.approx(0.1) and sv.prefetch.wasted_tokens == 1000
+    assert sv.channel_free["a"] == pytest.approx(0.5)
