@@ -160,39 +160,37 @@ class OffloadVllmEngine(OutboxVllmEngine):
                 "token_ids": [], "block_size": 0, "lora_id": None, "medium": medium, "lora_name": None,
                 "group_idx": 0}
 
-    def _to_disk(self, d: bytes, events: list[dict[str, Any]]) -> None:
-        disk = self.disk
-        if d in disk:
-            disk.move_to_end(d)
-            return
-        while len(disk) >= self.disk_blocks:
-            old, _ = disk.popitem(last=False)
-            events.append({"type": "BlockRemoved", "block_hashes": [external_hash(old)], "medium": "DISK",
+    def _admit(self, level: OrderedDict[bytes, None], capacity: int, d: bytes, medium: str,
+               events: list[dict[str, Any]], spill: Callable[[bytes], None]) -> bool:
+        """Put block `d` in an LRU level (the connector's placeholder in `medium`); each block it evicts
+        (BlockRemoved in `medium`) goes to `spill`. False if it was there already (now most recent)."""
+        if d in level:
+            level.move_to_end(d)
+            return False
+        while len(level) >= capacity:
+            old, _ = level.popitem(last=False)
+            events.append({"type": "BlockRemoved", "block_hashes": [external_hash(old)], "medium": medium,
                            "group_idx": 0})
-            self.disk_evicted += 1
-        disk[d] = None
-        self.disk_stored += 1
-        events.append(self._placeholder(d, "DISK"))
+            spill(old)
+        level[d] = None
+        events.append(self._placeholder(d, medium))
+        return True
 
     def _evict(self, b: Any, events: list[dict[str, Any]]) -> None:
         d = b.digest
         super()._evict(b, events)
         if d is None:
             return
-        cpu = self.cpu
-        if d in cpu:
-            cpu.move_to_end(d)
-            return
-        while len(cpu) >= self.cpu_blocks:
-            old, _ = cpu.popitem(last=False)
-            events.append({"type": "BlockRemoved", "block_hashes": [external_hash(old)], "medium": "CPU",
-                           "group_idx": 0})
+
+        def disk_spill(old: bytes) -> None:
+            self.disk_evicted += 1
+
+        def cpu_spill(old: bytes) -> None:
             self.cpu_evicted += 1
             if self.disk_blocks > 0:
-                self._to_disk(old, events)
-        cpu[d] = None
-        self.offloaded += 1
-        events.append(self._placeholder(d, "CPU"))
+                self.disk_stored += self._admit(self.disk, self.disk_blocks, old, "DISK", events, disk_spill)
+
+        self.offloaded += self._admit(self.cpu, self.cpu_blocks, d, "CPU", events, cpu_spill)
 
     def advise(self, digests: list[bytes], drop: bool = False) -> int:
         """As SimVllmEngine.advise; `drop` also puts them first in the CPU and disk LRUs."""
