@@ -130,7 +130,8 @@ def read_hints(bootstrap: str, names: dict[str, str], j: Joined, t_from: float, 
     batches, _ = _decode_all(read_range(bootstrap, names["events"], t_from, until, "audit-hints"),
                              decode_batch)
     usages = [u for _, u in j.pairs] + j.unmatched_usages
-    report = audit_hints(hints, usages, batches, t_from, window_s)
+    routes = [d for d, _ in j.pairs] + j.unmatched_routes
+    report = audit_hints(hints, usages, batches, t_from, window_s, routes=routes)
     report["undecodable"] = bad
     return report
 
@@ -232,6 +233,11 @@ def table(report: dict) -> str:
                      f"({_fmt(o['followed_rate'])}), {o['paid_off']} paid off ({_fmt(o['paid_off_rate'])}), "
                      f"{o['unreported']} without a usage report; {o['benefit_s']:g} s of load hidden by the "
                      "paid-off ones")
+        for kind in ("placement", "eviction"):
+            k = h[kind]
+            if k["issued"]:
+                lines.append(f"{kind}: {k['issued']} issued, {k['followed']} followed, "
+                             f"{k['paid_off']} paid off")
         for r in h["by_replica"]:
             lines.append(f"  {r['model']} {r['replica']} dp{r['dp_rank']}: {r['issued']} issued, "
                          f"{r['followed']} followed, {r['paid_off']} paid off")

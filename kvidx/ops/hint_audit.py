@@ -9,8 +9,12 @@ many the engines followed and how many paid off, per model, replica and time win
 
 Blocks are the hint's own block hashes (the model's index block size), so nothing but hashes and
 counts is read. A hint without a usage report is counted `unreported` (it cannot have paid off).
-Eviction advice and placements (kvidx.core.sessions) are counted as issued, per kind and action; their
-follow-through is not audited yet.
+Eviction advice and placements (kvidx.core.sessions), from the same events and the routing decisions
+(`kvidx.routes.v1`), within `follow_s` of the hint:
+- a placement is followed when its target stored every placed block on GPU, and paid off when a later
+  decision sent a prompt through them to the target;
+- eviction advice is followed when its replica removed every advised block from GPU, and paid off when
+  no later decision sent a prompt through them to that replica (the blocks were dead weight).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from schemas.events import BlocksStored, EventBatch
+from schemas.events import BlocksRemoved, BlocksStored, EventBatch
 from schemas.hints import HintRecord
+from schemas.routes import RouteDecision
 from schemas.usage import UsageReport
 
 
@@ -60,32 +65,66 @@ def _hinted_blocks(h: HintRecord) -> set[int]:
     return out
 
 
-def gpu_stores(batches: Iterable[EventBatch]) -> dict[tuple[str, str, int], list[tuple[float, list[int]]]]:
-    """Per (model, replica, dp_rank), the GPU blocks each batch stored, with the batch's engine time."""
+def gpu_changes(batches: Iterable[EventBatch], kind: type = BlocksStored
+                ) -> dict[tuple[str, str, int], list[tuple[float, list[int]]]]:
+    """Per (model, replica, dp_rank), the GPU blocks each batch stored (or, with kind=BlocksRemoved,
+    removed), with the batch's engine time."""
     out: dict[tuple[str, str, int], list[tuple[float, list[int]]]] = {}
     for b in batches:
-        stored = [x for e in b.events if isinstance(e, BlocksStored) and e.tier == "GPU" for x in e.hashes]
-        if stored:
-            out.setdefault((b.model, b.replica, b.dp_rank), []).append((b.engine_ts, stored))
+        blocks = [x for e in b.events if isinstance(e, kind) and e.tier == "GPU" for x in e.hashes]
+        if blocks:
+            out.setdefault((b.model, b.replica, b.dp_rank), []).append((b.engine_ts, blocks))
     return out
 
 
-def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batches: Iterable[EventBatch],
-                t_from: float, window_s: float, grace_s: float = 0.1) -> dict:
+def _all_within(changes: list[tuple[float, list[int]]], want: set[int], t0: float, t1: float) -> bool:
+    seen: set[int] = set()
+    for ts, blocks in changes:
+        if t0 <= ts <= t1:
+            seen.update(x for x in blocks if x in want)
+    return bool(want) and seen == want
+
+
+def audit_session_hints(hints: list[HintRecord], routes: Iterable[RouteDecision], batches: list[EventBatch],
+                        follow_s: float = 60.0) -> dict:
+    """Placements and eviction advice: issued, followed, paid off (the module docstring's rules)."""
+    stores, removals = gpu_changes(batches), gpu_changes(batches, BlocksRemoved)
+    watched = {x for h in hints for x in h.block_hashes}
+    through: dict[int, list[tuple[float, str]]] = {}  # watched block -> (when, where) prompts went through it
+    for d in routes:
+        for x in d.block_hashes:
+            if x in watched:
+                through.setdefault(x, []).append((d.ts, d.replica))
+    out = {k: HintTally() for k in ("placement", "eviction")}
+    for h in hints:
+        if h.kind not in out or not h.block_hashes:
+            continue
+        want = set(h.block_hashes)
+        at = h.target if h.kind == "placement" else h.replica
+        changes = (stores if h.kind == "placement" else removals).get((h.model, at, h.dp_rank), [])
+        followed = _all_within(changes, want, h.ts, h.ts + follow_s)
+        came = any(ts > h.ts and rep == at for ts, rep in through.get(h.block_hashes[-1], ()))
+        paid = followed and (came if h.kind == "placement" else not came)
+        out[h.kind].add(h, followed, True, paid)
+    return {k: {x: v for x, v in t.summary().items() if x not in ("unreported",)} for k, t in out.items()}
+
+
+def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batches: list[EventBatch],
+                t_from: float, window_s: float, grace_s: float = 0.1, routes: Iterable[RouteDecision] = ()
+                ) -> dict:
     """The hints stamped from `t_from` on, tallied overall, per model, replica and time window."""
-    stores = gpu_stores(batches)
+    stores = gpu_changes(batches)
     by_usage: dict[str, UsageReport] = {}
     for u in usages:
         by_usage.setdefault(u.request_id, u)
     overall = HintTally()
     groups: dict[str, dict] = {"by_model": {}, "by_replica": {}, "over_time": {}}
-    other: dict[str, int] = {}  # eviction advice and placements: issued (their follow-through: not yet)
+    sessions: list[HintRecord] = []  # eviction advice and placements
     for h in sorted(hints, key=lambda h: h.ts):
         if h.ts < t_from:
             continue
         if h.kind != "prefetch":
-            key = f"{h.kind}:{h.action}" if h.action else h.kind
-            other[key] = other.get(key, 0) + 1
+            sessions.append(h)
             continue
         want = _hinted_blocks(h)
         seen: set[int] = set()
@@ -101,8 +140,8 @@ def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batc
                           ("over_time", int((h.ts - t_from) // window_s))):
             groups[name].setdefault(key, HintTally()).add(h, followed, u is not None, paid)
     return {
-        "overall": overall.summary(),
-        "other_kinds_issued": other,
+        "overall": overall.summary(),  # the prefetch plans
+        **audit_session_hints(sessions, routes, batches),
         "by_model": [{"model": k, **t.summary()} for k, t in sorted(groups["by_model"].items())],
         "by_replica": [{"model": m, "replica": r, "dp_rank": d, **t.summary()}
                        for (m, r, d), t in sorted(groups["by_replica"].items())],

@@ -5,8 +5,9 @@ the prefetched prefix as reused."""
 from __future__ import annotations
 
 from kvidx.ops.hint_audit import audit_hints
-from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
+from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
+from schemas.routes import ROUTES_VERSION, RouteDecision
 from schemas.usage import USAGE_VERSION, UsageReport
 
 H = list(range(100, 108))  # a prompt of 8 blocks of 16 tokens
@@ -49,3 +50,35 @@ def test_followed_and_paid_off_by_their_definitions():
     assert [(w["window"], w["issued"]) for w in r["over_time"]] == [(0, 2), (1, 3), (2, 1)]
     # hints before the range are not audited
     assert audit_hints(hints, usages, batches, t_from=45.0, window_s=30.0)["overall"]["issued"] == 2
+
+
+def session_hint(kind: str, replica: str, ts: float, blocks: list[int], target: str = "",
+                 action: str = "") -> HintRecord:
+    return HintRecord(HINTS_VERSION, kind, "", "m", replica, 0, blocks, 16, [], 16 * len(blocks), 0.01, 0.0,
+                      0.5, 0, ts, action=action, target=target)
+
+
+def removed(replica: str, ts: float, hashes: list[int]) -> EventBatch:
+    return EventBatch(SCHEMA_VERSION, "m", replica, 0, 1, 0, ts, ts, 16, [BlocksRemoved("GPU", 0, hashes)])
+
+
+def decision(replica: str, ts: float, hashes: list[int]) -> RouteDecision:
+    return RouteDecision(ROUTES_VERSION, f"q{ts}", "m", replica, 0, hashes, 16 * len(hashes), 0, ts, 10.0)
+
+
+def test_placements_and_eviction_advice_followed_and_paid_off_by_their_definitions():
+    hints = [session_hint("placement", "r0", 10.0, H[:4], target="r1"),  # copied, and the session came
+             session_hint("placement", "r0", 20.0, H[4:6], target="r2"),  # copied, never used there
+             session_hint("placement", "r0", 30.0, H[6:8], target="r3"),  # never copied
+             session_hint("eviction", "r0", 40.0, H[:2], action="demote"),  # removed, came back: not paid
+             session_hint("eviction", "r1", 50.0, H[2:4], action="demote"),  # removed, never back: paid
+             session_hint("eviction", "r2", 60.0, H[4:6], action="drop")]  # never removed
+    batches = [gpu("r1", 10.5, H[:4]), gpu("r2", 20.5, H[4:6]), gpu("r3", 200.0, H[6:8]),
+               removed("r0", 41.0, H[:2]), removed("r1", 51.0, H[2:4])]
+    routes = [decision("r1", 15.0, H[:5]),  # through the placement on r1
+              decision("r0", 45.0, H[:3]),  # back on r0 after its advice
+              decision("r0", 55.0, H[:4])]  # through r1's advised blocks, but on r0
+    r = audit_hints(hints, [], batches, t_from=0.0, window_s=60.0, routes=routes)
+    got = {k: (r[k]["issued"], r[k]["followed"], r[k]["paid_off"]) for k in ("placement", "eviction")}
+    assert got == {"placement": (3, 2, 1), "eviction": (3, 2, 1)}
+    assert r["overall"]["issued"] == 0  # no prefetch plan among them
