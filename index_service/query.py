@@ -29,7 +29,7 @@ from kvidx.core.answers import LookupAnswer, PrefetchHint, ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.hints import prefetch_hint
 from kvidx.core.price import Pricer
-from kvidx.core.sessions import SessionTracker
+from kvidx.core.sessions import SessionTracker, advice_seconds
 from kvidx.core.shard import ModelShard
 from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
 from schemas.routes import ROUTES_VERSION, RouteDecision
@@ -257,11 +257,16 @@ class QueryPipeline:
         publish = self.store.publish_hint
         if publish is None:
             return
+        pricer = self.pricer(d.model)
+        per_token = pricer.per_token
+        cpu_s = pricer.load_cost.get("CPU", 0.0)
         for adv in tracker.eviction_advice(d.ts):
+            # demoted blocks come back from host memory, dropped ones are recomputed; the room they free
+            # spares as many tokens of active sessions a reload from host memory
+            benefit_s, cost_s = advice_seconds(adv, cpu_s, per_token, cpu_s)
             publish(HintRecord(HINTS_VERSION, "eviction", "", d.model, adv.replica, 0, adv.hashes, block_size,
-                               [], adv.tokens, 0.0, 0.0, 0.0, adv.tokens * bytes_per_token, d.ts,
+                               [], adv.tokens, cost_s, 0.0, benefit_s, adv.tokens * bytes_per_token, d.ts,
                                action=adv.action))
-        per_token = self.pricer(d.model).per_token
         queues = {a.replica: a.inflight_prefill_tokens * per_token for a in answers if a.dp_rank == 0}
         p = tracker.placement(s, queues, copy_tps, bytes_per_token)
         if p is not None:

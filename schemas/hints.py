@@ -39,9 +39,9 @@ class HintRecord(msgspec.Struct, array_like=True):
     block_size: int  # the index block size they were made with
     runs: list[PrefetchRunRecord]
     tokens: int
-    load_s: float
+    load_s: float  # prefetch: the load; placement: the copy; eviction advice: its expected cost
     deadline_s: float
-    benefit_s: float
+    benefit_s: float  # the seconds of load or prefill it is expected to save
     bytes: int
     ts: float  # when the hint was issued (s since the epoch)
     # eviction advice: keep, demote or drop the named blocks (the session's own) on `replica`

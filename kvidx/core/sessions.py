@@ -38,6 +38,19 @@ class EvictionAdvice(msgspec.Struct):
     tokens: int  # their tokens (blocks x block size)
     idle_s: float  # how long the session has been silent
     gap_s: float  # its mean gap between prompts (0: it never came back)
+    # the share of demoted sessions that came back so far (Laplace: (returned + 1) / (demoted + 2)): what
+    # the advice risks; see advice_seconds for its benefit and cost in seconds
+    p_return: float = 0.5
+
+
+def advice_seconds(adv: EvictionAdvice, demote_reload_s: float, drop_reload_s: float,
+                   room_s: float) -> tuple[float, float]:
+    """(benefit_s, cost_s) of eviction advice, per token costs in seconds: its room lets as many tokens of
+    sessions still active stay where they are instead of being reloaded from the tier below
+    (`room_s` per token); it costs, if the session comes back (p_return), reloading its tokens from where
+    the advice sends them (demote: the tier below, `demote_reload_s`; drop: recompute, `drop_reload_s`)."""
+    reload = demote_reload_s if adv.action == "demote" else drop_reload_s
+    return adv.tokens * room_s, adv.p_return * adv.tokens * reload
 
 
 class PlacementHint(msgspec.Struct):
@@ -73,6 +86,8 @@ class SessionTracker:
     by_last: dict[int, int] = field(default_factory=dict)  # last block hash -> session id
     passes: dict[int, int] = field(default_factory=dict)  # block hash -> sessions through it
     _due: list[tuple[float, int, int]] = field(default_factory=list)  # (when to look again, sid, version)
+    demoted: int = 0  # sessions advised demote
+    returned: int = 0  # of those, sessions that came back
     _next: int = 0
 
     def find(self, hashes: Sequence[int]) -> Session | None:
@@ -93,6 +108,8 @@ class SessionTracker:
             self.sessions[s.sid] = s
         else:
             gap = ts - s.last_ts
+            if s.advised:
+                self.returned += 1
             s.gap_s = (s.gap_s * s.returns + gap) / (s.returns + 1)
             s.returns += 1
             if self.by_last.get(s.hashes[-1]) == s.sid:
@@ -120,6 +137,7 @@ class SessionTracker:
         longer) drop, their own blocks; ranked per replica by tokens freed. A dropped session is
         forgotten (a later prompt of it starts a new one)."""
         out: list[EvictionAdvice] = []
+        p_return = (self.returned + 1) / (self.demoted + 2)  # as measured before this call's advice
         while self._due and self._due[0][0] <= now:
             _, sid, version = heapq.heappop(self._due)
             s = self.sessions.get(sid)
@@ -130,9 +148,10 @@ class SessionTracker:
             action = "drop" if s.advised == "demote" or now >= dropped_by else "demote"
             if own:
                 out.append(EvictionAdvice(s.replica, s.sid, action, own, len(own) * self.block_size,
-                                          now - s.last_ts, s.gap_s))
+                                          now - s.last_ts, s.gap_s, p_return))
             if action == "demote":
                 s.advised = "demote"
+                self.demoted += 1
                 heapq.heappush(self._due, (dropped_by, sid, version))
             else:
                 self._forget(s)

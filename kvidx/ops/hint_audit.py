@@ -96,6 +96,7 @@ def audit_session_hints(hints: list[HintRecord], routes: Iterable[RouteDecision]
             if x in watched:
                 through.setdefault(x, []).append((d.ts, d.replica))
     out = {k: HintTally() for k in ("placement", "eviction")}
+    per_replica: dict[tuple[str, str, str], HintTally] = {}  # (kind, model, replica acting)
     for h in hints:
         if h.kind not in out or not h.block_hashes:
             continue
@@ -106,7 +107,16 @@ def audit_session_hints(hints: list[HintRecord], routes: Iterable[RouteDecision]
         came = any(ts > h.ts and rep == at for ts, rep in through.get(h.block_hashes[-1], ()))
         paid = followed and (came if h.kind == "placement" else not came)
         out[h.kind].add(h, followed, True, paid)
-    return {k: {x: v for x, v in t.summary().items() if x not in ("unreported",)} for k, t in out.items()}
+        per_replica.setdefault((h.kind, h.model, at), HintTally()).add(h, followed, True, paid)
+
+    def brief(t: HintTally) -> dict:
+        return {x: v for x, v in t.summary().items() if x != "unreported"}
+
+    report: dict = {k: brief(t) for k, t in out.items()}
+    for kind in out:
+        report[kind]["by_replica"] = [{"model": m, "replica": r, **brief(t)}
+                                      for (k, m, r), t in sorted(per_replica.items()) if k == kind]
+    return report
 
 
 def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batches: list[EventBatch],

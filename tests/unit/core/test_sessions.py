@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvidx.core.sessions import SessionTracker
+from kvidx.core.sessions import EvictionAdvice, SessionTracker, advice_seconds
 
 SYS = [1, 2, 3]  # a system prompt every session starts with
 
@@ -64,3 +64,20 @@ def test_placement_only_when_the_wait_avoided_exceeds_the_copy():
     assert p.copy_s == pytest.approx(0.08) and p.benefit_s == pytest.approx(0.8)
     assert t.placement(s, {"r0": 1.05, "r1": 0.0}, 1000.0) is None  # 0.05 s left at r0 < 0.08 s copy
     assert t.placement(s, {"r0": 0.9, "r1": 0.0}, 1000.0) is None  # drained before it is back
+
+
+def test_eviction_advice_in_seconds_from_the_measured_return_rate():
+    t = SessionTracker(block_size=16, idle_s=10.0, min_idle_s=1.0)
+    for k in range(4):  # four one-prompt sessions, all silent by 11 s
+        t.observe(SYS + [100 + k], "r0", 0.0)
+    first = t.eviction_advice(11.0)
+    assert len(first) == 4 and all(a.p_return == 0.5 for a in first)  # nothing measured yet: 1/2
+    t.observe(SYS + [100, 7], "r0", 12.0)  # one of the demoted sessions comes back
+    t.observe(SYS + [200], "r1", 12.0)
+    later = [a for a in t.eviction_advice(25.0) if a.replica == "r1"]
+    assert later[0].p_return == (1 + 1) / (4 + 2)
+    # demote: its room spares 16 tokens of others a reload (1 ms/token); it costs p x the same reload
+    benefit, cost = advice_seconds(later[0], 0.001, 0.01, 0.001)
+    assert benefit == pytest.approx(16 * 0.001) and cost == pytest.approx(later[0].p_return * 16 * 0.001)
+    drop = EvictionAdvice("r0", 0, "drop", [1], 16, 0.0, 0.0, 0.25)
+    assert advice_seconds(drop, 0.001, 0.01, 0.001)[1] == pytest.approx(0.25 * 16 * 0.01)

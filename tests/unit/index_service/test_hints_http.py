@@ -116,6 +116,8 @@ def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic():
         time.sleep(0.5)
         route("x", "idle", list(range(20_000, 20_040)))  # any decision: the tracker looks at the silent
     advice = {(h.replica, tuple(h.block_hashes)): h.action for h in sent if h.kind == "eviction"}
+    # each with its benefit (room for active sessions) and expected cost (reload if it comes back), in s
+    assert all(h.benefit_s > 0 and 0 < h.load_s < h.benefit_s for h in sent if h.kind == "eviction")
     # every session fell silent (the last decision's own, just started, is not); the system prompt's
     # 2 blocks, shared by two sessions, are never named
     assert advice == {("busy", tuple(hashes(list(range(10_000, 410_000))))): "demote",

@@ -82,3 +82,6 @@ def test_placements_and_eviction_advice_followed_and_paid_off_by_their_definitio
     got = {k: (r[k]["issued"], r[k]["followed"], r[k]["paid_off"]) for k in ("placement", "eviction")}
     assert got == {"placement": (3, 2, 1), "eviction": (3, 2, 1)}
     assert r["overall"]["issued"] == 0  # no prefetch plan among them
+    by = {(x["replica"], x["issued"], x["paid_off"]) for x in r["placement"]["by_replica"]}
+    assert by == {("r1", 1, 1), ("r2", 1, 0), ("r3", 1, 0)}  # per target
+    assert [x["replica"] for x in r["eviction"]["by_replica"]] == ["r0", "r1", "r2"]
