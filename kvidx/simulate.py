@@ -775,8 +775,9 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--hint-delay-ms", type=float, default=2.0,
                    help="kv_hints: time from the routing decision until a replica acts on its hint")
     r.add_argument("--load-weight", type=float, default=1.0,
-                   help="kv router: price = prefill tokens left + WEIGHT x prefill tokens already queued "
-                        "on the replica")
+                   help="kv router: price = prefill tokens left + the load time of the resumable tokens "
+                        "below GPU memory (in prefill tokens) + WEIGHT x prefill tokens already queued on "
+                        "the replica")
     r.add_argument("--no-zero-delay", action="store_true", help="skip the zero-delay agreement run")
     r.add_argument("--http", action="store_true", help="the kv run looks up through the real HTTP service")
     r.add_argument("--kafka", action="store_true", help="the kv run's events go through a Kafka broker "
