@@ -653,10 +653,14 @@ def _print_human(head: dict) -> None:
         print(f"agreement, zero delay: recall {pct(z['recall'])}, over-credit {pct(z['over_credit'])}, "
               f"exact {z['exact_requests']}/{z['requests']}")
     print(f"{'router':>14} {'reuse rate':>10} {'prefill saved':>14} {'recall':>9} {'over-cr.':>9} "
-          f"{'TTFT mean':>10} {'TTFT p99':>9}")
+          f"{'TTFT mean':>10} {'TTFT p99':>9} {'GPU share':>9} {'GB moved':>9}")
     for name, p in head["policies"].items():
         print(f"{name:>14} {p['reuse_rate']:>10.4f} {p['prefill_tokens_saved']:>14} {p['recall']:>9.5f} "
-              f"{p['over_credit']:>9.5f} {p['ttft_est_s']['mean']:>9.3f}s {p['ttft_est_s']['p99']:>8.3f}s")
+              f"{p['over_credit']:>9.5f} {p['ttft_est_s']['mean']:>9.3f}s {p['ttft_est_s']['p99']:>8.3f}s "
+              f"{p['gpu_share_of_reused']:>9.3f} {p['bytes_moved'] / 1e9:>9.1f}")
+        for kind, h in p.get("hints", {}).items():
+            print(f"{'':>14} {kind} hints: {h['issued']} issued, {h['followed']} followed, "
+                  f"{h['paid_off']} paid off")
     if len(head.get("per_engine", {})) > 1 or len(head.get("per_tier", {})) > 1:
         for label, d in (("engine", head["per_engine"]), ("tier", head["per_tier"])):
             for k, v in d.items():

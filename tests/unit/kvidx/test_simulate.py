@@ -319,3 +319,14 @@ def test_kv_hints_placement_and_eviction_advice_are_issued_followed_and_counted(
     e = calm.counters["hints"]["eviction"]
     assert e["issued"] > 0 and 0 < e["followed"] <= e["issued"]
     assert e["paid_off"] == e["followed"] - e["regretted"] and e["paid_off"] > 0
+
+
+def test_cli_human_table_shows_tiers_bytes_and_hints(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    with open(MOONCAKE_TRACE) as f:
+        trace.write_text("".join(next(f) for _ in range(100)))
+    assert cli_main(["simulate", "--trace", str(trace), "--trace-block-tokens", "32", "--replicas", "3",
+                     "--jobs", "1", "--no-progress", "--quiet", "--no-zero-delay", "--engine-blocks", "300",
+                     "--cpu-offload-blocks", "100", "--policies", "kv,kv_hints", "--hints", "prefetch"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU share" in out and "GB moved" in out and "prefetch hints:" in out
