@@ -222,10 +222,9 @@ class QueryPipeline:
                           list(hashes), n, req.credited_tokens, time.time(), ttl, req.router[:200],
                           req.evicting_tokens)
         hints = self.store.config.model(shard.model).hints
-        # the plan from the replica's state before this decision's own pending credit counts there
-        answers = (shard.lookup(d.block_hashes, d.prompt_tokens, d.ts, None)
-                   if not elsewhere and (hints.prefetch or hints.sessions) else [])
-        hint = self._route_prefetch(shard.model, answers, d) if hints.prefetch else None
+        # the plan and the queues from the replicas' state before this decision's own pending credit
+        hint = self._route_prefetch(shard, d) if hints.prefetch and not elsewhere else None
+        queues = self._queues(shard, d.ts) if hints.sessions and not elsewhere else {}
         applied = self.store.apply_route(d)
         if applied and self.store.publish_route is not None:
             self.store.publish_route(d)
@@ -234,19 +233,29 @@ class QueryPipeline:
         if applied and hint is not None and req.token_ids and self.store.act_on_hint is not None:
             self.store.act_on_hint(d.model, d.replica, hint, req.token_ids)  # the tokens are not kept
         if applied and hints.sessions:
-            self._session_hints(d, shard.block_size, answers, hints.placement_tokens_per_s,
+            self._session_hints(d, shard.block_size, queues, hints.placement_tokens_per_s,
                                 hints.kv_bytes_per_token)
         return d, applied, hint
 
-    def _route_prefetch(self, model: str, answers: list[ReplicaAnswer], d: RouteDecision
-                        ) -> PrefetchHint | None:
-        for a in answers:
+    def _route_prefetch(self, shard: ModelShard, d: RouteDecision) -> PrefetchHint | None:
+        """The decided replica's plan: its answer's tier runs, from the shard's lookup."""
+        for a in shard.lookup(d.block_hashes, d.prompt_tokens, d.ts, None):
             if a.replica == d.replica and a.dp_rank == d.dp_rank:
-                a.price = self.pricer(model)(a, d.prompt_tokens)
-                return self.prefetch_plan(model, a)
+                a.price = self.pricer(shard.model)(a, d.prompt_tokens)
+                return self.prefetch_plan(shard.model, a)
         return None
 
-    def _session_hints(self, d: RouteDecision, block_size: int, answers: list[ReplicaAnswer],
+    def _queues(self, shard: ModelShard, now: float) -> dict[str, float]:
+        """Seconds of prefill routed to each replica (DP rank 0) and not yet confirmed: the price's queue,
+        read from the pending credit without a lookup."""
+        pending = shard.pending
+        if len(pending):
+            pending.expire(now)
+        per_token = self.pricer(shard.model).per_token
+        return {st.replica: pending.inflight.get(st.slot, 0) * per_token
+                for st in shard.by_slot if st is not None and st.dp_rank == 0}
+
+    def _session_hints(self, d: RouteDecision, block_size: int, queues: dict[str, float],
                        copy_tps: float, bytes_per_token: int) -> None:
         """The decision's session tracked (kvidx.core.sessions); the eviction advice now due and this
         session's placement, if any, published on the hints topic."""
@@ -267,7 +276,6 @@ class QueryPipeline:
             publish(HintRecord(HINTS_VERSION, "eviction", "", d.model, adv.replica, 0, adv.hashes, block_size,
                                [], adv.tokens, cost_s, 0.0, benefit_s, adv.tokens * bytes_per_token, d.ts,
                                action=adv.action))
-        queues = {a.replica: a.inflight_prefill_tokens * per_token for a in answers if a.dp_rank == 0}
         p = tracker.placement(s, queues, copy_tps, bytes_per_token)
         if p is not None:
             publish(HintRecord(HINTS_VERSION, "placement", d.request_id, d.model, p.source, 0, p.hashes,
