@@ -1058,15 +1058,14 @@ class _Router:
     (max of the two instead of their sum, at the hints' compliance). Ties, and the random policy, draw
     from `rng` (one draw per replica per request for kv and least_loaded)."""
 
-    def __init__(self, policy: str, cfg: FleetConfig, rng: random.Random, serving: ServingModel) -> None:
+    def __init__(self, policy: str, cfg: FleetConfig, rng: random.Random, serving: ServingModel,
+                 hints: HintFollower) -> None:
         self.policy = policy
         self.rng = rng
         self.serving = serving
+        self.hints = hints  # whether prefetch is on, its compliance and delay
         self.load_weight = cfg.load_weight
         self.rr = {m: 0 for m in cfg.models}
-        self.prefetch = policy == "kv_hints" and "prefetch" in cfg.hints
-        self.compliance = cfg.hint_compliance
-        self.hint_delay_s = cfg.hint_delay_ms / 1000.0
 
     def _price(self, name: str, n: int, ans: ReplicaAnswer | None, t: float) -> float:
         sv = self.serving
@@ -1074,9 +1073,9 @@ class _Router:
         queue = max(0.0, sv.busy_until[name] - t)
         price = n - resumable + self.load_weight * sv.prefill_tps * queue
         load = sv.load_s(ans, n)
-        if load and self.prefetch:  # the load overlaps the replica's real queue, whatever its weight
-            c = self.compliance
-            price += sv.prefill_tps * (c * max(0.0, self.hint_delay_s + load - queue) + (1 - c) * load)
+        if load and self.hints.prefetch_on:  # the load overlaps the replica's real queue, whatever its weight
+            c = self.hints.compliance
+            price += sv.prefill_tps * (c * max(0.0, self.hints.delay_s + load - queue) + (1 - c) * load)
         elif load:
             price += sv.prefill_tps * load
         return price
@@ -1324,8 +1323,8 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         net = _Network(cfg, rng)
         fleet = _Fleet(cfg, plan, index.sink, net, clock, stack)
         serving = _serving_model(cfg, [r.name for r in fleet.replicas()], len(requests))
-        router = _Router(policy, cfg, route_rng, serving)
         hints = HintFollower(cfg, policy, serving, fleet)
+        router = _Router(policy, cfg, route_rng, serving, hints)
         accounts = _Accounts(cfg, plan, fleet.replicas())
         _replay_requests(requests, cfg, clock, index, fleet, router, serving, hints, accounts, progress)
         counters = {**_stream_counters(fleet, net, index), **_tier_counters(cfg, fleet),
