@@ -16,7 +16,7 @@ points at kvidx unchanged.
   whole blocks without kvidx's last-token rule (kvidx's richer answer stays on /v1/lookup).
 - `POST /query_by_hash {block_hashes, model_name, ...}`: the same answer from Dynamo's own per-block
   hashes (i64), which the relays /register starts also publish, chained, as Dynamo keys
-  (kvidx.core.hashing.dynamo_keys, BlocksStored.dynamo: one entry more per engine block of the
+  (kvidx.core.hashing.dynamo_keys, BlocksStored.router_keys: one entry more per engine block of the
   registered workers only); `GET /dump`: Dynamo's dump of the workers whose relays run here (what a
   Dynamo indexer started with `--peers` recovers from); `GET /health`: 200, empty.
 

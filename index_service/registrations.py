@@ -2,7 +2,8 @@
 (schemas/registrations.py). `kvidx serve` writes a record on POST /register and a tombstone on
 /unregister before answering, and follows the topic from its start: at start-up it takes up the
 registrations it owns (their relays start again: a restart does not forget them), and it learns the
-others' so that any instance answers /workers and /query for every registered worker."""
+others' so that any instance answers /workers and /query for every registered worker. The addresses of
+the workers feeding SGLang's external-indexer API are kept there too (index_service/sglang_indexer.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, Producer, TopicPartiti
 
 from kvidx.kafka.config import client_config
 from kvidx.ops.kafkalog import consumer
-from schemas.registrations import Registration, decode_registration, encode_registration, registration_key
+from schemas.registrations import (
+    SGLANG_KEY_PREFIX,
+    Registration,
+    SglangWorker,
+    decode_registration,
+    decode_sglang_worker,
+    encode_registration,
+    encode_sglang_worker,
+    registration_key,
+    sglang_worker_key,
+)
 
 log = logging.getLogger("kvidx.registrations")
 
@@ -49,13 +60,18 @@ class RegistrationLog:
             log.error("event=registration_tombstone_failed instance=%d dp_rank=%d error=%s", instance_id,
                       dp_rank, e)
 
-    def follow(self, apply) -> RegistrationLog:
-        """`apply(key, Registration | None)` for every record, from the topic's start, in a thread."""
-        self._thread = threading.Thread(target=self._run, args=(apply,), daemon=True, name="registrations")
+    def publish_sglang_worker(self, w: SglangWorker) -> None:
+        self._write(sglang_worker_key(w.model, w.worker_id), encode_sglang_worker(w))
+
+    def follow(self, apply, sglang_worker=None) -> RegistrationLog:
+        """`apply(key, Registration | None)` for every Dynamo record, `sglang_worker(SglangWorker)` for
+        every SGLang worker's address, from the topic's start, in a thread."""
+        self._thread = threading.Thread(target=self._run, args=(apply, sglang_worker), daemon=True,
+                                        name="registrations")
         self._thread.start()
         return self
 
-    def _run(self, apply) -> None:
+    def _run(self, apply, sglang_worker) -> None:
         c = consumer(self.bootstrap, "registrations")
         try:
             _low, high = c.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=30)
@@ -71,8 +87,12 @@ class RegistrationLog:
                         log.warning("event=registrations_error error=%s", msg.error())
                     continue
                 try:
-                    reg = decode_registration(msg.value()) if msg.value() is not None else None
-                    apply(msg.key(), reg)
+                    if msg.key().startswith(SGLANG_KEY_PREFIX):
+                        if sglang_worker is not None and msg.value() is not None:
+                            sglang_worker(decode_sglang_worker(msg.value()))
+                    else:
+                        value = msg.value()
+                        apply(msg.key(), decode_registration(value) if value is not None else None)
                 except (ValueError, TypeError) as e:
                     log.warning("event=registration_unreadable offset=%d error=%s", msg.offset(), e)
                 if msg.offset() + 1 >= high:

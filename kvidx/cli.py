@@ -32,7 +32,7 @@ def _relay_options(args):
                             LmcacheConfig(ttl_s=args.lmcache_ttl or None,
                                           capacity_blocks=args.lmcache_capacity_blocks))
     else:
-        extra = {}
+        extra = {"router_keys": bool(getattr(args, "sglang_router_keys", False))}
     groups = load_config(getattr(args, "config", None)).model(args.model).group_kinds()
     return RelayOptions(engine_version=args.engine_version, group_kinds=groups,
                         engine_block_size=args.block_size, extra=extra)
@@ -342,6 +342,7 @@ def cmd_serve(args) -> int:
     from index_service.dynamo_api import DynamoRegistry
     from index_service.follower import KafkaFollower, RoutePublisher
     from index_service.registrations import RegistrationLog
+    from index_service.sglang_indexer import SglangIndexer, start_server
     from index_service.store import ShardStore
     from kvidx.engines.lmcache.actuator import HintActuators
     from kvidx.kafka.reach import resolve_bootstrap
@@ -358,6 +359,7 @@ def cmd_serve(args) -> int:
     token = _read_token(args.auth_token_file) if args.auth_token_file else os.environ.get("KVIDX_API_TOKEN")
     if _port_in_use(args.host, args.port):
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
+    sglang_addresses = _sglang_indexer_addresses(args.sglang_indexer, args.host)
     t = topic_names(args.topic_prefix)
     settings = _shard_settings(args)
     from kvidx.core.groups import parse_groups
@@ -395,7 +397,7 @@ def cmd_serve(args) -> int:
         f = FeedbackFollower(b, ensure_feedback_topic(b, t)).start()
         feedback.append(f)
         app.state.feedback = f
-        registrations.follow(dynamo.apply_record)
+        registrations.follow(dynamo.apply_record, _learn_sglang_address(sglang))
         announcer.start()
 
     follower = KafkaFollower(store, b, t["events"], t["snapshots"], t["routes"], prepare=prepare)
@@ -409,6 +411,19 @@ def cmd_serve(args) -> int:
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
                      fanout=fanout)
+    # SGLang's external-indexer API (gRPC): its feed publishes to the events topic, batch by acked batch
+    feed = KafkaSink(b, t["events"], t["dead_letters"], replica_group=settings.config.replica_group
+                     ) if sglang_addresses else None
+    sglang, grpc_servers = [], []
+    for model, address in sglang_addresses:
+        indexer = SglangIndexer(store, model, feed.publish_acked, registrations.publish_sglang_worker,
+                                lambda method, code: app.state.metrics.lookups.labels(f"sglang_{method}",
+                                                                                      code).inc())
+        sglang.append(indexer)
+        try:
+            grpc_servers.append(start_server(indexer, address)[0])
+        except (OSError, RuntimeError) as e:
+            sys.exit(f"error: --sglang-indexer {model}={address}: {e}")
     follower.start()
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
@@ -416,6 +431,10 @@ def cmd_serve(args) -> int:
         # no access log: the service counts and logs lookups itself (kvidx_lookups_total, debug lines)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
+        for server in grpc_servers:
+            server.stop(2)
+        if feed is not None:
+            feed.close()
         registrations.close()
         dynamo.stop_all()
         conductor.stop_all()
@@ -530,6 +549,10 @@ def _add_relay(sub, engine_names) -> None:
     r.add_argument("--lmcache-controller-endpoint", metavar="ENDPOINT",
                    help="bind a PULL socket for LMCache's admit/evict messages (e.g. tcp://*:9001): with "
                         "them, LMCache's evictions are known and its blocks are no upper bound")
+    r.add_argument("--sglang-router-keys", action="store_true",
+                   help="SGLang: also index the engine's own page hashes, so that SGLang's router asking "
+                        "kvidx serve --sglang-indexer finds this replica (name it by the router's worker URL "
+                        "with --replica); one index entry more per page")
     r.add_argument("--record", help="also append every raw engine message to this frames.jsonl")
     r.add_argument("--play", help="publish a recording (frames.jsonl) instead of a live socket")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
@@ -590,6 +613,29 @@ def _add_worker(sub) -> None:
     w.set_defaults(func=cmd_worker)
 
 
+def _sglang_indexer_addresses(specs: list[str], host: str) -> list[tuple[str, str]]:
+    """`--sglang-indexer MODEL=[HOST:]PORT` values as (model, "host:port"); exits with one line if not."""
+    out, ports = [], set()
+    for spec in specs:
+        model, _, where = spec.partition("=")
+        h, _, port = where.rpartition(":")
+        if not model or not port.isdigit() or not 0 < int(port) < 65536:
+            sys.exit(f"error: --sglang-indexer {spec!r}: expected MODEL=[HOST:]PORT, e.g. llama=50051")
+        if _port_in_use(h or host, int(port)) or port in ports:
+            sys.exit(f"error: --sglang-indexer {spec!r}: port {port} is in use")
+        ports.add(port)
+        out.append((model, f"{h or host}:{port}"))
+    return out
+
+
+def _learn_sglang_address(indexers):
+    def learn(w) -> None:
+        for indexer in indexers:
+            indexer.learn_address(w)
+
+    return learn
+
+
 def _add_serve(sub) -> None:
     """`kvidx serve`."""
     s = sub.add_parser("serve", help="run the lookup service (FastAPI), fed from Kafka",
@@ -623,6 +669,10 @@ def _add_serve(sub) -> None:
     s.add_argument("--peer", action="append", default=[], metavar="URL[=G,G]",
                    help="an instance to ask for the groups it holds (default: all), besides those announced "
                         "on the instances topic; repeatable")
+    s.add_argument("--sglang-indexer", action="append", default=[], metavar="MODEL=[HOST:]PORT",
+                   help="serve SGLang's external KV indexer API (gRPC kv_indexer.v1.KVIndexer, what "
+                        "sgl-router's --kv-indexer-endpoint and SGLang's kv-indexer bridges talk) for MODEL "
+                        "on this address (HOST defaults to --host); repeatable, one per model")
     s.add_argument("--fanout-timeout-ms", type=float, default=250.0,
                    help="how long a lookup waits for the instances holding other groups; those that do "
                         "not answer in time are named in the answer (missing_groups)")

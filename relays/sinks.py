@@ -9,6 +9,7 @@ dead-letter topic with the reason in headers and the message with its token ids 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -100,12 +101,17 @@ class KafkaSink:
                     "batches are kept and retried; check the broker at that address")
 
     def _produce(self, topic: str, key: bytes, value: bytes, headers=None,
-                 partition: int | None = None) -> None:
+                 partition: int | None = None, acked: Callable | None = None) -> None:
         where = {} if partition is None else {"partition": partition}
+        on_delivery = self._on_delivery
+        if acked is not None:
+            def on_delivery(err, msg) -> None:
+                self._on_delivery(err, msg)
+                acked(err)
         while True:
             try:
                 self.producer.produce(topic, value=value, key=key, headers=headers,
-                                      on_delivery=self._on_delivery, **where)
+                                      on_delivery=on_delivery, **where)
                 break
             except BufferError:  # local queue full: let librdkafka drain, never drop
                 self.producer.poll(0.05)
@@ -113,7 +119,8 @@ class KafkaSink:
                 raise RuntimeError(f"cannot publish to {topic}: {e}") from e
         self.producer.poll(0)
 
-    def publish(self, batch: EventBatch) -> None:
+    def publish(self, batch: EventBatch, acked: Callable | None = None) -> None:
+        """`acked(error or None)` once the broker answered for this batch (from a poll)."""
         if self.replica_group is not None:
             who = (batch.model, batch.replica)
             g = self._groups.get(who)
@@ -123,7 +130,27 @@ class KafkaSink:
         g = batch.replica_group
         partition = group_partition(batch.model, g, self._partition_count()) if g else None
         self._produce(self.events_topic, shard_key(batch.model, g).encode(), encode_batch(batch),
-                      partition=partition)
+                      partition=partition, acked=acked)
+
+    def publish_acked(self, batch: EventBatch, timeout: float = 10.0) -> None:
+        """Publish and return once the broker acknowledged the batch (an API that answers "applied"
+        only then loses nothing it acknowledged); RuntimeError if it did not within `timeout`."""
+        done = threading.Event()
+        errors: list[str] = []
+
+        def acked(err) -> None:
+            if err is not None:
+                errors.append(str(err))
+            done.set()
+
+        self.publish(batch, acked)
+        deadline = time.monotonic() + timeout
+        while not done.is_set():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the broker at {self.bootstrap} did not acknowledge in {timeout:.0f} s")
+            self.producer.poll(0.02)
+        if errors:
+            raise RuntimeError(f"the broker refused the batch: {errors[0]}")
 
     def regroup(self, model: str, replica: str, groups: int, dry_run: bool = False) -> tuple[int, int]:
         """(the replica's group now, its group among `groups`); unless `dry_run`, its batches go to the

@@ -74,9 +74,11 @@ class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     # from its parent) of an engine that resumes inside blocks; parent and depth are unused. Readers
     # before this field store them as blocks no prompt hash reaches (only their counts are off)
     tail: bool = False
-    # True: `hashes` are Dynamo keys (kvidx.core.hashing.dynamo_keys) of the engine blocks newly
-    # cached, for Dynamo's POST /query_by_hash (relays started by its /register); as `tail` otherwise
-    dynamo: bool = False
+    # True: `hashes` are router keys, the keys a router's own block hashes reach, not canonical blocks:
+    # Dynamo keys (kvidx.core.hashing.dynamo_keys; relays started by Dynamo's POST /register, for its
+    # /query_by_hash) or SGLang keys (kvidx.core.hashing.sglang_key; SGLang's external-indexer feed,
+    # index_service/sglang_indexer.py); as `tail` otherwise. (Named `dynamo` before SGLang's: same slot)
+    router_keys: bool = False
     # True: blocks the replica already holds, stored again as an extra physical copy (vLLM recomputes
     # chains in hybrid models): nothing new to index, but they take room and the engine will evict
     # them after everything stored before (eviction foresight). Readers before this field store held
@@ -91,13 +93,16 @@ class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
     hashes: list[BlockHash]
     engine_hashes: list[int] = []
     tail: bool = False  # partial-block keys (BlocksStored.tail)
-    dynamo: bool = False  # Dynamo keys (BlocksStored.dynamo)
+    router_keys: bool = False  # router keys (BlocksStored.router_keys)
 
 
 class ReplicaCleared(msgspec.Struct, tag="cleared", array_like=True):
     """Everything this replica (DP rank) held is gone: a cache reset, an engine restart, or a gap
     the relay could not fill (an unknown state is treated as empty)."""
     reason: str
+    # not "": only this tier is empty now (SGLang's CLEAR_ALL_AT_TIER, index_service/sglang_indexer.py).
+    # A reader before this field clears the whole replica: it under-credits until the next stores
+    tier: str = ""
 
 
 Event = BlocksStored | BlocksRemoved | ReplicaCleared

@@ -1,8 +1,9 @@
 """What `kvidx serve` keeps of the workers registered through Dynamo's API (index_service/dynamo_api.py),
 on the compacted topic `kvidx.registrations.v1`: one record per (instance, DP rank), key
 `"<instance_id>/<dp_rank>"`, a tombstone (no value) once unregistered. Every service instance reads
-it at start and follows it; the instance named `owner` runs the worker's relay. Evolution as in
-schemas/events.py."""
+it at start and follows it; the instance named `owner` runs the worker's relay. The same topic keeps
+the addresses of the workers that feed SGLang's external-indexer API (index_service/sglang_indexer.py):
+key `"sglang/<model>/<worker_id>"`, value a SglangWorker. Evolution as in schemas/events.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,20 @@ class Registration(msgspec.Struct, array_like=True):
     owner: str  # the `kvidx serve --instance-name` that runs the relay
 
 
+class SglangWorker(msgspec.Struct, array_like=True):
+    v: int
+    model: str
+    worker_id: str
+    address: str  # the worker's URL as SGLang's router knows it
+
+
+SGLANG_KEY_PREFIX = b"sglang/"
+
+
+def sglang_worker_key(model: str, worker_id: str) -> bytes:
+    return SGLANG_KEY_PREFIX + f"{model}/{worker_id}".encode()
+
+
 def registration_key(instance_id: int, dp_rank: int) -> bytes:
     return f"{instance_id}/{dp_rank}".encode()
 
@@ -33,6 +48,21 @@ _decoder = msgspec.msgpack.Decoder(Registration)
 
 def encode_registration(r: Registration) -> bytes:
     return _encoder.encode(r)
+
+
+_worker_decoder = msgspec.msgpack.Decoder(SglangWorker)
+
+
+def encode_sglang_worker(w: SglangWorker) -> bytes:
+    return _encoder.encode(w)
+
+
+def decode_sglang_worker(data: bytes) -> SglangWorker:
+    w = _worker_decoder.decode(data)
+    if w.v != REGISTRATIONS_VERSION:
+        raise ValueError(f"unsupported registration version {w.v} "
+                         f"(this reader knows {REGISTRATIONS_VERSION})")
+    return w
 
 
 def decode_registration(data: bytes) -> Registration:

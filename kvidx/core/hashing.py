@@ -110,6 +110,17 @@ def dynamo_keys(local_hashes: Sequence[int], parent: int | None = None) -> list[
     return out
 
 
+_SGLANG_SEED = 0x6B76_6964_7853  # SGLang keys: distinct from every canonical and Dynamo seed
+
+
+def sglang_key(block_hash: str) -> int:
+    """The key kvidx indexes an SGLang block hash under for SGLang's external-indexer API
+    (index_service/sglang_indexer.py): its text as the router and the bridge send it (a decimal int64;
+    SGLang's indexer compares the strings, so any text works alike), hashed into kvidx's key space.
+    The hashes are chains already (each covers the pages before it): no chaining here."""
+    return _xxh(block_hash.encode(), seed=_SGLANG_SEED)
+
+
 class PromptHashes(list):
     """A prompt's canonical block hashes (a list) that can also key the prompt's partial block at any
     depth: what a lookup needs to credit an engine that resumes inside blocks (partial tails,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import msgspec
+import numpy as np
 
 from kvidx.core.answers import Tier
 from kvidx.core.foresight import Foresight
@@ -51,7 +52,7 @@ class ReplicaState(msgspec.Struct):
     recompute: int = 1  # prompt tokens the engine always recomputes at the end (EventBatch)
     lookahead: int = 0  # tokens after a block its engine's hash covers (EventBatch.lookahead_tokens)
     tails: int = 0  # live partial-block keys (BlocksStored.tail): the engine resumes inside blocks
-    dynamo_keys: int = 0  # live Dynamo keys (BlocksStored.dynamo): Dynamo's /query_by_hash
+    router_keys: int = 0  # live router keys (BlocksStored.router_keys): Dynamo's and SGLang's hashes
     group: int = 0  # the replica group its events come in (EventBatch.replica_group; kvidx.core.groups)
 
 
@@ -211,7 +212,10 @@ class ModelShard(ShardWalk, ShardSnapshot):
             elif kind is BlocksRemoved:
                 self._remove(ev, st)
             elif kind is ReplicaCleared:
-                self._clear(st)
+                if ev.tier:
+                    self._clear_tier(st, ev.tier)
+                else:
+                    self._clear(st)
         if self.foresight.slots:
             for gid, hashes in batch.copies_removed.items():
                 self.foresight.uncopied(st.slot, gid, hashes)
@@ -250,12 +254,12 @@ class ModelShard(ShardWalk, ShardSnapshot):
             self.journal.touch(gid, tid, hashes)
         if g.any is not d:
             g.any.store(hashes, st.slot)
-        if ev.tail or ev.dynamo:  # keys no block hash reaches, in the same maps, counted apart
+        if ev.tail or ev.router_keys:  # keys no block hash reaches, in the same maps, counted apart
             if ev.tail:
                 st.tails += new
                 self.tail_keys += new
             else:
-                st.dynamo_keys += new
+                st.router_keys += new
             self.blocks_applied += len(hashes)
             return
         if self.pending.masks and g.kind in FULL_KINDS:
@@ -284,7 +288,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
         else:  # retract from the union only where no other tier still holds the block there
             gone = d.remove(ev.hashes, st.slot, [m for t, m in g.tiers.items() if t != tid], g.any)
-        if gone and self.foresight.slots and not ev.tail and not ev.dynamo:
+        if gone and self.foresight.slots and not ev.tail and not ev.router_keys:
             left = ev.hashes
             if len(g.tiers) > 1:  # foresight orders the union: only blocks gone from every tier
                 bit = slot_bit(st.slot)
@@ -293,8 +297,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         if ev.tail:
             st.tails -= gone
             self.tail_keys -= gone
-        elif ev.dynamo:
-            st.dynamo_keys -= gone
+        elif ev.router_keys:
+            st.router_keys -= gone
         elif gone:
             st.blocks -= gone
             st.group_blocks[ev.group] = st.group_blocks.get(ev.group, 0) - gone
@@ -308,7 +312,25 @@ class ModelShard(ShardWalk, ShardSnapshot):
         st.blocks = 0
         st.group_blocks = {}
         self.tail_keys -= st.tails
-        st.tails = st.dynamo_keys = 0
+        st.tails = st.router_keys = 0
+
+    def _clear_tier(self, st: ReplicaState, tier: str) -> None:
+        """Everything the replica held in one tier is gone: removed key by key (the slot's keys are read
+        from the tier's maps: a rare event, SGLang's CLEAR_ALL_AT_TIER), so that the union, the counts
+        and the snapshot journal follow as for any removal."""
+        tid = TIER_IDS.get(tier, _LAST_TIER)
+        words, (w, b) = self._words(), divmod(st.slot, 64)
+        # a replica fed SGLang's hashes (its external-indexer feed) holds router keys and nothing else
+        router = st.router_keys > 0 and st.blocks == 0
+        for gid, g in list(self.groups.items()):
+            d = g.tiers.get(tid)
+            if d is None:
+                continue
+            keys, masks = d.export(words)
+            held = np.frombuffer(masks, dtype="<u8").reshape(-1, words)[:, w] >> np.uint64(b) & np.uint64(1)
+            mine = np.frombuffer(keys, dtype="<u8")[held.astype(bool)].tolist()
+            if mine:
+                self._remove(BlocksRemoved(tier, gid, mine, router_keys=router), st)
 
     def _drop_slot_blocks(self, slot: int) -> None:
         for g in self.groups.values():

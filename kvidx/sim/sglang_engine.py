@@ -43,47 +43,11 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import numpy as np
 
+from kvidx.core.sglang_hashing import hash_str_to_int64, namespace_seed, namespaced, page_hash_hex
 from kvidx.engines.sglang.wire import check_version
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_NS_TAG = b"sglang-kv-event-namespace-v1"  # kv_events.py 0.5.23 l. 307-310
-
-
-def hash_str_to_int64(hex_str: str) -> int:
-    v = int(hex_str[:16], 16)
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def page_hash_hex(tokens: list[int], prior_hex: str | None) -> str:
-    h = hashlib.sha256()
-    if prior_hex:
-        h.update(bytes.fromhex(prior_hex))
-    h.update(np.asarray(tokens, dtype="<u4").tobytes())
-    return h.hexdigest()
-
-
-def namespace_seed(extra_key: str | None, cache_salt: str | None) -> bytes | None:
-    if extra_key is None and cache_salt is None:
-        return None
-    d = hashlib.sha256(_NS_TAG)
-    for part in (extra_key, cache_salt):
-        if part is None:
-            d.update(b"\x00")
-            continue
-        e = part.encode()
-        d.update(b"\x01" + len(e).to_bytes(8, "little") + e)
-    return d.digest()
-
-
-def namespaced(h: int, seed: bytes | None) -> int:
-    if seed is None:
-        return h
-    d = hashlib.sha256(seed + h.to_bytes(8, "big", signed=True)).digest()
-    return int.from_bytes(d[:8], "big", signed=True)
-
-
 def lora_id_of(name: str) -> str:
     """A 32-hex-digit adapter id (SGLang's LoRARef.lora_id is a uuid hex)."""
     return hashlib.sha256(b"lora-id\x00" + name.encode()).hexdigest()[:32]

@@ -11,7 +11,8 @@ def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | N
     from kvidx.engines.sglang.relay import SglangPublisherRelay
 
     return SglangPublisherRelay(model, replica, index_block_size, dp_rank,
-                                engine_version=opts.engine_version or DEFAULT_VERSION)
+                                engine_version=opts.engine_version or DEFAULT_VERSION,
+                                router_keys=bool(opts.extra.get("router_keys")))
 
 
 def replay(recording, model: str, index_block_size: int, opts: RelayOptions):

@@ -33,6 +33,10 @@ SGLang's rules (sglang 0.5.23 wheel unless noted; ENGINES.md):
   its last copy goes. With content-only hashes (<= 0.5.3) a parent hash may name several places;
   the most recently stored one is taken (best effort, counted as `ambiguous_parent`).
 - AllBlocksCleared (radix_cache.py `reset`) drops everything.
+- Router keys (`router_keys=True`): each page's first live copy in a tier is also published under
+  its SGLang key (the engine's page hash as the decimal int64 its router sends,
+  kvidx.core.hashing.sglang_key; BlocksStored.router_keys), and its last copy's removal retracts it:
+  what SGLang's external-indexer API answers from (index_service/sglang_indexer.py).
 - EAGLE (bigram keys): pages of token pairs are turned back into single tokens (the pairs' first
   elements, kvidx.core.spec_decode.unpair_tokens) before anything else, so they hash as a plain
   page of the same prefix; pairs that do not chain (a pair's second token is the next pair's first)
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvidx.core.hashing import chain, extra_seed, namespace_seed, pack_tokens
+from kvidx.core.hashing import chain, extra_seed, namespace_seed, pack_tokens, sglang_key
 from kvidx.core.spec_decode import SpecDecodeError, is_bigram_page, unpair_tokens
 from kvidx.engines.common import (
     MirrorError,
@@ -61,11 +65,17 @@ from schemas.events import BlocksRemoved, BlocksStored, Event
 GROUP = 0  # SGLang's radix cache is one KV-cache group (full attention)
 
 
+def _router_keys(engine_hashes: list[int]) -> list[int]:
+    """SGLang keys of engine page hashes (u64 here; the router sends them as signed decimals)."""
+    return [sglang_key(str(h - (1 << 64) if h >= 1 << 63 else h)) for h in engine_hashes]
+
+
 class SglangMirror:
     def __init__(self, index_block_size: int, root_parents: Iterable[int] = (),
-                 memo_limit: int = 1 << 21):
+                 memo_limit: int = 1 << 21, router_keys: bool = False):
         """`root_parents`: parent hashes that mean "under the root" (<= 0.5.3 sends hash(()))."""
         self.index_block_size = index_block_size
+        self.router_keys = router_keys
         self.root_parents = frozenset(root_parents)
         self.memo_limit = memo_limit
         # engine page hash -> (index blocks it completes, depth of the first (in index blocks),
@@ -185,6 +195,8 @@ class SglangMirror:
             prev = eh if end % B else None
         for hashes, run_parent, depth, engine in stored_runs(canon, new_pos, seed, depth_blocks, engine_new):
             out.append(BlocksStored(tier, GROUP, hashes, run_parent, depth, engine))
+        if self.router_keys and engine_new:
+            out.append(BlocksStored(tier, GROUP, _router_keys(engine_new), None, 0, router_keys=True))
         if tails is not None:
             out.extend(tails.events(GROUP))
 
@@ -236,6 +248,8 @@ class SglangMirror:
             release(self.refs, sub, tier, GROUP, hashes)
         if hashes or engine:
             out.append(BlocksRemoved(tier, GROUP, hashes, engine))
+        if self.router_keys and engine:
+            out.append(BlocksRemoved(tier, GROUP, _router_keys(engine), router_keys=True))
         if self.tails is not None:
             out.extend(self.tails.events(GROUP))
 
@@ -268,8 +282,15 @@ class SglangMirror:
         return len(self.live)
 
     def replay_keys(self) -> list[Event]:
-        """The partial-block keys, for a mirror replay (SequencedRelay.resync)."""
-        return self.tails.replay(GROUP) if self.tails is not None else []
+        """The partial-block keys and the router keys, for a mirror replay (SequencedRelay.resync)."""
+        out = self.tails.replay(GROUP) if self.tails is not None else []
+        if self.router_keys:
+            by_tier: dict[str, list[int]] = {}
+            for eh, tier, _g in self.live:
+                by_tier.setdefault(tier, []).append(u64(eh))
+            out += [BlocksStored(t, GROUP, _router_keys(ehs), None, 0, router_keys=True)
+                    for t, ehs in by_tier.items()]
+        return out
 
     def cached_index_blocks(self, tier: str = "GPU") -> set[int]:
         """Canonical hashes of the index blocks cached in `tier` (for tests and audits)."""

@@ -33,11 +33,12 @@ class SglangPublisherRelay(SequencedRelay):
     engine = "sglang"
 
     def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
-                 engine_version: str = DEFAULT_VERSION, epoch: int | None = None):
+                 engine_version: str = DEFAULT_VERSION, epoch: int | None = None, router_keys: bool = False):
+        """`router_keys`: also publish the engine's page hashes as SGLang keys (SglangMirror)."""
         self.encoding, self.hash_kind = check_version(engine_version)
         self.engine_version = engine_version
         roots = (PY_EMPTY_TUPLE_HASH,) if self.hash_kind == "py_tuple_hash" else ()
-        self.mirror = SglangMirror(index_block_size, root_parents=roots)
+        self.mirror = SglangMirror(index_block_size, root_parents=roots, router_keys=router_keys)
         super().__init__(model, replica, index_block_size, dp_rank, epoch)
         self.counters["version_mismatch"] = 0
 
@@ -54,7 +55,8 @@ class SglangPublisherRelay(SequencedRelay):
 
 
 def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
-               engine_version: str = DEFAULT_VERSION, epoch: int | None = None) -> SglangPublisherRelay:
+               engine_version: str = DEFAULT_VERSION, epoch: int | None = None,
+               router_keys: bool = False) -> SglangPublisherRelay:
     """What `kvidx relay --engine sglang` builds: raises UnsupportedEngineVersion (a ValueError whose
     message lists the checked versions) for a version this adapter was not checked against."""
-    return SglangPublisherRelay(model, replica, index_block_size, dp_rank, engine_version, epoch)
+    return SglangPublisherRelay(model, replica, index_block_size, dp_rank, engine_version, epoch, router_keys)

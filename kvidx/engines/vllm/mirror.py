@@ -91,7 +91,7 @@ class VllmMirror:
         `lookahead`: whether the engine's release may send lookahead tokens (vLLM >= 0.33; a release
         pinned older refuses them rather than credit blocks the engine will not reuse).
         `dynamo_block_size` (> 0: the relay of a worker registered through Dynamo's API): the engine's
-        blocks of that size are also published under their Dynamo keys (BlocksStored.dynamo)."""
+        blocks of that size are also published under their Dynamo keys (BlocksStored.router_keys)."""
         self.index_block_size = index_block_size
         self.memo_limit = memo_limit
         # engine hash -> (canonical hashes of its index sub-blocks, depth of the first one)
@@ -332,7 +332,7 @@ class VllmMirror:
                     del dyn[old]
                     meta.pop(old, None)
         if fresh:
-            out.append(BlocksStored(tier, group, fresh, None, 0, dynamo=True))
+            out.append(BlocksStored(tier, group, fresh, None, 0, router_keys=True))
 
     def _positions(self, hashes: list[EngineHash], parent: EngineHash | None, ebs: int, n_token_blocks: int,
                    depth0: int, k: int, dense: dict[EngineHash, tuple[EngineHash | None, int, int]] | None
@@ -452,7 +452,7 @@ class VllmMirror:
         if hashes:
             out.append(BlocksRemoved(tier, group, hashes, engine))
         if dynamo_gone:
-            out.append(BlocksRemoved(tier, group, dynamo_gone, dynamo=True))
+            out.append(BlocksRemoved(tier, group, dynamo_gone, router_keys=True))
 
     def _remember(self, eh: EngineHash, sub: tuple[int, ...], depth: int) -> None:
         memo = self.memo
@@ -502,7 +502,8 @@ class VllmMirror:
             key = self.dynamo.get(eh)
             if key is not None:
                 keys.setdefault((tier, group), []).append(key)
-        return [BlocksStored(tier, group, ks, None, 0, dynamo=True) for (tier, group), ks in keys.items()]
+        return [BlocksStored(tier, group, ks, None, 0, router_keys=True)
+                for (tier, group), ks in keys.items()]
 
 
 def _index_block_extras(extra_keys: list | None, lora_name: str | None, blocks: list[int], n_blocks: int,

@@ -64,7 +64,7 @@ def test_resync_replays_the_dynamo_keys_too():
     for p in core.resync(max_blocks=10):
         fresh.apply(p, 0.0)
     st_full, st_fresh = full.replicas[("sim-0", 0)], fresh.replicas[("sim-0", 0)]
-    assert st_fresh.dynamo_keys == st_full.dynamo_keys > 0
+    assert st_fresh.router_keys == st_full.router_keys > 0
     for prompt, _ in work:
         keys = dynamo_keys(dynamo_local_hashes(pack_tokens(prompt), 32))
         assert dict(fresh.groups[0].any.walk(keys).items()) == dict(full.groups[0].any.walk(keys).items())

@@ -1,0 +1,274 @@
+"""SGLang's external KV indexer API (gRPC `kv_indexer.v1.KVIndexer`, schemas/proto/kv_indexer.proto),
+served by `kvidx serve --sglang-indexer MODEL=[HOST:]PORT` over the same index as kvidx's own API: an
+sgl-router started with `--kv-indexer-endpoint` and SGLang's kv-indexer bridges point at kvidx unchanged.
+
+Read from sglang's experimental/sgl-kv-indexer (src/service.rs, the in-memory and Redis backends, the
+bridge): the hashes are SGLang's block hashes as decimal strings, compared as strings; a worker's prefix
+is the run of leading hashes it holds in any tier, stopping at the first it misses.
+
+- `ApplyExternalKvBatch{worker_id, seq, actions, worker_address}` (the bridges' feed): each action
+  becomes an event of the worker (replica `worker_id`, DP rank 0) - REPORT a store, REVOKE a removal,
+  CLEAR_ALL_AT_TIER a one-tier clear - keyed by kvidx.core.hashing.sglang_key; the batch is published
+  to the events topic like a relay's and the call answers only once the broker acknowledged it (nothing
+  acknowledged is lost; SGLang's in-memory backend loses everything with its process). The worker's
+  address is kept on the registrations topic (schemas/registrations.py): every instance knows it, and a
+  restart does not forget it. Every batch is applied, as SGLang's indexer does (its `seq` is not a
+  fence): kvidx orders them by its own counter.
+- `MatchExternalKvPrefix{hashes, max_blocks}`: per worker, the leading hashes it holds (any tier), longest
+  first; workers without an address are left out (the router could not route to them). A worker known
+  only from kvidx's own relays has its replica name as its address: name such replicas by the router's
+  worker URL. `blocks_read` is the number of hashes considered (what SGLang's reference path reads).
+- `MatchExternalKv{hashes, count_as_hit}`: per worker and tier, which of the hashes it holds.
+- `GetExternalKvHitCounts{hashes}`: how many `count_as_hit` matches found each hash (hashes never found
+  are left out); counted in this process, like SGLang's in-memory backend.
+
+Checks and status codes are SGLang's (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with its texts). SGLang's
+tiers map to kvidx's: HBM = GPU, DRAM = CPU, SSD = DISK (kvidx's shared tiers are not reported).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+
+from index_service.sglang_pb import kv_indexer_pb2 as pb
+from index_service.store import ShardStore
+from kvidx.core.hashing import sglang_key
+from schemas.events import (
+    SCHEMA_VERSION,
+    TIER_IDS,
+    BlocksRemoved,
+    BlocksStored,
+    Event,
+    EventBatch,
+    ReplicaCleared,
+)
+from schemas.registrations import REGISTRATIONS_VERSION, SglangWorker
+
+log = logging.getLogger("kvidx.sglang")
+
+SERVICE = "kv_indexer.v1.KVIndexer"
+MAX_HASHES_PER_REQUEST = 16_384  # SGLang's protocol bounds (service.rs)
+MAX_ACTIONS_PER_BATCH = 256
+MAX_HIT_ENTRIES = 1 << 20  # hit counters kept (oldest first out)
+TIERS = {pb.TIER_HBM: "GPU", pb.TIER_DRAM: "CPU", pb.TIER_SSD: "DISK"}
+SGLANG_TIERS = {name: tier for tier, name in TIERS.items()}
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def check_hashes(hashes) -> None:
+    if not hashes:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "hashes must not be empty")
+    if len(hashes) > MAX_HASHES_PER_REQUEST:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"request contains {len(hashes)} hashes; maximum is {MAX_HASHES_PER_REQUEST}")
+    if not all(hashes):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "hashes must not contain empty values")
+
+
+def check_actions(actions) -> None:
+    if len(actions) > MAX_ACTIONS_PER_BATCH:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"batch contains {len(actions)} actions; maximum is {MAX_ACTIONS_PER_BATCH}")
+    total = sum(len(a.hashes) for a in actions)
+    if total > MAX_HASHES_PER_REQUEST:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"batch contains {total} hashes; maximum is {MAX_HASHES_PER_REQUEST}")
+    for a in actions:
+        if a.tier == pb.TIER_UNKNOWN:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tier must not be TIER_UNKNOWN")
+        if a.tier not in TIERS:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tier is not supported")
+        if a.type in (pb.ACTION_REPORT, pb.ACTION_REVOKE):
+            check_hashes(a.hashes)
+        elif a.type != pb.ACTION_CLEAR_ALL_AT_TIER:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "action type is not supported")
+
+
+def action_events(actions) -> list[Event]:
+    """An SGLang batch's actions as kvidx events of its worker, in order."""
+    out: list[Event] = []
+    for a in actions:
+        tier = TIERS[a.tier]
+        if a.type == pb.ACTION_CLEAR_ALL_AT_TIER:
+            out.append(ReplicaCleared("sglang CLEAR_ALL_AT_TIER", tier=tier))
+            continue
+        keys = [sglang_key(h) for h in a.hashes]
+        if a.type == pb.ACTION_REPORT:
+            out.append(BlocksStored(tier, 0, keys, None, 0, router_keys=True))
+        else:
+            out.append(BlocksRemoved(tier, 0, keys, router_keys=True))
+    return out
+
+
+class SglangIndexer:
+    """One model's SGLang indexer API over the store. `publish(EventBatch)` returns once the batch is
+    durable (KafkaSink.publish_acked; a StoreSink's publish in process); `keep_address(SglangWorker)`
+    records a worker's address durably (RegistrationLog.publish_sglang_worker), or None."""
+
+    def __init__(self, store: ShardStore, model: str, publish: Callable[[EventBatch], None] | None = None,
+                 keep_address: Callable[[SglangWorker], None] | None = None, count=None):
+        self.store = store
+        self.model = model
+        self.publish = publish
+        self.keep_address = keep_address
+        self.count = count  # count(method, status code name): the service's lookup counter, or None
+        self.addresses: dict[str, str] = {}  # worker id -> address (the registrations topic's)
+        self.hits: dict[str, int] = {}
+        self.epoch = time.time_ns() // 1_000_000  # this process's batches follow any earlier one's
+        self.seqs: dict[str, int] = {}
+        self.lock = threading.Lock()  # one feed batch at a time: its sequence number is its order
+
+    # ---- queries ------------------------------------------------------------------------------------
+    def _group(self):
+        shard = self.store.shards.get(self.model)
+        return (shard, shard._lookup_group(None)) if shard is not None else (None, None)
+
+    def _address(self, worker: str) -> str:
+        return self.addresses.get(worker, worker)
+
+    def match_prefix(self, req: pb.MatchExternalKvPrefixRequest) -> pb.MatchExternalKvPrefixResponse:
+        check_hashes(req.hashes)
+        hashes = req.hashes if not req.max_blocks else req.hashes[:req.max_blocks]
+        out = pb.MatchExternalKvPrefixResponse(blocks_read=len(hashes))
+        shard, g = self._group()
+        if g is None:
+            return out
+        best: dict[str, int] = {}  # worker -> its longest prefix over its DP ranks
+        for slot, n in g.any.walk([sglang_key(h) for h in hashes]).items():
+            st = shard.by_slot[slot] if slot < len(shard.by_slot) else None
+            if st is not None and n > best.get(st.replica, 0):
+                best[st.replica] = n
+        ranked = sorted(((n, w, self._address(w)) for w, n in best.items()), key=lambda t: (-t[0], t[1]))
+        out.matches.extend(pb.ExternalKvPrefixMatch(worker_address=a, matched_prefix_blocks=n, worker_id=w)
+                           for n, w, a in ranked if a)
+        out.best_prefix_blocks = out.matches[0].matched_prefix_blocks if out.matches else 0
+        return out
+
+    def match(self, req: pb.MatchExternalKvRequest) -> pb.MatchExternalKvResponse:
+        check_hashes(req.hashes)
+        out = pb.MatchExternalKvResponse()
+        shard, g = self._group()
+        if g is None:
+            return out
+        keys = [sglang_key(h) for h in req.hashes]
+        held: dict[str, dict[int, list]] = {}  # worker -> SGLang tier -> (index, hash), in request order
+        matched = [False] * len(keys)
+        for name, tier in SGLANG_TIERS.items():
+            d = g.tiers.get(TIER_IDS[name])
+            if d is None:
+                continue
+            for i, m in enumerate(d.masks(keys)):
+                if m:
+                    matched[i] = True
+                while m:  # each slot holding the hash
+                    low = m & -m
+                    m ^= low
+                    slot = low.bit_length() - 1
+                    st = shard.by_slot[slot] if slot < len(shard.by_slot) else None
+                    row = held.setdefault(st.replica, {}).setdefault(tier, []) if st is not None else None
+                    if row is not None and (not row or row[-1][0] != i):  # DP ranks: once per worker
+                        row.append((i, req.hashes[i]))
+        for w in sorted(held):
+            node = out.matches.add(worker_id=w, address=self._address(w))
+            for tier in sorted(held[w]):
+                node.hashes_by_tier.add(tier=tier, hashes=[h for _, h in held[w][tier]])
+        if req.count_as_hit:
+            with self.lock:
+                for h, hit in zip(req.hashes, matched, strict=True):
+                    if hit:
+                        self.hits[h] = self.hits.pop(h, 0) + 1
+                while len(self.hits) > MAX_HIT_ENTRIES:
+                    del self.hits[next(iter(self.hits))]
+        return out
+
+    def hit_counts(self, req: pb.GetExternalKvHitCountsRequest) -> pb.GetExternalKvHitCountsResponse:
+        check_hashes(req.hashes)
+        out = pb.GetExternalKvHitCountsResponse()
+        for h in req.hashes:
+            c = self.hits.get(h)
+            if c is not None:
+                out.entries.add(hash=h, hit_count_total=c)
+        return out
+
+    # ---- the feed -----------------------------------------------------------------------------------
+    def apply(self, req: pb.ApplyExternalKvBatchRequest) -> pb.ApplyExternalKvBatchResponse:
+        if not req.worker_id:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "worker_id must not be empty")
+        check_actions(req.actions)
+        if self.publish is None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this kvidx instance takes no feed (it has no events topic to publish to)")
+        w = req.worker_id
+        with self.lock:
+            if self.addresses.get(w) != req.worker_address:  # every batch sets it (empty: unroutable)
+                if self.keep_address is not None:
+                    self.keep_address(SglangWorker(REGISTRATIONS_VERSION, self.model, w, req.worker_address))
+                self.addresses[w] = req.worker_address
+            if not req.actions:
+                return pb.ApplyExternalKvBatchResponse()  # SGLang: a no-op that refreshes the address
+            seq = self.seqs[w] = self.seqs.get(w, 0) + 1
+            now = time.time()
+            self.publish(EventBatch(SCHEMA_VERSION, self.model, w, 0, self.epoch, seq, now, now, 0,
+                                    action_events(req.actions)))
+        return pb.ApplyExternalKvBatchResponse()
+
+    def learn_address(self, w: SglangWorker) -> None:
+        """A record of the registrations topic (any instance's)."""
+        if w.model == self.model:
+            with self.lock:
+                self.addresses[w.worker_id] = w.address
+
+
+def _handler(indexer: SglangIndexer, method: str, call, request_type):
+    def handle(request, context: grpc.ServicerContext):
+        try:
+            reply = call(request)
+        except Refused as e:
+            if indexer.count is not None:
+                indexer.count(method, e.code.name)
+            context.abort(e.code, str(e))
+        except RuntimeError as e:  # the broker did not acknowledge a feed batch: the bridge retries
+            log.error("event=sglang_feed_failed method=%s error=%s", method, e)
+            if indexer.count is not None:
+                indexer.count(method, "UNAVAILABLE")
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if indexer.count is not None:
+            indexer.count(method, "OK")
+        return reply
+
+    return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=request_type.FromString,
+                                               response_serializer=lambda m: m.SerializeToString())
+
+
+def start_server(indexer: SglangIndexer, address: str, workers: int = 4) -> tuple[grpc.Server, int]:
+    """Serve `indexer` on `address` ("host:port"; port 0 picks one). Returns (server, bound port)."""
+    methods = {
+        "ApplyExternalKvBatch": (indexer.apply, pb.ApplyExternalKvBatchRequest),
+        "MatchExternalKv": (indexer.match, pb.MatchExternalKvRequest),
+        "MatchExternalKvPrefix": (indexer.match_prefix, pb.MatchExternalKvPrefixRequest),
+        "GetExternalKvHitCounts": (indexer.hit_counts, pb.GetExternalKvHitCountsRequest),
+    }
+    handlers = {name: _handler(indexer, name, call, typ) for name, (call, typ) in methods.items()}
+    # SGLang's own bound on a message (16,384 hashes of up to 20 digits, with framing)
+    limit = 64 << 20
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-grpc"),
+                         options=[("grpc.max_receive_message_length", limit),
+                                  ("grpc.max_send_message_length", limit)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address} for SGLang's indexer API")
+    server.start()
+    log.info("event=sglang_indexer_serving model=%s address=%s port=%d", indexer.model, address, port)
+    return server, port
