@@ -11,6 +11,11 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+
+from index_service.sglang_indexer import SERVICE
+from index_service.sglang_pb import kv_indexer_pb2 as pb
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 LLAMA = FIXTURES / "vllm-0.32" / "llama_c4"
@@ -158,3 +163,35 @@ def random_fleet(replicas: int, seed: int = 1, groups: int = 1, block_size: int 
     for k, lst in by_replica.items():
         mixed += lst[cursors[k]:]
     return mixed, docs
+
+
+# ---- SGLang's external-indexer gRPC API (index_service/sglang_indexer.py) ----------------------------
+class SglangClient:
+    """What sgl-router and SGLang's bridge send, over a real gRPC channel."""
+
+    def __init__(self, port: int):
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+
+    def call(self, method: str, request, reply_type):
+        rpc = self.channel.unary_unary(f"/{SERVICE}/{method}",
+                                       request_serializer=lambda m: m.SerializeToString(),
+                                       response_deserializer=reply_type.FromString)
+        return rpc(request, timeout=10)
+
+    def apply(self, worker: str, actions, address: str | None = None, seq: int = 1):
+        address = f"http://{worker}:30000" if address is None else address
+        req = pb.ApplyExternalKvBatchRequest(worker_id=worker, seq=seq, actions=actions,
+                                             worker_address=address)
+        return self.call("ApplyExternalKvBatch", req, pb.ApplyExternalKvBatchResponse)
+
+    def prefix(self, hashes, max_blocks: int = 0) -> pb.MatchExternalKvPrefixResponse:
+        req = pb.MatchExternalKvPrefixRequest(hashes=hashes, max_blocks=max_blocks)
+        return self.call("MatchExternalKvPrefix", req, pb.MatchExternalKvPrefixResponse)
+
+
+def sglang_action(kind, tier, hashes=()):
+    return pb.ExternalKvAction(type=kind, tier=tier, hashes=list(hashes))
+
+
+def sglang_matches(resp) -> list[tuple[str, int, str]]:
+    return [(m.worker_id, m.matched_prefix_blocks, m.worker_address) for m in resp.matches]

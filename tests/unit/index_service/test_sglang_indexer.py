@@ -14,46 +14,20 @@ from pathlib import Path
 import grpc
 import pytest
 
-from index_service.sglang_indexer import SERVICE, SglangIndexer, start_server
+from index_service.sglang_indexer import SglangIndexer, start_server
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.sglang_hashing import sglang_page_hashes
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import make_relay
+from tests.helpers import SglangClient as Client
+from tests.helpers import sglang_action as act
+from tests.helpers import sglang_matches as matches
 
 ROOT = Path(__file__).resolve().parents[3]
 # SGLang's published vectors (sgl-router kv_events::hash cross-language tests): chain of [10..80], page 2
 CHAIN = [str(h) for h in (978178666101069530, -895308556211281782, -8033692805846017938, 835415944263129316)]
-
-
-class Client:
-    def __init__(self, port: int):
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-
-    def call(self, method: str, request, reply_type):
-        rpc = self.channel.unary_unary(f"/{SERVICE}/{method}",
-                                       request_serializer=lambda m: m.SerializeToString(),
-                                       response_deserializer=reply_type.FromString)
-        return rpc(request, timeout=10)
-
-    def apply(self, worker: str, actions, address: str | None = None, seq: int = 1):
-        address = f"http://{worker}:30000" if address is None else address
-        req = pb.ApplyExternalKvBatchRequest(worker_id=worker, seq=seq, actions=actions,
-                                             worker_address=address)
-        return self.call("ApplyExternalKvBatch", req, pb.ApplyExternalKvBatchResponse)
-
-    def prefix(self, hashes, max_blocks: int = 0) -> pb.MatchExternalKvPrefixResponse:
-        req = pb.MatchExternalKvPrefixRequest(hashes=hashes, max_blocks=max_blocks)
-        return self.call("MatchExternalKvPrefix", req, pb.MatchExternalKvPrefixResponse)
-
-
-def act(kind, tier, hashes=()):
-    return pb.ExternalKvAction(type=kind, tier=tier, hashes=list(hashes))
-
-
-def matches(resp) -> list[tuple[str, int, str]]:
-    return [(m.worker_id, m.matched_prefix_blocks, m.worker_address) for m in resp.matches]
 
 
 @pytest.fixture()
