@@ -61,6 +61,7 @@ from index_service.context import ServiceContext, kv, log
 from index_service.dynamo_api import DynamoRegistry, add_dynamo_routes
 from index_service.errors import one_error_shape
 from index_service.hot_path import HotPath
+from index_service.lmcache_api import add_lmcache_routes
 from index_service.lookup_routes import add_binary_lookup, add_json_lookup
 from index_service.metrics import ServiceMetrics
 from index_service.openapi import document_responses
@@ -79,7 +80,8 @@ def _telemetry() -> dict:
 
 def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None,
                publish_usage=None, feedback=None, dynamo: DynamoRegistry | None = None,
-               conductor: ConductorRegistry | None = None, fanout=None) -> FastAPI:
+               conductor: ConductorRegistry | None = None, fanout=None,
+               lmcache_lookup: str | None = None) -> FastAPI:
     """`auth_token`: when set, every /v1/ request must carry `Authorization: Bearer <token>`
     (/healthz and /metrics stay open for probes and scrapers). `publish_usage(UsageReport)`: where
     POST /v1/usage sends reports (kvidx.ops.audit.UsagePublisher: the usage topic). `feedback`: an
@@ -88,7 +90,9 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     `app.state`. `dynamo`: Dynamo's indexer API at its own paths (index_service/dynamo_api.py), its
     registrations starting relays; `conductor`: Mooncake conductor's msgpack API on the same paths
     (index_service/conductor_api.py), told apart by the content type. `fanout`
-    (index_service.fanout.Fanout): how an instance holding some replica groups asks for the others."""
+    (index_service.fanout.Fanout): how an instance holding some replica groups asks for the others.
+    `lmcache_lookup`: the model LMCache's controller lookup (POST /lookup) answers for
+    (index_service/lmcache_api.py)."""
     # /docs and /redoc with their JavaScript and CSS served by the service itself (fastapi-offline
     # ships them): the default pages load them from a CDN, which a cluster without internet lacks
     app: FastAPI = FastAPIOffline(title="kvidx lookup service", version="1", telemetry=_telemetry())
@@ -111,6 +115,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     add_status_routes(app, ctx, auth)
     if dynamo is not None:
         add_dynamo_routes(app, store, dynamo)
+    if lmcache_lookup is not None:
+        add_lmcache_routes(app, ctx, lmcache_lookup)
     app.add_middleware(HotPath, ctx=ctx, dynamo=dynamo)  # the lookups, past the router
     if conductor is not None:  # outside the hot path: its msgpack /query goes first
         app.add_middleware(ConductorPaths, store=store, registry=conductor)

@@ -46,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from index_service.store import ShardStore
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
 
-FORMS = ("json", "binary", "rank", "routes")
+FORMS = ("json", "binary", "rank", "routes", "lmcache")  # lmcache: LMCache's POST /lookup
 # Lookups take ~50 us (short prompt, binary) to a few ms (32k tokens as JSON on a loaded box).
 LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3,
                    10e-3, 20e-3, 50e-3)

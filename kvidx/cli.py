@@ -410,7 +410,7 @@ def cmd_serve(args) -> int:
     conductor = ConductorRegistry(starter)  # Mooncake conductor's msgpack API (registrations in process)
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
-                     fanout=fanout)
+                     fanout=fanout, lmcache_lookup=args.lmcache_lookup)
     # SGLang's external-indexer API (gRPC): its feed publishes to the events topic, batch by acked batch
     feed = KafkaSink(b, t["events"], t["dead_letters"], replica_group=settings.config.replica_group
                      ) if sglang_addresses else None
@@ -669,6 +669,10 @@ def _add_serve(sub) -> None:
     s.add_argument("--peer", action="append", default=[], metavar="URL[=G,G]",
                    help="an instance to ask for the groups it holds (default: all), besides those announced "
                         "on the instances topic; repeatable")
+    s.add_argument("--lmcache-lookup", metavar="MODEL",
+                   help="answer LMCache's controller lookup (POST /lookup {tokens}: what a router asking "
+                        "LMCache's standalone controller sends) for MODEL; LMCache instance ids from the "
+                        "model's hints.lmcache_instances in --config (default: the replica names)")
     s.add_argument("--sglang-indexer", action="append", default=[], metavar="MODEL=[HOST:]PORT",
                    help="serve SGLang's external KV indexer API (gRPC kv_indexer.v1.KVIndexer, what "
                         "sgl-router's --kv-indexer-endpoint and SGLang's kv-indexer bridges talk) for MODEL "

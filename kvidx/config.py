@@ -59,7 +59,8 @@ class HintsConfig(msgspec.Struct, forbid_unknown_fields=True):
     placement_tokens_per_s: float = 100_000.0  # a copy between replicas, for placements
     kv_bytes_per_token: int = 0  # for the bytes a hint moves (0: not reported)
     # an LMCache controller that acts on the prefetch hints (kvidx/engines/lmcache/actuator.py): its
-    # PULL socket, tcp://host:port; the LMCache instance id of each replica (default: the replica's name)
+    # PULL socket, tcp://host:port; the LMCache instance id of each replica (default: the replica's name),
+    # also for LMCache's POST /lookup (index_service/lmcache_api.py)
     lmcache_controller: str = ""
     lmcache_instances: dict[str, str] = {}
 
@@ -129,7 +130,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                 raise ValueError(f"model {name!r}: hints.lmcache_controller must be a ZMQ address "
                                  "(tcp://HOST:PORT, the controller's pull port), not "
                                  f"{h.lmcache_controller!r}")
-            if (h.lmcache_controller or h.lmcache_instances) and not h.prefetch:
+            if h.lmcache_controller and not h.prefetch:
                 raise ValueError(f"model {name!r}: hints.lmcache_controller acts on prefetch plans: turn on "
                                  "hints.prefetch too")
 
