@@ -26,8 +26,9 @@ Differences, by design: kvidx keys blocks canonically (kvidx.core.hashing) and r
 tokens, so the hash profile is checked and reported but not needed to match; the cpu phase also counts
 blocks vLLM's own CPU offloading reports (the conductor reads only GPU events from vLLM); `type
 "Mooncake"` (Mooncake Store's events as the shared tiers) is refused as not supported yet;
-`prefix_count` is the model's distinct indexed blocks; registrations live in this process (Dynamo's
-are kept on the registrations topic; these are not yet).
+`prefix_count` is the model's distinct indexed blocks. Registrations are kept on the compacted
+registrations topic (as Dynamo's): every instance knows them, the one that took a registration runs its
+relay and takes it up again after a restart (the conductor keeps them in its process only).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.vllm_hashing import ALGORITHMS, root_digest
 from schemas.events import TIER_IDS
+from schemas.registrations import REGISTRATIONS_VERSION, ConductorService
 
 log = logging.getLogger("kvidx.conductor_api")
 
@@ -156,7 +158,13 @@ class Service:
     dp_rank: int
     cache_group: int | None
     profile: dict[str, str]
+    owner: str = field(compare=False, default="local")  # the instance that runs its relay
     listener: Listener = field(compare=False, default_factory=lambda: Listener("", None))
+
+    def record(self) -> ConductorService:
+        return ConductorService(REGISTRATIONS_VERSION, self.endpoint, self.replay_endpoint, self.type,
+                                self.model, self.lora_name, self.tenant_id, self.instance_id, self.block_size,
+                                self.dp_rank, self.cache_group, self.profile, self.owner)
 
     @property
     def key(self) -> str:
@@ -177,8 +185,12 @@ class ConductorRegistry:
     """The conductor's services and prefix contexts, with a relay per vLLM service (`start_relay` as in
     DynamoRegistry: start(model, replica, dp_rank, endpoint, replay_endpoint, listener, 0) -> stop)."""
 
-    def __init__(self, start_relay=None):
+    def __init__(self, start_relay=None, owner: str = "local", log=None):
+        """`owner`: this instance's name; `log`: the registrations topic (index_service/registrations.py
+        RegistrationLog), where registrations are kept beyond the process, or None."""
         self.start_relay = start_relay
+        self.owner = owner
+        self.log = log
         self.services: dict[str, Service] = {}
         self.contexts: dict[tuple[str, str, str, int], Context] = {}  # never deleted, as the conductor's
         self.lock = threading.Lock()
@@ -216,29 +228,77 @@ class ConductorRegistry:
         if typ == "Mooncake":
             raise Invalid("type Mooncake (Mooncake Store's shared tiers) is not supported by kvidx yet",
                           "unsupported", "type")
-        svc = Service(endpoint, replay, typ, model, lora, tenant, iid, bs, rank, group, profile)
+        svc = Service(endpoint, replay, typ, model, lora, tenant, iid, bs, rank, group, profile, self.owner)
         ok = {"status": "registered successfully", "instance_id": iid}
         with self.lock:
             old = self.services.get(svc.key)
-            if old is not None:
-                if old == svc:
-                    return 200, ok  # the same registration again: nothing new
-                raise Invalid(f"conflicting registration for service key: {svc.key}", "invalid_registration")
-            if any(s.endpoint == endpoint for s in self.services.values()):
-                raise Invalid(f"conflicting active registration for endpoint: {endpoint}",
-                              "invalid_registration")
-            ctx = self.contexts.get(svc.context)
-            if ctx is not None and ctx.profile != profile:
-                raise Invalid("failed to register prefix context: registration conflicts with the "
-                              "ContextKey hash profile", "invalid_registration")
-            if ctx is None:
-                ctx = self.contexts[svc.context] = Context(profile)
-            ctx.instances.setdefault(iid, set()).add(rank)
-            self.services[svc.key] = svc
+            if old is not None and old == svc:
+                return 200, ok  # the same registration again: nothing new
+            self._add(svc)
+        if self.log is not None:
+            try:
+                self.log.publish_conductor(svc.record())
+            except Exception as e:  # noqa: BLE001 - the registration is not kept: it does not happen
+                with self.lock:
+                    self._drop(svc.key)
+                return 503, {"error": f"the registration could not be kept (registrations topic): {e}",
+                             "reason": "unavailable"}
         self._start(svc)
         log.info("event=conductor_register instance=%s dp_rank=%d model=%s endpoint=%s", iid, rank, model,
                  endpoint)
         return 200, ok
+
+    def _add(self, svc: Service) -> None:
+        """Under the lock: the conductor's conflict checks (Invalid), then the service and its context."""
+        if svc.key in self.services:
+            raise Invalid(f"conflicting registration for service key: {svc.key}", "invalid_registration")
+        if any(s.endpoint == svc.endpoint for s in self.services.values()):
+            raise Invalid(f"conflicting active registration for endpoint: {svc.endpoint}",
+                          "invalid_registration")
+        ctx = self.contexts.get(svc.context)
+        if ctx is not None and ctx.profile != svc.profile:
+            raise Invalid("failed to register prefix context: registration conflicts with the "
+                          "ContextKey hash profile", "invalid_registration")
+        if ctx is None:
+            ctx = self.contexts[svc.context] = Context(svc.profile)
+        ctx.instances.setdefault(svc.instance_id, set()).add(svc.dp_rank)
+        self.services[svc.key] = svc
+
+    def _drop(self, key: str) -> Service | None:
+        """Under the lock: the service gone from the registry and its context."""
+        svc = self.services.pop(key, None)
+        if svc is not None:
+            ranks = self.contexts[svc.context].instances.get(svc.instance_id, set())
+            ranks.discard(svc.dp_rank)
+            if not ranks:
+                self.contexts[svc.context].instances.pop(svc.instance_id, None)
+        return svc
+
+    def apply_record(self, key: str, rec: ConductorService | None) -> None:
+        """A conductor record of the registrations topic (every instance's, this one's echoes included): a
+        registration from elsewhere, or one this instance owns and takes up again after a restart (its
+        relay starts); a tombstone drops it (and stops this instance's relay)."""
+        if rec is None:
+            with self.lock:
+                svc = self._drop(key)
+            if svc is not None and svc.listener.stop is not None:
+                svc.listener.stop()
+            return
+        svc = Service(rec.endpoint, rec.replay_endpoint, rec.type, rec.model, rec.lora_name, rec.tenant_id,
+                      rec.instance_id, rec.block_size, rec.dp_rank, rec.cache_group, dict(rec.profile),
+                      rec.owner)
+        with self.lock:
+            if svc.key in self.services:
+                return  # this instance's own registration, or one already applied
+            try:
+                self._add(svc)
+            except Invalid as e:
+                log.warning("event=conductor_registration_conflict key=%s error=%s", key, e.body["error"])
+                return
+        if svc.owner == self.owner:
+            self._start(svc)
+        else:
+            svc.listener.status = "active"  # its relay runs on the instance that took it
 
     def _start(self, svc: Service) -> None:
         listener = svc.listener
@@ -265,15 +325,13 @@ class ConductorRegistry:
             raise Invalid("dp_rank must be a non-negative int", "invalid_value", "dp_rank")
         key = f"{iid}|{tenant}|{rank}"
         with self.lock:
-            svc = self.services.pop(key, None)
+            svc = self._drop(key)
             if svc is None:
                 return 404, {"error": f"service not found: {key}"}
-            ranks = self.contexts[svc.context].instances.get(iid, set())
-            ranks.discard(rank)
-            if not ranks:
-                self.contexts[svc.context].instances.pop(iid, None)
         if svc.listener.stop is not None:
-            svc.listener.stop()  # and retract the replica
+            svc.listener.stop()  # and retract the replica (another instance's relay stops on the tombstone)
+        if self.log is not None:
+            self.log.remove_conductor(key)
         log.info("event=conductor_unregister key=%s", key)
         return 200, {"status": "unregistered successfully", "removed_instances": [key]}
 

@@ -3,7 +3,8 @@
 /unregister before answering, and follows the topic from its start: at start-up it takes up the
 registrations it owns (their relays start again: a restart does not forget them), and it learns the
 others' so that any instance answers /workers and /query for every registered worker. The addresses of
-the workers feeding SGLang's external-indexer API are kept there too (index_service/sglang_indexer.py)."""
+the workers feeding SGLang's external-indexer API (index_service/sglang_indexer.py) and Mooncake
+conductor's registrations (index_service/conductor_api.py) are kept there too."""
 
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, Producer, TopicPartiti
 from kvidx.kafka.config import client_config
 from kvidx.ops.kafkalog import consumer
 from schemas.registrations import (
+    CONDUCTOR_KEY_PREFIX,
     SGLANG_KEY_PREFIX,
+    ConductorService,
     Registration,
     SglangWorker,
+    conductor_key,
+    decode_conductor_service,
     decode_registration,
     decode_sglang_worker,
+    encode_conductor_service,
     encode_registration,
     encode_sglang_worker,
     registration_key,
@@ -63,15 +69,25 @@ class RegistrationLog:
     def publish_sglang_worker(self, w: SglangWorker) -> None:
         self._write(sglang_worker_key(w.model, w.worker_id), encode_sglang_worker(w))
 
-    def follow(self, apply, sglang_worker=None) -> RegistrationLog:
-        """`apply(key, Registration | None)` for every Dynamo record, `sglang_worker(SglangWorker)` for
-        every SGLang worker's address, from the topic's start, in a thread."""
-        self._thread = threading.Thread(target=self._run, args=(apply, sglang_worker), daemon=True,
+    def publish_conductor(self, c: ConductorService) -> None:
+        self._write(conductor_key(f"{c.instance_id}|{c.tenant_id}|{c.dp_rank}"), encode_conductor_service(c))
+
+    def remove_conductor(self, service_key: str) -> None:
+        try:
+            self._write(conductor_key(service_key), None)
+        except RuntimeError as e:  # the relay is stopped and retracted already: say so, loudly
+            log.error("event=registration_tombstone_failed conductor_service=%s error=%s", service_key, e)
+
+    def follow(self, apply, sglang_worker=None, conductor=None) -> RegistrationLog:
+        """From the topic's start, in a thread: `apply(key, Registration | None)` for every Dynamo
+        record, `sglang_worker(SglangWorker)` for every SGLang worker's address, `conductor(service key,
+        ConductorService | None)` for every conductor registration."""
+        self._thread = threading.Thread(target=self._run, args=(apply, sglang_worker, conductor), daemon=True,
                                         name="registrations")
         self._thread.start()
         return self
 
-    def _run(self, apply, sglang_worker) -> None:
+    def _run(self, apply, sglang_worker, conductor) -> None:
         c = consumer(self.bootstrap, "registrations")
         try:
             _low, high = c.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=30)
@@ -87,9 +103,14 @@ class RegistrationLog:
                         log.warning("event=registrations_error error=%s", msg.error())
                     continue
                 try:
-                    if msg.key().startswith(SGLANG_KEY_PREFIX):
-                        if sglang_worker is not None and msg.value() is not None:
-                            sglang_worker(decode_sglang_worker(msg.value()))
+                    key, value = msg.key(), msg.value()
+                    if key.startswith(SGLANG_KEY_PREFIX):
+                        if sglang_worker is not None and value is not None:
+                            sglang_worker(decode_sglang_worker(value))
+                    elif key.startswith(CONDUCTOR_KEY_PREFIX):
+                        if conductor is not None:
+                            conductor(key[len(CONDUCTOR_KEY_PREFIX):].decode(),
+                                      decode_conductor_service(value) if value is not None else None)
                     else:
                         value = msg.value()
                         apply(msg.key(), decode_registration(value) if value is not None else None)

@@ -397,7 +397,7 @@ def cmd_serve(args) -> int:
         f = FeedbackFollower(b, ensure_feedback_topic(b, t)).start()
         feedback.append(f)
         app.state.feedback = f
-        registrations.follow(dynamo.apply_record, _learn_sglang_address(sglang))
+        registrations.follow(dynamo.apply_record, _learn_sglang_address(sglang), conductor.apply_record)
         announcer.start()
 
     follower = KafkaFollower(store, b, t["events"], t["snapshots"], t["routes"], prepare=prepare)
@@ -407,7 +407,7 @@ def cmd_serve(args) -> int:
     starter = vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"],
                                            replica_group=settings.config.replica_group), settings.block_size)
     dynamo = DynamoRegistry(starter, owner=name, log=registrations)
-    conductor = ConductorRegistry(starter)  # Mooncake conductor's msgpack API (registrations in process)
+    conductor = ConductorRegistry(starter, owner=name, log=registrations)  # Mooncake conductor's msgpack API
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
                      fanout=fanout, lmcache_lookup=args.lmcache_lookup)

@@ -3,7 +3,9 @@ on the compacted topic `kvidx.registrations.v1`: one record per (instance, DP ra
 `"<instance_id>/<dp_rank>"`, a tombstone (no value) once unregistered. Every service instance reads
 it at start and follows it; the instance named `owner` runs the worker's relay. The same topic keeps
 the addresses of the workers that feed SGLang's external-indexer API (index_service/sglang_indexer.py):
-key `"sglang/<model>/<worker_id>"`, value a SglangWorker. Evolution as in schemas/events.py."""
+key `"sglang/<model>/<worker_id>"`, value a SglangWorker; and Mooncake conductor's registrations
+(index_service/conductor_api.py): key `"conductor/<instance>|<tenant>|<dp_rank>"`, value a
+ConductorService, a tombstone once unregistered. Evolution as in schemas/events.py."""
 
 from __future__ import annotations
 
@@ -32,6 +34,27 @@ class SglangWorker(msgspec.Struct, array_like=True):
 
 
 SGLANG_KEY_PREFIX = b"sglang/"
+CONDUCTOR_KEY_PREFIX = b"conductor/"
+
+
+class ConductorService(msgspec.Struct, array_like=True):
+    v: int
+    endpoint: str
+    replay_endpoint: str
+    type: str
+    model: str
+    lora_name: str
+    tenant_id: str
+    instance_id: str
+    block_size: int
+    dp_rank: int
+    cache_group: int | None
+    profile: dict[str, str]
+    owner: str  # the `kvidx serve --instance-name` that runs the relay
+
+
+def conductor_key(service_key: str) -> bytes:
+    return CONDUCTOR_KEY_PREFIX + service_key.encode()
 
 
 def sglang_worker_key(model: str, worker_id: str) -> bytes:
@@ -51,6 +74,19 @@ def encode_registration(r: Registration) -> bytes:
 
 
 _worker_decoder = msgspec.msgpack.Decoder(SglangWorker)
+_service_decoder = msgspec.msgpack.Decoder(ConductorService)
+
+
+def encode_conductor_service(c: ConductorService) -> bytes:
+    return _encoder.encode(c)
+
+
+def decode_conductor_service(data: bytes) -> ConductorService:
+    c = _service_decoder.decode(data)
+    if c.v != REGISTRATIONS_VERSION:
+        raise ValueError(f"unsupported registration version {c.v} "
+                         f"(this reader knows {REGISTRATIONS_VERSION})")
+    return c
 
 
 def encode_sglang_worker(w: SglangWorker) -> bytes:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import msgspec
 import pytest
 
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
@@ -86,6 +87,68 @@ def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstra
             wait_for(lambda: all(r["cached_tokens"] == 0 for r in ca.post(
                 "/v1/lookup", json={"model": "m", "token_ids": work[-1][0]}).json()["replicas"]), 30,
                      "the replica retracted from the index")
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
+        engine.close()
+
+
+MP = {"Content-Type": "application/msgpack"}
+PROFILE = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0",
+           "index_projection": "low64_be"}
+
+
+def conductor(c: httpx.Client, path: str, body=None) -> tuple[int, dict]:
+    r = c.post(path, content=msgspec.msgpack.encode(body), headers=MP) if body is not None else c.get(path)
+    return r.status_code, msgspec.msgpack.decode(r.content) if r.content else {}
+
+
+def conductor_gpu(c: httpx.Client, prompt) -> int:
+    code, body = conductor(c, "/query", {"model": "m", "block_size": 16, "token_ids": prompt})
+    return body["instances"].get("engine-a", {}).get("gpu", 0) if code == 200 else -code
+
+
+def test_conductor_registrations_survive_a_restart_and_reach_every_instance(kafka_bootstrap, topics,
+                                                                            tmp_path):
+    engine = SimVllmEngine(num_blocks=64, block_size=16, endpoint="tcp://127.0.0.1:*",
+                           replay_endpoint="tcp://127.0.0.1:*")
+    work = workload_requests(9, 40, systems=2)
+    pa, pb = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    a = serve(kafka_bootstrap, topics["prefix"], pa, "a", log)
+    b = None
+    reg = {"endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint, "type": "vLLM",
+           "modelname": "m", "instance_id": "engine-a", "block_size": 16, "dp_rank": 0,
+           "hash_profile": PROFILE}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{pa}", timeout=10) as ca, \
+                httpx.Client(base_url=f"http://127.0.0.1:{pb}", timeout=10) as cb:
+            wait_for(lambda: healthy(ca), 60, "instance a ready")
+            assert conductor(ca, "/register", reg)[0] == 200
+            for p, o in work[:20]:
+                engine.serve(p, o)
+            wait_for(lambda: conductor_gpu(ca, work[19][0]) > 0, 30, "a's relay folded through Kafka")
+            a.send_signal(signal.SIGKILL)  # the registration was kept before /register answered
+            a.wait(30)
+            a = serve(kafka_bootstrap, topics["prefix"], pa, "a", log)
+            b = serve(kafka_bootstrap, topics["prefix"], pb, "b", log)
+            wait_for(lambda: healthy(ca) and healthy(cb), 60, "a and b ready")
+            for c in (ca, cb):
+                wait_for(lambda c=c: [s["InstanceID"] for s in conductor(c, "/services")[1]["services"]]
+                         == ["engine-a"], 30, "the registration known")
+            for p, o in work[20:]:
+                engine.serve(p, o)  # followed again by a's restarted relay
+            wait_for(lambda: conductor_gpu(ca, work[-1][0]) > 0 and
+                     conductor_gpu(cb, work[-1][0]) == conductor_gpu(ca, work[-1][0]), 30,
+                     "the restarted relay's events, on both")
+            code, body = conductor(cb, "/unregister", {"instance_id": "engine-a", "dp_rank": 0})
+            assert code == 200 and body["removed_instances"] == ["engine-a|default|0"]
+            wait_for(lambda: conductor(ca, "/services")[1]["services"] == [], 30, "a forgot it")
+            wait_for(lambda: all(r["cached_tokens"] == 0 for r in ca.post(
+                "/v1/lookup", json={"model": "m", "token_ids": work[-1][0]}).json()["replicas"]), 30,
+                     "a stopped its relay and retracted the replica")
     finally:
         for p in (a, b):
             if p is not None and p.poll() is None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from index_service.app import create_app
-from kvidx.config import Config, HintsConfig, ModelConfig
+from kvidx.config import HintsConfig, ModelConfig
 from tests.helpers import SEEDED_BS, SEEDED_MODEL, ServerThread, seeded_store
 
 PROMPT = list(range(1000, 1000 + 40 * SEEDED_BS))
