@@ -14,7 +14,9 @@ cache, "RemoteBackend" for shared pools). Instance ids come from the model's
 several DP ranks answer with their best rank.
 
 LMCache's message has no model field: one model per service. Malformed bodies get 422 with what is
-wrong (FastAPI's status for a body that fails validation); LMCache's controller answers 500 on errors.
+wrong, as `{"detail": "..."}` (LMCache's API server is FastAPI: its error shape, not kvidx's `{"error"}`);
+LMCache's controller answers 500 on errors. A model split in replica groups answers from the groups this
+instance holds (no fan-out on this route).
 LMCache 0.5.6 takes `LookupMsg` over ZMQ only in process (its reply socket serves worker requests), so
 there is no ZMQ lookup to serve: docs/routers.md.
 """
@@ -51,7 +53,7 @@ def layout_info(ctx: ServiceContext, model: str, tokens: list[int]) -> dict[str,
     shard = pipeline.shard(model)
     packed = pack_tokens(tokens)
     hashes = prompt_hashes(packed, shard.block_size, lookahead=shard.lookahead, tails=bool(shard.tail_keys))
-    answer = pipeline.answer(shard, hashes, len(tokens))
+    answer = pipeline.answer(shard, hashes, len(tokens), feedback=ctx.app.state.feedback)
     instances = ctx.store.config.model(model).hints.lmcache_instances
     out: dict[str, tuple[str, int]] = {}
     for r in sorted(answer.replicas, key=lambda a: -a.cached_tokens):

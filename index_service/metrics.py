@@ -3,7 +3,8 @@ process, e.g. in tests, without their metrics clashing in the global registry).
 
 Series:
 - kvidx_lookup_latency_seconds{form}        histogram of the handler time of answered (200) lookups
-- kvidx_lookups_total{form,status}          lookups by HTTP status code
+- kvidx_lookups_total{form,status}          lookups by HTTP status code (forms sglang_<RPC>: by gRPC
+                                            status name, e.g. OK, INVALID_ARGUMENT)
 - kvidx_lookup_prompt_tokens_total{model}   prompt tokens looked up
 - kvidx_lookup_best_resumable_tokens_total{model}  best replica's resumable tokens, summed (hit rate =
                                             this / prompt tokens)

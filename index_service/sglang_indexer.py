@@ -13,7 +13,9 @@ is the run of leading hashes it holds in any tier, stopping at the first it miss
   acknowledged is lost; SGLang's in-memory backend loses everything with its process). The worker's
   address is kept on the registrations topic (schemas/registrations.py): every instance knows it, and a
   restart does not forget it. Every batch is applied, as SGLang's indexer does (its `seq` is not a
-  fence): kvidx orders them by its own counter.
+  fence): kvidx orders a worker's batches by the receiving instance's clock (the epoch, in ns, never
+  going back), so a bridge that moves to another instance goes on. A worker is fed either by a bridge
+  or by a kvidx relay under one replica name, not both (their orders differ).
 - `MatchExternalKvPrefix{hashes, max_blocks}`: per worker, the leading hashes it holds (any tier), longest
   first; workers without an address are left out (the router could not route to them). A worker known
   only from kvidx's own relays has its replica name as its address: name such replicas by the router's
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
 
@@ -112,9 +115,10 @@ def action_events(actions) -> list[Event]:
 
 
 class SglangIndexer:
-    """One model's SGLang indexer API over the store. `publish(EventBatch)` returns once the batch is
-    durable (KafkaSink.publish_acked; a StoreSink's publish in process); `keep_address(SglangWorker)`
-    records a worker's address durably (RegistrationLog.publish_sglang_worker), or None."""
+    """One model's SGLang indexer API over the store. `publish(EventBatch)` hands the batch on, in
+    order, and returns None or a function that returns once the batch is durable (KafkaSink.
+    publish_acked; a ShardStore's apply in process); `keep_address(SglangWorker)` records a worker's
+    address durably (RegistrationLog.publish_sglang_worker), or None."""
 
     def __init__(self, store: ShardStore, model: str, publish: Callable[[EventBatch], None] | None = None,
                  keep_address: Callable[[SglangWorker], None] | None = None, count=None):
@@ -124,10 +128,10 @@ class SglangIndexer:
         self.keep_address = keep_address
         self.count = count  # count(method, status code name): the service's lookup counter, or None
         self.addresses: dict[str, str] = {}  # worker id -> address (the registrations topic's)
-        self.hits: dict[str, int] = {}
-        self.epoch = time.time_ns() // 1_000_000  # this process's batches follow any earlier one's
-        self.seqs: dict[str, int] = {}
-        self.lock = threading.Lock()  # one feed batch at a time: its sequence number is its order
+        self.hits: OrderedDict[str, int] = OrderedDict()  # least recently matched first
+        self.hits_lock = threading.Lock()
+        self.epochs: dict[str, int] = {}  # worker -> its last batch's epoch (ns)
+        self.lock = threading.Lock()  # a batch's epoch is its order: taken and produced under it
 
     # ---- queries ------------------------------------------------------------------------------------
     def _group(self):
@@ -184,12 +188,14 @@ class SglangIndexer:
             for tier in sorted(held[w]):
                 node.hashes_by_tier.add(tier=tier, hashes=[h for _, h in held[w][tier]])
         if req.count_as_hit:
-            with self.lock:
+            hits = self.hits
+            with self.hits_lock:
                 for h, hit in zip(req.hashes, matched, strict=True):
                     if hit:
-                        self.hits[h] = self.hits.pop(h, 0) + 1
-                while len(self.hits) > MAX_HIT_ENTRIES:
-                    del self.hits[next(iter(self.hits))]
+                        hits[h] = hits.get(h, 0) + 1
+                        hits.move_to_end(h)
+                while len(hits) > MAX_HIT_ENTRIES:
+                    hits.popitem(last=False)
         return out
 
     def hit_counts(self, req: pb.GetExternalKvHitCountsRequest) -> pb.GetExternalKvHitCountsResponse:
@@ -210,17 +216,23 @@ class SglangIndexer:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           "this kvidx instance takes no feed (it has no events topic to publish to)")
         w = req.worker_id
-        with self.lock:
-            if self.addresses.get(w) != req.worker_address:  # every batch sets it (empty: unroutable)
-                if self.keep_address is not None:
+        if self.addresses.get(w) != req.worker_address:  # every batch sets it (empty: unroutable)
+            if self.keep_address is not None:  # kept before the batch is acknowledged
+                try:
                     self.keep_address(SglangWorker(REGISTRATIONS_VERSION, self.model, w, req.worker_address))
-                self.addresses[w] = req.worker_address
-            if not req.actions:
-                return pb.ApplyExternalKvBatchResponse()  # SGLang: a no-op that refreshes the address
-            seq = self.seqs[w] = self.seqs.get(w, 0) + 1
-            now = time.time()
-            self.publish(EventBatch(SCHEMA_VERSION, self.model, w, 0, self.epoch, seq, now, now, 0,
-                                    action_events(req.actions)))
+                except Exception as e:  # noqa: BLE001 - the bridge retries the batch
+                    raise RuntimeError(f"the worker's address could not be kept: {e}") from None
+            self.addresses[w] = req.worker_address
+        if not req.actions:
+            return pb.ApplyExternalKvBatchResponse()  # SGLang: a no-op that refreshes the address
+        events = action_events(req.actions)
+        with self.lock:  # only the order is taken here; the broker's acknowledgement is awaited outside
+            now_ns = time.time_ns()
+            epoch = self.epochs[w] = max(now_ns, self.epochs.get(w, 0) + 1)
+            wait = self.publish(EventBatch(SCHEMA_VERSION, self.model, w, 0, epoch, 0, now_ns / 1e9,
+                                           now_ns / 1e9, 0, events))
+        if callable(wait):  # a ShardStore's apply answers a bool: applied already
+            wait()
         return pb.ApplyExternalKvBatchResponse()
 
     def learn_address(self, w: SglangWorker) -> None:
@@ -243,6 +255,11 @@ def _handler(indexer: SglangIndexer, method: str, call, request_type):
             if indexer.count is not None:
                 indexer.count(method, "UNAVAILABLE")
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:  # noqa: BLE001 - one line for the caller and the log, not a traceback
+            log.error("event=sglang_rpc_failed method=%s error=%s: %s", method, type(e).__name__, e)
+            if indexer.count is not None:
+                indexer.count(method, "INTERNAL")
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"[:300])
         if indexer.count is not None:
             indexer.count(method, "OK")
         return reply
@@ -251,7 +268,7 @@ def _handler(indexer: SglangIndexer, method: str, call, request_type):
                                                response_serializer=lambda m: m.SerializeToString())
 
 
-def start_server(indexer: SglangIndexer, address: str, workers: int = 4) -> tuple[grpc.Server, int]:
+def start_server(indexer: SglangIndexer, address: str, workers: int = 8) -> tuple[grpc.Server, int]:
     """Serve `indexer` on `address` ("host:port"; port 0 picks one). Returns (server, bound port)."""
     methods = {
         "ApplyExternalKvBatch": (indexer.apply, pb.ApplyExternalKvBatchRequest),
@@ -264,7 +281,8 @@ def start_server(indexer: SglangIndexer, address: str, workers: int = 4) -> tupl
     limit = 64 << 20
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-grpc"),
                          options=[("grpc.max_receive_message_length", limit),
-                                  ("grpc.max_send_message_length", limit)])
+                                  ("grpc.max_send_message_length", limit),
+                                  ("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     port = server.add_insecure_port(address)
     if port == 0:

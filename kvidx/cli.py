@@ -31,8 +31,10 @@ def _relay_options(args):
                             if getattr(args, "lmcache_controller_endpoint", None) else
                             LmcacheConfig(ttl_s=args.lmcache_ttl or None,
                                           capacity_blocks=args.lmcache_capacity_blocks))
-    else:
+    elif args.engine == "sglang":
         extra = {"router_keys": bool(getattr(args, "sglang_router_keys", False))}
+    else:
+        extra = {}
     groups = load_config(getattr(args, "config", None)).model(args.model).group_kinds()
     return RelayOptions(engine_version=args.engine_version, group_kinds=groups,
                         engine_block_size=args.block_size, extra=extra)
@@ -73,6 +75,8 @@ def cmd_relay(args) -> int:
     from relays.sinks import KafkaSink
 
     log = logging.getLogger("kvidx.relay")
+    if args.sglang_router_keys and args.engine != "sglang":
+        sys.exit(f"error: --sglang-router-keys is for --engine sglang, not {args.engine}")
     _check_relay_inputs(args)
     from kvidx.config import load_config
     config = load_config(args.config)  # the same source the worker and the service read
@@ -312,7 +316,7 @@ def _stop_on_sigterm():
 def _port_in_use(host: str, port: int) -> bool:
     import socket
 
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
@@ -359,7 +363,7 @@ def cmd_serve(args) -> int:
     token = _read_token(args.auth_token_file) if args.auth_token_file else os.environ.get("KVIDX_API_TOKEN")
     if _port_in_use(args.host, args.port):
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
-    sglang_addresses = _sglang_indexer_addresses(args.sglang_indexer, args.host)
+    sglang_addresses = _sglang_indexer_addresses(args.sglang_indexer, args.host, args.port)
     t = topic_names(args.topic_prefix)
     settings = _shard_settings(args)
     from kvidx.core.groups import parse_groups
@@ -613,18 +617,22 @@ def _add_worker(sub) -> None:
     w.set_defaults(func=cmd_worker)
 
 
-def _sglang_indexer_addresses(specs: list[str], host: str) -> list[tuple[str, str]]:
+def _sglang_indexer_addresses(specs: list[str], host: str, http_port: int) -> list[tuple[str, str]]:
     """`--sglang-indexer MODEL=[HOST:]PORT` values as (model, "host:port"); exits with one line if not."""
-    out, ports = [], set()
+    out, ports, models = [], {http_port}, set()
     for spec in specs:
         model, _, where = spec.partition("=")
         h, _, port = where.rpartition(":")
         if not model or not port.isdigit() or not 0 < int(port) < 65536:
             sys.exit(f"error: --sglang-indexer {spec!r}: expected MODEL=[HOST:]PORT, e.g. llama=50051")
-        if _port_in_use(h or host, int(port)) or port in ports:
-            sys.exit(f"error: --sglang-indexer {spec!r}: port {port} is in use")
-        ports.add(port)
-        out.append((model, f"{h or host}:{port}"))
+        if model in models:  # one feed per model and instance: its batches are ordered by it
+            sys.exit(f"error: --sglang-indexer {spec!r}: model {model!r} is given twice")
+        h = h.strip("[]") or host
+        if int(port) in ports or _port_in_use(h, int(port)):
+            sys.exit(f"error: --sglang-indexer {spec!r}: port {port} is in use (or is --port)")
+        ports.add(int(port))
+        models.add(model)
+        out.append((model, f"[{h}]:{port}" if ":" in h else f"{h}:{port}"))
     return out
 
 

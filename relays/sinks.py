@@ -132,9 +132,10 @@ class KafkaSink:
         self._produce(self.events_topic, shard_key(batch.model, g).encode(), encode_batch(batch),
                       partition=partition, acked=acked)
 
-    def publish_acked(self, batch: EventBatch, timeout: float = 10.0) -> None:
-        """Publish and return once the broker acknowledged the batch (an API that answers "applied"
-        only then loses nothing it acknowledged); RuntimeError if it did not within `timeout`."""
+    def publish_acked(self, batch: EventBatch, timeout: float = 10.0) -> Callable[[], None]:
+        """Publish (in call order) and return `wait()`, which returns once the broker acknowledged the
+        batch (an API that answers "applied" only then loses nothing it acknowledged) and raises
+        RuntimeError if it did not within `timeout`."""
         done = threading.Event()
         errors: list[str] = []
 
@@ -144,13 +145,18 @@ class KafkaSink:
             done.set()
 
         self.publish(batch, acked)
-        deadline = time.monotonic() + timeout
-        while not done.is_set():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the broker at {self.bootstrap} did not acknowledge in {timeout:.0f} s")
-            self.producer.poll(0.02)
-        if errors:
-            raise RuntimeError(f"the broker refused the batch: {errors[0]}")
+
+        def wait() -> None:
+            deadline = time.monotonic() + timeout
+            while not done.is_set():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the broker at {self.bootstrap} did not acknowledge in "
+                                       f"{timeout:.0f} s")
+                self.producer.poll(0.02)
+            if errors:
+                raise RuntimeError(f"the broker refused the batch: {errors[0]}")
+
+        return wait
 
     def regroup(self, model: str, replica: str, groups: int, dry_run: bool = False) -> tuple[int, int]:
         """(the replica's group now, its group among `groups`); unless `dry_run`, its batches go to the

@@ -52,7 +52,8 @@ class ReplicaState(msgspec.Struct):
     recompute: int = 1  # prompt tokens the engine always recomputes at the end (EventBatch)
     lookahead: int = 0  # tokens after a block its engine's hash covers (EventBatch.lookahead_tokens)
     tails: int = 0  # live partial-block keys (BlocksStored.tail): the engine resumes inside blocks
-    router_keys: int = 0  # live router keys (BlocksStored.router_keys): Dynamo's and SGLang's hashes
+    # live router keys (BlocksStored.router_keys): Dynamo's and SGLang's hashes (snapshots: "dynamo_keys")
+    router_keys: int = msgspec.field(default=0, name="dynamo_keys")
     group: int = 0  # the replica group its events come in (EventBatch.replica_group; kvidx.core.groups)
 
 
@@ -320,8 +321,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
         and the snapshot journal follow as for any removal."""
         tid = TIER_IDS.get(tier, _LAST_TIER)
         words, (w, b) = self._words(), divmod(st.slot, 64)
-        # a replica fed SGLang's hashes (its external-indexer feed) holds router keys and nothing else
-        router = st.router_keys > 0 and st.blocks == 0
+        # a replica fed SGLang's hashes (its external-indexer feed) holds router keys and nothing else;
+        # a relay's replica never clears one tier (a bridge sharing its name: counted as blocks)
+        router = st.blocks == 0 and st.tails == 0
         for gid, g in list(self.groups.items()):
             d = g.tiers.get(tid)
             if d is None:

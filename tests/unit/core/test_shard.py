@@ -252,3 +252,32 @@ def test_snapshot_restore_high_slot_removal_and_multiword_tiers():
         g(rm(H[:8], "CPU"), replica="r99")
         hits = s.prefix_blocks(H)
         assert 99 not in hits and hits[98] == 2 and len(hits) == 99
+
+
+def test_one_tier_clear_and_router_keys_through_a_snapshot():
+    """SGLang's CLEAR_ALL_AT_TIER (ReplicaCleared.tier) empties one tier of one replica only; the
+    router-key count keeps its snapshot name (`dynamo_keys`, as written before the rename)."""
+    import msgspec as _msgspec
+
+    from schemas.events import BlocksStored as Stored
+    from schemas.events import EventBatch as Batch
+    from schemas.events import ReplicaCleared as Cleared
+
+    shard = ModelShard("m", 16)
+    keys = [11, 12, 13]
+    def stored(tier, hashes):
+        return Stored(tier, 0, hashes, None, 0, router_keys=True)
+
+    both = [stored("GPU", keys[:2]), stored("CPU", keys[1:])]
+    shard.apply(Batch(1, "m", "w1", 0, 1, 0, 0.0, 0.0, 0, both), 0.0)
+    shard.apply(Batch(1, "m", "w2", 0, 1, 0, 0.0, 0.0, 0, [stored("GPU", keys)]), 0.0)
+    shard.apply(Batch(1, "m", "w1", 0, 2, 0, 0.0, 0.0, 0, [Cleared("test", tier="GPU")]), 0.0)
+    g = shard.groups[0]
+    w1, w2 = (shard.replicas[(r, 0)] for r in ("w1", "w2"))
+    assert g.any.walk(keys) == {w2.slot: 3}  # w1 lost 11 (GPU only); 12 and 13 stay in its CPU tier
+    assert g.any.masks(keys[1:]) == [(1 << w1.slot) | (1 << w2.slot)] * 2
+    assert (w1.router_keys, w1.blocks, w2.router_keys) == (2, 0, 3)  # (key, tier) entries: 4 stored, 2 went
+    raw = _msgspec.msgpack.decode(shard.snapshot())
+    assert all("dynamo_keys" in r and "router_keys" not in r for r in raw["replicas"])
+    again = ModelShard.restore(shard.snapshot())
+    assert again.replicas[("w1", 0)].router_keys == 2 and again.groups[0].any.walk(keys) == {w2.slot: 3}

@@ -112,3 +112,33 @@ def test_kafka_status_and_down_from_another_directory(tmp_path):
     for cmd in ("status", "down"):
         out = run(["kafka", cmd], cwd=tmp_path, KVIDX_STATE_DIR=str(state))
         assert str(state) in out, out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["serve", "--port", "18931", "--sglang-indexer", "qwen"], "expected MODEL=[HOST:]PORT"),
+    (["serve", "--port", "18931", "--sglang-indexer", "qwen=18931"], "port 18931 is in use (or is --port)"),
+    (["serve", "--port", "18931", "--sglang-indexer", "qwen=18932", "--sglang-indexer", "qwen=18933"],
+     "model 'qwen' is given twice"),
+    (["relay", "--engine", "vllm", "--model", "m", "--play", FRAMES, "--sglang-router-keys"],
+     "--sglang-router-keys is for --engine sglang, not vllm"),
+], ids=["sglang-no-port", "sglang-http-port", "sglang-twice", "router-keys-not-sglang"])
+def test_new_router_api_flags_refuse_mistakes_in_one_line(args, says):
+    out = run([*args, "--bootstrap", DEAD])
+    assert says in out and out.startswith("error:") and len(out.strip().splitlines()) == 1, out
+
+
+def test_relay_options_of_other_engines_carry_no_sglang_option():
+    """`kvidx relay --engine mooncake` (whose relay takes its options as keywords) is not handed
+    SGLang's router-keys option."""
+    from argparse import Namespace
+
+    from kvidx import engines
+    from kvidx.cli import _relay_options
+
+    args = Namespace(engine="mooncake", model="m", engine_version=None, block_size=None, config=None,
+                     cpu_chunk_blocks=1, sglang_router_keys=False)
+    opts = _relay_options(args)
+    assert opts.extra == {}
+    engines.get("mooncake").make_relay("m", "pool", 16, None, opts)  # no TypeError
+    assert _relay_options(Namespace(**{**vars(args), "engine": "sglang", "sglang_router_keys": True})
+                          ).extra == {"router_keys": True}
