@@ -452,7 +452,7 @@ class _Reach:
         g = shard._lookup_group(None) if shard is not None else None
         self.n = len(tokens) // bs
         self.gpu: dict[int, int] = {}  # slot -> leading index blocks it holds on GPU (the map's walk)
-        self.lower: list[list[bool]] = []  # host memory, disk: each block held by any replica
+        self.lower: list[list[bool]] = [[], []]  # host memory, disk: each block held by any replica
         if g is None or bs % shard.block_size or not self.n:
             self.n, self.k = 0, 1
             return
@@ -462,9 +462,8 @@ class _Reach:
             hashes = prompt_hashes(packed, shard.block_size, lora or None, salt)
             gpu = g.tiers.get(TIER_IDS["GPU"])
             self.gpu = dict(gpu.walk(hashes).items()) if gpu is not None else {}
-            for name in ("CPU", "DISK"):
-                t = g.tiers.get(TIER_IDS[name])
-                self.lower.append([bool(m) for m in t.masks(hashes)] if t is not None else [])
+            tiers = [g.tiers.get(TIER_IDS[name]) for name in ("CPU", "DISK")]
+            self.lower = [[bool(m) for m in t.masks(hashes)] if t is not None else [] for t in tiers]
 
     def rank(self, endpoint: str | None, dp_rank: int) -> tuple[int, int, int]:
         st = self.shard.replicas.get((endpoint, dp_rank)) if self.n else None

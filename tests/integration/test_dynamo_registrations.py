@@ -102,6 +102,7 @@ PROFILE = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed"
 
 def conductor(c: httpx.Client, path: str, body=None) -> tuple[int, dict]:
     r = c.post(path, content=msgspec.msgpack.encode(body), headers=MP) if body is not None else c.get(path)
+    assert r.headers.get("content-type") == "application/msgpack", (r.status_code, r.text[:300])
     return r.status_code, msgspec.msgpack.decode(r.content) if r.content else {}
 
 

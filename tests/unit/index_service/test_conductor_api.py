@@ -67,6 +67,10 @@ def test_register_query_views_and_unregister_over_a_real_engines_traffic(service
         200, {"status": "registered successfully", "instance_id": "engine-a"})
     assert post(c, "/register", registration(endpoint)) == (  # the same registration again: a no-op
         200, {"status": "registered successfully", "instance_id": "engine-a"})
+    # registered, no event of the model yet: the instance is listed with nothing matched
+    q = {"model": "llama", "block_size": 32, "token_ids": list(range(64))}
+    code, body = post(c, "/query", q)
+    assert code == 200 and body["instances"]["engine-a"]["longest_matched"] == 0, body
     assert pub.poll(15_000), "kvidx's relay never subscribed"
     pub.recv()
     requests = [json.loads(x) for x in (LLAMA / "requests.jsonl").read_text().splitlines() if x]
