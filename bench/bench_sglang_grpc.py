@@ -36,10 +36,13 @@ from kvidx.core.sglang_hashing import sglang_page_hashes  # noqa: E402
 PAGE = 16
 
 
-def serve(port: int) -> None:
+def serve(port: int, empty: bool) -> None:
     store = ShardStore(PAGE)
     store.ready = True
-    server, _ = start_server(SglangIndexer(store, "bench", store.apply), f"127.0.0.1:{port}")
+    indexer = SglangIndexer(store, "bench", store.apply)
+    if empty:  # grpcio's own cost per call: the same server, answering without looking anything up
+        indexer.match_prefix = lambda req: pb.MatchExternalKvPrefixResponse()
+    server, _ = start_server(indexer, f"127.0.0.1:{port}")
     print("ready", flush=True)
     server.wait_for_termination()
 
@@ -62,17 +65,19 @@ def main() -> int:
     ap.add_argument("--pages", type=int, default=64, help="pages of 16 tokens per prompt")
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--empty", action="store_true",
+                    help="the server answers every query empty: grpcio's floor per call, for comparison")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.empty)
         return 0
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    child = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], stdout=subprocess.PIPE,
-                             text=True)
+    serve_args = ["--serve", str(port), *(["--empty"] if args.empty else [])]
+    child = subprocess.Popen([sys.executable, __file__, *serve_args], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         rng = random.Random(1)
@@ -111,7 +116,8 @@ def main() -> int:
         for t in threads:
             t.join()
         n, wall, cpu = sum(done), time.monotonic() - t0, cpu_s(child.pid) - c0
-        print(json.dumps({"bench": "sglang_grpc_prefix", "workers": args.workers, "prompts": args.prompts,
+        name = "sglang_grpc_prefix" + ("_empty" if args.empty else "")
+        print(json.dumps({"bench": name, "workers": args.workers, "prompts": args.prompts,
                           "pages_per_prompt": args.pages, "pages_held": held, "connections": args.connections,
                           "queries": n, "queries_per_s": round(n / wall),
                           "server_cpu_us_per_query": round(cpu / n * 1e6, 1)}))
