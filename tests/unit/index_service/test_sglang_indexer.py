@@ -13,6 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from index_service.sglang_indexer import SglangIndexer, start_server
 from index_service.sglang_pb import kv_indexer_pb2 as pb
@@ -164,3 +166,70 @@ def test_checked_in_protobuf_module_is_what_the_generator_makes(tmp_path):
     subprocess.run(["bash", str(ROOT / "scripts/gen_protos.sh"), str(tmp_path)], check=True, cwd=ROOT)
     assert filecmp.cmp(tmp_path / "kv_indexer_pb2.py", ROOT / "index_service/sglang_pb/kv_indexer_pb2.py",
                        shallow=False)
+
+
+# ---- property: the feed and the queries against SGLang's semantics, written out as a reference -------
+WORKERS, TIERS, HASHES = ["a", "b", "c"], [pb.TIER_HBM, pb.TIER_DRAM, pb.TIER_SSD], [str(h) for h in range(8)]
+_action = st.one_of(
+    st.tuples(st.sampled_from([pb.ACTION_REPORT, pb.ACTION_REVOKE]), st.sampled_from(TIERS),
+              st.lists(st.sampled_from(HASHES), min_size=1, max_size=5)),
+    st.tuples(st.just(pb.ACTION_CLEAR_ALL_AT_TIER), st.sampled_from(TIERS), st.just([])))
+_batch = st.tuples(st.sampled_from(WORKERS), st.lists(_action, max_size=4))
+
+
+class Reference:
+    """SGLang's in-memory indexer, reduced to its semantics (sgl-kv-indexer service.rs and backend):
+    per (worker, tier) the hashes reported and not revoked or cleared."""
+
+    def __init__(self):
+        self.held: dict[tuple[str, int], set[str]] = {}
+
+    def apply(self, worker, actions) -> None:
+        for kind, tier, hashes in actions:
+            s = self.held.setdefault((worker, tier), set())
+            if kind == pb.ACTION_REPORT:
+                s.update(hashes)
+            elif kind == pb.ACTION_REVOKE:
+                s.difference_update(hashes)
+            else:
+                s.clear()
+
+    def prefix(self, hashes) -> list[tuple[str, int]]:
+        out = []
+        for w in WORKERS:
+            held = set().union(*(self.held.get((w, t), set()) for t in TIERS))
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            if n:
+                out.append((w, n))
+        return sorted(out, key=lambda x: (-x[1], x[0]))
+
+    def placement(self, hashes) -> dict:
+        out = {}
+        for w in WORKERS:
+            tiers = {t: [h for h in hashes if h in self.held.get((w, t), set())] for t in TIERS}
+            tiers = {t: hs for t, hs in tiers.items() if hs}
+            if tiers:
+                out[w] = tiers
+        return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(_batch, max_size=12), query=st.lists(st.sampled_from(HASHES), min_size=1, max_size=8))
+def test_feed_and_queries_follow_sglangs_semantics(batches, query):
+    store = ShardStore(16)
+    store.ready = True
+    indexer = SglangIndexer(store, "m", store.apply)
+    ref = Reference()
+    for worker, actions in batches:
+        req = pb.ApplyExternalKvBatchRequest(worker_id=worker, worker_address=f"http://{worker}",
+                                             actions=[act(k, t, h) for k, t, h in actions])
+        indexer.apply(req)
+        ref.apply(worker, actions)
+    got = [(m.worker_id, m.matched_prefix_blocks)
+           for m in indexer.match_prefix(pb.MatchExternalKvPrefixRequest(hashes=query)).matches]
+    assert got == ref.prefix(query)
+    placed = indexer.match(pb.MatchExternalKvRequest(hashes=query)).matches
+    got_placement = {m.worker_id: {t.tier: list(t.hashes) for t in m.hashes_by_tier} for m in placed}
+    assert got_placement == ref.placement(query)
