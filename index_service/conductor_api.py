@@ -13,6 +13,11 @@ the request's content type, as the conductor itself refuses anything but msgpack
   (the replica is named after its endpoint), publishing to the events topic like every relay. The
   conductor's checks in its order, with its error bodies `{error, reason, field?, index?}`; an identical
   registration again is a no-op, a different one on the same key or endpoint is refused.
+- `type "Mooncake"`: a Mooncake Store master's KV-event publisher, the context's shared pool: kvidx
+  follows it (kvidx.engines.mooncake, the pool replica named after its endpoint), placing its tokenless
+  objects through the context's vLLM engines' own streams (subscribed to as key feeds), and the pool
+  counts for every vLLM service of the context (ShardStore.set_registered_pool): in /query's cpu
+  ("cpu" medium) and disk phases, and in kvidx's own lookups.
 - `POST /unregister {instance_id, dp_rank, tenant_id?}`: stops the relay and retracts the replica.
 - `POST /query {model, block_size, token_ids (bin of int32 LE, or an array), tenant_id?, lora_name?,
   cache_salt?, instance_id?}`: per registered instance and DP rank one cursor over the prompt's blocks of
@@ -24,8 +29,8 @@ the request's content type, as the conductor itself refuses anything but msgpack
 
 Differences, by design: kvidx keys blocks canonically (kvidx.core.hashing) and re-hashes the engine's
 tokens, so the hash profile is checked and reported but not needed to match; the cpu phase also counts
-blocks vLLM's own CPU offloading reports (the conductor reads only GPU events from vLLM); `type
-"Mooncake"` (Mooncake Store's events as the shared tiers) is refused as not supported yet;
+blocks vLLM's own CPU offloading reports (the conductor reads only GPU events from vLLM), and host
+memory includes shared pools;
 `prefix_count` is the model's distinct indexed blocks. Registrations are kept on the compacted
 registrations topic (as Dynamo's): every instance knows them, the one that took a registration runs its
 relay and takes it up again after a restart (the conductor keeps them in its process only).
@@ -185,10 +190,16 @@ class ConductorRegistry:
     """The conductor's services and prefix contexts, with a relay per vLLM service (`start_relay` as in
     DynamoRegistry: start(model, replica, dp_rank, endpoint, replay_endpoint, listener, 0) -> stop)."""
 
-    def __init__(self, start_relay=None, owner: str = "local", log=None):
+    def __init__(self, start_relay=None, owner: str = "local", log=None, start_pool_relay=None,
+                 set_pool=None):
         """`owner`: this instance's name; `log`: the registrations topic (index_service/registrations.py
-        RegistrationLog), where registrations are kept beyond the process, or None."""
+        RegistrationLog), where registrations are kept beyond the process, or None. Type "Mooncake"
+        services: `start_pool_relay` (relays/managed.py mooncake_relay_starter) follows the master,
+        `set_pool(pool, readers or None)` (ShardStore.set_registered_pool) attaches the context's vLLM
+        services to its pool."""
         self.start_relay = start_relay
+        self.start_pool_relay = start_pool_relay
+        self.set_pool = set_pool
         self.owner = owner
         self.log = log
         self.services: dict[str, Service] = {}
@@ -225,9 +236,6 @@ class ConductorRegistry:
             raise Invalid("dp_rank must be an integer", "invalid_type", "dp_rank")
         if not 0 <= rank <= _I32[1]:
             raise Invalid("dp_rank must be a non-negative int", "out_of_range", "dp_rank")
-        if typ == "Mooncake":
-            raise Invalid("type Mooncake (Mooncake Store's shared tiers) is not supported by kvidx yet",
-                          "unsupported", "type")
         svc = Service(endpoint, replay, typ, model, lora, tenant, iid, bs, rank, group, profile, self.owner)
         ok = {"status": "registered successfully", "instance_id": iid}
         with self.lock:
@@ -257,8 +265,12 @@ class ConductorRegistry:
                           "invalid_registration")
         ctx = self.contexts.get(svc.context)
         if ctx is not None and ctx.profile != svc.profile:
-            raise Invalid("failed to register prefix context: registration conflicts with the "
-                          "ContextKey hash profile", "invalid_registration")
+            what = "bind shared-cache profile" if svc.type == "Mooncake" else "register prefix context"
+            raise Invalid(f"failed to {what}: registration conflicts with the ContextKey hash profile",
+                          "invalid_registration")
+        if svc.type == "Mooncake":  # a shared cache of the context, not an engine answered by /query
+            self.services[svc.key] = svc
+            return
         if ctx is None:
             ctx = self.contexts[svc.context] = Context(svc.profile)
         ctx.instances.setdefault(svc.instance_id, set()).add(svc.dp_rank)
@@ -267,7 +279,7 @@ class ConductorRegistry:
     def _drop(self, key: str) -> Service | None:
         """Under the lock: the service gone from the registry and its context."""
         svc = self.services.pop(key, None)
-        if svc is not None:
+        if svc is not None and svc.type != "Mooncake":
             ranks = self.contexts[svc.context].instances.get(svc.instance_id, set())
             ranks.discard(svc.dp_rank)
             if not ranks:
@@ -281,8 +293,8 @@ class ConductorRegistry:
         if rec is None:
             with self.lock:
                 svc = self._drop(key)
-            if svc is not None and svc.listener.stop is not None:
-                svc.listener.stop()
+            if svc is not None:
+                self._gone(svc)
             return
         svc = Service(rec.endpoint, rec.replay_endpoint, rec.type, rec.model, rec.lora_name, rec.tenant_id,
                       rec.instance_id, rec.block_size, rec.dp_rank, rec.cache_group, dict(rec.profile),
@@ -298,10 +310,34 @@ class ConductorRegistry:
         if svc.owner == self.owner:
             self._start(svc)
         else:
+            self._sync_pools(svc.context)
             svc.listener.status = "active"  # its relay runs on the instance that took it
+
+    # ---- Mooncake Store pools: a master's objects count for the context's vLLM services -----------------
+    def _engines_of(self, context) -> list[str]:
+        """The endpoints (replica names) of the vLLM services of a context."""
+        with self.lock:
+            return sorted(s.endpoint for s in self.services.values()
+                          if s.type == "vLLM" and s.context == context)
+
+    def _sync_pools(self, context) -> None:
+        """Every Mooncake service of `context` is read by the context's vLLM services (on every instance:
+        the shards credit a pool's blocks to its readers)."""
+        if self.set_pool is None:
+            return
+        readers = self._engines_of(context)
+        with self.lock:
+            pools = [s.endpoint for s in self.services.values()
+                     if s.type == "Mooncake" and s.context == context]
+        for pool in pools:
+            self.set_pool(pool, readers)
 
     def _start(self, svc: Service) -> None:
         listener = svc.listener
+        self._sync_pools(svc.context)
+        if svc.type == "Mooncake":
+            self._start_pool(svc)
+            return
         if self.start_relay is None:
             listener.status = "active"
             return
@@ -313,6 +349,32 @@ class ConductorRegistry:
             listener.status, listener.last_error = "failed", str(e)[:300]
             log.warning("event=conductor_listener_failed instance=%s endpoint=%s error=%s", svc.instance_id,
                         svc.endpoint, listener.last_error)
+
+    def _start_pool(self, svc: Service) -> None:
+        """A Mooncake Store master: its relay publishes the pool (replica = its endpoint), its objects
+        placed through the context's vLLM engines' own streams (the key feeds)."""
+        listener = svc.listener
+        if self.start_pool_relay is None:
+            listener.status = "active"
+            return
+        try:
+            listener.stop = self.start_pool_relay(svc.model, svc.endpoint, svc.endpoint, listener,
+                                                  lambda: self._engines_of(svc.context), svc.tenant_id,
+                                                  svc.block_size)
+            listener.status = "active"
+        except Exception as e:  # noqa: BLE001 - registered even when nothing listens yet
+            listener.status, listener.last_error = "failed", str(e)[:300]
+            log.warning("event=conductor_listener_failed instance=%s endpoint=%s error=%s", svc.instance_id,
+                        svc.endpoint, listener.last_error)
+
+    def _gone(self, svc: Service) -> None:
+        """After a service left the registry: its relay stops (retracting its replica), the pools follow."""
+        if svc.listener.stop is not None:
+            svc.listener.stop()
+        if svc.type == "Mooncake" and self.set_pool is not None:
+            self.set_pool(svc.endpoint, None)
+        else:
+            self._sync_pools(svc.context)
 
     def unregister(self, body: bytes) -> tuple[int, dict]:
         obj = decode_map(body, UNREGISTER_FIELDS)
@@ -328,8 +390,7 @@ class ConductorRegistry:
             svc = self._drop(key)
             if svc is None:
                 return 404, {"error": f"service not found: {key}"}
-        if svc.listener.stop is not None:
-            svc.listener.stop()  # and retract the replica (another instance's relay stops on the tombstone)
+        self._gone(svc)  # another instance's relay stops on the tombstone
         if self.log is not None:
             self.log.remove_conductor(key)
         log.info("event=conductor_unregister key=%s", key)
@@ -441,6 +502,21 @@ def _tokens(v: Any) -> np.ndarray:
     raise Invalid("token_ids must be a bin or an array", "invalid_type", "token_ids")
 
 
+_HOST = ("CPU", "NODE_SHARED", "POOL")  # host memory: an engine's own, a node's, a Mooncake Store's "cpu"
+_DISK = ("DISK",)
+
+
+def _held(g, names: tuple[str, ...], hashes: list[int]) -> list[bool]:
+    """Per block: whether any replica holds it in one of these tiers."""
+    maps = [g.tiers[TIER_IDS[n]] for n in names if TIER_IDS[n] in g.tiers]
+    if not maps:
+        return []
+    held = [bool(m) for m in maps[0].masks(hashes)]
+    for d in maps[1:]:
+        held = [h or bool(m) for h, m in zip(held, d.masks(hashes), strict=True)]
+    return held
+
+
 class _Reach:
     """One prompt against a model's shard, by blocks of the registered size: per replica and DP rank,
     the cursor over its GPU blocks, then blocks any replica holds in host memory, then on disk."""
@@ -462,8 +538,7 @@ class _Reach:
             hashes = prompt_hashes(packed, shard.block_size, lora or None, salt)
             gpu = g.tiers.get(TIER_IDS["GPU"])
             self.gpu = dict(gpu.walk(hashes).items()) if gpu is not None else {}
-            tiers = [g.tiers.get(TIER_IDS[name]) for name in ("CPU", "DISK")]
-            self.lower = [[bool(m) for m in t.masks(hashes)] if t is not None else [] for t in tiers]
+            self.lower = [_held(g, names, hashes) for names in (_HOST, _DISK)]
 
     def rank(self, endpoint: str | None, dp_rank: int) -> tuple[int, int, int]:
         st = self.shard.replicas.get((endpoint, dp_rank)) if self.n else None

@@ -52,6 +52,17 @@ class ShardStore:
     def block_size(self, model: str) -> int:
         return self.settings.block_size(model)
 
+    def set_registered_pool(self, pool: str, readers: list[str] | None) -> None:
+        """A pool registered at run time (a Mooncake Store master through the conductor's API) and the
+        replicas reading it, or None once it is gone: every shard credits its blocks to them."""
+        with self.lock:
+            if readers is None:
+                self.settings.registered_pools.pop(pool, None)
+            else:
+                self.settings.registered_pools[pool] = list(readers)
+            for shard in self.shards.values():
+                self.settings.configure(shard)
+
     def shard(self, model: str) -> ModelShard:
         s = self.shards.get(model)
         if s is None:

@@ -353,7 +353,7 @@ def cmd_serve(args) -> int:
     from kvidx.kafka.topics import ensure_topics
     from kvidx.ops.audit import UsagePublisher
     from kvidx.ops.feedback import FeedbackFollower, ensure_feedback_topic
-    from relays.managed import vllm_relay_starter
+    from relays.managed import mooncake_relay_starter, vllm_relay_starter
     from relays.sinks import KafkaSink
     from schemas.events import topic_names
     from schemas.hints import encode_hint
@@ -408,10 +408,13 @@ def cmd_serve(args) -> int:
     # Dynamo's indexer API: POST /register starts a relay here that publishes to the events topic; the
     # registrations topic keeps them (this instance takes its own up again after a restart)
     registrations = RegistrationLog(b, t["registrations"])
-    starter = vllm_relay_starter(KafkaSink(b, t["events"], t["dead_letters"],
-                                           replica_group=settings.config.replica_group), settings.block_size)
+    relay_sink = KafkaSink(b, t["events"], t["dead_letters"], replica_group=settings.config.replica_group)
+    starter = vllm_relay_starter(relay_sink, settings.block_size)
     dynamo = DynamoRegistry(starter, owner=name, log=registrations)
-    conductor = ConductorRegistry(starter, owner=name, log=registrations)  # Mooncake conductor's msgpack API
+    # Mooncake conductor's msgpack API: vLLM engines, and Mooncake Store masters as their shared pools
+    conductor = ConductorRegistry(starter, owner=name, log=registrations,
+                                  start_pool_relay=mooncake_relay_starter(relay_sink, settings.block_size),
+                                  set_pool=store.set_registered_pool)
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
                      fanout=fanout, lmcache_lookup=args.lmcache_lookup)

@@ -161,6 +161,8 @@ class ShardSettings:
     index_block_size: int | None = None  # --index-block-size: for models the configuration leaves out
     block_sizes: dict[str, int] = field(default_factory=dict)  # explicit per model (tests, simulator)
     unreported_eviction_kinds: tuple[str, ...] | None = None  # overrides the configuration's
+    # pools registered at run time (Mooncake conductor's type "Mooncake" services): pool -> its readers
+    registered_pools: dict[str, list[str]] = field(default_factory=dict)
 
     def block_size(self, model: str) -> int:
         if model in self.block_sizes:
@@ -179,8 +181,8 @@ class ShardSettings:
         tiers = self.config.model(shard.model).unreported_eviction_tiers
         if tiers:
             shard.unreported_eviction_tiers = frozenset(tiers)
-        if self.config.pools:
-            shard.set_pools(self.config.pool_readers())
+        if self.config.pools or self.registered_pools or shard.pool_readers:
+            shard.set_pools({**self.config.pool_readers(), **self.registered_pools})
         return shard
 
     def new_shard(self, model: str) -> ModelShard:

@@ -1,6 +1,7 @@
-"""Relays started by the lookup service itself (Dynamo's `POST /register`: index_service/dynamo_api.py):
-a vLLM ZMQ publisher followed in a thread of the service, publishing to the service's sink (the events
-topic under `kvidx serve`) exactly as a `kvidx relay` process does."""
+"""Relays started by the lookup service itself (Dynamo's and Mooncake conductor's `POST /register`:
+index_service/dynamo_api.py, conductor_api.py): an engine's ZMQ publisher (vLLM's, or a Mooncake Store
+master's) followed in a thread of the service, publishing to the service's sink (the events topic under
+`kvidx serve`) exactly as a `kvidx relay` process does."""
 
 from __future__ import annotations
 
@@ -28,27 +29,48 @@ def vllm_relay_starter(sink: Sink, index_block_size: Callable[[str], int]):
               dynamo_block_size: int = 0):
         core = VllmPublisherRelay(model, replica, index_block_size(model), dp_rank,
                                   dynamo_block_size=dynamo_block_size)
-        relay = Relay(core, sink, ZmqSource(endpoint, replay_endpoint))
         listener.mirror = core.mirror  # what Dynamo's GET /dump lists of this engine
-
-        def run() -> None:
-            try:
-                relay.start_fresh()
-                relay.run_live()
-            except Exception as e:  # noqa: BLE001 - one engine's relay must not take the service down
-                listener.status, listener.last_error = "failed", f"{type(e).__name__}: {e}"[:300]
-                log.warning("event=managed_relay_failed replica=%s error=%s", replica, listener.last_error)
-
-        thread = threading.Thread(target=run, daemon=True, name=f"relay-{replica}")
-        thread.start()
-
-        def stop(retract: bool = True) -> None:
-            relay.stop_event.set()
-            thread.join(5)
-            relay.close()
-            if retract:
-                relay.retract("unregistered")
-
-        return stop
+        return _run(Relay(core, sink, ZmqSource(endpoint, replay_endpoint)), replica, listener)
 
     return start
+
+
+def mooncake_relay_starter(sink: Sink, index_block_size: Callable[[str], int]):
+    """start(model, pool, endpoint, listener, key_feeds, tenant_id, engine_block_size) -> stop: a live
+    relay of a Mooncake Store master's events (kvidx.engines.mooncake: the pool's replica `pool`), its
+    objects placed through the attached engines' own streams, `key_feeds()` (their publishers, asked
+    again every second: engines come and go). `stop` as vllm_relay_starter's."""
+
+    def start(model: str, pool: str, endpoint: str, listener, key_feeds: Callable[[], list[str]],
+              tenant_id: str = "default", engine_block_size: int | None = None):
+        from kvidx.engines.mooncake.relay import MooncakeStoreRelay
+
+        core = MooncakeStoreRelay(model, pool, index_block_size(model), tenant_id=tenant_id,
+                                  engine_block_size=engine_block_size)
+        return _run(Relay(core, sink, ZmqSource(endpoint, key_feeds=key_feeds)), pool, listener)
+
+    return start
+
+
+def _run(relay: Relay, replica: str, listener):
+    """`relay` live in a thread; its stop(retract=True)."""
+
+    def run() -> None:
+        try:
+            relay.start_fresh()
+            relay.run_live()
+        except Exception as e:  # noqa: BLE001 - one engine's relay must not take the service down
+            listener.status, listener.last_error = "failed", f"{type(e).__name__}: {e}"[:300]
+            log.warning("event=managed_relay_failed replica=%s error=%s", replica, listener.last_error)
+
+    thread = threading.Thread(target=run, daemon=True, name=f"relay-{replica}")
+    thread.start()
+
+    def stop(retract: bool = True) -> None:
+        relay.stop_event.set()
+        thread.join(5)
+        relay.close()
+        if retract:
+            relay.retract("unregistered")
+
+    return stop

@@ -7,7 +7,7 @@ relay can bind its SUB side (`bind=True`) or connect to a binding publisher.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import zmq
 
@@ -18,9 +18,13 @@ END_SEQ = -1
 
 class ZmqSource:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: bytes = b"",
-                 bind: bool = False, ctx: zmq.Context | None = None, controller_endpoint: str | None = None):
+                 bind: bool = False, ctx: zmq.Context | None = None, controller_endpoint: str | None = None,
+                 key_feeds: Callable[[], Iterable[str]] | None = None):
         """`controller_endpoint`: also bind a PULL socket there for LMCache's admit/evict messages
-        (point LMCache's controller URL, or a tee, at it); they come out as frames with src "lmcache"."""
+        (point LMCache's controller URL, or a tee, at it); they come out as frames with src "lmcache".
+        `key_feeds()`: the publishers of engines attached to this one (a Mooncake Store master's), asked
+        again every second: each is subscribed to as well, its frames come out with src "keyfeed" and
+        its endpoint (kvidx.engines.mooncake.relay)."""
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.ctx = ctx or zmq.Context.instance()
@@ -37,12 +41,17 @@ class ZmqSource:
             self.poller.register(self.pull, zmq.POLLIN)
         self.closed = False
         self._iterating = False
+        self.key_feeds = key_feeds
+        self.feeds: dict[str, zmq.Socket] = {}  # endpoint -> SUB (created and closed by the polling thread)
+        self._feeds_checked = 0.0
 
     def frames(self, timeout_s: float = 0.2) -> Iterator[Frame | None]:
         """Frames as they arrive; None every `timeout_s` without one (lets the caller stop/flush)."""
         self._iterating = True
         try:
             while not self.closed:
+                if self.key_feeds is not None and time.monotonic() - self._feeds_checked >= 1.0:
+                    self._follow_feeds()
                 ready = dict(self.poller.poll(int(timeout_s * 1000)))
                 if not ready:
                     yield None
@@ -50,6 +59,9 @@ class ZmqSource:
                 if self.pull is not None and self.pull in ready:
                     payload = b"".join(self.pull.recv_multipart())
                     yield Frame(b"lmcache-controller", -1, payload, time.time_ns(), self.endpoint, "lmcache")
+                for ep, sock in list(self.feeds.items()):
+                    if sock in ready:
+                        yield self._frame(sock.recv_multipart(), "keyfeed", ep)
                 if self.sub in ready:
                     yield self._frame(self.sub.recv_multipart(), "pub")
         finally:
@@ -58,14 +70,32 @@ class ZmqSource:
             self.sub.close(linger=0)
             if self.pull is not None:
                 self.pull.close(linger=0)
+            for sock in self.feeds.values():
+                sock.close(linger=0)
 
-    def _frame(self, parts: list[bytes], src: str) -> Frame:
+    def _follow_feeds(self) -> None:
+        """Subscribe to the key feeds that appeared, drop those that went."""
+        self._feeds_checked = time.monotonic()
+        want = set(self.key_feeds())
+        for ep in [e for e in self.feeds if e not in want]:
+            sock = self.feeds.pop(ep)
+            self.poller.unregister(sock)
+            sock.close(linger=0)
+        for ep in want - self.feeds.keys():
+            sock = self.ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.connect(ep)
+            self.poller.register(sock, zmq.POLLIN)
+            self.feeds[ep] = sock
+
+    def _frame(self, parts: list[bytes], src: str, endpoint: str | None = None) -> Frame:
         now = time.time_ns()
+        endpoint = endpoint or self.endpoint
         if len(parts) != 3 or len(parts[1]) != 8:
             # not the engine's 3-frame shape: hand it on as a malformed frame for the dead letters
-            return Frame(b"", -2, b"".join(parts), now, self.endpoint, src)
-        return Frame(parts[0], int.from_bytes(parts[1], "big", signed=True), parts[2], now,
-                     self.endpoint, src)
+            return Frame(b"", -2, b"".join(parts), now, endpoint, src)
+        return Frame(parts[0], int.from_bytes(parts[1], "big", signed=True), parts[2], now, endpoint, src)
 
     def replay(self, start_seq: int, timeout_s: float = 2.0, max_s: float = 120.0) -> list[Frame] | None:
         """Ask the engine's replay endpoint for every buffered batch from `start_seq` on. None if

@@ -21,7 +21,7 @@ from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.recording import read_frames, request_steps
 from relays.managed import vllm_relay_starter
 from relays.sinks import StoreSink
-from tests.helpers import LLAMA, ServerThread, wait_for
+from tests.helpers import FIXTURES, LLAMA, ServerThread, wait_for
 
 MP = {"Content-Type": "application/msgpack"}
 PROFILE = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0",
@@ -173,3 +173,80 @@ def test_conflicts_and_query_errors(service):
                                       "field": "block_size"}
     r = c.post("/services")
     assert r.status_code == 405 and msgspec.msgpack.decode(r.content) == {"error": "Method not allowed"}
+
+
+def test_a_mooncake_store_master_registered_as_the_contexts_shared_pool():
+    """A Mooncake Store master registered with type "Mooncake" beside the context's vLLM engines: kvidx
+    follows the master (its relay placing the tokenless objects through the engines' own streams, which
+    it subscribes to as key feeds) and the pool counts for every engine of the context. Replayed live
+    over ZMQ, frame by frame, from the Mooncake Store conformance recording (tests/fixtures/mooncake-
+    store: pool-a read by node-a/b/c); before each request to node-b (which holds nothing itself), the
+    conductor's /query and kvidx's own /v1/lookup credit node-b exactly what it would reuse."""
+    from prometheus_client import REGISTRY
+
+    from relays.managed import mooncake_relay_starter
+
+    moon = FIXTURES / "mooncake-store"
+    store = ShardStore(16)
+    store.ready = True
+    sink = StoreSink(store)
+    conductor = ConductorRegistry(vllm_relay_starter(sink, lambda model: 16),
+                                  start_pool_relay=mooncake_relay_starter(sink, lambda model: 16),
+                                  set_pool=store.set_registered_pool)
+    ctx = zmq.Context()
+    pubs, endpoints = {}, {}
+    for name in ("tcp://mooncake-master:5557", "tcp://node-a:5557", "tcp://node-b:5557", "tcp://node-c:5557"):
+        pubs[name] = ctx.socket(zmq.XPUB)
+        pubs[name].setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not the first only
+        endpoints[name] = f"tcp://127.0.0.1:{pubs[name].bind_to_random_port('tcp://127.0.0.1')}"
+    master = endpoints["tcp://mooncake-master:5557"]
+
+    def handled(replica: str) -> float:
+        return REGISTRY.get_sample_value("kvidx_relay_frames_total", {"replica": replica}) or 0.0
+
+    app = create_app(store, conductor=conductor)
+    try:
+        with ServerThread(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+            for node in ("a", "b", "c"):
+                ep = endpoints[f"tcp://node-{node}:5557"]
+                reg = registration(ep, instance_id=f"node-{node}", block_size=16)
+                assert post(c, "/register", reg)[0] == 200
+            assert post(c, "/register", registration(master, type="Mooncake", instance_id="pool-a",
+                                                     block_size=16))[0] == 200
+            # the engines' relays, the master's relay and its key feeds on node-a/b/c have subscribed
+            for name, pub in pubs.items():
+                for _ in range(1 if name == "tcp://mooncake-master:5557" else 2):
+                    assert pub.poll(15_000), f"no subscriber on {name}"
+                    pub.recv()
+            svcs = msgspec.msgpack.decode(c.get("/services").content)["services"]
+            assert sorted((s["InstanceID"], s["Type"]) for s in svcs) == [
+                ("node-a", "vLLM"), ("node-b", "vLLM"), ("node-c", "vLLM"), ("pool-a", "Mooncake")]
+            requests = [json.loads(x) for x in (moon / "requests.jsonl").read_text().splitlines() if x]
+            credited = 0
+            for frames, req in request_steps(read_frames(moon / "frames.jsonl"), requests):
+                for f in frames:  # one at a time: the pool relay reads the master and the key feeds in order
+                    before = handled(master)
+                    seq = f.seq.to_bytes(8, "big", signed=True)
+                    pubs[f.endpoint].send_multipart([f.topic, seq, f.payload])
+                    wait_for(lambda before=before: handled(master) > before, what="the pool relay took it")
+                toks = req["prompt_token_ids"]
+                want = req["cached_tokens"]
+                code, body = post(c, "/query", {"model": "llama", "block_size": 16, "token_ids": toks})
+                b = body["instances"]["node-b"]
+                assert code == 200 and b["gpu"] == 0, body
+                assert min(b["longest_matched"], (len(toks) - 1) // 16 * 16) == want, (req["i"], b, want)
+                mine = c.post("/v1/lookup", json={"model": "llama", "token_ids": toks}).json()["replicas"]
+                node_b = [r for r in mine if r["replica"] == endpoints["tcp://node-b:5557"]]
+                assert (node_b[0]["resumable_tokens"] if node_b else 0) == want, (req["i"], node_b, want)
+                credited += want > 0
+            assert credited >= 5
+            # unregistering the master detaches the pool: node-b is credited nothing any more
+            assert post(c, "/unregister", {"instance_id": "pool-a", "dp_rank": 0})[0] == 200
+            toks = requests[-1]["prompt_token_ids"]
+            assert post(c, "/query", {"model": "llama", "block_size": 16, "token_ids": toks}
+                        )[1]["instances"]["node-b"]["longest_matched"] == 0
+    finally:
+        conductor.stop_all()
+        for pub in pubs.values():
+            pub.close(0)
+        ctx.term()
