@@ -25,9 +25,7 @@ from schemas.registrations import (
     decode_conductor_service,
     decode_registration,
     decode_sglang_worker,
-    encode_conductor_service,
-    encode_registration,
-    encode_sglang_worker,
+    encode_record,
     registration_key,
     sglang_worker_key,
 )
@@ -57,7 +55,7 @@ class RegistrationLog:
             raise RuntimeError(errors[0] if errors else f"not acknowledged within {timeout_s:.0f} s")
 
     def publish(self, reg: Registration) -> None:
-        self._write(registration_key(reg.instance_id, reg.dp_rank), encode_registration(reg))
+        self._write(registration_key(reg.instance_id, reg.dp_rank), encode_record(reg))
 
     def remove(self, instance_id: int, dp_rank: int) -> None:
         try:
@@ -67,10 +65,10 @@ class RegistrationLog:
                       dp_rank, e)
 
     def publish_sglang_worker(self, w: SglangWorker) -> None:
-        self._write(sglang_worker_key(w.model, w.worker_id), encode_sglang_worker(w))
+        self._write(sglang_worker_key(w.model, w.worker_id), encode_record(w))
 
     def publish_conductor(self, c: ConductorService) -> None:
-        self._write(conductor_key(f"{c.instance_id}|{c.tenant_id}|{c.dp_rank}"), encode_conductor_service(c))
+        self._write(conductor_key(f"{c.instance_id}|{c.tenant_id}|{c.dp_rank}"), encode_record(c))
 
     def remove_conductor(self, service_key: str) -> None:
         try:

@@ -66,44 +66,28 @@ def registration_key(instance_id: int, dp_rank: int) -> bytes:
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Registration)
+_decoders = {t: msgspec.msgpack.Decoder(t) for t in (Registration, SglangWorker, ConductorService)}
 
 
-def encode_registration(r: Registration) -> bytes:
+def encode_record(r: Registration | SglangWorker | ConductorService) -> bytes:
     return _encoder.encode(r)
 
 
-_worker_decoder = msgspec.msgpack.Decoder(SglangWorker)
-_service_decoder = msgspec.msgpack.Decoder(ConductorService)
-
-
-def encode_conductor_service(c: ConductorService) -> bytes:
-    return _encoder.encode(c)
-
-
-def decode_conductor_service(data: bytes) -> ConductorService:
-    c = _service_decoder.decode(data)
-    if c.v != REGISTRATIONS_VERSION:
-        raise ValueError(f"unsupported registration version {c.v} "
-                         f"(this reader knows {REGISTRATIONS_VERSION})")
-    return c
-
-
-def encode_sglang_worker(w: SglangWorker) -> bytes:
-    return _encoder.encode(w)
-
-
-def decode_sglang_worker(data: bytes) -> SglangWorker:
-    w = _worker_decoder.decode(data)
-    if w.v != REGISTRATIONS_VERSION:
-        raise ValueError(f"unsupported registration version {w.v} "
-                         f"(this reader knows {REGISTRATIONS_VERSION})")
-    return w
-
-
-def decode_registration(data: bytes) -> Registration:
-    r = _decoder.decode(data)
+def _decode(t: type, data: bytes):
+    r = _decoders[t].decode(data)
     if r.v != REGISTRATIONS_VERSION:
         raise ValueError(f"unsupported registration version {r.v} "
                          f"(this reader knows {REGISTRATIONS_VERSION})")
     return r
+
+
+def decode_registration(data: bytes) -> Registration:
+    return _decode(Registration, data)
+
+
+def decode_sglang_worker(data: bytes) -> SglangWorker:
+    return _decode(SglangWorker, data)
+
+
+def decode_conductor_service(data: bytes) -> ConductorService:
+    return _decode(ConductorService, data)
