@@ -17,7 +17,7 @@ the request's content type, as the conductor itself refuses anything but msgpack
   follows it (kvidx.engines.mooncake, the pool replica named after its endpoint), placing its tokenless
   objects through the context's vLLM engines' own streams (subscribed to as key feeds), and the pool
   counts for every vLLM service of the context (ShardStore.set_registered_pool): in /query's cpu
-  ("cpu" medium) and disk phases, and in kvidx's own lookups.
+  ("cpu" medium) and disk phases, and in kvidx's own lookups; a pool counts only for its readers.
 - `POST /unregister {instance_id, dp_rank, tenant_id?}`: stops the relay and retracts the replica.
 - `POST /query {model, block_size, token_ids (bin of int32 LE, or an array), tenant_id?, lora_name?,
   cache_salt?, instance_id?}`: per registered instance and DP rank one cursor over the prompt's blocks of
@@ -191,15 +191,17 @@ class ConductorRegistry:
     DynamoRegistry: start(model, replica, dp_rank, endpoint, replay_endpoint, listener, 0) -> stop)."""
 
     def __init__(self, start_relay=None, owner: str = "local", log=None, start_pool_relay=None,
-                 set_pool=None):
+                 set_pool=None, replica_groups=None):
         """`owner`: this instance's name; `log`: the registrations topic (index_service/registrations.py
         RegistrationLog), where registrations are kept beyond the process, or None. Type "Mooncake"
         services: `start_pool_relay` (relays/managed.py mooncake_relay_starter) follows the master,
-        `set_pool(pool, readers or None)` (ShardStore.set_registered_pool) attaches the context's vLLM
-        services to its pool."""
+        `set_pool(pool, readers)` (ShardStore.set_registered_pool) attaches the context's vLLM services to
+        its pool; `replica_groups(model)`: the model's group count (pools need one group)."""
         self.start_relay = start_relay
         self.start_pool_relay = start_pool_relay
         self.set_pool = set_pool
+        self.replica_groups = replica_groups
+        self.pool_lock = threading.Lock()  # readers computed and applied as one step
         self.owner = owner
         self.log = log
         self.services: dict[str, Service] = {}
@@ -236,6 +238,9 @@ class ConductorRegistry:
             raise Invalid("dp_rank must be an integer", "invalid_type", "dp_rank")
         if not 0 <= rank <= _I32[1]:
             raise Invalid("dp_rank must be a non-negative int", "out_of_range", "dp_rank")
+        if typ == "Mooncake" and self.replica_groups is not None and self.replica_groups(model) > 1:
+            raise Invalid(f"type Mooncake: model {model} is split in replica groups, and kvidx credits a "
+                          "registered pool within one group only", "unsupported", "type")
         svc = Service(endpoint, replay, typ, model, lora, tenant, iid, bs, rank, group, profile, self.owner)
         ok = {"status": "registered successfully", "instance_id": iid}
         with self.lock:
@@ -325,12 +330,13 @@ class ConductorRegistry:
         the shards credit a pool's blocks to its readers)."""
         if self.set_pool is None:
             return
-        readers = self._engines_of(context)
-        with self.lock:
-            pools = [s.endpoint for s in self.services.values()
-                     if s.type == "Mooncake" and s.context == context]
-        for pool in pools:
-            self.set_pool(pool, readers)
+        with self.pool_lock:  # the HTTP thread and the registrations follower: the newest view wins
+            readers = self._engines_of(context)
+            with self.lock:
+                pools = [s.endpoint for s in self.services.values()
+                         if s.type == "Mooncake" and s.context == context]
+            for pool in pools:
+                self.set_pool(pool, readers)
 
     def _start(self, svc: Service) -> None:
         listener = svc.listener
@@ -372,7 +378,8 @@ class ConductorRegistry:
         if svc.listener.stop is not None:
             svc.listener.stop()
         if svc.type == "Mooncake" and self.set_pool is not None:
-            self.set_pool(svc.endpoint, None)
+            with self.pool_lock:  # still a pool (read by none): its blocks never count as an engine's
+                self.set_pool(svc.endpoint, [])
         else:
             self._sync_pools(svc.context)
 
@@ -506,14 +513,14 @@ _HOST = ("CPU", "NODE_SHARED", "POOL")  # host memory: an engine's own, a node's
 _DISK = ("DISK",)
 
 
-def _held(g, names: tuple[str, ...], hashes: list[int]) -> list[bool]:
-    """Per block: whether any replica holds it in one of these tiers."""
+def _held(g, names: tuple[str, ...], hashes: list[int]) -> list[int]:
+    """Per block: the slots holding it in one of these tiers."""
     maps = [g.tiers[TIER_IDS[n]] for n in names if TIER_IDS[n] in g.tiers]
     if not maps:
         return []
-    held = [bool(m) for m in maps[0].masks(hashes)]
+    held = maps[0].masks(hashes)
     for d in maps[1:]:
-        held = [h or bool(m) for h, m in zip(held, d.masks(hashes), strict=True)]
+        held = [h | m for h, m in zip(held, d.masks(hashes), strict=True)]
     return held
 
 
@@ -528,7 +535,8 @@ class _Reach:
         g = shard._lookup_group(None) if shard is not None else None
         self.n = len(tokens) // bs
         self.gpu: dict[int, int] = {}  # slot -> leading index blocks it holds on GPU (the map's walk)
-        self.lower: list[list[bool]] = [[], []]  # host memory, disk: each block held by any replica
+        self.lower: list[list[int]] = [[], []]  # host memory, disk: the slots holding each block
+        self.pool_mask, self.pool_readers = 0, {}  # pools count only for the ranks reading them
         if g is None or bs % shard.block_size or not self.n:
             self.n, self.k = 0, 1
             return
@@ -539,14 +547,18 @@ class _Reach:
             gpu = g.tiers.get(TIER_IDS["GPU"])
             self.gpu = dict(gpu.walk(hashes).items()) if gpu is not None else {}
             self.lower = [_held(g, names, hashes) for names in (_HOST, _DISK)]
+            self.pool_mask, self.pool_readers = shard._pools() if shard.pool_readers else (0, {})
 
     def rank(self, endpoint: str | None, dp_rank: int) -> tuple[int, int, int]:
         st = self.shard.replicas.get((endpoint, dp_rank)) if self.n else None
         k = self.k
         pos = self.gpu.get(st.slot, 0) // k if st is not None else 0  # whole blocks of the registered size
+        # any replica's own host memory or disk; a pool's only where this rank reads it
+        mine = 1 << st.slot if st is not None else 0
+        seen = ~self.pool_mask | sum(p for p, readers in self.pool_readers.items() if readers & mine)
         out = [pos * self.bs]
         for held in self.lower:  # each tier continues where the faster ones stopped
-            while held and pos < self.n and all(held[pos * k:(pos + 1) * k]):
+            while held and pos < self.n and all(m & seen for m in held[pos * k:(pos + 1) * k]):
                 pos += 1
             out.append(pos * self.bs)
         return out[0], out[1], out[2]

@@ -54,7 +54,8 @@ class ShardStore:
 
     def set_registered_pool(self, pool: str, readers: list[str] | None) -> None:
         """A pool registered at run time (a Mooncake Store master through the conductor's API) and the
-        replicas reading it, or None once it is gone: every shard credits its blocks to them."""
+        replicas reading it (none once it is unregistered: it stays a pool, never an engine), or None to
+        forget the name: every shard credits its blocks to them."""
         with self.lock:
             if readers is None:
                 self.settings.registered_pools.pop(pool, None)

@@ -414,7 +414,8 @@ def cmd_serve(args) -> int:
     # Mooncake conductor's msgpack API: vLLM engines, and Mooncake Store masters as their shared pools
     conductor = ConductorRegistry(starter, owner=name, log=registrations,
                                   start_pool_relay=mooncake_relay_starter(relay_sink, settings.block_size),
-                                  set_pool=store.set_registered_pool)
+                                  set_pool=store.set_registered_pool,
+                                  replica_groups=lambda model: settings.config.model(model).replica_groups)
     app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
                      fanout=fanout, lmcache_lookup=args.lmcache_lookup)

@@ -6,12 +6,15 @@ relay can bind its SUB side (`bind=True`) or connect to a binding publisher.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import zmq
 
 from kvidx.engines.contract import Frame
+
+log = logging.getLogger("kvidx.relay")
 
 END_SEQ = -1
 
@@ -44,6 +47,7 @@ class ZmqSource:
         self.key_feeds = key_feeds
         self.feeds: dict[str, zmq.Socket] = {}  # endpoint -> SUB (created and closed by the polling thread)
         self._feeds_checked = 0.0
+        self._bad_feeds: set[str] = set()  # said once each
 
     def frames(self, timeout_s: float = 0.2) -> Iterator[Frame | None]:
         """Frames as they arrive; None every `timeout_s` without one (lets the caller stop/flush)."""
@@ -83,9 +87,16 @@ class ZmqSource:
             sock.close(linger=0)
         for ep in want - self.feeds.keys():
             sock = self.ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            sock.connect(ep)
+            try:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+                sock.setsockopt(zmq.RCVHWM, 100_000)
+                sock.connect(ep)
+            except zmq.ZMQError as e:  # one engine's bad address must not stop the others' feeds
+                sock.close(linger=0)
+                if ep not in self._bad_feeds:
+                    self._bad_feeds.add(ep)
+                    log.warning("event=key_feed_unreachable endpoint=%s error=%s", ep, e)
+                continue
             self.poller.register(sock, zmq.POLLIN)
             self.feeds[ep] = sock
 

@@ -240,9 +240,23 @@ def test_a_mooncake_store_master_registered_as_the_contexts_shared_pool():
                 assert (node_b[0]["resumable_tokens"] if node_b else 0) == want, (req["i"], node_b, want)
                 credited += want > 0
             assert credited >= 5
+            # an engine of another tenant does not read pool-a: none of its blocks counts there
+            other = ctx.socket(zmq.XPUB)
+            pubs["other"] = other
+            ep_x = f"tcp://127.0.0.1:{other.bind_to_random_port('tcp://127.0.0.1')}"
+            reg = registration(ep_x, instance_id="node-x", block_size=16, tenant_id="tenant-b")
+            assert post(c, "/register", reg)[0] == 200
+            assert other.poll(15_000)
+            toks = requests[-1]["prompt_token_ids"]
+            wait_for(lambda: (store.shards["llama"].replicas.get((ep_x, 0)) is not None), what="node-x known")
+            q = {"model": "llama", "block_size": 16, "token_ids": toks}
+            x = post(c, "/query", {**q, "tenant_id": "tenant-b"})[1]["instances"]["node-x"]
+            assert x["longest_matched"] == 0, x
+            assert post(c, "/query", q)[1]["instances"]["node-b"]["longest_matched"] > 0
             # unregistering the master detaches the pool: node-b is credited nothing any more
             assert post(c, "/unregister", {"instance_id": "pool-a", "dp_rank": 0})[0] == 200
-            toks = requests[-1]["prompt_token_ids"]
+            mine = c.post("/v1/lookup", json={"model": "llama", "token_ids": toks}).json()["replicas"]
+            assert all(r["replica"] != master for r in mine)  # never an engine a router could pick
             assert post(c, "/query", {"model": "llama", "block_size": 16, "token_ids": toks}
                         )[1]["instances"]["node-b"]["longest_matched"] == 0
     finally:
