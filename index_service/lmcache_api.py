@@ -15,8 +15,8 @@ several DP ranks answer with their best rank.
 
 LMCache's message has no model field: one model per service. Malformed bodies get 422 with what is
 wrong, as `{"detail": "..."}` (LMCache's API server is FastAPI: its error shape, not kvidx's `{"error"}`);
-LMCache's controller answers 500 on errors. A model split in replica groups answers from the groups this
-instance holds (no fan-out on this route).
+LMCache's controller answers 500 on errors. A model split in replica groups is answered whole: the groups
+other instances hold are asked of them, as for /v1/lookup (index_service/fanout.py).
 LMCache 0.5.6 takes `LookupMsg` over ZMQ only in process (its reply socket serves worker requests), so
 there is no ZMQ lookup to serve: docs/routers.md.
 """
@@ -31,7 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from index_service.context import ServiceContext
+from index_service.lookup_routes import answer_lookup
 from index_service.wire import Reject
+from kvidx.core.answers import LOOKUP_ANSWER_DECODER
 from kvidx.core.hashing import pack_tokens, prompt_hashes
 
 LOCATIONS = {"GPU": "GPU", "CPU": "LocalCPUBackend", "DISK": "LocalDiskBackend",
@@ -45,18 +47,19 @@ class _Lookup(msgspec.Struct):
 _decoder = msgspec.json.Decoder(_Lookup)
 
 
-def layout_info(ctx: ServiceContext, model: str, tokens: list[int]) -> dict[str, tuple[str, int]]:
-    """Per LMCache instance (its replica), the location and tokens of the prompt's prefix it holds."""
-    pipeline = ctx.pipeline
+async def layout_info(ctx: ServiceContext, model: str, tokens: list[int]) -> dict[str, tuple[str, int]]:
+    """Per LMCache instance (its replica), the location and tokens of the prompt's prefix it holds:
+    kvidx's lookup answer (with the replica groups other instances hold, asked of them) in LMCache's
+    terms."""
     if model not in ctx.store.shards and not ctx.store.holds_part_of(model):
         return {}  # no events of the model yet: LMCache's empty registry answers alike
-    shard = pipeline.shard(model)
-    packed = pack_tokens(tokens)
-    hashes = prompt_hashes(packed, shard.block_size, lookahead=shard.lookahead, tails=bool(shard.tail_keys))
-    answer = pipeline.answer(shard, hashes, len(tokens), feedback=ctx.app.state.feedback)
+    shard = ctx.pipeline.shard(model)
+    hashes = prompt_hashes(pack_tokens(tokens), shard.block_size, lookahead=shard.lookahead,
+                           tails=bool(shard.tail_keys))
+    raw = (await answer_lookup(ctx, shard, hashes, len(tokens), rank=False, top_k=None))[0]
     instances = ctx.store.config.model(model).hints.lmcache_instances
     out: dict[str, tuple[str, int]] = {}
-    for r in sorted(answer.replicas, key=lambda a: -a.cached_tokens):
+    for r in sorted(LOOKUP_ANSWER_DECODER.decode(raw).replicas, key=lambda a: -a.cached_tokens):
         iid = instances.get(r.replica, r.replica)
         if r.cached_tokens <= 0 or iid in out:
             continue
@@ -81,7 +84,7 @@ def add_lmcache_routes(app: FastAPI, ctx: ServiceContext, model: str) -> None:
                 raise Reject(413, f"tokens has {len(req.tokens)} ids, more than max_tokens={ctx.max_tokens}")
             if min(req.tokens) < 0 or max(req.tokens) > 0xFFFF_FFFF:
                 raise Reject(422, "a token id outside 0..2^32-1")
-            info = layout_info(ctx, model, req.tokens)
+            info = await layout_info(ctx, model, req.tokens)
         except Reject as e:
             ctx.metrics.observe("lmcache", e.status)
             return Response(msgspec.json.encode({"detail": e.error}), status_code=e.status,

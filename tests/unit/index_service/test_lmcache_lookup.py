@@ -59,3 +59,42 @@ def test_a_model_without_events_answers_empty_like_lmcaches_empty_registry():
     with ServerThread(create_app(seeded_store(), lmcache_lookup="not-yet")) as url:
         r = httpx.post(f"{url}/lookup", json={"tokens": PROMPT}, timeout=10)
     assert r.status_code == 200 and r.json()["layout_info"] == {}
+
+
+def test_a_partial_instance_answers_like_a_full_one():
+    """A model split in two replica groups: an instance holding one asks the other's holder and
+    answers LMCache's lookup as an instance holding both."""
+    import time
+
+    from index_service.fanout import Fanout, PeerDirectory
+    from index_service.store import ShardStore
+    from kvidx.config import Config
+    from kvidx.core.groups import hashed_group
+    from kvidx.core.hashing import prompt_hashes
+    from schemas.events import BlocksStored, EventBatch
+
+    config = Config(models={"m": ModelConfig(replica_groups=2)})
+    stores = {k: ShardStore(16, config=config, groups=g)
+              for k, g in (("full", None), ("a", frozenset({0})), ("b", frozenset({1})))}
+    hashes = prompt_hashes(PROMPT, 16)
+    names = [f"tcp://10.0.1.{r}:5557" for r in range(8)]
+    assert {hashed_group(n, 2) for n in names} == {0, 1}
+    now = time.time()
+    for r, name in enumerate(names):
+        n = 5 * (r + 1)
+        batch = EventBatch(1, "m", name, 0, 1, 0, now, now, 16, [BlocksStored("GPU", 0, hashes[:n], None, 0)],
+                           replica_group=hashed_group(name, 2))
+        for s in stores.values():
+            s.apply(batch)
+    for s in stores.values():
+        s.ready = True
+    directory = PeerDirectory("a")
+    with ServerThread(create_app(stores["full"], lmcache_lookup="m")) as full, \
+            ServerThread(create_app(stores["b"], lmcache_lookup="m")) as b:
+        directory.add_static(b, frozenset({1}))
+        app = create_app(stores["a"], lmcache_lookup="m", fanout=Fanout(directory, timeout_s=5.0))
+        with ServerThread(app) as a, httpx.Client(timeout=10) as c:
+            want = c.post(f"{full}/lookup", json={"tokens": PROMPT}).json()["layout_info"]
+            got = c.post(f"{a}/lookup", json={"tokens": PROMPT}).json()["layout_info"]
+            assert len(want) == 8 and list(got.items()) == list(want.items())
+            assert len(c.post(f"{b}/lookup", json={"tokens": PROMPT}).json()["layout_info"]) < 8
