@@ -470,8 +470,13 @@ def _text(status: int, text: str) -> Response:
 
 
 async def _body(request: Request, typ: type, limit: int):
-    """A JSON body as axum's Json<T> takes it: 415 -> 413 -> 400 -> 422, or the decoded struct. A
-    query's token ids go from JSON text to packed uint32 bytes where the compiled parser is built."""
+    """A JSON body as axum's Json<T> takes it: 415 -> 413 -> 400 -> 422, or the decoded struct."""
+    body = await _raw_body(request, limit)
+    return body if isinstance(body, Response) else _decode_body(body, typ)
+
+
+async def _raw_body(request: Request, limit: int) -> bytes | Response:
+    """The body's bytes (415 and 413 as axum's Json<T>)."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
         return _text(415, "Expected request with `Content-Type: application/json`")
@@ -480,6 +485,12 @@ async def _body(request: Request, typ: type, limit: int):
         body += chunk
         if len(body) > limit:
             return _text(413, "Failed to buffer the request body: length limit exceeded")
+    return body
+
+
+def _decode_body(body: bytes, typ: type):
+    """400 -> 422 as axum's Json<T>, or the struct. A query's token ids go from JSON text to packed
+    uint32 bytes where the compiled parser is built."""
     if typ is QueryRequest and parse_token_ids is not None:
         try:
             raw = _RAW_QUERY.decode(body)
@@ -500,17 +511,50 @@ async def _body(request: Request, typ: type, limit: int):
         return _text(422, f"Failed to deserialize the JSON body into the target type: {e}")
 
 
-async def query_handler(store: ShardStore, registry: DynamoRegistry, request) -> Response:
-    """POST /query (also taken straight from the ASGI scope by index_service.hot_path)."""
-    req = await _body(request, QueryRequest, MAX_QUERY_BODY)
+async def query_handler(store: ShardStore, registry: DynamoRegistry, request, fanout=None,
+                        typ: type = QueryRequest) -> Response:
+    """POST /query or /query_by_hash (/query also taken straight from the ASGI scope by
+    index_service.hot_path). A model split in replica groups: the groups this instance does not hold
+    are asked of their holders (`fanout`, index_service.fanout; `?local=1` answers from this shard)."""
+    raw = await _raw_body(request, MAX_QUERY_BODY)
+    req = raw if isinstance(raw, Response) else _decode_body(raw, typ)
     if isinstance(req, Response):
         return req
+    if typ is QueryByHashRequest and req.cache_salt is not None:  # Dynamo: the salt is in the hashes
+        return _json(400, {"error": "cache_salt is not accepted by /query_by_hash; block_hashes must "
+                                    "already include the intended cache salt"})
     with store.lock:
-        return _json(*score_response(store, registry, req))
+        status, body = score_response(store, registry, req)
+    missing = (store.missing_groups(req.model_name)
+               if fanout is not None and status == 200 and request.query_params.get("local") != "1" else [])
+    if missing:
+        raws, gone, _ = await fanout.gather_raw(request.scope["path"], missing, raw)
+        body = merge_scores([body, *(msgspec.json.decode(r) for r in raws)])
+        if gone:  # Dynamo's answer has no place to say it: logged
+            log.warning("event=dynamo_query_partial model=%s missing_groups=%s", req.model_name, gone)
+    return _json(status, body)
 
 
-def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry) -> None:
-    """Dynamo's paths on `app` (outside /v1/: Dynamo's API has no auth)."""
+def merge_scores(parts: list[dict]) -> dict:
+    """Dynamo ScoreResponses of disjoint replica groups as one: a worker's DP ranks may sit in several."""
+    out: dict = {"frequencies": [], "instances": {}, "scores": {}}
+    for p in parts:
+        for iid, ranks in p.get("scores", {}).items():
+            out["scores"].setdefault(iid, {}).update(ranks)
+        for iid, inst in p.get("instances", {}).items():
+            cur = out["instances"].get(iid)
+            if cur is None:
+                out["instances"][iid] = {**inst, "dp": dict(inst["dp"])}
+                continue
+            cur["dp"].update(inst["dp"])
+            for k in ("cpu", "disk", "gpu", "longest_matched"):
+                cur[k] = max(cur[k], inst[k])
+    return out
+
+
+def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry, fanout=None) -> None:
+    """Dynamo's paths on `app` (outside /v1/: Dynamo's API has no auth); `fanout`: the instances holding
+    a split model's other replica groups."""
     app.state.dynamo = registry
 
     @app.post("/register", include_in_schema=False)
@@ -533,18 +577,11 @@ def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry)
 
     @app.post("/query", include_in_schema=False)
     async def query(request: Request) -> Response:
-        return await query_handler(store, registry, request)
+        return await query_handler(store, registry, request, fanout)
 
     @app.post("/query_by_hash", include_in_schema=False)
     async def query_by_hash(request: Request) -> Response:
-        req = await _body(request, QueryByHashRequest, MAX_QUERY_BODY)
-        if isinstance(req, Response):
-            return req
-        if req.cache_salt is not None:  # Dynamo: the salt is already in the caller's hashes
-            return _json(400, {"error": "cache_salt is not accepted by /query_by_hash; block_hashes must "
-                                        "already include the intended cache salt"})
-        with store.lock:
-            return _json(*score_response(store, registry, req))
+        return await query_handler(store, registry, request, fanout, QueryByHashRequest)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> Response:

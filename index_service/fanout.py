@@ -156,11 +156,9 @@ class Fanout:
     def __init__(self, directory: PeerDirectory, timeout_s: float = 0.25, auth_token: str | None = None):
         self.directory = directory
         self.timeout_s = timeout_s
-        headers = b"Content-Type: application/json\r\n"
-        if auth_token:
-            headers += b"Authorization: Bearer %s\r\n" % auth_token.encode()
-        self._headers = headers
-        self._pools: dict[str, Http1Pool] = {}  # peer URL -> its connections (in the serving loop)
+        self._auth = b"Authorization: Bearer %s\r\n" % auth_token.encode() if auth_token else b""
+        # (peer URL, content type) -> its connections (in the serving loop)
+        self._pools: dict[tuple[str, str], Http1Pool] = {}
 
     async def gather(self, model: str, groups: list[int], hashes: list[int], n_tokens: int, rank: bool,
                      top_k: int | None) -> tuple[list[list[ReplicaAnswer]], list[int], int]:
@@ -168,7 +166,14 @@ class Fanout:
         groups missing (no live holder, an error or the timeout), how many peers knew the model)."""
         body = msgspec.json.encode({"model": model, "block_hashes": hashes, "prompt_tokens": n_tokens,
                                     "top_k": top_k})
-        path = "/v1/rank" if rank else "/v1/lookup"
+        raws, gone, knew = await self.gather_raw("/v1/rank" if rank else "/v1/lookup", groups, body)
+        return [LOOKUP_ANSWER_DECODER.decode(r).replicas for r in raws], gone, knew
+
+    async def gather_raw(self, path: str, groups: list[int], body: bytes,
+                         content_type: str = "application/json") -> tuple[list[bytes], list[int], int]:
+        """The answers of the peers holding `groups` to `POST path?local=1&groups=...` (answered from
+        their shards alone): the fewest live holders, all at once, one timeout. (their 200 bodies, the
+        groups missing (no live holder, an error or the timeout), how many answered 200)."""
         deadline = time.monotonic() + self.timeout_s
         parts, knew, failed, left = [], 0, set(), list(groups)
         while left:  # a peer that fails: its groups asked of another holder, while time is left
@@ -177,8 +182,8 @@ class Fanout:
             wait = deadline - time.monotonic()
             if not names or wait <= 0:
                 return parts, sorted(left), knew
-            results = await asyncio.gather(*(self._ask(asked[n][0], path, asked[n][1], body, wait)
-                                             for n in names))
+            results = await asyncio.gather(*(self._ask(asked[n][0], path, asked[n][1], body, wait,
+                                                       content_type) for n in names))
             left = list(missing)
             for name, res in zip(names, results, strict=True):
                 if res is None:
@@ -191,12 +196,14 @@ class Fanout:
                 return parts, sorted(left), knew
         return parts, [], knew
 
-    async def _ask(self, peer: Peer, path: str, groups: list[int], body: bytes, timeout_s: float):
-        """The peer's replicas of `groups`; False if it does not know the model (no replica of those
-        groups has published yet); None on an error or the timeout."""
-        pool = self._pools.get(peer.url)
+    async def _ask(self, peer: Peer, path: str, groups: list[int], body: bytes, timeout_s: float,
+                   content_type: str) -> bytes | bool | None:
+        """The peer's answer for `groups`; False if it does not know the model (no replica of those
+        groups has published yet: 404); None on an error or the timeout."""
+        pool = self._pools.get((peer.url, content_type))
         if pool is None:
-            pool = self._pools[peer.url] = Http1Pool(peer.url, self._headers)
+            headers = b"Content-Type: %s\r\n%s" % (content_type.encode(), self._auth)
+            pool = self._pools[(peer.url, content_type)] = Http1Pool(peer.url, headers)
         try:
             status, data = await asyncio.wait_for(
                 pool.post(f"{path}?local=1&groups={','.join(map(str, groups))}", body), timeout_s)
@@ -208,7 +215,7 @@ class Fanout:
         if status != 200:
             log.warning("event=fanout_failed peer=%s status=%d body=%r", peer.name, status, data[:200])
             return None
-        return LOOKUP_ANSWER_DECODER.decode(data).replicas
+        return data
 
     def close(self) -> None:
         for pool in self._pools.values():
