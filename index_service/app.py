@@ -114,12 +114,12 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     add_binary_lookup(app, ctx, auth)
     add_status_routes(app, ctx, auth)
     if dynamo is not None:
-        add_dynamo_routes(app, store, dynamo, fanout)
+        add_dynamo_routes(app, store, dynamo, fanout, metrics)
     if lmcache_lookup is not None:
         add_lmcache_routes(app, ctx, lmcache_lookup)
     app.add_middleware(HotPath, ctx=ctx, dynamo=dynamo)  # the lookups, past the router
     if conductor is not None:  # outside the hot path: its msgpack /query goes first
-        app.add_middleware(ConductorPaths, store=store, registry=conductor, fanout=fanout)
+        app.add_middleware(ConductorPaths, store=store, registry=conductor)
     if auth_token:  # added last: outermost, so it guards the lookups too
         add_bearer_auth(app, auth_token)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))

@@ -493,26 +493,6 @@ class ConductorRegistry:
         return {"instances": out}
 
 
-def merge_instances(parts: list[dict]) -> dict:
-    """/query answers of instances holding different replica groups as one: every instance lists every
-    registered rank, zero where it does not hold it; a rank's cursors are the ones of its holder."""
-    out: dict[str, dict] = {}
-    for p in parts:
-        for iid, inst in p.get("instances", {}).items():
-            ranks = out.setdefault(iid, {})
-            for r, m in inst["rank_matches"].items():
-                cur = ranks.get(r)
-                if cur is None or m["disk"] > cur["disk"]:
-                    ranks[r] = m
-    return {"instances": {iid: {"longest_matched": max(m["disk"] for m in ranks.values()),
-                                "dp": {r: m["gpu"] for r, m in ranks.items()},
-                                "rank_matches": ranks,
-                                "gpu": max(m["gpu"] for m in ranks.values()),
-                                "cpu": max(m["cpu"] for m in ranks.values()),
-                                "disk": max(m["disk"] for m in ranks.values())}
-                          for iid, ranks in out.items()}}
-
-
 def _tokens(v: Any) -> np.ndarray:
     """token_ids: a bin of little-endian int32, or an array of ints in the int32 range."""
     if isinstance(v, bytes):
@@ -592,9 +572,8 @@ class ConductorPaths:
     (POST /register, /unregister, /query with a msgpack content type) and its GET /services and
     /global_view; everything else passes on."""
 
-    def __init__(self, app, store: ShardStore, registry: ConductorRegistry, fanout=None):
-        """`fanout` (index_service.fanout.Fanout): a split model's other replica groups, for /query."""
-        self.app, self.store, self.registry, self.fanout = app, store, registry, fanout
+    def __init__(self, app, store: ShardStore, registry: ConductorRegistry):
+        self.app, self.store, self.registry = app, store, registry
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path") if scope["type"] == "http" else None
@@ -602,12 +581,8 @@ class ConductorPaths:
             ctype = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), "")
             if scope["method"] == "POST" and is_msgpack(ctype):
                 body = await _read(receive)
-                if body is None:
-                    response = reply(413, {"error": "request body too large"})
-                elif path == "/query" and self.fanout is not None and b"local=1" not in scope["query_string"]:
-                    response = await self.query_all_groups(body)
-                else:
-                    response = self.handle(path, body)
+                response = reply(413, {"error": "request body too large"}) if body is None else \
+                    self.handle(path, body)
                 await response(scope, receive, send)
                 return
         elif path in ("/services", "/global_view"):
@@ -620,22 +595,6 @@ class ConductorPaths:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-    async def query_all_groups(self, body: bytes) -> Response:
-        """/query of a model split in replica groups: the ranks of the groups held elsewhere come from
-        their holders (`?local=1` there), each rank's cursors from the instance holding it."""
-        try:
-            answer = self.registry.query(self.store, body)
-            model = msgspec.msgpack.decode(body).get("model")
-        except Invalid as e:
-            return reply(400, e.body)
-        missing = self.store.missing_groups(model) if isinstance(model, str) else []
-        if missing:
-            raws, gone, _ = await self.fanout.gather_raw("/query", missing, body, MSGPACK)
-            answer = merge_instances([answer, *(msgspec.msgpack.decode(r) for r in raws)])
-            if gone:  # the conductor's answer has no place to say it: logged
-                log.warning("event=conductor_query_partial model=%s missing_groups=%s", model, gone)
-        return reply(200, answer)
 
     def handle(self, path: str, body: bytes) -> Response:
         reg = self.registry

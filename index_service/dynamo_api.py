@@ -30,8 +30,10 @@ forgets its registrations when it restarts).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -41,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from index_service.store import ShardStore
+from kvidx.core.groups import parse_groups
 from kvidx.core.hashing import dynamo_keys, prompt_hashes
 from kvidx.core.maskmap import parse_token_ids
 from schemas.events import TIER_IDS
@@ -395,10 +398,11 @@ def dump_blocks(dump: dict) -> dict[str, list[list]]:
 _DYNAMO_TIERS = {"GPU": "device", "CPU": "host_pinned", "DISK": "disk"}
 
 
-def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryRequest | QueryByHashRequest
-                   ) -> tuple[int, dict]:
+def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryRequest | QueryByHashRequest,
+                   only: frozenset[int] | None = None) -> tuple[int, dict]:
     """POST /query (the prompt hashed canonically at kvidx's index block) or /query_by_hash (Dynamo's
-    local hashes, chained into the Dynamo keys the registered relays publish: one per Dynamo block)."""
+    local hashes, chained into the Dynamo keys the registered relays publish: one per Dynamo block).
+    `only`: the replicas of these replica groups (another instance's fan-out); empty: all."""
     key = (req.model_name, req.routing_group)
     block_size = registry.block_sizes.get(key)
     if block_size is None:
@@ -429,7 +433,7 @@ def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryReques
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, dict] = {}
     for st in shard.by_slot:
-        if st is None or st.replica not in names:
+        if st is None or st.replica not in names or (only and st.group not in only):
             continue
         bit = 1 << st.slot
         pos = gpu.get(st.slot, 0)
@@ -512,10 +516,12 @@ def _decode_body(body: bytes, typ: type):
 
 
 async def query_handler(store: ShardStore, registry: DynamoRegistry, request, fanout=None,
-                        typ: type = QueryRequest) -> Response:
+                        typ: type = QueryRequest, metrics=None) -> Response:
     """POST /query or /query_by_hash (/query also taken straight from the ASGI scope by
     index_service.hot_path). A model split in replica groups: the groups this instance does not hold
-    are asked of their holders (`fanout`, index_service.fanout; `?local=1` answers from this shard)."""
+    are asked of their holders (`fanout`, index_service.fanout), which answer `?local=1&groups=...`
+    from their shards for those groups; a group no holder answered for in time is counted in
+    kvidx_fanout_partial_total (`metrics`): Dynamo's answer has no field for it."""
     raw = await _raw_body(request, MAX_QUERY_BODY)
     req = raw if isinstance(raw, Response) else _decode_body(raw, typ)
     if isinstance(req, Response):
@@ -523,15 +529,34 @@ async def query_handler(store: ShardStore, registry: DynamoRegistry, request, fa
     if typ is QueryByHashRequest and req.cache_salt is not None:  # Dynamo: the salt is in the hashes
         return _json(400, {"error": "cache_salt is not accepted by /query_by_hash; block_hashes must "
                                     "already include the intended cache salt"})
+    params = request.query_params
+    local = params.get("local") == "1"
+    only = None
+    if local and params.get("groups"):
+        try:
+            only = parse_groups(params["groups"], "query parameter 'groups'")
+        except ValueError as e:
+            return _json(422, {"error": str(e)})
+    missing = store.missing_groups(req.model_name) if fanout is not None and not local else []
+    t0 = time.perf_counter()
+    asked = asyncio.ensure_future(fanout.gather_raw(request.scope["path"], missing, raw)) if missing else None
+    for _ in range(3 if asked is not None else 0):  # the peers' requests written before walking here
+        await asyncio.sleep(0)
     with store.lock:
-        status, body = score_response(store, registry, req)
-    missing = (store.missing_groups(req.model_name)
-               if fanout is not None and status == 200 and request.query_params.get("local") != "1" else [])
-    if missing:
-        raws, gone, _ = await fanout.gather_raw(request.scope["path"], missing, raw)
-        body = merge_scores([body, *(msgspec.json.decode(r) for r in raws)])
-        if gone:  # Dynamo's answer has no place to say it: logged
-            log.warning("event=dynamo_query_partial model=%s missing_groups=%s", req.model_name, gone)
+        status, body = score_response(store, registry, req, only)
+    if asked is not None:
+        raws, gone, _ = await asked
+        parts = [body]
+        for r in raws:
+            try:
+                parts.append(msgspec.json.decode(r))
+            except msgspec.DecodeError as e:  # a peer of another version: its part is missing
+                log.warning("event=fanout_unreadable path=%s error=%s", request.scope["path"], e)
+                gone = gone or missing
+        if status == 200:
+            body = merge_scores(parts)
+        if metrics is not None:
+            metrics.fanout(time.perf_counter() - t0, len(gone))
     return _json(status, body)
 
 
@@ -552,7 +577,8 @@ def merge_scores(parts: list[dict]) -> dict:
     return out
 
 
-def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry, fanout=None) -> None:
+def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry, fanout=None,
+                      metrics=None) -> None:
     """Dynamo's paths on `app` (outside /v1/: Dynamo's API has no auth); `fanout`: the instances holding
     a split model's other replica groups."""
     app.state.dynamo = registry
@@ -577,11 +603,11 @@ def add_dynamo_routes(app: FastAPI, store: ShardStore, registry: DynamoRegistry,
 
     @app.post("/query", include_in_schema=False)
     async def query(request: Request) -> Response:
-        return await query_handler(store, registry, request, fanout)
+        return await query_handler(store, registry, request, fanout, metrics=metrics)
 
     @app.post("/query_by_hash", include_in_schema=False)
     async def query_by_hash(request: Request) -> Response:
-        return await query_handler(store, registry, request, fanout, QueryByHashRequest)
+        return await query_handler(store, registry, request, fanout, QueryByHashRequest, metrics)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> Response:

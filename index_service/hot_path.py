@@ -73,7 +73,8 @@ class HotPath:
             "/v1/lookup/binary": lambda request: binary_lookup(ctx, request),
         }
         if dynamo is not None:  # Dynamo's POST /query (index_service/dynamo_api.py)
-            self.handlers["/query"] = lambda request: query_handler(ctx.store, dynamo, request, ctx.fanout)
+            self.handlers["/query"] = lambda request: query_handler(ctx.store, dynamo, request, ctx.fanout,
+                                                                    metrics=ctx.metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self.handlers.get(scope["path"]) if scope["type"] == "http" else None

@@ -56,7 +56,12 @@ async def layout_info(ctx: ServiceContext, model: str, tokens: list[int]) -> dic
     shard = ctx.pipeline.shard(model)
     hashes = prompt_hashes(pack_tokens(tokens), shard.block_size, lookahead=shard.lookahead,
                            tails=bool(shard.tail_keys))
-    raw = (await answer_lookup(ctx, shard, hashes, len(tokens), rank=False, top_k=None))[0]
+    try:
+        raw = (await answer_lookup(ctx, shard, hashes, len(tokens), rank=False, top_k=None))[0]
+    except Reject as e:
+        if e.status == 404:  # no instance has events of the model yet: an empty registry's answer
+            return {}
+        raise
     instances = ctx.store.config.model(model).hints.lmcache_instances
     out: dict[str, tuple[str, int]] = {}
     for r in sorted(LOOKUP_ANSWER_DECODER.decode(raw).replicas, key=lambda a: -a.cached_tokens):

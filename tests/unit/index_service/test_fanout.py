@@ -217,48 +217,9 @@ def test_dynamo_query_on_a_partial_instance_answers_like_a_full_one():
                 alone = c.post(f"{a}/query?local=1", json=body).json()
                 assert got == want and len(want["instances"]) == 4, (n, got, want)
                 assert alone != want  # a alone misses the other half's workers
-
-
-def test_conductor_query_on_a_partial_instance_answers_like_a_full_one():
-    """Mooncake conductor's msgpack POST /query on an instance holding some replica groups: every rank's
-    cursors come from the instance holding it."""
-    import time
-
-    from index_service.conductor_api import ConductorRegistry
-    from kvidx.core.hashing import prompt_hashes
-    from schemas.events import BlocksStored, EventBatch
-    from schemas.registrations import REGISTRATIONS_VERSION, ConductorService
-
-    profile = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0",
-               "index_projection": "low64_be", "root_digest": "00"}
-    prompt = list(range(5000, 5000 + 16 * 24))
-    hashes = prompt_hashes(prompt, 16)
-    endpoints = [f"tcp://10.0.3.{i}:5557" for i in range(8)]
-    stores = {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
-    registries = {k: ConductorRegistry() for k in stores}
-    now = time.time()
-    for i, ep in enumerate(endpoints):
-        iid, rank = f"engine-{i // 2}", i % 2
-        rec = ConductorService(REGISTRATIONS_VERSION, ep, "", "vLLM", "m", "", "default", iid, 16, rank, None,
-                               profile, "elsewhere")
-        stored = [BlocksStored("GPU", 0, hashes[:3 * (i + 1)], None, 0)]
-        batch = EventBatch(1, "m", ep, rank, 1, 0, now, now, 16, stored, replica_group=hashed_group(ep, G))
-        for k in stores:
-            registries[k].apply_record(f"{iid}|default|{rank}", rec)
-            stores[k].apply(batch, 2.0)
-    for s in stores.values():
-        s.ready = True
-    mp = {"Content-Type": "application/msgpack"}
-    directory = PeerDirectory("a")
-    with ServerThread(create_app(stores["full"], conductor=registries["full"])) as full, \
-            ServerThread(create_app(stores["b"], conductor=registries["b"])) as b:
-        directory.add_static(b, frozenset({2, 3}))
-        app = create_app(stores["a"], conductor=registries["a"], fanout=Fanout(directory, timeout_s=5.0))
-        with ServerThread(app) as a, httpx.Client(timeout=10, headers=mp) as c:
-            for n in (5, 12, 24):
-                body = msgspec.msgpack.encode({"model": "m", "block_size": 16, "token_ids": prompt[:n * 16]})
-                want = msgspec.msgpack.decode(c.post(f"{full}/query", content=body).content)
-                got = msgspec.msgpack.decode(c.post(f"{a}/query", content=body).content)
-                alone = msgspec.msgpack.decode(c.post(f"{a}/query?local=1", content=body).content)
-                assert got == want and len(want["instances"]) == 4, (n, got, want)
-                assert alone != want
+            # a holder asked for some groups answers for those only (a full instance, here)
+            body = {"token_ids": prompt, "model_name": "m"}
+            only2 = c.post(f"{full}/query?local=1&groups=2", json=body).json()["instances"]
+            want2 = {str(100 + i // 2) for i, ep in enumerate(endpoints) if hashed_group(ep, G) == 2}
+            assert set(only2) == want2
+            assert c.post(f"{full}/query?local=1&groups=x", json=body).status_code == 422
