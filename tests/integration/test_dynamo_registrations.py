@@ -45,6 +45,20 @@ def scores(c: httpx.Client, prompt) -> dict:
     return r.json().get("scores", {}) if r.status_code == 200 else {"status": r.status_code}
 
 
+def retracted(c: httpx.Client, prompt) -> bool:
+    """No replica credits any of `prompt` any more (kvidx's own lookup)."""
+    replicas = c.post("/v1/lookup", json={"model": "m", "token_ids": prompt}).json()["replicas"]
+    return all(r["cached_tokens"] == 0 for r in replicas)
+
+
+def stop(a, b, engine) -> None:
+    for p in (a, b):
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+    engine.close()
+
+
 def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstrap, topics, tmp_path):
     engine = SimVllmEngine(num_blocks=64, block_size=16, endpoint="tcp://127.0.0.1:*",
                            replay_endpoint="tcp://127.0.0.1:*")
@@ -84,15 +98,9 @@ def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstra
             wait_for(lambda: ca.get("/workers").json() == [] and cb.get("/workers").json() == [], 30,
                      "both instances forgot it")
             assert scores(ca, work[-1][0]) == scores(cb, work[-1][0]) == {"status": 404}
-            wait_for(lambda: all(r["cached_tokens"] == 0 for r in ca.post(
-                "/v1/lookup", json={"model": "m", "token_ids": work[-1][0]}).json()["replicas"]), 30,
-                     "the replica retracted from the index")
+            wait_for(lambda: retracted(ca, work[-1][0]), 30, "the replica retracted from the index")
     finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(30)
-        engine.close()
+        stop(a, b, engine)
 
 
 MP = {"Content-Type": "application/msgpack"}
@@ -147,12 +155,6 @@ def test_conductor_registrations_survive_a_restart_and_reach_every_instance(kafk
             code, body = conductor(cb, "/unregister", {"instance_id": "engine-a", "dp_rank": 0})
             assert code == 200 and body["removed_instances"] == ["engine-a|default|0"]
             wait_for(lambda: conductor(ca, "/services")[1]["services"] == [], 30, "a forgot it")
-            wait_for(lambda: all(r["cached_tokens"] == 0 for r in ca.post(
-                "/v1/lookup", json={"model": "m", "token_ids": work[-1][0]}).json()["replicas"]), 30,
-                     "a stopped its relay and retracted the replica")
+            wait_for(lambda: retracted(ca, work[-1][0]), 30, "a stopped its relay and retracted the replica")
     finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(30)
-        engine.close()
+        stop(a, b, engine)
