@@ -30,17 +30,23 @@ tiers map to kvidx's: HBM = GPU, DRAM = CPU, SSD = DISK (kvidx's shared tiers ar
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
+from urllib.parse import quote
 
 import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from google.protobuf.message import DecodeError
 
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
+from kvidx.core.groups import parse_groups
 from kvidx.core.hashing import sglang_key
 from schemas.events import (
     SCHEMA_VERSION,
@@ -127,6 +133,8 @@ class SglangIndexer:
         self.publish = publish
         self.keep_address = keep_address
         self.count = count  # count(method, status code name): the service's lookup counter, or None
+        # remote(groups, request) -> the prefix answers of those groups' holders (a split model), or None
+        self.remote: Callable[[list[int], pb.MatchExternalKvPrefixRequest], list] | None = None
         self.addresses: dict[str, str] = {}  # worker id -> address (the registrations topic's)
         self.hits: OrderedDict[str, int] = OrderedDict()  # least recently matched first
         self.hits_lock = threading.Lock()
@@ -141,19 +149,31 @@ class SglangIndexer:
     def _address(self, worker: str) -> str:
         return self.addresses.get(worker, worker)
 
-    def match_prefix(self, req: pb.MatchExternalKvPrefixRequest) -> pb.MatchExternalKvPrefixResponse:
+    def match_prefix(self, req: pb.MatchExternalKvPrefixRequest, only: frozenset[int] | None = None
+                     ) -> pb.MatchExternalKvPrefixResponse:
+        """`only`: the workers of these replica groups (another instance's fan-out; empty: all of this
+        instance's); None: every worker, those of the groups held elsewhere asked of their holders
+        (`remote`)."""
         check_hashes(req.hashes)
         hashes = req.hashes if not req.max_blocks else req.hashes[:req.max_blocks]
         out = pb.MatchExternalKvPrefixResponse(blocks_read=len(hashes))
-        shard, g = self._group()
-        if g is None:
-            return out
+        missing = self.store.missing_groups(self.model) if self.remote is not None and only is None else []
         best: dict[str, int] = {}  # worker -> its longest prefix over its DP ranks
-        for slot, n in g.any.walk([sglang_key(h) for h in hashes]).items():
-            st = shard.by_slot[slot] if slot < len(shard.by_slot) else None
-            if st is not None and n > best.get(st.replica, 0):
-                best[st.replica] = n
-        ranked = sorted(((n, w, self._address(w)) for w, n in best.items()), key=lambda t: (-t[0], t[1]))
+        shard, g = self._group()
+        if g is not None:
+            for slot, n in g.any.walk([sglang_key(h) for h in hashes]).items():
+                st = shard.by_slot[slot] if slot < len(shard.by_slot) else None
+                if st is not None and n > best.get(st.replica, 0) and (not only or st.group in only):
+                    best[st.replica] = n
+        peer_address: dict[str, str] = {}
+        if missing:  # a worker's prefix is its own: the holders' answers merge per worker
+            for part in self.remote(missing, pb.MatchExternalKvPrefixRequest(hashes=hashes)):
+                for m in part.matches:
+                    if m.matched_prefix_blocks > best.get(m.worker_id, 0):
+                        best[m.worker_id] = m.matched_prefix_blocks
+                        peer_address[m.worker_id] = m.worker_address
+        ranked = sorted(((n, w, self.addresses.get(w) if w in self.addresses else peer_address.get(w, w))
+                         for w, n in best.items()), key=lambda t: (-t[0], t[1]))
         out.matches.extend(pb.ExternalKvPrefixMatch(worker_address=a, matched_prefix_blocks=n, worker_id=w)
                            for n, w, a in ranked if a)
         out.best_prefix_blocks = out.matches[0].matched_prefix_blocks if out.matches else 0
@@ -290,3 +310,46 @@ def start_server(indexer: SglangIndexer, address: str, workers: int = 8) -> tupl
     server.start()
     log.info("event=sglang_indexer_serving model=%s address=%s port=%d", indexer.model, address, port)
     return server, port
+
+
+# ---- a model split in replica groups: instances ask each other over HTTP (index_service/fanout.py) ----
+PROTOBUF = "application/x-protobuf"
+
+
+def peer_path(model: str) -> str:
+    return f"/internal/sglang/{quote(model, safe='')}/match_prefix"
+
+
+def add_sglang_peer_route(app: FastAPI, indexers: dict[str, SglangIndexer]) -> None:
+    """`POST /internal/sglang/{model}/match_prefix?local=1&groups=G,G`: a MatchExternalKvPrefixRequest
+    answered from this instance's workers of those groups (what another instance's fan-out asks)."""
+    @app.post("/internal/sglang/{model}/match_prefix", include_in_schema=False)
+    async def match_prefix(model: str, request: Request) -> Response:
+        indexer = indexers.get(model)
+        if indexer is None:
+            return Response(status_code=404)
+        groups = request.query_params.get("groups")
+        try:
+            only = parse_groups(groups, "query parameter 'groups'") if groups else _ALL_LOCAL
+            req = pb.MatchExternalKvPrefixRequest.FromString(await request.body())
+            reply = indexer.match_prefix(req, only)
+        except (ValueError, Refused, DecodeError) as e:
+            return Response(str(e).encode(), status_code=422, media_type="text/plain")
+        return Response(reply.SerializeToString(), media_type=PROTOBUF)
+
+
+_ALL_LOCAL = frozenset[int]()  # `?local=1` without groups: every worker of this instance
+
+
+def remote_prefix(fanout, model: str, loop: asyncio.AbstractEventLoop):
+    """SglangIndexer.remote for a split model: the holders asked from the gRPC thread through the
+    service's event loop (where the fan-out's connections live), within its timeout."""
+
+    def remote(groups: list[int], req: pb.MatchExternalKvPrefixRequest) -> list:
+        coro = fanout.gather_raw(peer_path(model), groups, req.SerializeToString(), PROTOBUF)
+        raws, gone, _ = asyncio.run_coroutine_threadsafe(coro, loop).result(fanout.timeout_s + 1.0)
+        if gone:
+            log.warning("event=sglang_prefix_partial model=%s missing_groups=%s", model, gone)
+        return [pb.MatchExternalKvPrefixResponse.FromString(r) for r in raws]
+
+    return remote

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -346,7 +347,7 @@ def cmd_serve(args) -> int:
     from index_service.dynamo_api import DynamoRegistry
     from index_service.follower import KafkaFollower, RoutePublisher
     from index_service.registrations import RegistrationLog
-    from index_service.sglang_indexer import SglangIndexer, start_server
+    from index_service.sglang_indexer import SglangIndexer, add_sglang_peer_route, remote_prefix, start_server
     from index_service.store import ShardStore
     from kvidx.engines.lmcache.actuator import HintActuators
     from kvidx.kafka.reach import resolve_bootstrap
@@ -432,6 +433,15 @@ def cmd_serve(args) -> int:
             grpc_servers.append(start_server(indexer, address)[0])
         except (OSError, RuntimeError) as e:
             sys.exit(f"error: --sglang-indexer {model}={address}: {e}")
+    if sglang:  # a split model's other groups: asked of their holders' --sglang-indexer, over HTTP
+        add_sglang_peer_route(app, {i.model: i for i in sglang})
+        if fanout is not None:
+            async def connect_sglang_fanout() -> None:  # the fan-out's connections live in this loop
+                loop = asyncio.get_running_loop()
+                for i in sglang:
+                    i.remote = remote_prefix(fanout, i.model, loop)
+
+            app.router.on_startup.append(connect_sglang_fanout)
     follower.start()
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")

@@ -223,3 +223,57 @@ def test_dynamo_query_on_a_partial_instance_answers_like_a_full_one():
             want2 = {str(100 + i // 2) for i, ep in enumerate(endpoints) if hashed_group(ep, G) == 2}
             assert set(only2) == want2
             assert c.post(f"{full}/query?local=1&groups=x", json=body).status_code == 422
+
+
+def test_sglang_prefix_on_a_partial_instance_answers_like_a_full_one():
+    """SGLang's MatchExternalKvPrefix on an instance holding some replica groups: the other groups'
+    workers come from their holder over HTTP (POST /internal/sglang/{model}/match_prefix?local=1),
+    merged per worker into the answer a full instance gives."""
+    import asyncio
+    import threading
+    import time
+
+    from index_service.sglang_indexer import (
+        SglangIndexer,
+        action_events,
+        add_sglang_peer_route,
+        remote_prefix,
+    )
+    from index_service.sglang_pb import kv_indexer_pb2 as pb
+    from schemas.events import EventBatch
+
+    chain = [str(h) for h in range(1000, 1024)]
+    workers = [f"worker-{i}" for i in range(8)]
+    assert len({hashed_group(w, G) for w in workers}) > 2
+    stores = {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
+    indexers = {k: SglangIndexer(s, "m") for k, s in stores.items()}
+    now = time.time()
+    for i, w in enumerate(workers):
+        actions = [pb.ExternalKvAction(type=pb.ACTION_REPORT, tier=pb.TIER_HBM, hashes=chain[:2 * (i + 1)])]
+        batch = EventBatch(1, "m", w, 0, 1, 0, now, now, 0, action_events(actions),
+                           replica_group=hashed_group(w, G))
+        for k in stores:
+            stores[k].apply(batch, 2.0)
+            indexers[k].addresses[w] = f"http://{w}:30000"
+    app_b = create_app(stores["b"])
+    add_sglang_peer_route(app_b, {"m": indexers["b"]})
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        with ServerThread(app_b) as b:
+            directory = PeerDirectory("a")
+            directory.add_static(b, frozenset({2, 3}))
+            indexers["a"].remote = remote_prefix(Fanout(directory, timeout_s=5.0), "m", loop)
+            for n in (3, 9, 24):
+                req = pb.MatchExternalKvPrefixRequest(hashes=chain[:n])
+                want = indexers["full"].match_prefix(req)
+                got = indexers["a"].match_prefix(req)
+                assert got == want and len(want.matches) == min(8, len(workers)), (n, got, want)
+                assert indexers["a"].match_prefix(req, frozenset()) != want  # a alone: half the workers
+            with httpx.Client() as c:  # the peer route's own checks
+                r = c.post(f"{b}/internal/sglang/m/match_prefix?local=1&groups=x", content=b"")
+                assert r.status_code == 422
+                r = c.post(f"{b}/internal/sglang/other/match_prefix?local=1", content=b"")
+                assert r.status_code == 404
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
