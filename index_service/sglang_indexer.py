@@ -25,7 +25,10 @@ is the run of leading hashes it holds in any tier, stopping at the first it miss
   are left out); counted in this process, like SGLang's in-memory backend.
 
 Checks and status codes are SGLang's (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with its texts). SGLang's
-tiers map to kvidx's: HBM = GPU, DRAM = CPU, SSD = DISK (kvidx's shared tiers are not reported).
+tiers map to kvidx's: HBM = GPU, DRAM = CPU, SSD = DISK (kvidx's shared tiers are not reported). A model
+split in replica groups: the prefix query asks the other groups' holders over HTTP (`POST
+/internal/sglang/{model}/match_prefix?local=1&groups=...`, index_service/fanout.py) and merges per worker
+(a worker's prefix is its own).
 """
 
 from __future__ import annotations
