@@ -42,8 +42,9 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from index_service.fanout import local_groups
 from index_service.store import ShardStore
-from kvidx.core.groups import parse_groups
+from index_service.wire import Reject
 from kvidx.core.hashing import dynamo_keys, prompt_hashes
 from kvidx.core.maskmap import parse_token_ids
 from schemas.events import TIER_IDS
@@ -529,15 +530,11 @@ async def query_handler(store: ShardStore, registry: DynamoRegistry, request, fa
     if typ is QueryByHashRequest and req.cache_salt is not None:  # Dynamo: the salt is in the hashes
         return _json(400, {"error": "cache_salt is not accepted by /query_by_hash; block_hashes must "
                                     "already include the intended cache salt"})
-    params = request.query_params
-    local = params.get("local") == "1"
-    only = None
-    if local and params.get("groups"):
-        try:
-            only = parse_groups(params["groups"], "query parameter 'groups'")
-        except ValueError as e:
-            return _json(422, {"error": str(e)})
-    missing = store.missing_groups(req.model_name) if fanout is not None and not local else []
+    try:
+        only = local_groups(request.query_params)
+    except Reject as e:
+        return _json(e.status, {"error": e.error})
+    missing = store.missing_groups(req.model_name) if fanout is not None and only is None else []
     t0 = time.perf_counter()
     asked = asyncio.ensure_future(fanout.gather_raw(request.scope["path"], missing, raw)) if missing else None
     for _ in range(3 if asked is not None else 0):  # the peers' requests written before walking here

@@ -22,12 +22,32 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from index_service.wire import Reject
 from kvidx.core.answers import LOOKUP_ANSWER_DECODER, ReplicaAnswer
+from kvidx.core.groups import parse_groups
 from kvidx.kafka.background import Background
 
 log = logging.getLogger("kvidx.service")
 
 ANNOUNCE_VERSION = 1
+
+
+LOCAL_ONLY = frozenset[int]()  # `?local=1` without groups: every replica of this instance's shard
+
+
+def local_groups(q) -> frozenset[int] | None:
+    """`?local=1[&groups=G,G]` (query params): another instance's fan-out, answered from this instance's
+    shard alone (the replicas of those replica groups; LOCAL_ONLY: all of them); None for a router's
+    request. Reject(422) for groups that do not parse. Every fanned-out route reads it here."""
+    if q.get("local") != "1":
+        return None
+    spec = q.get("groups")
+    if spec is None:
+        return LOCAL_ONLY
+    try:
+        return parse_groups(spec, "query parameter 'groups'")
+    except ValueError as e:
+        raise Reject(422, str(e)) from None
 
 
 class Announcement(msgspec.Struct):

@@ -12,11 +12,11 @@ from fastapi.responses import Response
 from starlette.datastructures import QueryParams
 
 from index_service.context import ServiceContext, encode
+from index_service.fanout import LOCAL_ONLY, local_groups
 from index_service.openapi import binary_lookup_extra, json_body
 from index_service.responses import errors, ok
 from index_service.wire import LOOKUP_SCHEMA, Reject, read_lookup
 from kvidx.core.answers import LOOKUP_ANSWER_DECODER, merge_replicas
-from kvidx.core.groups import parse_groups
 from kvidx.core.shard import ModelShard
 
 _BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt", "top_k"})
@@ -25,23 +25,6 @@ _BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt", "top_k"})
 def lookup_responses(auth: tuple[int, ...]) -> dict:
     return {**ok("LookupAnswer", "replicas by resumable tokens, best first"),
             **errors(400, *auth, 404, 413, 422)}
-
-
-LOCAL_ONLY = frozenset[int]()  # `?local=1` without groups: every replica of this instance's shard
-
-
-def _only_groups(q: QueryParams) -> frozenset[int] | None:
-    """`?local=1[&groups=G,G]`: another instance's fan-out, answered from this instance's shard alone
-    (the replicas of those replica groups; LOCAL_ONLY: all of them); None for a router's lookup."""
-    if q.get("local") != "1":
-        return None
-    spec = q.get("groups")
-    if spec is None:
-        return LOCAL_ONLY
-    try:
-        return parse_groups(spec, "query parameter 'groups'")
-    except ValueError as e:
-        raise Reject(422, str(e)) from None
 
 
 async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int], n: int, rank: bool,
@@ -83,7 +66,7 @@ async def json_lookup(ctx: ServiceContext, request: Request, form: str, rank: bo
     t0 = time.perf_counter()
     model = None
     try:
-        only = _only_groups(request.query_params)
+        only = local_groups(request.query_params)
         req = read_lookup(await ctx.read_body(request, ctx.max_json_bytes, "JSON body"))
         model = req.model
         shard, hashes, n = ctx.pipeline.prompt(req)

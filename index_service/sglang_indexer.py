@@ -47,9 +47,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from google.protobuf.message import DecodeError
 
+from index_service.fanout import LOCAL_ONLY, local_groups
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
-from kvidx.core.groups import parse_groups
+from index_service.wire import Reject
 from kvidx.core.hashing import sglang_key
 from schemas.events import (
     SCHEMA_VERSION,
@@ -331,17 +332,13 @@ def add_sglang_peer_route(app: FastAPI, indexers: dict[str, SglangIndexer]) -> N
         indexer = indexers.get(model)
         if indexer is None:
             return Response(status_code=404)
-        groups = request.query_params.get("groups")
         try:
-            only = parse_groups(groups, "query parameter 'groups'") if groups else _ALL_LOCAL
+            only = local_groups(request.query_params) or LOCAL_ONLY  # a peer's question: never fanned out
             req = pb.MatchExternalKvPrefixRequest.FromString(await request.body())
             reply = indexer.match_prefix(req, only)
-        except (ValueError, Refused, DecodeError) as e:
+        except (Reject, Refused, DecodeError) as e:
             return Response(str(e).encode(), status_code=422, media_type="text/plain")
         return Response(reply.SerializeToString(), media_type=PROTOBUF)
-
-
-_ALL_LOCAL = frozenset[int]()  # `?local=1` without groups: every worker of this instance
 
 
 def remote_prefix(fanout, model: str, loop: asyncio.AbstractEventLoop):
