@@ -339,36 +339,20 @@ class ConductorRegistry:
                 self.set_pool(pool, readers)
 
     def _start(self, svc: Service) -> None:
-        listener = svc.listener
+        """The service's relay: a vLLM engine's publisher, or a Mooncake Store master's (the pool, replica
+        = its endpoint, its objects placed through the context's vLLM engines' own streams: key feeds)."""
         self._sync_pools(svc.context)
-        if svc.type == "Mooncake":
-            self._start_pool(svc)
-            return
-        if self.start_relay is None:
-            listener.status = "active"
-            return
+        listener = svc.listener
         try:
-            listener.stop = self.start_relay(svc.model, svc.endpoint, svc.dp_rank, svc.endpoint,
-                                             svc.replay_endpoint or None, listener, 0)
+            if svc.type == "Mooncake" and self.start_pool_relay is not None:
+                listener.stop = self.start_pool_relay(svc.model, svc.endpoint, svc.endpoint, listener,
+                                                      lambda: self._engines_of(svc.context), svc.tenant_id,
+                                                      svc.block_size)
+            elif svc.type != "Mooncake" and self.start_relay is not None:
+                listener.stop = self.start_relay(svc.model, svc.endpoint, svc.dp_rank, svc.endpoint,
+                                                 svc.replay_endpoint or None, listener, 0)
             listener.status = "active"
         except Exception as e:  # noqa: BLE001 - the conductor registers even when nothing listens yet
-            listener.status, listener.last_error = "failed", str(e)[:300]
-            log.warning("event=conductor_listener_failed instance=%s endpoint=%s error=%s", svc.instance_id,
-                        svc.endpoint, listener.last_error)
-
-    def _start_pool(self, svc: Service) -> None:
-        """A Mooncake Store master: its relay publishes the pool (replica = its endpoint), its objects
-        placed through the context's vLLM engines' own streams (the key feeds)."""
-        listener = svc.listener
-        if self.start_pool_relay is None:
-            listener.status = "active"
-            return
-        try:
-            listener.stop = self.start_pool_relay(svc.model, svc.endpoint, svc.endpoint, listener,
-                                                  lambda: self._engines_of(svc.context), svc.tenant_id,
-                                                  svc.block_size)
-            listener.status = "active"
-        except Exception as e:  # noqa: BLE001 - registered even when nothing listens yet
             listener.status, listener.last_error = "failed", str(e)[:300]
             log.warning("event=conductor_listener_failed instance=%s endpoint=%s error=%s", svc.instance_id,
                         svc.endpoint, listener.last_error)
