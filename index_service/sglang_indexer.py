@@ -268,24 +268,21 @@ class SglangIndexer:
 
 def _handler(indexer: SglangIndexer, method: str, call, request_type):
     def handle(request, context: grpc.ServicerContext):
+        code, message, reply = grpc.StatusCode.OK, "", None
         try:
             reply = call(request)
         except Refused as e:
-            if indexer.count is not None:
-                indexer.count(method, e.code.name)
-            context.abort(e.code, str(e))
+            code, message = e.code, str(e)
         except RuntimeError as e:  # the broker did not acknowledge a feed batch: the bridge retries
             log.error("event=sglang_feed_failed method=%s error=%s", method, e)
-            if indexer.count is not None:
-                indexer.count(method, "UNAVAILABLE")
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            code, message = grpc.StatusCode.UNAVAILABLE, str(e)
         except Exception as e:  # noqa: BLE001 - one line for the caller and the log, not a traceback
             log.error("event=sglang_rpc_failed method=%s error=%s: %s", method, type(e).__name__, e)
-            if indexer.count is not None:
-                indexer.count(method, "INTERNAL")
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"[:300])
+            code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"[:300]
         if indexer.count is not None:
-            indexer.count(method, "OK")
+            indexer.count(method, code.name)
+        if code is not grpc.StatusCode.OK:
+            context.abort(code, message)
         return reply
 
     return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=request_type.FromString,
