@@ -59,13 +59,18 @@ def stop(a, b, engine) -> None:
     engine.close()
 
 
-def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstrap, topics, tmp_path):
+def start(kafka_bootstrap, topics, tmp_path):
+    """A simulated vLLM engine, its workload, two free ports, the log, and instance a serving."""
     engine = SimVllmEngine(num_blocks=64, block_size=16, endpoint="tcp://127.0.0.1:*",
                            replay_endpoint="tcp://127.0.0.1:*")
-    work = workload_requests(9, 40, systems=2)
     pa, pb = free_port(), free_port()
     log = tmp_path / "serve.log"
-    a = serve(kafka_bootstrap, topics["prefix"], pa, "a", log)
+    return (engine, workload_requests(9, 40, systems=2), pa, pb, log,
+            serve(kafka_bootstrap, topics["prefix"], pa, "a", log))
+
+
+def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstrap, topics, tmp_path):
+    engine, work, pa, pb, log, a = start(kafka_bootstrap, topics, tmp_path)
     b = None
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{pa}", timeout=10) as ca, \
@@ -121,12 +126,7 @@ def conductor_gpu(c: httpx.Client, prompt) -> int:
 
 def test_conductor_registrations_survive_a_restart_and_reach_every_instance(kafka_bootstrap, topics,
                                                                             tmp_path):
-    engine = SimVllmEngine(num_blocks=64, block_size=16, endpoint="tcp://127.0.0.1:*",
-                           replay_endpoint="tcp://127.0.0.1:*")
-    work = workload_requests(9, 40, systems=2)
-    pa, pb = free_port(), free_port()
-    log = tmp_path / "serve.log"
-    a = serve(kafka_bootstrap, topics["prefix"], pa, "a", log)
+    engine, work, pa, pb, log, a = start(kafka_bootstrap, topics, tmp_path)
     b = None
     reg = {"endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint, "type": "vLLM",
            "modelname": "m", "instance_id": "engine-a", "block_size": 16, "dp_rank": 0,
