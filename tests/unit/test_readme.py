@@ -1,6 +1,6 @@
 """The README and docs, checked without running anything: every inline `kvidx ...` command parsed by
 the real CLI (an option or value the CLI refuses, as `--from -1d` once was, fails here), and the
-README's module map names every source file. Running the README's ```bash blocks as written (set-up,
+module map (docs/modules.md) names every source file. Running the README's ```bash blocks as written (set-up,
 the walkthrough over a real broker, ...) is tests/integration/test_readme.py."""
 
 import contextlib
@@ -40,9 +40,9 @@ def test_inline_commands_parse(span):
 
 
 def map_entries() -> list[str]:
-    """The paths the README's module map names (first column; later names in a cell are relative to
-    the first one's folder)."""
-    text = (ROOT / "README.md").read_text()
+    """The paths the module map (docs/modules.md, linked from the README) names (first column; later
+    names in a cell are relative to the first one's folder)."""
+    text = (ROOT / "docs" / "modules.md").read_text()
     out = []
     for row in re.findall(r"^\| (`[^|]*`) \|", text, re.M):
         names = re.findall(r"`([^`]+)`", row)
@@ -66,4 +66,4 @@ def test_the_module_map_names_every_source_file():
     packages = ("kvidx", "relays", "streams", "index_service", "schemas")
     sources = [f for f in files if f.split("/")[0] in packages and not f.endswith("__init__.py")]
     missing = [f for f in sources if not covered(f)]
-    assert not missing, f"files the README's module map does not name: {missing}"
+    assert not missing, f"files the module map (docs/modules.md) does not name: {missing}"
