@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -180,11 +181,11 @@ class Fanout:
         # (peer URL, content type) -> its connections (in the serving loop)
         self._pools: dict[tuple[str, str], Http1Pool] = {}
 
-    async def gather(self, model: str, groups: list[int], hashes: list[int], n_tokens: int, rank: bool,
+    async def gather(self, model: str, groups: list[int], hashes: Sequence[int], n_tokens: int, rank: bool,
                      top_k: int | None) -> tuple[list[list[ReplicaAnswer]], list[int], int]:
         """The per-replica answers of `groups` from the peers holding them: (one list per peer, the
         groups missing (no live holder, an error or the timeout), how many peers knew the model)."""
-        body = msgspec.json.encode({"model": model, "block_hashes": hashes, "prompt_tokens": n_tokens,
+        body = msgspec.json.encode({"model": model, "block_hashes": list(hashes), "prompt_tokens": n_tokens,
                                     "top_k": top_k})
         raws, gone, knew = await self.gather_raw("/v1/rank" if rank else "/v1/lookup", groups, body)
         return [LOOKUP_ANSWER_DECODER.decode(r).replicas for r in raws], gone, knew

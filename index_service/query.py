@@ -91,7 +91,7 @@ class QueryPipeline:
         packed = pack_tokens(ids)
         shard = self.shard(req.model)
         return shard, prompt_hashes(packed, shard.block_size, req.lora_name, req.cache_salt,
-                                    lookahead=shard.lookahead, tails=bool(shard.tail_keys)), n
+                                    lookahead=shard.lookahead, tails=bool(shard.tail_keys), array=True), n
 
     def _hashes_prompt(self, req: LookupRequest | RouteRequest) -> tuple[ModelShard, list[int], int]:
         n = req.prompt_tokens
@@ -121,8 +121,8 @@ class QueryPipeline:
         if not body:
             raise Reject(422, "binary body is empty: a prompt has at least one token")
         shard = self.shard(model)
-        return shard, prompt_hashes(body, shard.block_size, lora_name, cache_salt,
-                                    lookahead=shard.lookahead, tails=bool(shard.tail_keys)), len(body) // 4
+        return shard, prompt_hashes(body, shard.block_size, lora_name, cache_salt, lookahead=shard.lookahead,
+                                    tails=bool(shard.tail_keys), array=True), len(body) // 4
 
     def pricer(self, model: str) -> Pricer:
         pricer = self.pricers.get(model)

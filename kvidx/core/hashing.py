@@ -20,10 +20,12 @@ import numpy as np
 import xxhash
 
 from kvidx.core.maskmap import chain as plain_chain
+from kvidx.core.maskmap import chain_array
 
 _xxh = xxhash.xxh3_64_intdigest
 _M64 = (1 << 64) - 1
 ROOT_SEED = 0x6B76_6964_7831  # "kvidx1": the seed of a chain's first block without namespace
+_PACKED = (bytes, memoryview)  # token ids already packed (pack_tokens)
 
 
 def namespace_seed(lora_name: str | None) -> int:
@@ -171,7 +173,7 @@ def mm_start_extras(n_blocks: int, block_size: int, mm: Sequence[tuple[str, int]
 def prompt_hashes(token_ids: Sequence[int] | np.ndarray | bytes, block_size: int,
                   lora_name: str | None = None, cache_salt: str | None = None,
                   mm: Sequence[tuple[str, int]] | None = None, lookahead: int = 0,
-                  tails: bool = False) -> list[int]:
+                  tails: bool = False, array: bool = False) -> list[int]:
     """What a router (or the lookup service) computes for a prompt: the canonical hashes of its full
     blocks. The cache salt is an extra key of the first block only, as in vLLM; later blocks carry it
     through their parent. `mm`: multimodal items as (identifier, start position in the prompt), the
@@ -179,8 +181,14 @@ def prompt_hashes(token_ids: Sequence[int] | np.ndarray | bytes, block_size: int
     the model's engines hash a block with the L tokens after it (vLLM >= 0.33 with EAGLE or MTP): each
     block's last extra key is ["la", *those tokens], and only the blocks with L tokens after them are
     hashed ((n - L) // block_size of n), as the engine can reuse no others. `tails`: a PromptHashes,
-    which keys partial blocks too (not with `mm` or `lookahead`, whose engines resume at blocks)."""
-    packed = token_ids if isinstance(token_ids, bytes | memoryview) else pack_tokens(token_ids)
+    which keys partial blocks too (not with `mm` or `lookahead`, whose engines resume at blocks).
+    `array`: where the compiled core is built, plain chains (no salt, tails, mm or lookahead) come as a
+    kvidx_native.HashArray, a sequence the maps read without a Python int per hash (the lookup
+    service's form); equal to the list."""
+    if array and not (cache_salt or tails or mm or lookahead):  # the service's form: first, and lean
+        packed = token_ids if isinstance(token_ids, _PACKED) else pack_tokens(token_ids)
+        return chain_array(packed, block_size, namespace_seed(lora_name) if lora_name else ROOT_SEED)
+    packed = token_ids if isinstance(token_ids, _PACKED) else pack_tokens(token_ids)
     extras: list[object] | None = [[cache_salt]] if cache_salt else None
     if tails and not mm and not lookahead:
         out = PromptHashes(chain(packed, block_size, namespace_seed(lora_name), extras))

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -355,8 +355,11 @@ def native_module():
 
 if _mod is not None:
     Mapping.register(_mod.Depths)
+    Sequence.register(_mod.HashArray)
 MaskMap: type = _mod.MaskMap if _mod is not None else PyMaskMap
 chain = _mod.chain if _mod is not None else py_chain
+# chain into a kvidx_native.HashArray (no Python int per hash; the maps read it directly), or a list
+chain_array = _mod.chain_array if _mod is not None else py_chain
 IMPLEMENTATION = "native" if _mod is not None else "python"
 # a lookup answer written as JSON by the compiled core (kvidx.core.walk.ShardWalk.lookup_json); None:
 # the typed answer, encoded by msgspec, everywhere

@@ -23,10 +23,10 @@ mod table;
 mod tokens;
 
 use num_bigint::BigUint;
-use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PySlice, PyTuple};
 use table::{mix, unmix, Table};
 use twox_hash::XxHash3_64;
 
@@ -375,6 +375,9 @@ impl<'a, 'py> Hashes<'a, 'py> {
         }
         if let Ok(t) = ob.cast::<PyTuple>() {
             return Ok(Hashes::Tuple(t));
+        }
+        if let Ok(a) = ob.cast::<HashArray>() {
+            return Ok(Hashes::Vec(a.get().v.iter().map(|&h| mix(h)).collect(), None.into()));
         }
         let mut out = Vec::with_capacity(ob.len().unwrap_or(0));
         for item in ob.try_iter()? {
@@ -1158,16 +1161,62 @@ impl MaskMap {
     }
 }
 
-/// Canonical hashes of the full blocks of `packed` (little-endian uint32 tokens), chained from
-/// `parent`: kvidx.core.hashing.chain without extra keys.
-#[pyfunction]
-fn chain<'py>(py: Python<'py>, packed: &Bound<'py, PyAny>, block_size: i64, parent: u64
-) -> PyResult<Bound<'py, PyList>> {
+/// Canonical block hashes as u64s, without a Python int per hash (`chain_array`, what the lookup
+/// service hashes prompts into): a read-only sequence whose items are made only when read; the mask
+/// map's batched operations (walk, masks, ...) read it directly. Slices are lists.
+#[pyclass(name = "HashArray", module = "kvidx_native", frozen, sequence)]
+pub struct HashArray {
+    pub v: Vec<u64>,
+}
+
+#[pymethods]
+impl HashArray {
+    fn __len__(&self) -> usize {
+        self.v.len()
+    }
+
+    fn __getitem__<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        if let Ok(s) = key.cast::<PySlice>() {
+            let ix = s.indices(self.v.len() as isize)?;
+            let picked = (0..ix.slicelength).map(|k| self.v[(ix.start + k as isize * ix.step) as usize]);
+            return Ok(PyList::new(py, picked)?.into_any());
+        }
+        let i: isize = key.extract()?;
+        let n = self.v.len() as isize;
+        let j = if i < 0 { i + n } else { i };
+        if !(0..n).contains(&j) {
+            return Err(PyIndexError::new_err("HashArray index out of range"));
+        }
+        Ok(self.v[j as usize].into_pyobject(py)?.into_any())
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.tolist(py)?.into_any().try_iter().map(|i| i.into_any())
+    }
+
+    fn tolist<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.v)
+    }
+
+    /// Equal to another HashArray or any sequence of the same ints (a list from the reference).
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        if let Ok(o) = other.cast::<HashArray>() {
+            return o.get().v == self.v;
+        }
+        other.extract::<Vec<u64>>().is_ok_and(|o| o == self.v)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("HashArray({:?})", self.v)
+    }
+}
+
+fn chain_vec(py: Python<'_>, packed: &Bound<'_, PyAny>, block_size: i64, parent: u64) -> PyResult<Vec<u64>> {
     if block_size < 1 {
         return Err(PyValueError::new_err(format!("block_size must be >= 1, not {block_size}")));
     }
     let step = block_size as usize * 4;
-    let out = with_bytes(packed, |b| {
+    with_bytes(packed, |b| {
         let run = || {
             let mut h = parent;
             b.chunks_exact(step).map(|c| {
@@ -1176,8 +1225,21 @@ fn chain<'py>(py: Python<'py>, packed: &Bound<'py, PyAny>, block_size: i64, pare
             }).collect::<Vec<u64>>()
         };
         Ok(if b.len() >= 1 << 16 { py.detach(run) } else { run() })
-    })?;
-    PyList::new(py, out)
+    })
+}
+
+/// Canonical hashes of the full blocks of `packed` (little-endian uint32 tokens), chained from
+/// `parent`: kvidx.core.hashing.chain without extra keys.
+#[pyfunction]
+fn chain<'py>(py: Python<'py>, packed: &Bound<'py, PyAny>, block_size: i64, parent: u64
+) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, chain_vec(py, packed, block_size, parent)?)
+}
+
+/// `chain` as a HashArray: no Python int per hash.
+#[pyfunction]
+fn chain_array(py: Python<'_>, packed: &Bound<'_, PyAny>, block_size: i64, parent: u64) -> PyResult<HashArray> {
+    Ok(HashArray { v: chain_vec(py, packed, block_size, parent)? })
 }
 
 #[pymodule]
@@ -1185,7 +1247,9 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MaskMap>()?;
     m.add_class::<Depths>()?;
     m.add_class::<order::Order>()?;
+    m.add_class::<HashArray>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
+    m.add_function(wrap_pyfunction!(chain_array, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::parse_token_ids, m)?)?;
     Ok(())

@@ -188,7 +188,7 @@ def main():
             continue
         packed = np.repeat(r[2].astype("<u4"), bt).tobytes()
         t = clock()
-        h = prompt_hashes(packed, bt)
+        h = prompt_hashes(packed, bt, array=True)  # the lookup service's form (index_service/query.py)
         hl.append(clock() - t)
         hb += len(h)
         mism += h != r[1]

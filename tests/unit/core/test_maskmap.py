@@ -349,6 +349,32 @@ def test_chain_matches_canonical_hashing(tokens, block_size, parent):
         assert f(bytearray(packed), block_size, parent) == want
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=80), st.sampled_from([1, 2, 3, 16]),
+       st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**64 - 1), max_size=8))
+def test_hash_array_is_the_chain_and_the_maps_read_it_as_the_list(tokens, block_size, parent, other):
+    """chain_array (the service's prompt hashes, no int per hash) against the reference chain: equal
+    as a sequence (items, negative indexes, slices, iteration), and every batched map operation
+    answers on it as on the list."""
+    packed = np.asarray(tokens, dtype="<u4").tobytes()
+    want = ref_chain(packed, block_size, parent)
+    got = maskmap.chain_array(packed, block_size, parent)
+    assert got == want and list(got) == want and len(got) == len(want) and bool(got) == bool(want)
+    if kvidx_native is None:
+        return
+    assert isinstance(got, kvidx_native.HashArray) and got.tolist() == want
+    assert got[::-1] == want[::-1] and got[1:-1:2] == want[1:-1:2]
+    if want:
+        assert got[-1] == want[-1] and got[0] == want[0]
+    with pytest.raises(IndexError):
+        got[len(want)]
+    for impl in _impls(kvidx_native):
+        m = impl()
+        m.store(want[: len(want) // 2] + other, 5)
+        m.store(want[:1], 70)  # a wide mask
+        assert m.walk(got) == m.walk(want) and m.masks(got) == m.masks(want)
+
+
 def test_native_chain_on_long_inputs(native):
     packed = np.arange(1 << 17, dtype="<u4").tobytes()  # long enough to hash without the GIL
     for bs in (1, 16, 1000):
