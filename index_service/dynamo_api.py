@@ -44,9 +44,8 @@ from fastapi.responses import Response
 
 from index_service.fanout import local_groups
 from index_service.store import ShardStore
-from index_service.wire import Reject
+from index_service.wire import Reject, read_split
 from kvidx.core.hashing import dynamo_keys, prompt_hashes
-from kvidx.core.maskmap import parse_token_ids
 from schemas.events import TIER_IDS
 from schemas.registrations import REGISTRATIONS_VERSION, Registration
 
@@ -99,13 +98,12 @@ class QueryByHashRequest(msgspec.Struct):
     cache_salt: str | None = None
 
 
-class _RawQuery(QueryRequest, kw_only=True):
-    """A /query body with its token ids left as JSON text, for the compiled parser."""
-    token_ids: msgspec.Raw = msgspec.Raw(b"null")
+class _QueryRest(QueryRequest, kw_only=True):
+    """A /query body without its token ids (cut out and packed by the compiled parser)."""
+    token_ids: list[U32] | None = None
 
 
-_RAW_QUERY = msgspec.json.Decoder(_RawQuery)
-_NULL = msgspec.Raw(b"null")
+_QUERY_REST = msgspec.json.Decoder(_QueryRest)
 
 
 def zmq_endpoint_error(endpoint: str) -> str | None:
@@ -496,16 +494,10 @@ async def _raw_body(request: Request, limit: int) -> bytes | Response:
 def _decode_body(body: bytes, typ: type):
     """400 -> 422 as axum's Json<T>, or the struct. A query's token ids go from JSON text to packed
     uint32 bytes where the compiled parser is built."""
-    if typ is QueryRequest and parse_token_ids is not None:
-        try:
-            raw = _RAW_QUERY.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            raw = None  # decoded the ordinary way below, for the ordinary error
-        if raw is not None and raw.token_ids != _NULL:
-            packed = parse_token_ids(bytes(raw.token_ids))
-            if packed is not None:
-                raw.token_ids = packed
-                return raw
+    if typ is QueryRequest:
+        req = read_split(_QUERY_REST, body)
+        if req is not None:
+            return req  # else decoded the ordinary way below, for the ordinary error
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:

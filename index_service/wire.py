@@ -9,7 +9,7 @@ from array import array
 
 import msgspec
 
-from kvidx.core.maskmap import parse_token_ids
+from kvidx.core.maskmap import split_token_ids
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
@@ -63,14 +63,7 @@ class UsageRequest(msgspec.Struct, forbid_unknown_fields=True):
     router: str = ""
 
 
-class _RawTokensLookup(LookupRequest, forbid_unknown_fields=True):
-    """A lookup body with its token ids left as JSON text, for the compiled parser (read_lookup)."""
-    token_ids: msgspec.Raw = msgspec.Raw(b"null")  # msgspec takes no Raw in a union
-
-
 LOOKUP_DECODER = msgspec.json.Decoder(LookupRequest)
-_RAW_TOKENS_DECODER = msgspec.json.Decoder(_RawTokensLookup)
-_NULL = msgspec.Raw(b"null")
 ROUTE_DECODER = msgspec.json.Decoder(RouteRequest)
 USAGE_DECODER = msgspec.json.Decoder(UsageRequest)
 # The bodies' schemas inline (no $ref), for the routes' requestBody in the OpenAPI document
@@ -100,19 +93,29 @@ def decode(decoder: msgspec.json.Decoder, body: bytes):
 
 def read_lookup(body: bytes) -> LookupRequest:
     """A JSON lookup body. Where the compiled core is built, its token ids go from JSON text straight
-    to packed uint32 bytes (`token_ids` is then those bytes: no Python int per token); a body it does
-    not take is decoded the ordinary way, so its error is the ordinary one."""
-    if parse_token_ids is not None:
-        try:
-            req = _RAW_TOKENS_DECODER.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            req = None
-        if req is not None and req.token_ids != _NULL:
-            packed = parse_token_ids(bytes(req.token_ids))
-            if packed is not None:
-                req.token_ids = packed
-                return req
-    return decode(LOOKUP_DECODER, body)
+    to packed uint32 bytes (`token_ids` is then those bytes: no Python int per token), cut out of the
+    body before the rest is decoded; a body it does not take is decoded the ordinary way, so its error
+    is the ordinary one."""
+    req = read_split(LOOKUP_DECODER, body)
+    return req if req is not None else decode(LOOKUP_DECODER, body)
+
+
+def read_split(decoder: msgspec.json.Decoder, body: bytes):
+    """The body decoded with its token ids packed by the compiled parser (kvidx_native.split_token_ids),
+    or None where that parser is not built or does not take this body (then decode it the ordinary
+    way: the error is that decoder's)."""
+    parts = split_token_ids(body) if split_token_ids is not None else None
+    if parts is None:
+        return None
+    rest, packed = parts
+    try:
+        req = decoder.decode(rest)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    if req.token_ids is not None:  # the key spelled with escapes: read it the ordinary way
+        return None
+    req.token_ids = packed
+    return req
 
 
 def pack_tokens(token_ids: list[int] | bytes) -> bytes:

@@ -364,5 +364,6 @@ IMPLEMENTATION = "native" if _mod is not None else "python"
 # a lookup answer written as JSON by the compiled core (kvidx.core.walk.ShardWalk.lookup_json); None:
 # the typed answer, encoded by msgspec, everywhere
 lookup_json = getattr(_mod, "lookup_json", None)
-# JSON token ids straight to packed uint32 (index_service.wire.read_lookup); None: decoded by msgspec
-parse_token_ids = getattr(_mod, "parse_token_ids", None)
+# JSON token ids straight to packed uint32, cut out of a request body (index_service.wire.read_split);
+# None: decoded by msgspec
+split_token_ids = getattr(_mod, "split_token_ids", None)

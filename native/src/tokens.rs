@@ -2,6 +2,9 @@
 //! otherwise costs ~13k Python ints to decode and pack (most of a token lookup's CPU). Strict: a plain
 //! JSON array of non-negative integers below 2**32 and whitespace; anything else is None, and the
 //! service decodes the body the ordinary way (so a bad body gets the ordinary error).
+//!
+//! `split_token_ids` takes the whole body: the array is cut out of the object here, so no JSON
+//! decoder walks the tokens at all (a decoder skipping them as raw text costs more than parsing them).
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -31,44 +34,32 @@ fn digits8(raw: &[u8], i: usize) -> Option<(u64, usize)> {
     Some((d, len))
 }
 
-#[pyfunction]
-pub fn parse_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<Bound<'py, PyBytes>> {
-    let ws = |b: u8| b == b' ' || b == b'\n' || b == b'\r' || b == b'\t';
-    let mut i = 0;
-    let n = raw.len();
-    while i < n && ws(raw[i]) {
+#[inline(always)]
+fn ws(b: u8) -> bool {
+    b == b' ' || b == b'\n' || b == b'\r' || b == b'\t'
+}
+
+#[inline(always)]
+fn skip_ws(raw: &[u8], mut i: usize) -> usize {
+    while i < raw.len() && ws(raw[i]) {
         i += 1;
     }
-    if i >= n || raw[i] != b'[' {
+    i
+}
+
+/// The JSON array of token ids at raw[i] (after whitespace) appended to `out` as little-endian
+/// uint32s: the index just past its ']', or None for anything but such an array.
+fn read_ids(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
+    let n = raw.len();
+    let mut i = skip_ws(raw, i);
+    if raw.get(i) != Some(&b'[') {
         return None;
     }
-    i += 1;
-    let mut out: Vec<u8> = Vec::with_capacity(n / 2);
-    let mut first = true;
+    i = skip_ws(raw, i + 1);
+    if raw.get(i) == Some(&b']') {
+        return Some(i + 1); // an empty array
+    }
     loop {
-        while i < n && ws(raw[i]) {
-            i += 1;
-        }
-        if i >= n {
-            return None;
-        }
-        if raw[i] == b']' && first {
-            i += 1; // an empty array
-            break;
-        }
-        if raw[i] == b']' {
-            i += 1;
-            break;
-        }
-        if !first {
-            if raw[i] != b',' {
-                return None;
-            }
-            i += 1;
-            while i < n && ws(raw[i]) {
-                i += 1;
-            }
-        }
         // an integer: no sign, no leading zeros (JSON), no fraction or exponent (that is a float)
         let start = i;
         let v = match digits8(raw, i) {
@@ -90,13 +81,134 @@ pub fn parse_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<Bound<'py, Py
             return None;
         }
         out.extend_from_slice(&(v as u32).to_le_bytes());
-        first = false;
+        // then "," (most often followed by one space) or "]"
+        let mut c = *raw.get(i)?;
+        if ws(c) {
+            i = skip_ws(raw, i);
+            c = *raw.get(i)?;
+        }
+        match c {
+            b',' => {
+                i += 1;
+                if raw.get(i).is_some_and(|&b| ws(b)) {
+                    i = skip_ws(raw, i);
+                }
+            }
+            b']' => return Some(i + 1),
+            _ => return None,
+        }
     }
-    while i < n && ws(raw[i]) {
-        i += 1;
+}
+
+/// Past the JSON string starting at raw[i] (its opening quote), or None if it does not end.
+fn skip_string(raw: &[u8], mut i: usize) -> Option<usize> {
+    i += 1;
+    while i < raw.len() {
+        match raw[i] {
+            b'"' => return Some(i + 1),
+            b'\\' => i += 2,
+            _ => i += 1,
+        }
     }
-    if i != n {
+    None
+}
+
+/// Past the JSON value at raw[i], loosely: where it ends, not whether it is valid (the decoder that
+/// reads the rest of the body checks that).
+fn skip_value(raw: &[u8], mut i: usize) -> Option<usize> {
+    match *raw.get(i)? {
+        b'"' => skip_string(raw, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            while i < raw.len() {
+                match raw[i] {
+                    b'"' => {
+                        i = skip_string(raw, i)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(i + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                i += 1;
+            }
+            None
+        }
+        _ => {
+            let start = i;
+            while i < raw.len() && !matches!(raw[i], b',' | b'}' | b']') && !ws(raw[i]) {
+                i += 1;
+            }
+            (i > start).then_some(i)
+        }
+    }
+}
+
+/// A JSON object body with a "token_ids" array of uint32s, split in two: (the object without that
+/// member, the ids packed as little-endian uint32), or None (no such member, given twice, null, not
+/// such an array, or not an object) for the ordinary decode. The other members are copied as they
+/// are; the caller decodes them (so a bad member still gets the ordinary error).
+#[pyfunction]
+pub fn split_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    const KEY: &[u8] = b"\"token_ids\"";
+    let mut i = skip_ws(raw, 0);
+    if raw.get(i) != Some(&b'{') {
         return None;
     }
-    Some(PyBytes::new(py, &out))
+    let mut rest: Vec<u8> = Vec::with_capacity(256);
+    rest.push(b'{');
+    let mut ids: Option<Vec<u8>> = None;
+    i = skip_ws(raw, i + 1);
+    if raw.get(i) != Some(&b'}') {
+        loop {
+            let key = i;
+            if raw.get(i) != Some(&b'"') {
+                return None;
+            }
+            let key_end = skip_string(raw, i)?;
+            i = skip_ws(raw, key_end);
+            if raw.get(i) != Some(&b':') {
+                return None;
+            }
+            if &raw[key..key_end] == KEY {
+                if ids.is_some() {
+                    return None;
+                }
+                let mut out = Vec::with_capacity(raw.len() / 2);
+                i = read_ids(raw, i + 1, &mut out)?;
+                ids = Some(out);
+            } else {
+                i = skip_value(raw, skip_ws(raw, i + 1))?;
+                if rest.len() > 1 {
+                    rest.push(b',');
+                }
+                rest.extend_from_slice(&raw[key..i]);
+            }
+            i = skip_ws(raw, i);
+            match raw.get(i) {
+                Some(b',') => i = skip_ws(raw, i + 1),
+                Some(b'}') => break,
+                _ => return None,
+            }
+        }
+    }
+    if skip_ws(raw, i + 1) != raw.len() {
+        return None;
+    }
+    rest.push(b'}');
+    let ids = ids?;
+    Some((PyBytes::new(py, &rest), PyBytes::new(py, &ids)))
+}
+
+/// A JSON array of token ids alone (Dynamo's /query reads its own body): packed, or None.
+#[pyfunction]
+pub fn parse_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<Bound<'py, PyBytes>> {
+    let mut out: Vec<u8> = Vec::with_capacity(raw.len() / 2);
+    let end = read_ids(raw, 0, &mut out)?;
+    (skip_ws(raw, end) == raw.len()).then(|| PyBytes::new(py, &out))
 }

@@ -24,6 +24,25 @@ BODIES = [
     b'{"model": 3, "token_ids": [1]}',
     b'{"model": "m", "token_ids": [1]',
     b'not json',
+    # the token ids cut out of the object: where they stand, what stands around them
+    b'{"token_ids": [7, 8], "model": "m"}',
+    b' { "top_k" : 1 , "token_ids" : [ 7 ] , "model" : "m" } ',
+    b'{"model": "m]}\\"", "token_ids": [7]}',
+    b'{"model": "m", "lora_name": "a\\\\", "token_ids": [7]}',
+    b'{"model": "m", "token_ids": [7], "token_ids": [8]}',
+    b'{"model": "m", "token\\u005fids": [7]}',
+    b'{"model": "m", "token_ids": [7], "token\\u005fids": [8]}',
+    b'{"model": "m", "extra": {"a": [1, {"b": "}"}]}, "token_ids": [7]}',
+    b'{"model": "m", "token_ids": [7],}',
+    b'{"model": "m" "token_ids": [7]}',
+    b'{"model": "m", "token_ids": [7]} x',
+    b'{"model": "m", "token_ids": [7], "top_k": }',
+    b'{"model": "m", "token_ids": [7], "top_k": tru}',
+    b'{"model": "m", "token_ids": 7}',
+    b'{"model": "m", "token_ids": [7]]}',
+    b'{}',
+    b'[1, 2]',
+    b'{"model": "m", "token_ids": [7], "cache_salt": null, "top_k": null}',
 ]
 
 
