@@ -1251,7 +1251,6 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chain, m)?)?;
     m.add_function(wrap_pyfunction!(chain_array, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
-    m.add_function(wrap_pyfunction!(tokens::parse_token_ids, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::split_token_ids, m)?)?;
     Ok(())
 }

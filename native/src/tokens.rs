@@ -204,11 +204,3 @@ pub fn split_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<(Bound<'py, P
     let ids = ids?;
     Some((PyBytes::new(py, &rest), PyBytes::new(py, &ids)))
 }
-
-/// A JSON array of token ids alone (Dynamo's /query reads its own body): packed, or None.
-#[pyfunction]
-pub fn parse_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<Bound<'py, PyBytes>> {
-    let mut out: Vec<u8> = Vec::with_capacity(raw.len() / 2);
-    let end = read_ids(raw, 0, &mut out)?;
-    (skip_ws(raw, end) == raw.len()).then(|| PyBytes::new(py, &out))
-}

@@ -536,7 +536,7 @@ EDGE_IDS = [0, 9, 10, 99999999, 100000000, 4294967295, 4294967296]
                 max_size=40),
        st.sampled_from(["", " ", "\n", "\t ", "0", "-", ".5", "e1", "x", "00"]), st.integers(0, 3))
 @SETTINGS
-def test_parse_token_ids_is_strict_json(native, ids, junk, where):
+def test_split_token_ids_is_strict_json(native, ids, junk, where):
     """The compiled token parser (8 digits at a time) reads exactly what a JSON decoder reads into
     uint32s, and refuses (None) everything else: out of range, leading zeros, signs, fractions."""
     sep = [",", ", ", " ,", ",\n"][where]
@@ -550,8 +550,9 @@ def test_parse_token_ids_is_strict_json(native, ids, junk, where):
         ok = ok and not any(f"{sep}0" + d in text or "[0" + d in text for d in "0123456789")
     except ValueError:
         ok = False
-    got = native.parse_token_ids(text.encode())
+    got = native.split_token_ids(b'{"model": "m", "token_ids": ' + text.encode() + b"}")
     if ok:
-        assert got is not None and np.frombuffer(got, dtype="<u4").tolist() == want, text
+        assert got is not None and got[0] == b'{"model": "m"}', text
+        assert np.frombuffer(got[1], dtype="<u4").tolist() == want, text
     else:
         assert got is None, text
