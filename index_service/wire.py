@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -96,23 +98,21 @@ def read_lookup(body: bytes) -> LookupRequest:
     to packed uint32 bytes (`token_ids` is then those bytes: no Python int per token), cut out of the
     body before the rest is decoded; a body it does not take is decoded the ordinary way, so its error
     is the ordinary one."""
-    req = read_split(LOOKUP_DECODER, body)
+    req = read_split(LOOKUP_DECODER.decode, body)
     return req if req is not None else decode(LOOKUP_DECODER, body)
 
 
-def read_split(decoder: msgspec.json.Decoder, body: bytes):
-    """The body decoded with its token ids packed by the compiled parser (kvidx_native.split_token_ids),
-    or None where that parser is not built or does not take this body (then decode it the ordinary
-    way: the error is that decoder's)."""
+def read_split(decode_rest: Callable[[bytes], Any], body: bytes):
+    """The body decoded with its token ids packed by the compiled parser (kvidx_native.split_token_ids;
+    `decode_rest` reads the other members), or None where that parser is not built or does not take
+    this body (then decode it the ordinary way: the error is the ordinary one)."""
     parts = split_token_ids(body) if split_token_ids is not None else None
     if parts is None:
         return None
     rest, packed = parts
     try:
-        req = decoder.decode(rest)
+        req = decode_rest(rest)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    if req.token_ids is not None:  # the key spelled with escapes: read it the ordinary way
         return None
     req.token_ids = packed
     return req

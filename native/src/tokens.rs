@@ -151,7 +151,7 @@ fn skip_value(raw: &[u8], mut i: usize) -> Option<usize> {
 
 /// A JSON object body with a "token_ids" array of uint32s, split in two: (the object without that
 /// member, the ids packed as little-endian uint32), or None (no such member, given twice, null, not
-/// such an array, or not an object) for the ordinary decode. The other members are copied as they
+/// such an array, a key with an escape, or not an object) for the ordinary decode. The other members are copied as they
 /// are; the caller decodes them (so a bad member still gets the ordinary error).
 #[pyfunction]
 pub fn split_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
@@ -171,6 +171,9 @@ pub fn split_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<(Bound<'py, P
                 return None;
             }
             let key_end = skip_string(raw, i)?;
+            if raw[key..key_end].contains(&b'\\') {
+                return None; // an escaped key may spell token_ids: the decoder reads such bodies whole
+            }
             i = skip_ws(raw, key_end);
             if raw.get(i) != Some(&b':') {
                 return None;

@@ -43,6 +43,10 @@ BODIES = [
     b'{}',
     b'[1, 2]',
     b'{"model": "m", "token_ids": [7], "cache_salt": null, "top_k": null}',
+    b'{"model": "m", "token_ids": [1], "token\\u005fids": null}',  # the last value wins: null
+    b'{"model": "m", "token_ids": [1], "\\u0074oken_ids": null, "block_hashes": [5], "prompt_tokens": 16}',
+    b'{"model": "m", "token_ids": [1], "x": "\xff"}',
+    b'{"model": "m", "token_ids": [1], "top_k": 1e999}',
 ]
 
 
@@ -82,3 +86,34 @@ def test_random_token_lists():
         ids = [r.choice([0, 1, 9, 10, 2**32 - 1, r.randrange(2**32)]) for _ in range(r.randint(0, 50))]
         body = msgspec.json.encode({"model": "m", "token_ids": ids})
         assert _read(body) == _ordinary(body)
+
+
+# Dynamo's POST /query body (index_service/dynamo_api.py): the compiled split against its ordinary decode
+QUERY_BODIES = [
+    b'{"model_name": "m", "token_ids": [1, 2]}',
+    b'{"token_ids": [], "model_name": "m", "lora_name": "a"}',
+    b'{"model_name": "m", "token_ids": [1], "token\\u005fids": null}',
+    b'{"model_name": "m", "token_ids": [1], "x": "\xff"}',
+    b'{"model_name": "m", "token_ids": [1], "x": [1e999]}',
+    b'{"model_name": "m", "token_ids": [1], "x": {"token_ids": "y"}}',
+    b'{"model_name": "m", "token_ids": [1.5]}',
+    b'{"model_name": 1, "token_ids": [1]}',
+    b'{"token_ids": [1]}',
+]
+
+
+def _query(body: bytes, monkeypatch, split: bool):
+    from index_service import dynamo_api, wire
+    if not split:
+        monkeypatch.setattr(wire, "split_token_ids", None)
+    got = dynamo_api._decode_body(body, dynamo_api.QueryRequest)
+    monkeypatch.undo()
+    if isinstance(got, dynamo_api.QueryRequest):
+        ids = got.token_ids
+        return ("ok", got.model_name, got.lora_name, pack_tokens(ids) if isinstance(ids, list) else ids)
+    return ("error", got.status_code, got.body)
+
+
+@pytest.mark.parametrize("body", QUERY_BODIES)
+def test_dynamo_query_split_is_the_ordinary_decode(body, monkeypatch):
+    assert _query(body, monkeypatch, True) == _query(body, monkeypatch, False)
