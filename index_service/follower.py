@@ -95,12 +95,17 @@ class KafkaFollower(Background):
                       # the broker answers a waiting fetch as soon as an event arrives: a long wait
                       # costs no freshness, a short one ~2 % of a core polling an idle broker
                       "enable.auto.commit": False, "fetch.wait.max.ms": 100, "fetch.min.bytes": 1,
-                      "topic.metadata.refresh.interval.ms": 5000})
+                      # a position the retention passed: go on from the oldest event left (as the
+                      # worker does), never jump to the end and wait there
+                      "auto.offset.reset": "earliest", "topic.metadata.refresh.interval.ms": 5000})
         try:
             parts = self._partitions(c)
             ends = {}
             for p in parts:
                 lo, hi = watermarks(c, self.events_topic, p)
+                if p in starts and starts[p] < lo:
+                    self._events_lost(p, starts[p], lo)
+                    starts[p] = lo
                 if hi > max(lo, starts.get(p, 0)):
                     ends[p] = hi
             assignment = [TopicPartition(self.events_topic, p, starts.get(p, OFFSET_BEGINNING))
@@ -141,6 +146,16 @@ class KafkaFollower(Background):
                             self._ready(t0)
         finally:
             c.close()
+
+    def _events_lost(self, partition: int, start: int, low: int) -> None:
+        """The snapshot's events offset is older than the oldest event the topic keeps: the events in
+        between are gone (retention ran past a worker that was down), and the index misses them until
+        the replicas' relays resync. Said once, in one line, and counted (/healthz, /metrics)."""
+        self.store.events_lost += low - start
+        log.error("event=events_lost topic=%s partition=%d from_offset=%d to_offset=%d: the events "
+                  "topic's retention deleted %d batches the newest snapshot had not folded; the index "
+                  "misses them until the replicas' relays resync (kvidx resync --model M)",
+                  self.events_topic, partition, start, low, low - start)
 
     def _lag(self, c: Consumer, parts: list[int]) -> int:
         positions = c.position([TopicPartition(self.events_topic, p) for p in parts])

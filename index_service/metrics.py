@@ -19,6 +19,8 @@ Series:
 - kvidx_core_info{maskmap}                  1, labelled with the index core that runs: native (the
                                             compiled mask map) or python (the reference fallback)
 - kvidx_consumer_lag_messages               event batches published but not yet applied here
+- kvidx_events_lost_total                   event batches the events topic's retention deleted before
+                                            the snapshot this instance rebuilt from had folded them
 Per replica (model, replica, dp_rank; only replicas that sent events, so routes to unknown replicas do
 not add series), read from the shards at scrape:
 - kvidx_replica_batches_applied_total       engine batches applied (rate = the replica's batches/s)
@@ -112,6 +114,8 @@ class _StoreCollector:
         yield GaugeMetricFamily("kvidx_consumer_lag_messages",
                                 "Event batches published but not yet applied here (all partitions)",
                                 value=store.consumer_lag)
+        yield CounterMetricFamily("kvidx_events_lost", "Event batches deleted by the events topic's "
+                                  "retention before a snapshot folded them", value=store.events_lost)
 
 
     def _replicas(self, now: float):

@@ -41,6 +41,8 @@ def add_status_routes(app: FastAPI, ctx: ServiceContext, auth: tuple[int, ...]) 
                 "models": len(store.shards), "batches_applied": store.batches_applied}
         if not ready and getattr(store, "not_ready_reason", None):
             body["reason"] = store.not_ready_reason  # e.g. which broker address does not answer
+        if getattr(store, "events_lost", 0):
+            body["events_lost"] = store.events_lost  # retention outran the snapshots: relays must resync
         if store.groups is not None:  # a partial instance: what it holds, whom it asks for the rest
             body["groups"] = sorted(store.groups)
             if ctx.fanout is not None:

@@ -41,6 +41,7 @@ class ShardStore:
         self.batches_applied = 0
         self.routes_applied = 0
         self.consumer_lag = 0  # event batches behind the topic's end (kept by the Kafka follower)
+        self.events_lost = 0  # event batches retention deleted before a snapshot folded them
         self.ready = False  # set once the shards were rebuilt (snapshots + catch-up)
         self.not_ready_reason: str | None = None  # what /healthz says while not ready
         self.publish_route: Callable[[RouteDecision], None] | None = None  # set when routes go to Kafka

@@ -331,6 +331,14 @@ def test_healthz_not_ready():
     assert resp.json()["ready"] is False and resp.json()["status"] == "not_ready"
 
 
+def test_events_lost_to_retention_show_in_healthz_and_metrics():
+    store = ShardStore()
+    store.ready, store.events_lost = True, 7  # the follower's count (tests/integration/test_retention_gap.py)
+    with ServerThread(create_app(store)) as url:
+        assert httpx.get(f"{url}/healthz").json()["events_lost"] == 7
+        assert "kvidx_events_lost_total 7.0" in httpx.get(f"{url}/metrics").text
+
+
 def test_metrics(world):
     client = world["client"]
     tokens = [1, 2, 3] * 40
