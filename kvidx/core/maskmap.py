@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import xxhash
@@ -355,7 +355,6 @@ def native_module():
 
 if _mod is not None:
     Mapping.register(_mod.Depths)
-    Sequence.register(_mod.HashArray)
 MaskMap: type = _mod.MaskMap if _mod is not None else PyMaskMap
 chain = _mod.chain if _mod is not None else py_chain
 # chain into a kvidx_native.HashArray (no Python int per hash; the maps read it directly), or a list
