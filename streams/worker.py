@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import faust
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Producer
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
@@ -47,8 +47,6 @@ LAG = Histogram("kvidx_worker_apply_lag_seconds", "Engine event time to applied 
 SNAP = Histogram("kvidx_worker_snapshot_seconds", "Time to write one shard snapshot", ["model"])
 SNAP_BYTES = Counter("kvidx_worker_snapshot_bytes_total", "Snapshot bytes written to the compacted topic "
                      "(and the same to RocksDB), by part", ["model", "part"])
-EVENTS_LOST = Counter("kvidx_worker_events_lost_total", "Events-topic messages retention deleted before the "
-                      "snapshot a shard was rebuilt from had folded them", ["model"])
 LOCAL_ERRORS = Counter("kvidx_worker_local_store_errors_total",
                        "Snapshots the local RocksDB could not store (full disk ...)")
 INDEXED = Gauge("kvidx_worker_indexed_blocks", "Distinct blocks in the shard",
@@ -92,15 +90,13 @@ class ShardWorker:
     """The fold-and-snapshot state machine, independent of faust so it can be tested directly."""
 
     def __init__(self, bootstrap: str, data_dir: str | Path, snapshot_topic: str = SNAPSHOTS_TOPIC,
-                 dead_letter_topic: str = DEAD_LETTER_TOPIC, settings: ShardSettings | None = None,
-                 events_topic: str = EVENTS_TOPIC):
+                 dead_letter_topic: str = DEAD_LETTER_TOPIC, settings: ShardSettings | None = None):
         """`settings`: how shards are made (the deployment configuration: per-model index block size,
         eviction kinds, pools), the same the service instances use."""
         self.bootstrap = bootstrap
         self.local = LocalStore(Path(data_dir) / "shards")
         self.topic = SnapshotTopic(bootstrap, snapshot_topic)
         self.snapshot_topic = snapshot_topic
-        self.events_topic = events_topic
         self.dead_letter_topic = dead_letter_topic
         self.settings = settings or ShardSettings(index_block_size=16)
         self.shards: dict[str, ModelShard] = {}
@@ -145,7 +141,6 @@ class ShardWorker:
         else:
             (s, manifest) = found
             self.settings.configure(s)
-            self._check_retention(s, model, partition)
         s.track_changes()
         self.logs[key] = SnapshotLog(key, manifest)
         if s.block_size != self.settings.block_size(model):
@@ -156,26 +151,6 @@ class ShardWorker:
                  source, s.blocks_applied)
         self.shards[key] = s
         return s
-
-    def _check_retention(self, s: ModelShard, model: str, partition: int) -> None:
-        """Says so (once, one line, and counted) when the events topic's retention deleted events after
-        the snapshot's offset: the consumer goes on from the oldest event kept, and the shard misses
-        what was deleted until the relays resync."""
-        c = Consumer({**client_config(), "bootstrap.servers": self.bootstrap,
-                      "group.id": "kvidx-worker-retention-check"})
-        try:
-            low, _ = c.get_watermark_offsets(TopicPartition(self.events_topic, partition), timeout=5)
-        except KafkaException as e:  # the fold goes on: this check only reports
-            log.warning("event=retention_check_failed model=%s error=%s", model, str(e)[:200])
-            return
-        finally:
-            c.close()
-        if s.events_offset < low:
-            EVENTS_LOST.labels(model).inc(low - s.events_offset)
-            log.error("event=events_lost model=%s partition=%d from_offset=%d to_offset=%d: the events "
-                      "topic's retention deleted messages this shard's snapshot had not folded; the index "
-                      "misses them until the replicas' relays resync (kvidx resync --model %s)",
-                      model, partition, s.events_offset, low, model)
 
     def _keep_local(self, items: list[tuple[str, bytes]]) -> None:
         try:
@@ -281,8 +256,7 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
         # metadata shows the partitions, which by default is up to 5 minutes later: 10 s instead
         consumer_metadata_max_age_ms=10_000,
     )
-    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, settings=settings,
-                         events_topic=events_topic)
+    worker = ShardWorker(bootstrap, data_dir, snapshot_topic, dead_letter_topic, settings=settings)
     CONSUMER_LAG.app, CONSUMER_LAG.topic = app, events_topic
     topic = app.topic(events_topic, key_type=bytes, value_type=bytes, value_serializer="raw",
                       key_serializer="raw")

@@ -21,8 +21,7 @@ def test_full_disk_on_a_shard_loses_nothing(kafka_bootstrap, topics, tmp_path, m
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(LocalStore, "save", full)
-    worker = ShardWorker(kafka_bootstrap, tmp_path / "w", topics["snapshots"],
-                         topics["dead_letters"], events_topic=topics["events"])
+    worker = ShardWorker(kafka_bootstrap, tmp_path / "w", topics["snapshots"], topics["dead_letters"])
     relay = VllmPublisherRelay("tiny", "tcp://127.0.0.1:5557", 16, epoch=0)
     offset = 0
     failures = LOCAL_ERRORS._value.get()

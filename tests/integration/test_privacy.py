@@ -76,8 +76,7 @@ def test_no_token_ids_in_kafka_rocksdb_or_logs(kafka_bootstrap, topics, tmp_path
     sink.flush()
     assert relay.core.next_seq == last + 3
 
-    worker = ShardWorker(kafka_bootstrap, tmp_path / "worker", topics["snapshots"],
-                         topics["dead_letters"], events_topic=topics["events"])
+    worker = ShardWorker(kafka_bootstrap, tmp_path / "worker", topics["snapshots"], topics["dead_letters"])
     c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "privacy-fold",
                   "auto.offset.reset": "earliest"})
     c.subscribe([topics["events"]])

@@ -30,15 +30,14 @@ def test_deltas_bases_and_a_takeover_rebuild_exactly(kafka_bootstrap, topics, tm
     monkeypatch.setattr(snapshots, "PIECE_BYTES", 2000)  # bases in several pieces, over several snapshots
     all_batches = list(batches())
     assert len(all_batches) > 120, "the recording is long enough for several bases"
-    worker = ShardWorker(kafka_bootstrap, tmp_path / "w1", topics["snapshots"],
-                         topics["dead_letters"], events_topic=topics["events"])
+    worker = ShardWorker(kafka_bootstrap, tmp_path / "w1", topics["snapshots"], topics["dead_letters"])
     written = {k: SNAP_BYTES.labels("tiny", k)._value.get() for k in ("delta", "base")}
     gens = set()
     for i, b in enumerate(all_batches):
         if i == len(all_batches) // 2:  # a new machine takes the model over from the topic alone
             worker.close()
             worker = ShardWorker(kafka_bootstrap, tmp_path / "w2", topics["snapshots"],
-                                 topics["dead_letters"], events_topic=topics["events"])
+                                 topics["dead_letters"])
         worker.fold(encode_batch(b), 0, i)
         if i % 7 == 6:
             worker.snapshot_dirty()
