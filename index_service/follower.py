@@ -33,6 +33,15 @@ from streams.snapshots import read_snapshots, watermarks
 log = logging.getLogger("kvidx.service")
 
 
+def retention_gap(snapshot_offsets: list[int], low: int) -> int:
+    """Messages of a partition that retention deleted before any snapshot folded them: from the
+    furthest snapshot of the partition to the oldest offset kept (0 if a snapshot reaches it). A
+    snapshot behind `low` alone loses nothing: its model had no events after it while the worker folded
+    the partition further (every dirty shard is snapshotted before the worker acknowledges)."""
+    furthest = max(snapshot_offsets, default=low)
+    return max(0, low - furthest)
+
+
 class KafkaFollower(Background):
     thread_name = "kafka-follower"
 
@@ -81,9 +90,12 @@ class KafkaFollower(Background):
         t0 = time.monotonic()
         shards = read_snapshots(self.bootstrap, self.snapshot_topic, groups=self.store.groups)
         starts: dict[int, int] = {}
+        folded: dict[int, list[tuple[str, int]]] = {}  # partition -> (model, its snapshot's offset)
         for key in sorted(shards):  # a model's replica groups merged in group order
             shard = shards.pop(key)
             partition, offset = shard.events_partition, shard.events_offset
+            if partition >= 0:
+                folded.setdefault(partition, []).append((shard.model, offset))
             if not self.store.put_group(shard):
                 continue  # a group this instance does not hold
             if partition >= 0:
@@ -104,8 +116,8 @@ class KafkaFollower(Background):
             for p in parts:
                 lo, hi = watermarks(c, self.events_topic, p)
                 if p in starts and starts[p] < lo:
-                    self._events_lost(p, starts[p], lo)
-                    starts[p] = lo
+                    starts[p] = lo  # from the oldest event kept, not the end
+                    self._check_retention(p, folded[p], lo)
                 if hi > max(lo, starts.get(p, 0)):
                     ends[p] = hi
             assignment = [TopicPartition(self.events_topic, p, starts.get(p, OFFSET_BEGINNING))
@@ -122,6 +134,8 @@ class KafkaFollower(Background):
                 if now >= lag_at:  # consumer lag, from the watermarks the fetches already returned
                     lag_at = now + 1.0
                     self.store.consumer_lag = self._lag(c, parts)
+                    if ends and self._passed(c, ends):  # no message left to see (retention took it)
+                        self._ready(t0)
                 if now >= status_at:
                     status_at = now + self.status_every_s
                     log.info("event=service_status ready=%s models=%d batches_applied=%d "
@@ -147,15 +161,27 @@ class KafkaFollower(Background):
         finally:
             c.close()
 
-    def _events_lost(self, partition: int, start: int, low: int) -> None:
-        """The snapshot's events offset is older than the oldest event the topic keeps: the events in
-        between are gone (retention ran past a worker that was down), and the index misses them until
-        the replicas' relays resync. Said once, in one line, and counted (/healthz, /metrics)."""
-        self.store.events_lost += low - start
-        log.error("event=events_lost topic=%s partition=%d from_offset=%d to_offset=%d: the events "
-                  "topic's retention deleted %d batches the newest snapshot had not folded; the index "
-                  "misses them until the replicas' relays resync (kvidx resync --model M)",
-                  self.events_topic, partition, start, low, low - start)
+    def _check_retention(self, partition: int, folded: list[tuple[str, int]], low: int) -> None:
+        """Say so (once, one line, counted in /healthz and /metrics) when the events topic's retention
+        deleted events of `partition` that no snapshot had folded: a worker was down longer than the
+        retention. `folded`: (model, offset) of every snapshot of the partition."""
+        lost = retention_gap([o for _, o in folded], low)
+        if not lost:
+            return  # a snapshot reaches `low`: the older ones' models had no events in between
+        self.store.events_lost += lost
+        models = ",".join(sorted({m for m, o in folded if o < low}))
+        log.error("event=events_lost topic=%s partition=%d from_offset=%d to_offset=%d models=%s: the events "
+                  "topic's retention deleted %d messages no snapshot had folded; these models' indexes "
+                  "miss them until their relays resync (kvidx resync --model MODEL)",
+                  self.events_topic, partition, low - lost, low, models, lost)
+
+    def _passed(self, c: Consumer, ends: dict[int, int]) -> bool:
+        """Drop from `ends` the partitions the consumer is positioned at or past the end of (retention
+        can delete the last message before it is read); True when none is left."""
+        for tp in c.position([TopicPartition(self.events_topic, p) for p in ends]):
+            if tp.offset >= ends[tp.partition]:
+                ends.pop(tp.partition)
+        return not ends
 
     def _lag(self, c: Consumer, parts: list[int]) -> int:
         positions = c.position([TopicPartition(self.events_topic, p) for p in parts])

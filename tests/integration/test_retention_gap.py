@@ -13,7 +13,7 @@ from relays.run import play_recording
 from relays.sinks import KafkaSink
 from streams.snapshots import watermarks
 from tests.helpers import LLAMA
-from tests.integration.helpers import fresh_service, start_worker, wait_snapshots
+from tests.integration.helpers import fresh_service, start_worker, stop_workers, wait_snapshots
 
 pytestmark = pytest.mark.kafka
 BS = 16
@@ -25,17 +25,17 @@ def test_a_snapshot_older_than_retention_is_said_and_not_waited_on(kafka_bootstr
 
     sink = KafkaSink(kafka_bootstrap, topics["events"], topics["dead_letters"])
     play_recording(LLAMA / "frames.jsonl", "tiny", sink, BS, replica="r0")
-    sink.flush(30)
+    assert sink.flush(30) == 0
     log = tmp_path / "worker.log"
     worker = start_worker(kafka_bootstrap, topics["prefix"], tmp_path / "w", log)
     try:
         batches = sum(1 for _ in read_frames(LLAMA / "frames.jsonl")) + 1
         shard = wait_snapshots(kafka_bootstrap, topics["snapshots"], {"tiny": batches}, worker, log)["tiny"]
     finally:
-        worker.terminate()
-        worker.wait(30)
+        stop_workers(worker)
     # the worker is down; another replica's events arrive, and retention deletes the first part of them
     play_recording(LLAMA / "frames.jsonl", "tiny", sink, BS, replica="r1")
+    assert sink.flush(30) == 0
     sink.close()
     p, folded = shard.events_partition, shard.events_offset
     c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "retention-test"})
