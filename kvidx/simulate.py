@@ -728,8 +728,9 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
     f.add_argument("--hybrid", default=None, metavar="SPEC", help="vLLM replicas as hybrid models: swa:W "
                    "(full attention + a sliding window of W tokens) or mamba:K (full attention + a "
                    "state-space group checkpointed every K engine blocks)")
-    f.add_argument("--hybrid-group-blocks", type=int, default=0, help="blocks of the hybrid model's second "
-                   "group per replica (0: GPU blocks / 4 for swa, / (2K) for mamba)")
+    f.add_argument("--hybrid-group-blocks", type=int, default=0, help="blocks added to a hybrid "
+                   "replica's pool for its second group (the groups share one pool; 0: GPU blocks / 4 "
+                   "for swa, / (2K) for mamba)")
     f.add_argument("--hybrid-chunk-tokens", type=int, default=2048, help="swa: the scheduler's prefill chunk")
     f.add_argument("--cpu-offload-blocks", type=int, default=0, help="vLLM offloading connector: CPU blocks "
                    "per vLLM replica (blocks evicted from the GPU move there, LRU; CPU hits are reused)")

@@ -16,7 +16,8 @@ and time window.
 
 Hybrid models (`hybrid`, "swa:W" or "mamba:K"): the vLLM replicas are FleetHybridEngines
 (kvidx/sim/hybrid_engine.py: full attention + a sliding-window group of W tokens, or + a state-space
-group checkpointed every K blocks; each group its own capacity and LRU, `hybrid_group_blocks`), publishing
+group checkpointed every K blocks; one block pool shared by the groups as vLLM's hybrid allocator shares
+it, GPU blocks + `hybrid_group_blocks`), publishing
 vLLM 0.32's hybrid events; they reuse by vLLM's hybrid rule, and agreement is also kept per group kind
 (each group's own hit within the full-attention hit, engine vs index `groups[].hit_tokens`).
 vLLM CPU offload (`cpu_offload_blocks`, the offloading connector): OffloadVllmEngine moves every block
@@ -519,7 +520,8 @@ class FleetConfig:
     pool_group: int = 4  # replicas attached to each pool (consecutive replicas of a model)
     pool_tier: str = "NODE_SHARED"
     hybrid: str = ""  # vLLM replicas as hybrid models: "swa:W" (window W tokens) or "mamba:K" (checkpoints)
-    hybrid_group_blocks: int = 0  # the second group's blocks (0: GPU blocks / 4 for swa, / (2K) for mamba)
+    hybrid_group_blocks: int = 0  # the pool's blocks added for the second group (0: GPU blocks / 4 for
+    # swa, / (2K) for mamba)
     hybrid_chunk_tokens: int = 2048  # scheduler chunk of the swa model (mamba: K engine blocks)
     hybrid_hashless_p: float = 0.05  # mamba: chunk announcements without a hash
     hybrid_report_full_p: float = 0.1  # hits re-announced (kv_cache_report_mode "full")
@@ -958,7 +960,7 @@ class _Fleet:
 
     def _hybrid_vllm(self, model: str, name: str, j: int) -> FleetHybridEngine:
         cfg, plan, hgroups = self.cfg, self.plan, self.plan.hgroups
-        e = FleetHybridEngine(name, hgroups, cfg.engine_block, [cfg.num_blocks, plan.hcap], plan.hchunk,
+        e = FleetHybridEngine(name, hgroups, cfg.engine_block, cfg.num_blocks + plan.hcap, plan.hchunk,
                               seed=cfg.seed * 1009 + j, hashless_p=cfg.hybrid_hashless_p,
                               report_full_p=cfg.hybrid_report_full_p, buffer_steps=cfg.replay_buffer)
         # the relay is configured with the model's groups (as `kvidx relay` is from the model's
@@ -1267,7 +1269,8 @@ def _tier_counters(cfg: FleetConfig, fleet: _Fleet) -> dict[str, Any]:
         ms = [fleet.relays[r.name].core.mirror.stats for r in vl]
         out["hybrid"] = {
             "groups": [f"{k}" + (f":{w}" if w else "") for k, w in hgroups],
-            "group_capacity": [cfg.num_blocks, plan.hcap], "chunk_tokens": plan.hchunk,
+            "pool_blocks": cfg.num_blocks + plan.hcap, "chunk_tokens": plan.hchunk,
+            "overdrawn_blocks": sum(e.overdrawn for e in he),
             "stored_blocks_by_group": [sum(e.stored[g] for e in he) for g in range(len(hgroups))],
             "evicted_blocks_by_group": [sum(e.removed[g] for e in he) for g in range(len(hgroups))],
             "hashless_announced": sum(e.hashless for e in he),

@@ -102,7 +102,9 @@ class HybridEngine:
         s = self.B // self.unit
         return self.unit_hashes(tokens)[s - 1::s]
 
-    def _store(self, g: int, hashes: list[int], parent: int | None, tokens: list[int], bs: int | None = None):
+    def _store(self, g: int, hashes: list[int], parent: int | None, tokens: list[int], bs: int | None = None,
+               at: list[int] | None = None):
+        """Cache `hashes` in group `g` (`at`: their block positions in the prompt) and announce them."""
         kind, window = self.groups[g]
         for h in hashes:
             self.live[g][h] = self.live[g].get(h, 0) + 1
@@ -126,12 +128,14 @@ class HybridEngine:
             end = min(n, done + chunk_tokens)
             b0, b1 = done // B, end // B  # blocks cached before / after this chunk
             for g, (kind, window) in enumerate(self.groups):
+                self._schedule(g, done, end)
                 if kind == "mamba":
                     if b1 > b0 and rng.random() >= hashless_p:
                         if rng.random() < 0.5:  # as observed: parent null, token_ids from 0
-                            self._store(g, [hs[b1 - 1]], None, tokens[:b1 * B])
+                            self._store(g, [hs[b1 - 1]], None, tokens[:b1 * B], at=[b1 - 1])
                         else:  # as cache_full_blocks writes it after a hit: from the chunk's start
-                            self._store(g, [hs[b1 - 1]], hs[b0 - 1] if b0 else None, tokens[b0 * B:b1 * B])
+                            self._store(g, [hs[b1 - 1]], hs[b0 - 1] if b0 else None, tokens[b0 * B:b1 * B],
+                                        at=[b1 - 1])
                     else:  # decode-filled or skipped states: announced without a hash
                         self.pending.append(WStored([], None, tokens[done:end], B, None, "GPU", None, [],
                                                     g, kind, window))
@@ -145,8 +149,12 @@ class HybridEngine:
                     keep = list(range(max(b0, b1 - need), b1))
                 else:
                     keep = list(range(b0, b1))
-                self._store(g, [hs[i] for i in keep], parent, tokens[b0 * B:b1 * B])
+                self._store(g, [hs[i] for i in keep], parent, tokens[b0 * B:b1 * B], at=keep)
             done = end
+
+    def _schedule(self, g: int, done: int, end: int) -> None:
+        """A chunk [done, end) of the prompt is about to be computed in group `g` (the fleet engine
+        allocates its blocks here); nothing to do for the bare generator."""
 
     def evict(self, g: int, h: int, silent: bool = False):
         c = self.live[g][h] - 1
@@ -193,33 +201,38 @@ class HybridEngine:
 class FleetHybridEngine(HybridEngine):
     """A hybrid vLLM replica of the fleet simulator (see the module docstring).
 
-    `capacity`: physical blocks per group (index = group_idx); `chunk_tokens`: the scheduler's chunk
-    (for mamba groups, the checkpoint interval); `hashless_p`: the share of mamba chunk announcements
-    without a hash; `report_full_p`: the share of hits re-announced (kv_cache_report_mode "full")."""
+    `capacity`: physical blocks of the one pool all groups allocate from; `chunk_tokens`: the
+    scheduler's chunk (for mamba groups, the checkpoint interval); `hashless_p`: the share of mamba
+    chunk announcements without a hash; `report_full_p`: the share of hits re-announced
+    (kv_cache_report_mode "full")."""
 
     topic = b"kv"
 
     def __init__(self, name: str, groups: list[tuple[str, int | None]], block_size: int,
-                 capacity: list[int], chunk_tokens: int, seed: int = 0, hashless_p: float = 0.0,
+                 capacity: int, chunk_tokens: int, seed: int = 0, hashless_p: float = 0.0,
                  report_full_p: float = 0.0, buffer_steps: int = 1000) -> None:
         super().__init__(groups, block_size)
         self.name = name
-        self.capacity = list(capacity)
+        self.capacity = capacity
         self.chunk_tokens = chunk_tokens
         self.hashless_p = hashless_p
         self.report_full_p = report_full_p
         self.rng = random.Random(seed)
         self.now = 0.0
-        self.lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in groups]
-        self.used = [0] * len(groups)  # physical blocks holding a cached hash, per group
+        # the block pool (vllm/v1/core/block_pool.py): what each physical block caches, the copies of
+        # each (group, hash) in the order they were cached, and the free queue (evicted from its head)
+        self._key: list[tuple[int, int] | None] = [None] * capacity
+        self._copies: dict[tuple[int, int], dict[int, None]] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity))
+        self._req: list[dict[int, int]] = [{} for _ in groups]  # the request's blocks: position -> block
         self.outbox: list[tuple[int, bytes]] = []
         self._buffer: deque = deque(maxlen=buffer_steps)
         self._memo: tuple[list[int], list[int]] | None = None
         self.stored = [0] * len(groups)
         self.removed = [0] * len(groups)
+        self.overdrawn = 0  # blocks allocated past the pool (one request larger than it)
         self.requests = 0
         self.last_group_hits: dict[int, int] = {}
-        self._protected: list[set[int]] = [set() for _ in groups]  # in use by the request being served
 
     # -- hashes: one prompt's hashes are asked for several times per request
     def block_hashes(self, tokens: list[int]) -> list[int]:
@@ -238,29 +251,67 @@ class FleetHybridEngine(HybridEngine):
     def removed_blocks(self) -> int:
         return sum(self.removed)
 
-    # -- the block pool: per group capacity and LRU
-    def _store(self, g: int, hashes: list[int], parent: int | None, tokens: list[int], bs: int | None = None):
-        lru = self.lru[g]
-        room = self.capacity[g] - len(hashes)
-        while self.used[g] > room and lru:
-            h = next(iter(lru))
-            if h in self._protected[g]:
-                break  # the rest is in use by this request: the group runs over its size for a step
-            self.evict(g, h)
+    # -- the block pool, shared by the groups as vLLM's hybrid allocator shares it
+    def _allocate(self) -> int:
+        """A block from the head of the free queue, its cached hash evicted (BlockRemoved)."""
+        if not self._free:
+            self.overdrawn += 1
+            self._key.append(None)
+            return len(self._key) - 1
+        bid, _ = self._free.popitem(last=False)
+        key = self._key[bid]
+        if key is not None:
+            self._key[bid] = None
+            copies = self._copies[key]
+            del copies[bid]
+            if not copies:
+                del self._copies[key]
+            self.evict(*key)
+        return bid
+
+    def _release(self, bids) -> None:
+        """Blocks the request no longer holds go to the free queue's tail, in the order given."""
+        for bid in bids:
+            self._free[bid] = None
+
+    def _schedule(self, g: int, done: int, end: int) -> None:
+        """Before a chunk [done, end): a sliding-window group frees the blocks that fell out of the
+        window (SlidingWindowManager.remove_skipped_blocks: deepest first, up to the first null),
+        a mamba group the state before the chunk; then full-attention and sliding-window groups
+        allocate the chunk's blocks (mamba's checkpoint block is taken when it is cached)."""
+        kind, window = self.groups[g]
+        req, B = self._req[g], self.B
+        if kind == "sliding_window":
+            skipped = max(0, done - window + 1) // B
+            freed = []
+            for pos in range(skipped - 1, -1, -1):
+                bid = req.pop(pos, None)
+                if bid is None:
+                    break
+                freed.append(bid)
+            self._release(freed)
+        elif kind == "mamba":
+            self._release([req.pop(pos) for pos in sorted(req) if pos < done // B])
+        if kind != "mamba":
+            for pos in range(done // B, -(-end // B)):
+                if pos not in req:
+                    req[pos] = self._allocate()
+
+    def _store(self, g: int, hashes: list[int], parent: int | None, tokens: list[int], bs: int | None = None,
+               at: list[int] | None = None):
+        req = self._req[g]
+        for h, pos in zip(hashes, at or (), strict=True):
+            bid = req.get(pos)
+            if bid is None:
+                bid = req[pos] = self._allocate()
+            self._key[bid] = (g, h)
+            self._copies.setdefault((g, h), {})[bid] = None
         super()._store(g, hashes, parent, tokens, bs)
-        for h in hashes:
-            lru[h] = None
-            lru.move_to_end(h)
-            self._protected[g].add(h)
-        self.used[g] += len(hashes)
         self.stored[g] += len(hashes)
 
     def evict(self, g: int, h: int, silent: bool = False):
         super().evict(g, h, silent)
-        self.used[g] -= 1
         self.removed[g] += 1
-        if h not in self.live[g]:
-            del self.lru[g][h]
 
     def group_hits(self, tokens: list[int]) -> tuple[int, dict[int, int]]:
         """(resumable tokens by vLLM's rule, {group: its own hit within the full-attention hit}):
@@ -288,28 +339,31 @@ class FleetHybridEngine(HybridEngine):
         return self.reference(tokens), own
 
     def serve(self, prompt: list[int], output: list[int] | None = None) -> int:
-        """One request: vLLM's hybrid hit, the hit's blocks touched, the rest computed (in chunks of
-        `chunk_tokens`) and cached; one engine batch to the outbox. Returns the reused tokens."""
+        """One request: vLLM's hybrid hit, the hit's blocks taken off the free queue, the rest computed
+        (in chunks of `chunk_tokens`) and cached, then every block freed (per group, deepest first);
+        one engine batch to the outbox. Returns the reused tokens."""
         B = self.B
         hs = self.block_hashes(prompt)
         reused, self.last_group_hits = self.group_hits(prompt)
         p = reused // B
-        self._protected = [set() for _ in self.groups]
-        for g, (kind, window) in enumerate(self.groups):  # touch what the hit uses
+        for g, (kind, window) in enumerate(self.groups):  # the hit's blocks (null before a window)
             if not p:
                 break
             if kind == "mamba":
-                used = hs[p - 1:p]
+                span = range(p - 1, p)
             elif kind == "sliding_window":
-                used = hs[max(0, p - -(-(window - 1) // B)):p]
+                span = range(max(0, p - -(-(window - 1) // B)), p)
             else:
-                used = hs[:p]
-            lru = self.lru[g]
-            for h in used:
-                lru.move_to_end(h)
-            self._protected[g].update(used)
+                span = range(p)
+            req = self._req[g]
+            for pos in span:
+                bid = next(iter(self._copies[(g, hs[pos])]))
+                self._free.pop(bid, None)
+                req[pos] = bid
         self.prefill(prompt, self.chunk_tokens, self.rng, self.hashless_p, self.report_full_p)
-        self._protected = [set() for _ in self.groups]
+        for req in self._req:  # KVCacheCoordinator.free: group by group, tail first
+            self._release([req[pos] for pos in sorted(req, reverse=True)])
+            req.clear()
         self.requests += 1
         if self.pending:
             payload = _enc.encode(WBatch(self.now, self.pending, 0))
