@@ -15,13 +15,13 @@ first; SGLang's and TensorRT-LLM's radix trees evict leaves before their parents
 last block is the oldest of its run and its first block the newest; shared pools (LMCache) keep
 chunks in prompt order. A route touches the prompt's blocks the replica holds and adds the rest.
 
-Models of one full-attention group only. vLLM's hybrid models (sliding window, state space) share
-one block pool among their groups, free out-of-window blocks while a prompt is prefilled and hold
-running requests' blocks out of reach: per-group capacities and orders do not follow that, and on a
-real engine's recording (gemma2, sliding window 32, concurrency 4) they cut recall from 0.990 to
-0.848 (docs/simulator.md). Extra physical copies of a block (vLLM recomputes the last block of a
-fully cached prompt) take room and refresh its place: the relay publishes them (BlocksStored.copy,
-EventBatch.copies_removed).
+Hybrid models (`pooled`): vLLM's hybrid allocator gives all KV-cache groups (full attention, sliding
+window, state space) one block pool, so a replica has one order and one capacity for all its groups,
+keyed by (group, hash), in the order vLLM frees a prefill's blocks (settle). Per-group capacities and
+orders do not follow that: on a real engine's recording (gemma2, sliding window 32, concurrency 4)
+they cut recall from 0.990 to 0.848; the pooled order keeps every real recording's agreement. Extra
+physical copies of a block (vLLM recomputes the last block of a fully cached prompt) take room and
+refresh its place: the relay publishes them (BlocksStored.copy, EventBatch.copies_removed).
 
 Foresight starts with a model's first route: without routes nothing is known to be coming, and the
 order costs the fold ~110 ns per block event (kvidx_native.Order; bench/RESULTS.md). Where the order
@@ -112,40 +112,92 @@ class Recency:
         return len(self.order) - len(self.unconfirmed) + self.extra
 
 
+_POOL = -1  # a pooled slot's one Recency: its group id
+_SHIFT = 64  # a pooled key: (group << 64) | hash
+_LOW = (1 << _SHIFT) - 1
+
+
 class Foresight:
     def __init__(self) -> None:
         self.active = False  # set by the model's first route (ModelShard.add_pending)
+        self.pooled = False  # one order and capacity per slot for all groups (hybrid models; pool())
         self.grown: list[Recency] = []  # stored to in the batch being folded (settle)
+        # pooled slots: the batch's stored runs, (slot key) -> group -> (freed early, runs) (settle)
+        self._runs: dict[tuple[int, int], dict[int, tuple[bool, list[list[int]]]]] = {}
         self.order_type = Order
         self.slots: dict[tuple[int, int], Recency] = {}  # (slot, group) -> its order
-        self._expiries: deque[tuple[float, int, int, tuple[int, ...]]] = deque()  # routes, by expiry
+        self._expiries: deque[tuple[float, tuple[int, int], tuple[int, ...]]] = deque()  # routes, by expiry
         self.version = 0  # bumped on every change: lookups reuse the doomed masks until then
         self._doomed: tuple[int, dict[int, dict[int, int]], dict[int, int]] | None = None
         self.discounted_lookups = 0  # lookups where some replica's credit was cut
 
-    def recency(self, slot: int, gid: int, held: int) -> Recency:
-        r = self.slots.get((slot, gid))
+    def pool(self) -> None:
+        """From now on the model's groups share each slot's block pool (a hybrid model): orders kept
+        per group so far are dropped (they were not a pool's)."""
+        if not self.pooled:
+            self.pooled = True
+            self.slots.clear()
+            self._runs.clear()
+            self._expiries.clear()
+            self.version += 1
+
+    def _at(self, slot: int, gid: int, hashes):
+        """(the slot's Recency key, the keys of `hashes` in it)."""
+        if not self.pooled:
+            return (slot, gid), hashes
+        g = gid << _SHIFT
+        return (slot, _POOL), [g | h for h in hashes]
+
+    def recency(self, key: tuple[int, int], held: int) -> Recency:
+        r = self.slots.get(key)
         if r is None:
-            r = self.slots[(slot, gid)] = Recency(held, self.order_type)
+            # pooled keys pass 64 bits: the dict order (compiled orders take one u64 hash)
+            r = self.slots[key] = Recency(held, PyOrder if self.pooled else self.order_type)
         return r
 
     # ---- the fold ------------------------------------------------------------------------------
-    def stored(self, slot: int, gid: int, hashes: list[int], deepest_first: bool, held_before: int) -> None:
+    def stored(self, slot: int, gid: int, hashes: list[int], deepest_first: bool, held_before: int,
+               freed_early: bool = False) -> None:
         """The engine reported these blocks (a chain, in prompt order) in `gid` on `slot`; `held_before`:
-        the slot's live blocks in the group before this event (for a slot seen for the first time)."""
+        the slot's live blocks in the group (pooled: in all groups) before this event (for a slot seen
+        for the first time); `freed_early`: a sliding-window or state group, whose blocks the engine
+        frees as the prefill moves past them (pooled slots only)."""
         if not hashes:
             return
-        r = self.recency(slot, gid, held_before)
+        key, hashes = self._at(slot, gid, hashes)
+        r = self.recency(key, held_before)
         if r.unconfirmed:  # routed blocks keep the place the route gave them
             _drain(map(r.unconfirmed.pop, hashes, repeat(None)))
         r.order.append(hashes, deepest_first)
+        if self.pooled:
+            self._runs.setdefault(key, {}).setdefault(gid, (freed_early, []))[1].append(hashes)
         self.grown.append(r)
         self.version += 1
 
     def settle(self) -> None:
         """After one engine batch: the most each slot it stored to was seen holding. Only at batch
         ends: within a batch the evictions of copies (EventBatch.copies_removed) are not yet counted,
-        and a peak taken there would be above its capacity."""
+        and a peak taken there would be above its capacity.
+
+        A pooled slot's blocks stored in the batch are put in the order vLLM frees them: the runs of
+        sliding-window and state groups before their last, freed as the prefill moved on (each
+        deepest first); then group by group (KVCacheCoordinator.free), each deepest first."""
+        for key, groups in self._runs.items():
+            r = self.slots.get(key)
+            if r is None:
+                continue
+            early: list[int] = []
+            finish: list[int] = []
+            for gid in sorted(groups):
+                freed_early, runs = groups[gid]
+                if freed_early:
+                    for run in runs[:-1]:
+                        early.extend(reversed(run))
+                    runs = runs[-1:]
+                for run in reversed(runs):
+                    finish.extend(reversed(run))
+            r.order.touch(early + finish)
+        self._runs.clear()
         for r in self.grown:
             if r.held() > r.peak:
                 r.peak = r.held()
@@ -154,7 +206,8 @@ class Foresight:
     def copied(self, slot: int, gid: int, hashes: list[int], deepest_first: bool) -> None:
         """The engine stored blocks it holds again (extra physical copies): they take room, and the
         hash goes with its newest copy, after everything stored before it."""
-        r = self.slots.get((slot, gid))
+        key, hashes = self._at(slot, gid, hashes)
+        r = self.slots.get(key)
         if r is None or not hashes:
             return
         order, copies = r.order, r.copies
@@ -168,7 +221,8 @@ class Foresight:
 
     def uncopied(self, slot: int, gid: int, hashes: list[int]) -> None:
         """An extra copy of each of these blocks was evicted; another stays."""
-        r = self.slots.get((slot, gid))
+        key, hashes = self._at(slot, gid, hashes)
+        r = self.slots.get(key)
         if r is None:
             return
         copies = r.copies
@@ -184,7 +238,8 @@ class Foresight:
 
     def removed(self, slot: int, gid: int, hashes: list[int]) -> None:
         """These blocks left the slot's group in every tier (evicted)."""
-        r = self.slots.get((slot, gid))
+        key, hashes = self._at(slot, gid, hashes)
+        r = self.slots.get(key)
         if r is None or not hashes:
             return
         gone = r.order.discard(hashes)
@@ -209,7 +264,9 @@ class Foresight:
         """A prompt was routed to `slot`: the engine touches `touched` (blocks the index holds there)
         and adds `incoming` (both in prompt order; incoming after touched); the incoming blocks count
         against the slot's capacity until its events report them or `expires` passes."""
-        r = self.slots.get((slot, gid))
+        key, touched = self._at(slot, gid, touched)
+        incoming = self._at(slot, gid, incoming)[1]
+        r = self.slots.get(key)
         if r is None:
             return  # nothing reported there yet: no order to keep, no capacity known
         order, un = r.order, r.unconfirmed
@@ -220,14 +277,14 @@ class Foresight:
         for h in new:
             un[h] = max(un.get(h, 0.0), expires)
         if new:
-            self._expiries.append((expires, slot, gid, tuple(new)))
+            self._expiries.append((expires, key, tuple(new)))
         self.version += 1
 
     def expire(self, now: float) -> None:
         q = self._expiries
         while q and q[0][0] <= now:
-            _, slot, gid, hashes = q.popleft()
-            r = self.slots.get((slot, gid))
+            _, key, hashes = q.popleft()
+            r = self.slots.get(key)
             if r is None:
                 continue
             un = r.unconfirmed
@@ -252,7 +309,7 @@ class Foresight:
             if not room:
                 continue
             bit = 1 << slot
-            g = masks.setdefault(gid, {})
+            g = masks.setdefault(gid, {}) if gid != _POOL else {}
             un, copies = r.unconfirmed, r.copies
             n = 0
             for h in r.order.head(room + len(un)):  # oldest first; routed blocks are not held yet
@@ -261,6 +318,9 @@ class Foresight:
                 room -= 1 + copies.get(h, 0)  # the block goes once all its copies have
                 if room < 0:
                     break
+                if gid == _POOL:  # a pooled key: the group is in its high bits
+                    g = masks.setdefault(h >> _SHIFT, {})
+                    h &= _LOW
                 g[h] = g.get(h, 0) | bit
                 n += 1
                 if not room:

@@ -24,7 +24,7 @@ from kvidx.core.maskmap import MaskMap
 from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
 from kvidx.core.snapshot import ShardSnapshot
-from kvidx.core.walk import FULL_KINDS, ShardWalk
+from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, ShardWalk
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 _LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)
@@ -179,21 +179,43 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.pending.add(st.slot, pend, expires, max(0, n_tokens - credited))
         self.foresight.active = True
         if self.foresight.slots and hashes:
-            self._foresee_route(st, hashes, credited, expires)
+            self._foresee_route(st, hashes, n_tokens, credited, expires)
 
-    def _foresee_route(self, st: ReplicaState, hashes: list[int], credited: int, expires: float) -> None:
+    def _foresee_route(self, st: ReplicaState, hashes: list[int], n_tokens: int, credited: int,
+                       expires: float) -> None:
         """The blocks a routed prompt will touch and add on its replica and on the pools it reads
-        (kvidx.core.foresight; models of one full-attention group)."""
-        if len(self.groups) != 1:
-            return
-        ((gid, g),) = self.groups.items()
-        if g.kind not in FULL_KINDS:
-            return
+        (kvidx.core.foresight). A hybrid model's groups share the replica's pool: full-attention
+        groups touch the prefix the engine resumes from (what the replica holds, whatever foresight
+        credited: a discounted block the engine still has is touched, not lost) and add the rest of
+        the prompt's whole engine blocks; sliding-window and state groups touch the window or
+        checkpoint at the resume point and add nothing (what they keep of a prefill is engine
+        policy; the events say it)."""
         resume_b = min(credited, len(hashes) * self.block_size) // self.block_size  # blocks resumed from
-        self.foresight.routed(st.slot, gid, hashes[:resume_b], hashes[resume_b:], expires, True)
-        for r in self.by_slot if self.pool_readers else ():  # a pool it reads stores the whole prompt
-            if r is not None and st.replica in self.pool_readers.get(r.replica, ()):
-                self.foresight.routed(r.slot, gid, [], hashes, expires, deepest_first=False)
+        if len(self.groups) == 1:
+            ((gid, g),) = self.groups.items()
+            if g.kind not in FULL_KINDS:
+                return
+            self.foresight.routed(st.slot, gid, hashes[:resume_b], hashes[resume_b:], expires, True)
+            for r in self.by_slot if self.pool_readers else ():  # a pool it reads stores the whole prompt
+                if r is not None and st.replica in self.pool_readers.get(r.replica, ()):
+                    self.foresight.routed(r.slot, gid, [], hashes, expires, deepest_first=False)
+            return
+        held = self.resume_points(hashes, n_tokens, self.prefix_blocks(hashes), {st.slot})
+        resume_b = max(resume_b, held.get(st.slot, (0, 0))[1] // self.block_size)
+        ebs = st.block_size or self.block_size
+        per = max(1, ebs // self.block_size)  # index blocks per engine block
+        whole = len(hashes) // per * per
+        for gid, g in self.groups.items():
+            if g.kind in FULL_KINDS:
+                touched, incoming = hashes[:resume_b], hashes[resume_b:whole]
+            elif g.kind in WINDOW_KINDS and g.window:
+                need = -(-(g.window - 1) // ebs) * per
+                touched, incoming = hashes[max(0, resume_b - need):resume_b], []
+            elif g.kind in STATE_KINDS:
+                touched, incoming = hashes[resume_b - 1:resume_b] if resume_b else [], []
+            else:
+                continue
+            self.foresight.routed(st.slot, gid, touched, incoming, expires, True)
 
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
@@ -266,8 +288,12 @@ class ModelShard(ShardWalk, ShardSnapshot):
         if self.pending.masks and g.kind in FULL_KINDS:
             self.pending.confirm(st.slot, hashes)
         gb = st.group_blocks
-        if self.foresight.active and g.kind in FULL_KINDS and len(self.groups) == 1:
-            self.foresight.stored(st.slot, gid, hashes, st.replica not in self.pool_readers, gb.get(gid, 0))
+        if self.foresight.active and (len(self.groups) > 1 or g.kind in FULL_KINDS):
+            if len(self.groups) > 1 and not self.foresight.pooled:
+                self.foresight.pool()  # a hybrid model: its groups share each replica's block pool
+            self.foresight.stored(st.slot, gid, hashes, st.replica not in self.pool_readers,
+                                  st.blocks if self.foresight.pooled else gb.get(gid, 0),
+                                  g.kind in STATE_KINDS or (g.kind in WINDOW_KINDS and bool(g.window)))
         if new:
             st.blocks += new
             gb[gid] = gb.get(gid, 0) + new

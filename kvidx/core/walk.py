@@ -166,7 +166,7 @@ class ShardWalk:
         doomed = self._doomed(now)
         hits = self.prefix_blocks(hashes, doomed=doomed)
         tails = self.tail_hits(hashes, hits)
-        resume = self.resume_points(hashes, n_tokens, hits, tails=tails)
+        resume = self.resume_points(hashes, n_tokens, hits, tails=tails, doomed=doomed)
         evicting = self._evicting(hashes, n_tokens, resume) if doomed else None
         with_pending = (self.prefix_blocks(hashes, pending=True, doomed=doomed) if self._pending_applies()
                         else hits)
@@ -278,7 +278,7 @@ class ShardWalk:
             return 0
         doomed = self._doomed(now) if now is not None else None
         hits = self.prefix_blocks(hashes, doomed=doomed)
-        resume = self.resume_points(hashes, n_tokens, hits, set(slots), self.tail_hits(hashes, hits))
+        resume = self.resume_points(hashes, n_tokens, hits, set(slots), self.tail_hits(hashes, hits), doomed)
         best = max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
         if now is not None and len(self.pending):
             self.pending.expire(now)
@@ -297,7 +297,8 @@ class ShardWalk:
         return self.resume_points(hashes, n_tokens, hits, {st.slot}).get(st.slot, _NO_HIT)[1]
 
     def resume_points(self, hashes: list[int], n_tokens: int, hits: dict[int, int],
-                      slots: set[int] | None = None, tails: dict[int, int] | None = None
+                      slots: set[int] | None = None, tails: dict[int, int] | None = None,
+                      doomed: dict[int, dict[int, int]] | None = None
                       ) -> dict[int, tuple[int, int, dict[int, int] | None]]:
         """slot -> (full-attention hit, resumable tokens, {group: its own hit} or None), vLLM's rule
         (vllm/v1/core/kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit):
@@ -315,7 +316,8 @@ class ShardWalk:
         (partial_hash_hits_enabled); then p steps by the unit and the full-attention hit may end at a
         partial block inside the first block it does not hold whole. Otherwise partial blocks are
         indexed but credit stays at engine block boundaries. `tails` (tail_hits): tokens of the
-        partial block after a slot's full blocks that its engine holds; they count in its hit."""
+        partial block after a slot's full blocks that its engine holds; they count in its hit.
+        `doomed` (Foresight.doomed): copies in-flight prefills will evict do not count in any group."""
         ibs = self.block_size
         n_prompt = n_tokens
         cons = [(gid, g) for gid, g in sorted(self.groups.items())
@@ -350,7 +352,7 @@ class ShardWalk:
                 continue
             classes.setdefault((ebs, step), []).append((slot, top))
         for (ebs, step), members in classes.items():
-            self._scan(hashes, ebs, step, members, cons, out)
+            self._scan(hashes, ebs, step, members, cons, out, doomed)
         return out
 
     def _fine_fa_hit(self, hashes: list[int], n_tokens: int, slot: int, fa: GroupIndex, cached: int,
@@ -371,7 +373,8 @@ class ShardWalk:
         return full
 
     def _scan(self, hashes: list[int], ebs: int, step: int, members: list[tuple[int, int]],
-              cons: list[tuple[int, GroupIndex]], out: dict) -> None:
+              cons: list[tuple[int, GroupIndex]], out: dict,
+              doomed: dict[int, dict[int, int]] | None = None) -> None:
         ibs = self.block_size
         k = max(1, ebs // ibs)
         members.sort(key=lambda m: -m[1])
@@ -384,11 +387,11 @@ class ShardWalk:
             if g.kind in STATE_KINDS:
                 # checkpoints at the step boundaries only: masks[i] is the state after (i+1)*step tokens
                 sub = step // ibs
-                masks = g.any.masks(hashes[sub - 1:n_idx:sub])
+                masks = _cut(g.any.masks(hashes[sub - 1:n_idx:sub]), hashes[sub - 1:n_idx:sub], doomed, gid)
                 checks.append((gid, lambda e, masks=masks, sub=sub: masks[e // sub - 1]))
             else:
                 need = -(-(g.window - 1) // ebs) * k  # index blocks per window
-                masks = g.any.masks(hashes[:n_idx])
+                masks = _cut(g.any.masks(hashes[:n_idx]), hashes[:n_idx], doomed, gid)
                 checks.append((gid, _window_and(masks, max(1, need))))
             r = 0
             for m in masks:
@@ -441,6 +444,14 @@ class ShardWalk:
 
 
 _NO_HIT: tuple[int, int, None] = (0, 0, None)
+
+
+def _cut(masks, hashes, doomed: dict[int, dict[int, int]] | None, gid: int):
+    """`masks` (of `hashes` in group `gid`) without the copies in-flight prefills will evict."""
+    cut = doomed.get(gid) if doomed else None
+    if not cut:
+        return masks
+    return [m & ~cut.get(h, 0) if m else m for m, h in zip(masks, hashes, strict=True)]
 
 
 def _bits(mask: int):

@@ -119,19 +119,67 @@ def test_order_and_trust(order):
 
 
 def test_real_recordings_with_routes_keep_their_agreement():
-    """Routes recorded on real vLLM recordings (concurrency 4): foresight must not cut real reuse.
-    The hybrid gemma2 model is left alone (one block pool shared by its groups, kvidx.core.foresight):
-    per-group foresight had cut its recall from 0.990 to 0.848."""
+    """Routes recorded on real vLLM recordings: foresight must not cut real reuse. Hybrid models
+    (gemma2: sliding window + full attention; Qwen3-Next: state space + full attention, one with
+    evictions) keep one order per replica for all groups (their shared pool): per-group orders had
+    cut the gemma2 concurrency-4 recall from 0.990 to 0.848."""
     from kvidx.shadow import run_shadow_engine
-    from tests.helpers import GEMMA, LLAMA
+    from tests.helpers import FIXTURES, GEMMA, LLAMA
 
-    for fixture, recall in ((LLAMA, 1.0), (GEMMA, 0.989)):
+    v032 = FIXTURES / "vllm-0.32"
+    cases = ((LLAMA, 1.0, False), (GEMMA, 0.989, True), (v032 / "gemma2_swa_c1", 1.0, True),
+             (v032 / "qwen3next_c1_evict", 1.0, True))
+    for fixture, recall, pooled in cases:
         result, shard = run_shadow_engine("vllm", fixture / "frames.jsonl", fixture / "requests.jsonl",
                                           pending_ttl=2.0)
         s = result.agreement.summary()
         assert s["recall"] >= recall and s["over_credit"] <= 0.004, (fixture.name, s)
-        assert shard.foresight.active
-    assert not shard.foresight.slots  # the hybrid model keeps no order
+        assert shard.foresight.active and shard.foresight.slots
+        assert shard.foresight.pooled == pooled
+
+
+def hybrid_stored(hashes, group, parent=None):
+    kind, window = ("full_attention", None) if group == 0 else ("sliding_window", 32)
+    return BlocksStored("GPU", group, hashes, parent, 0, group_kind=kind, sliding_window=window)
+
+
+def test_a_hybrid_replica_has_one_pool_in_vllms_free_order():
+    """A hybrid model's groups share the replica's pool: one order, keyed by (group, hash), in the
+    order vLLM frees a prefill's blocks (window runs before the last first, as the prefill moved on;
+    then group by group, deepest first), and one capacity. A burst routed there discounts the
+    oldest blocks of any group, and a window group's missing window cuts the credit."""
+    f = Foresight()
+    f.pool()
+    # one prefill in two chunks: full attention 0..3 (two events), window runs [2, 3] then [12, 13]
+    f.stored(1, 0, [10, 11], True, 0)
+    f.stored(1, 1, [2, 3], True, 0, freed_early=True)
+    f.stored(1, 0, [12, 13], True, 0)
+    f.stored(1, 1, [12, 13], True, 0, freed_early=True)
+    f.settle()
+    (r,) = f.slots.values()
+    g1 = 1 << 64
+    assert r.order.head(8) == [g1 | 3, g1 | 2, 13, 12, 11, 10, g1 | 13, g1 | 12]
+    assert r.peak == 8
+    f.removed(1, 1, [2])  # evicted: the pool is full at 8 blocks
+    f.routed(1, 0, [], [40, 41], expires=5.0, deepest_first=True)
+    masks, pressure = f.doomed(1.0)
+    assert pressure == {1: 1} and masks == {1: {3: 2}}  # one over: the window run's last block goes
+
+    s = ModelShard("m", 16)
+    s.add_pending("r", 0, [10, 11, 12], 49, credited=0, expires=0.5)  # foresight starts
+    s.apply(batch("r", 0, [hybrid_stored([50], 0), hybrid_stored([50], 1), hybrid_stored([10, 11, 12, 13], 0),
+                           hybrid_stored([12, 13], 1, 11)]), 0.0)
+    s.apply(batch("r", 1, [BlocksRemoved("GPU", 0, [50]), BlocksRemoved("GPU", 1, [50]),
+                           hybrid_stored([20], 0), hybrid_stored([20], 1)]), 0.0)
+    assert s.foresight.pooled
+    prompt = [10, 11, 12, 13, 14]
+    assert answer(s, prompt, 1.0).resumable_tokens == 64
+    # a burst of three new full-attention blocks into the full pool of 8: the three oldest go (13,
+    # 12 and 11, deepest first); the window before any later boundary is then gone too
+    s.add_pending("r", 0, [30, 31, 32], 49, credited=0, expires=10.0)
+    a = answer(s, prompt, 1.0)
+    assert (a.resumable_tokens, a.evicting_tokens) == (0, 64)
+    assert s.credited(prompt, 81, "r", now=1.0) == 0
 
 
 @pytest.mark.skipif(Order is PyOrder, reason="kvidx_native is not built")
