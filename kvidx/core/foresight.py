@@ -88,7 +88,8 @@ class Recency:
     (hash -> expiry, also in the order), their extra physical copies, and what the slot showed of its
     capacity."""
 
-    __slots__ = ("order", "unconfirmed", "peak", "full", "untrusted", "copies", "extra")
+    __slots__ = ("order", "unconfirmed", "peak", "full", "untrusted", "copies", "extra", "transient",
+                 "markers", "evicting")
 
     def __init__(self, untrusted: int = 0, order: type = PyOrder) -> None:
         self.order = order()
@@ -97,15 +98,30 @@ class Recency:
         self.copies: dict[int, int] = {}  # hash -> extra physical copies (BlocksStored.copy)
         self.extra = 0  # their sum
         self.full = False  # an eviction seen: the slot is at capacity
+        # an eviction in the batch being folded: a pooled slot's capacity is what it holds at its end
+        # (its pool also holds blocks no event shows, freed by prefills that moved on: the most it
+        # ever held overstates the room left)
+        self.evicting = False
         # blocks held before the order was known: discounts wait until that many have gone
         self.untrusted = untrusted
+        # blocks in-flight prefills take for their step and do not keep (a sliding-window group's
+        # blocks behind its window), until the route's first incoming block (its marker) is reported
+        self.transient = 0
+        self.markers: dict[int, int] = {}  # marker key -> transient blocks
 
     def overflow(self) -> int:
         """How much room in-flight prefills will take from the oldest blocks (in blocks; a block
         with extra copies takes one per copy)."""
-        if not self.full or self.untrusted > 0 or not self.unconfirmed:
+        if not self.full or self.untrusted > 0 or not (self.unconfirmed or self.transient):
             return 0
-        return max(0, len(self.order) + self.extra - self.peak)
+        return max(0, len(self.order) + self.extra + self.transient - self.peak)
+
+    def release(self, keys) -> None:
+        """Routes whose marker is among `keys` were reported (or expired): their transient room is free."""
+        for h in keys:
+            c = self.markers.pop(h, 0)
+            if c:
+                self.transient -= c
 
     def held(self) -> int:
         """The room the slot's blocks take: reported blocks and their extra copies."""
@@ -168,6 +184,8 @@ class Foresight:
         r = self.recency(key, held_before)
         if r.unconfirmed:  # routed blocks keep the place the route gave them
             _drain(map(r.unconfirmed.pop, hashes, repeat(None)))
+        if r.markers:
+            r.release(hashes)
         r.order.append(hashes, deepest_first)
         if self.pooled:
             self._runs.setdefault(key, {}).setdefault(gid, (freed_early, []))[1].append(hashes)
@@ -199,8 +217,9 @@ class Foresight:
             r.order.touch(early + finish)
         self._runs.clear()
         for r in self.grown:
-            if r.held() > r.peak:
+            if r.held() > r.peak or (r.evicting and self.pooled):
                 r.peak = r.held()
+            r.evicting = False
         self.grown.clear()
 
     def copied(self, slot: int, gid: int, hashes: list[int], deepest_first: bool) -> None:
@@ -247,10 +266,13 @@ class Foresight:
             r.untrusted = max(0, r.untrusted - (len(hashes) - gone))
         if r.unconfirmed:
             _drain(map(r.unconfirmed.pop, hashes, repeat(None)))
+        if r.markers:
+            r.release(hashes)
         if r.copies:  # the last copy went: any extra ones left uncounted go with it
             for h in hashes:
                 r.extra -= r.copies.pop(h, 0)
         r.full = True
+        r.evicting = True
         self.version += 1
 
     def cleared(self, slot: int) -> None:
@@ -260,10 +282,12 @@ class Foresight:
 
     # ---- routes ---------------------------------------------------------------------------------
     def routed(self, slot: int, gid: int, touched: list[int], incoming: list[int], expires: float,
-               deepest_first: bool) -> None:
+               deepest_first: bool, transient: int = 0) -> None:
         """A prompt was routed to `slot`: the engine touches `touched` (blocks the index holds there)
         and adds `incoming` (both in prompt order; incoming after touched); the incoming blocks count
-        against the slot's capacity until its events report them or `expires` passes."""
+        against the slot's capacity until its events report them or `expires` passes, and so do
+        `transient` blocks its step takes and frees again, until its first incoming block is
+        reported."""
         key, touched = self._at(slot, gid, touched)
         incoming = self._at(slot, gid, incoming)[1]
         r = self.slots.get(key)
@@ -278,6 +302,9 @@ class Foresight:
             un[h] = max(un.get(h, 0.0), expires)
         if new:
             self._expiries.append((expires, key, tuple(new)))
+            if transient > 0:
+                r.markers[new[0]] = r.markers.get(new[0], 0) + transient
+                r.transient += transient
         self.version += 1
 
     def expire(self, now: float) -> None:
@@ -291,6 +318,8 @@ class Foresight:
             gone = [h for h in hashes if (t := un.get(h)) is not None and t <= now]
             for h in gone:
                 del un[h]
+            if r.markers:
+                r.release(gone)
             r.order.discard(gone)
             self.version += 1
 

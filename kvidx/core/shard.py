@@ -189,7 +189,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         credited: a discounted block the engine still has is touched, not lost) and add the rest of
         the prompt's whole engine blocks; sliding-window and state groups touch the window or
         checkpoint at the resume point and add nothing (what they keep of a prefill is engine
-        policy; the events say it)."""
+        policy; the events say it), but a window group's prefill takes room for its step (transient)."""
         resume_b = min(credited, len(hashes) * self.block_size) // self.block_size  # blocks resumed from
         if len(self.groups) == 1:
             ((gid, g),) = self.groups.items()
@@ -205,17 +205,24 @@ class ModelShard(ShardWalk, ShardSnapshot):
         ebs = st.block_size or self.block_size
         per = max(1, ebs // self.block_size)  # index blocks per engine block
         whole = len(hashes) // per * per
+        # a window group's prefill takes a block per position and keeps only its windows: the rest is
+        # transient room, counted with the first full-attention group until the step is reported
+        transient = sum(max(0, whole - resume_b - -(-(g.window - 1) // ebs) * per)
+                        for g in self.groups.values() if g.kind in WINDOW_KINDS and g.window)
         for gid, g in self.groups.items():
             if g.kind in FULL_KINDS:
                 touched, incoming = hashes[:resume_b], hashes[resume_b:whole]
-            elif g.kind in WINDOW_KINDS and g.window:
+                self.foresight.routed(st.slot, gid, touched, incoming, expires, True, transient)
+                transient = 0
+                continue
+            if g.kind in WINDOW_KINDS and g.window:
                 need = -(-(g.window - 1) // ebs) * per
-                touched, incoming = hashes[max(0, resume_b - need):resume_b], []
+                touched = hashes[max(0, resume_b - need):resume_b]
             elif g.kind in STATE_KINDS:
-                touched, incoming = hashes[resume_b - 1:resume_b] if resume_b else [], []
+                touched = hashes[resume_b - 1:resume_b] if resume_b else []
             else:
                 continue
-            self.foresight.routed(st.slot, gid, touched, incoming, expires, True)
+            self.foresight.routed(st.slot, gid, touched, [], expires, True)
 
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
