@@ -196,6 +196,12 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
                 "credit_lost_tokens", "rolling_restart"):
         if key in primary.get("counters", {}):
             out[key] = primary["counters"][key]
+    # the engines' own counts (TensorRT-LLM's offloads and self-evictions, pools, hybrid groups, CPU
+    # offload): what a figure above comes from
+    eng = {k: primary["counters"][k] for k in ("trtllm", "pools", "hybrid", "cpu_offload")
+           if k in primary.get("counters", {})}
+    if eng:
+        out["engine_counters"] = eng
     out["config"] = config
     out["runtime_s"] = round(runtime, 2)
     return out

@@ -174,6 +174,8 @@ def test_cli_mixed_fleet_json(tmp_path, capsys):
     assert set(head["per_engine"]) == set(MIX) and set(head["per_tier"]) == {"GPU", "CPU", "NODE_SHARED"}
     assert head["config"]["engines"] == list(MIX) and head["config"]["pool_blocks"] == 2000
     assert head["zero_delay"]["per_engine"]["vllm"]["recall"] == 1.0
+    ec = head["engine_counters"]  # the engines' own counts behind the figures
+    assert set(ec) == {"trtllm", "pools"} and "self_evicted_tokens" in ec["trtllm"]
 
 
 # ---- hybrid groups and vLLM CPU offload --------------------------------------------------------------
@@ -235,6 +237,8 @@ def test_cli_hybrid_and_offload_json(tmp_path, capsys):
     assert set(head["per_group_kind"]) == {"full_attention", "mamba"}
     assert head["config"]["hybrid"] == "mamba:2"
     assert head["zero_delay"]["per_group_kind"]["mamba"]["recall"] == 1.0
+    h = head["engine_counters"]["hybrid"]
+    assert h["pool_blocks"] > 0 and h["overdrawn_blocks"] == 0 and sum(h["stored_blocks_by_group"]) > 0
     assert cli_main([*base, "--cpu-offload-blocks", "300", "--engine-blocks", "300"]) == 0
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(head["per_tier"]) == {"GPU", "CPU"} and head["zero_delay"]["per_tier"]["CPU"]["recall"] == 1.0
