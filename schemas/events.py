@@ -134,6 +134,11 @@ class EventBatch(msgspec.Struct, array_like=True):
     # the replica group of the model's index this replica belongs to (kvidx.core.groups): the batch's
     # Kafka key is the group's shard key. Readers before this field fold every group into one shard
     replica_group: int = 0
+    # the engine's host tier in engine blocks where loading a host block frees the host's oldest
+    # (TensorRT-LLM: onboardBlock -> getFreeBlock offloads the GPU victim into the host's front slot,
+    # freeing that block and its subtree): a hit whose own loads free the rest of it is cut there.
+    # 0: no such tier. Readers before this field credit the whole held prefix
+    host_tier_blocks: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

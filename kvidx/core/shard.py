@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from kvidx.core.answers import Tier
-from kvidx.core.foresight import Foresight
+from kvidx.core.foresight import Foresight, HostLoads
 from kvidx.core.maskmap import MaskMap
 from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
@@ -28,6 +28,7 @@ from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, ShardWalk
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 _LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)
+_CPU = TIER_IDS["CPU"]
 
 
 class ReplicaState(msgspec.Struct):
@@ -55,6 +56,7 @@ class ReplicaState(msgspec.Struct):
     # live router keys (BlocksStored.router_keys): Dynamo's and SGLang's hashes (snapshots: "dynamo_keys")
     router_keys: int = msgspec.field(default=0, name="dynamo_keys")
     group: int = 0  # the replica group its events come in (EventBatch.replica_group; kvidx.core.groups)
+    host_tier: int = 0  # EventBatch.host_tier_blocks: loading a host block frees the host's oldest
 
 
 class GroupIndex:
@@ -106,6 +108,10 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self._pool_cache: tuple[int, dict[int, int]] | None = None  # (pool slot mask, pool bits -> readers)
         self.pending = PendingCredits()
         self.foresight = Foresight()  # what in-flight prefills will evict (kvidx.core.foresight)
+        # slot -> its host tier in offload order, for replicas whose host loads free the host's oldest
+        # (EventBatch.host_tier_blocks; ShardWalk.onboard_cut). Kept from a replica's start only: after
+        # a restore the order is unknown and nothing is cut
+        self.host_orders: dict[int, HostLoads] = {}
         self.lookahead = 0  # see _lookahead_changed
         self.tail_keys = 0  # live partial-block keys of all replicas: lookups key the partial block
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
@@ -235,6 +241,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
             return False
         if epoch == st.epoch and seq > st.seq + 1:
             st.seq_gaps += seq - st.seq - 1
+        if batch.host_tier_blocks != st.host_tier:
+            self._host_tier(st, batch.host_tier_blocks)
         for ev in batch.events:
             kind = type(ev)  # the event structs are final: no subclass to miss
             if kind is BlocksStored:
@@ -280,6 +288,10 @@ class ModelShard(ShardWalk, ShardSnapshot):
         tid = TIER_IDS.get(ev.tier, _LAST_TIER)
         d = g.tiers.get(tid) or g.tier_map(tid)
         new = d.store(hashes, st.slot)
+        if (self.host_orders and tid == _CPU and not ev.router_keys
+                and (ho := self.host_orders.get(st.slot)) is not None):
+            ho.stored(hashes, len(hashes) if ev.tail else max(1, (st.block_size or self.block_size)
+                                                                // self.block_size))
         if self.journal is not None:
             self.journal.touch(gid, tid, hashes)
         if g.any is not d:
@@ -318,6 +330,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
             return
         if self.journal is not None:
             self.journal.touch(ev.group, tid, ev.hashes)
+        if (self.host_orders and tid == _CPU and not ev.router_keys
+                and (ho := self.host_orders.get(st.slot)) is not None):
+            ho.removed(ev.hashes)
         if len(g.tiers) == 1:
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
         else:  # retract from the union only where no other tier still holds the block there
@@ -338,10 +353,21 @@ class ModelShard(ShardWalk, ShardSnapshot):
             st.group_blocks[ev.group] = st.group_blocks.get(ev.group, 0) - gone
         self.blocks_applied += len(ev.hashes)
 
+    def _host_tier(self, st: ReplicaState, blocks: int) -> None:
+        """The replica's host tier frees its oldest block for every host block loaded (or no longer):
+        its order is kept from a start with nothing held (before that, the oldest are not known)."""
+        st.host_tier = blocks
+        if not blocks:
+            self.host_orders.pop(st.slot, None)
+        elif st.blocks == 0:
+            self.host_orders[st.slot] = HostLoads(blocks)
+
     def _clear(self, st: ReplicaState) -> None:
         if self.journal is not None:
             self.journal.cleared.add(st.slot)
         self.foresight.cleared(st.slot)
+        if st.host_tier:
+            self.host_orders[st.slot] = HostLoads(st.host_tier)
         self._drop_slot_blocks(st.slot)
         st.blocks = 0
         st.group_blocks = {}
@@ -353,6 +379,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         from the tier's maps: a rare event, SGLang's CLEAR_ALL_AT_TIER), so that the union, the counts
         and the snapshot journal follow as for any removal."""
         tid = TIER_IDS.get(tier, _LAST_TIER)
+        if tid == _CPU and st.slot in self.host_orders:
+            self.host_orders[st.slot] = HostLoads(st.host_tier)
         words, (w, b) = self._words(), divmod(st.slot, 64)
         # a replica fed SGLang's hashes (its external-indexer feed) holds router keys and nothing else;
         # a relay's replica never clears one tier (a bridge sharing its name: counted as blocks)

@@ -43,6 +43,29 @@ class ShardWalk:
             return walk_masks(self._overlay_get(g.any.get, pool_mask, pend, cut), hashes)
         return g.any.walk(hashes)  # one call: the map walks the prompt itself
 
+    def onboard_cut(self, hashes: list[int], hits: dict[int, int]) -> dict[int, int]:
+        """`hits` with each replica whose host loads free its host's oldest block (host_orders,
+        kvidx.core.foresight.HostLoads) cut where its own loads would free the rest of its hit: a
+        prompt's deepest host blocks are often the oldest (freed tail first, offloaded first)."""
+        if not self.host_orders:
+            return hits
+        g = self._lookup_group(None)
+        gpu = g.tiers.get(0) if g is not None else None
+        out = None
+        for slot, host in self.host_orders.items():
+            nb = hits.get(slot, 0)
+            if not nb or not host.blocks:
+                continue
+            bit = 1 << slot
+            on_gpu = gpu.masks(hashes[:nb]) if gpu is not None else [0] * nb
+            loads = [i for i in range(nb) if not on_gpu[i] & bit]  # held only below the GPU
+            cut = host.reach(hashes, loads) if loads else None
+            if cut is not None:
+                if out is None:
+                    out = dict(hits)
+                out[slot] = cut
+        return out if out is not None else hits
+
     def _doomed(self, now: float) -> dict[int, dict[int, int]] | None:
         """Foresight's doomed copies now (None: no replica under pressure)."""
         if not self.foresight.slots:
@@ -166,7 +189,10 @@ class ShardWalk:
         doomed = self._doomed(now)
         hits = self.prefix_blocks(hashes, doomed=doomed)
         tails = self.tail_hits(hashes, hits)
-        resume = self.resume_points(hashes, n_tokens, hits, tails=tails, doomed=doomed)
+        loadable = self.onboard_cut(hashes, hits)
+        if loadable is not hits and tails:  # a cut hit has no partial block after it
+            tails = {s: t for s, t in tails.items() if loadable.get(s, 0) == hits.get(s, 0)}
+        resume = self.resume_points(hashes, n_tokens, loadable, tails=tails, doomed=doomed)
         evicting = self._evicting(hashes, n_tokens, resume) if doomed else None
         with_pending = (self.prefix_blocks(hashes, pending=True, doomed=doomed) if self._pending_applies()
                         else hits)
@@ -278,7 +304,11 @@ class ShardWalk:
             return 0
         doomed = self._doomed(now) if now is not None else None
         hits = self.prefix_blocks(hashes, doomed=doomed)
-        resume = self.resume_points(hashes, n_tokens, hits, set(slots), self.tail_hits(hashes, hits), doomed)
+        tails = self.tail_hits(hashes, hits)
+        loadable = self.onboard_cut(hashes, hits)
+        if loadable is not hits and tails:
+            tails = {s: t for s, t in tails.items() if loadable.get(s, 0) == hits.get(s, 0)}
+        resume = self.resume_points(hashes, n_tokens, loadable, set(slots), tails, doomed)
         best = max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
         if now is not None and len(self.pending):
             self.pending.expire(now)

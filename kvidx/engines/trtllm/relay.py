@@ -182,9 +182,11 @@ class TrtllmPollRelay:
 
     def _wrap(self, st: RankState, r: int, events: list, seq: int, recv_ns: int) -> EventBatch:
         ts = recv_ns / 1e9
+        cap = st.mirror.capacity
         return EventBatch(v=SCHEMA_VERSION, model=self.model, replica=self.replica, dp_rank=r,
                           epoch=st.epoch, seq=seq, engine_ts=ts, relay_ts=ts,
-                          block_size=st.mirror.block_size, events=events)
+                          block_size=st.mirror.block_size, events=events,
+                          host_tier_blocks=cap[1] if cap and len(cap) > 1 else 0)
 
     def _frame(self, raw, seq: int, recv_ns: int) -> Frame:
         payload = raw if isinstance(raw, bytes) else json.dumps(raw, default=str).encode()

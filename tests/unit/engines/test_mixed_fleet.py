@@ -50,7 +50,8 @@ class Replica:
     next_seq: int = 0  # vLLM / SGLang: first payload not yet fed to the relay
     stats: dict = field(default_factory=lambda: {"requests": 0, "checks": 0, "exact": 0, "reused": 0,
                                                  "credited": 0, "prompt": 0,
-                                                 "self_evicted": 0, "granular_exact": 0, "under": 0})
+                                                 "self_evicted": 0, "onboard_cut": 0, "over_raw": 0,
+                                                 "over_cut": 0, "granular_exact": 0, "under": 0})
 
     # ---- the engine's own view (no side effect) ------------------------------------------------
     def would_reuse(self, prompt: list[int]) -> int:
@@ -132,11 +133,18 @@ def run_fleet(seed: int, n_requests: int, kv_aware: float = 0.4) -> dict:
             n = len(prompt)
             hashes = prompt_hashes(prompt, IBS)
             # every replica: the index's credit against the engine's own state
-            credits = {}
+            credits, raw_credits = {}, {}
             for r in fleet:
                 want = r.would_reuse(prompt)
                 got = shard.credited(hashes, n, r.name)
                 credits[r.name] = got
+                # the same without the host-load cut (ShardWalk.onboard_cut): the state the engine holds
+                orders, shard.host_orders = shard.host_orders, {}
+                raw_credits[r.name] = raw = shard.credited(hashes, n, r.name)
+                shard.host_orders = orders
+                assert got <= raw, (i, r.name, got, raw)
+                r.stats["onboard_cut"] += got < raw
+                got = raw
                 r.stats["checks"] += 1
                 if r.kind == "trtllm":
                     floor = want // IBS * IBS
@@ -163,6 +171,9 @@ def run_fleet(seed: int, n_requests: int, kv_aware: float = 0.4) -> dict:
                 # before the request, exactly (checked above); the request then reuses less.
                 assert reused < predicted, (i, target.name, reused, predicted)
                 st["self_evicted"] += 1
+                # the host-load cut credits less of what this request's own loads free
+                st["over_raw"] += max(0, raw_credits[target.name] - reused)
+                st["over_cut"] += max(0, credits[target.name] - reused)
             else:
                 assert reused == predicted, (i, target.name, reused, predicted)
             st["requests"] += 1
@@ -202,6 +213,9 @@ def _check_figures(res: dict, n: int) -> None:
             # credited at send time = the engine's reuse rounded down to the index block, except the
             # requests whose own onboarding evicted part of their prefix (self_evicted, host tier)
             assert s["self_evicted"] <= s["requests"] // 20, (name, s)
+            assert s["over_cut"] <= s["over_raw"], (name, s)
+            if s["self_evicted"]:  # the cut foresaw some of it
+                assert s["onboard_cut"] > 0 and s["over_cut"] < s["over_raw"], (name, s)
             # the relay's take-over guess (kvidx/engines/trtllm/mirror.py: a partially matched leaf is
             # taken over without a `removed`; the mirror retracts every sibling tied for the longest
             # common prefix, the engine takes only the first) can retract a block the engine kept:

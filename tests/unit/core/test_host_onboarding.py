@@ -1,0 +1,48 @@
+"""A host tier whose loads free its oldest blocks (EventBatch.host_tier_blocks, TensorRT-LLM's
+onboardBlock -> getFreeBlock): a hit whose own host loads free the rest of it is credited only up to
+where the engine will still find it (ShardWalk.onboard_cut)."""
+
+from kvidx.core.shard import ModelShard
+from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
+
+CHAIN = [1, 2, 3, 4, 5]
+
+
+def batch(seq, events, host_tier_blocks):
+    return EventBatch(SCHEMA_VERSION, "m", "t", 0, 1, seq, 0.0, 0.0, 16, events,
+                      host_tier_blocks=host_tier_blocks)
+
+
+def offloaded(host_tier_blocks: int) -> ModelShard:
+    """Replica t cached CHAIN on its GPU, then offloaded its three deepest blocks to the host, deepest
+    first (the engine frees a sequence tail first): the host holds 5, 4, 3, oldest first."""
+    s = ModelShard("m", 16)
+    events = [BlocksStored("GPU", 0, CHAIN, None, 0)]
+    for h in (5, 4, 3):
+        events += [BlocksStored("CPU", 0, [h], h - 1, h - 1), BlocksRemoved("GPU", 0, [h])]
+    s.apply(batch(0, events, host_tier_blocks), 0.0)
+    return s
+
+
+def resumable(s: ModelShard, prompt: list[int]) -> int:
+    (a,) = s.lookup(prompt, len(prompt) * 16 + 1, 1.0)
+    return a.resumable_tokens
+
+
+def test_own_loads_free_the_deepest_host_blocks_first():
+    prompt = [*CHAIN, 6]
+    # host of 4 blocks, 3 cached: loading 3 takes the free slot; loading 4 frees 5 (the oldest): the
+    # walk ends before 5
+    s = offloaded(4)
+    assert resumable(s, prompt) == 64 and s.credited(prompt, 97, "t") == 64
+    (a,) = s.lookup(prompt, 97, 1.0)
+    assert a.cached_tokens == 80  # held now: the cut is what the engine can resume, not what it holds
+    # host of 3, all cached: loading 3 frees 5 at once (the oldest); the walk ends there too
+    assert resumable(offloaded(3), prompt) == 64
+    # a prompt that needs no host block, or an engine whose loads free nothing: the whole hit
+    assert resumable(s, [1, 2, 7]) == 32
+    assert resumable(offloaded(0), prompt) == 80
+
+
+def test_a_roomy_host_frees_only_empty_slots():
+    assert resumable(offloaded(8), [*CHAIN, 6]) == 80  # five empty host slots take the three loads
