@@ -213,17 +213,17 @@ class ModelShard(ShardWalk, ShardSnapshot):
         whole = len(hashes) // per * per
         # a window group's prefill takes a block per position and keeps only its windows: the rest is
         # transient room, counted with the first full-attention group until the step is reported
-        transient = sum(max(0, whole - resume_b - -(-(g.window - 1) // ebs) * per)
-                        for g in self.groups.values() if g.kind in WINDOW_KINDS and g.window)
+        window = {gid: -(-(g.window - 1) // ebs) * per for gid, g in self.groups.items()
+                  if g.kind in WINDOW_KINDS and g.window}  # index blocks a window needs
+        transient = sum(max(0, whole - resume_b - need) for need in window.values())
         for gid, g in self.groups.items():
             if g.kind in FULL_KINDS:
                 touched, incoming = hashes[:resume_b], hashes[resume_b:whole]
                 self.foresight.routed(st.slot, gid, touched, incoming, expires, True, transient)
                 transient = 0
                 continue
-            if g.kind in WINDOW_KINDS and g.window:
-                need = -(-(g.window - 1) // ebs) * per
-                touched = hashes[max(0, resume_b - need):resume_b]
+            if gid in window:
+                touched = hashes[max(0, resume_b - window[gid]):resume_b]
             elif g.kind in STATE_KINDS:
                 touched = hashes[resume_b - 1:resume_b] if resume_b else []
             else:

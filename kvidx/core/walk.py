@@ -66,6 +66,15 @@ class ShardWalk:
                 out[slot] = cut
         return out if out is not None else hits
 
+    def _loadable(self, hashes: list[int], hits: dict[int, int]) -> tuple[dict[int, int], dict[int, int]]:
+        """(the hits the engines' own host loads leave (onboard_cut), the partial blocks after them:
+        a cut hit has none)."""
+        tails = self.tail_hits(hashes, hits)
+        loadable = self.onboard_cut(hashes, hits)
+        if loadable is not hits and tails:
+            tails = {s: t for s, t in tails.items() if loadable.get(s, 0) == hits.get(s, 0)}
+        return loadable, tails
+
     def _doomed(self, now: float) -> dict[int, dict[int, int]] | None:
         """Foresight's doomed copies now (None: no replica under pressure)."""
         if not self.foresight.slots:
@@ -188,10 +197,7 @@ class ShardWalk:
             self.pending.expire(now)
         doomed = self._doomed(now)
         hits = self.prefix_blocks(hashes, doomed=doomed)
-        tails = self.tail_hits(hashes, hits)
-        loadable = self.onboard_cut(hashes, hits)
-        if loadable is not hits and tails:  # a cut hit has no partial block after it
-            tails = {s: t for s, t in tails.items() if loadable.get(s, 0) == hits.get(s, 0)}
+        loadable, tails = self._loadable(hashes, hits)
         resume = self.resume_points(hashes, n_tokens, loadable, tails=tails, doomed=doomed)
         evicting = self._evicting(hashes, n_tokens, resume) if doomed else None
         with_pending = (self.prefix_blocks(hashes, pending=True, doomed=doomed) if self._pending_applies()
@@ -304,10 +310,7 @@ class ShardWalk:
             return 0
         doomed = self._doomed(now) if now is not None else None
         hits = self.prefix_blocks(hashes, doomed=doomed)
-        tails = self.tail_hits(hashes, hits)
-        loadable = self.onboard_cut(hashes, hits)
-        if loadable is not hits and tails:
-            tails = {s: t for s, t in tails.items() if loadable.get(s, 0) == hits.get(s, 0)}
+        loadable, tails = self._loadable(hashes, hits)
         resume = self.resume_points(hashes, n_tokens, loadable, set(slots), tails, doomed)
         best = max((resume.get(s, _NO_HIT)[1] for s in slots), default=0)
         if now is not None and len(self.pending):
