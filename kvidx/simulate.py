@@ -324,9 +324,25 @@ def _sayer(quiet: bool) -> Say:
     return lambda m: print(f"[simulate] {m}", file=sys.stderr, flush=True)
 
 
+# numeric flags: the least value each takes, and those that take any value above 0
+_FLAG_FLOORS: tuple[tuple[str, int], ...] = (
+    ("--models", 1), ("--replicas", 1), ("--engine-block-size", 1), ("--index-block-size", 1),
+    ("--cache-tokens", 1), ("--engine-blocks", 1), ("--requests", 1), ("--trace-block-tokens", 1),
+    ("--host-tier-blocks", 0), ("--pool-blocks", 0), ("--pool-group", 1), ("--hybrid-group-blocks", 0),
+    ("--hybrid-chunk-tokens", 1), ("--cpu-offload-blocks", 0), ("--disk-offload-blocks", 0),
+    ("--replay-buffer", 0), ("--decode-ms-per-token", 0))
+_POSITIVE_FLAGS = ("--speed", "--chat-rate", "--prefill-tps", "--trtllm-poll-ms")
+
+
 def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], list[str], str]:
     """Refuse, with one line and before any work, the flags the simulator cannot run; returns the engine
     kinds, the policies and the trace's path."""
+    for flag, least in (*_FLAG_FLOORS, *((f, None) for f in _POSITIVE_FLAGS)):
+        v = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if v is not None and (v <= 0 if least is None else v < least):
+            raise SystemExit(f"error: {flag} must be {'> 0' if least is None else f'>= {least}'}, not {v}")
+    if not 0.0 <= args.drop_rate < 1.0:
+        raise SystemExit(f"error: --drop-rate takes a share in [0, 1), not {args.drop_rate}")
     if args.engine_block_size % args.index_block_size:
         raise SystemExit("error: --index-block-size must divide --engine-block-size")
     engines = tuple(k.strip() for k in args.engines.split(",") if k.strip())

@@ -360,53 +360,98 @@ class Foresight:
 
 
 class HostLoads:
-    """A replica's host tier whose loads free its oldest engine block (EventBatch.host_tier_blocks:
-    TensorRT-LLM loads a matched host block into a free GPU block, whose victim is offloaded into the
-    host's front slot, freeing the block there). Its engine blocks oldest first, each with its index
-    blocks (or a partial block's keys), and what a prompt's own loads leave of its hit."""
+    """A replica's host tier as TensorRT-LLM queues it (EventBatch.host_tier_blocks), and what a
+    prompt's own loads leave of its hit. Its slots oldest first, each an engine block held there (its
+    index blocks, or a partial block's keys) or empty (kvCacheManager.cpp, evictionPolicy.cpp):
+    - an offload (a key stored in the host) takes the front slot, freeing what it held with its
+      subtree, and joins the tail;
+    - a load (a key leaving the host for the GPU) leaves an empty slot at the tail: `onboardBlock`
+      swaps the block with the GPU block it took, which is released into the host queue;
+    - an evicted host block (a subtree freed) leaves its slot empty where it was.
+    A load needs a GPU block, whose victim is offloaded: each load takes the host's front slot."""
 
-    __slots__ = ("capacity", "order", "blocks", "unit_of")
+    __slots__ = ("capacity", "order", "blocks", "unit_of", "empty", "fresh", "open", "ids")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # engine blocks
-        self.order = PyOrder()  # engine blocks (their first key), oldest first
-        self.blocks: dict[int, list[int]] = {}  # engine block -> its keys in the host
-        self.unit_of: dict[int, int] = {}  # key -> its engine block
+        self.order = PyOrder()  # slot ids, oldest first (the host's start: `fresh` empty slots before)
+        self.blocks: dict[int, list[int]] = {}  # slot id -> the keys it holds
+        self.unit_of: dict[int, int] = {}  # key -> its slot id
+        self.empty: set[int] = set()  # slot ids in the order that hold nothing
+        self.fresh = capacity  # empty slots ahead of the order: the host's start
+        self.open: int | None = None  # a partial engine block just offloaded: its tail keys join it
+        self.ids = 0
 
-    def stored(self, hashes: list[int], per: int) -> None:
-        """Keys arrived in the host: an offload is one engine block (`per` index blocks, or a partial
-        block's keys, one event each); blocks stored there directly come `per` index blocks each."""
+    def stored(self, hashes: list[int], per: int, tail: bool = False) -> None:
+        """Keys arrived in the host: one offload per engine block (`per` index blocks; a partial
+        block's index blocks, then its tail keys in the next event)."""
+        if tail and self.open is not None:
+            u, self.open = self.open, None
+            run = [h for h in hashes if h not in self.unit_of]
+            self.blocks[u].extend(run)
+            self.unit_of.update(dict.fromkeys(run, u))
+            return
+        self.open = None
+        if tail:  # a partial block of its own (no index block of it is full)
+            per = max(1, len(hashes))
         for k in range(0, len(hashes), per):
-            run = [h for h in hashes[k:k + per] if h not in self.unit_of]
+            chunk = hashes[k:k + per]
+            run = [h for h in chunk if h not in self.unit_of]
             if not run:
                 continue
-            u = run[0]
-            self.order.append([u])
-            self.blocks.setdefault(u, []).extend(run)
-            for h in run:
-                self.unit_of[h] = u
+            self._take_front()
+            u = self._slot()
+            self.blocks[u] = run
+            self.unit_of.update(dict.fromkeys(run, u))
+            self.open = u if not tail and len(chunk) < per else None
 
-    def removed(self, hashes: list[int]) -> None:
-        for h in hashes:
+    def removed(self, hashes: list[int], loaded: list[bool]) -> None:
+        """Keys gone from the host: `loaded` where each went to the GPU (a load) rather than away."""
+        self.open = None
+        for h, up in zip(hashes, loaded, strict=True):
             u = self.unit_of.pop(h, None)
-            if u is None:
+            if u is None:  # freed by the offload that took its slot (or never seen)
                 continue
             run = self.blocks[u]
             run.remove(h)
-            if not run:
-                del self.blocks[u]
+            if run:
+                continue
+            del self.blocks[u]
+            if up or (not self.fresh and self.order.head(1) == [u]):
+                # a load, or the front taken by an offload no event shows (a block outside the
+                # tree): an empty slot at the tail
                 self.order.discard([u])
+                self.empty.add(self._slot())
+            else:  # a subtree freed: the slot stays where it was
+                self.empty.add(u)
+
+    def _slot(self) -> int:
+        self.ids += 1
+        self.order.append([self.ids])
+        return self.ids
+
+    def _take_front(self) -> None:
+        if self.fresh:
+            self.fresh -= 1
+            return
+        head = self.order.head(1)
+        if not head:
+            return
+        u = head[0]
+        self.order.discard(head)
+        if u in self.empty:
+            self.empty.discard(u)
+        else:  # its keys' removal follows the offload's store
+            for h in self.blocks.pop(u):
+                del self.unit_of[h]
 
     def reach(self, hashes, loads: list[int]) -> int | None:
         """Where the engine's walk over a prompt ends when it loads the host blocks at positions
-        `loads` (prompt order), one engine block at a time, each load freeing the host's oldest
-        engine block that is not part of the walk; None: it gets through. Host slots holding no
-        cached block are assumed to go first: the safe side (in the engine, the empty slots loads
-        leave join the host queue's tail; assuming them at the front cost a recorded stream's recall
-        0.3 points for 0.5 points less over-credit)."""
-        spare = max(0, self.capacity - len(self.blocks))
+        `loads` (prompt order), one engine block at a time, each load taking the host's front slot
+        (the blocks it already loaded are out of the queue); None: it gets through."""
+        fresh = self.fresh
         front = self.order.head(2 * len(loads) + 1)
-        unit_of, blocks = self.unit_of, self.blocks
+        unit_of, blocks, empty = self.unit_of, self.blocks, self.empty
         claimed: set[int] = set()
         freed: set[int] = set()
         fi = 0
@@ -414,18 +459,19 @@ class HostLoads:
             h = hashes[i]
             if h in freed:
                 return i
-            u = unit_of.get(h, h)
+            u = unit_of.get(h, -1 - i)
             if u in claimed:
                 continue
             claimed.add(u)
-            if spare:
-                spare -= 1
+            if fresh:
+                fresh -= 1
                 continue
             while fi < len(front):
                 x = front[fi]
                 fi += 1
                 if x not in claimed:
-                    freed.update(blocks.get(x, ()))
+                    if x not in empty:
+                        freed.update(blocks.get(x, ()))
                     break
         return None
 

@@ -29,6 +29,7 @@ from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBa
 
 _LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)
 _CPU = TIER_IDS["CPU"]
+_GPU = TIER_IDS["GPU"]
 
 
 class ReplicaState(msgspec.Struct):
@@ -290,8 +291,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         new = d.store(hashes, st.slot)
         if (self.host_orders and tid == _CPU and not ev.router_keys
                 and (ho := self.host_orders.get(st.slot)) is not None):
-            ho.stored(hashes, len(hashes) if ev.tail else max(1, (st.block_size or self.block_size)
-                                                                // self.block_size))
+            ho.stored(hashes, max(1, (st.block_size or self.block_size) // self.block_size), ev.tail)
         if self.journal is not None:
             self.journal.touch(gid, tid, hashes)
         if g.any is not d:
@@ -332,7 +332,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
             self.journal.touch(ev.group, tid, ev.hashes)
         if (self.host_orders and tid == _CPU and not ev.router_keys
                 and (ho := self.host_orders.get(st.slot)) is not None):
-            ho.removed(ev.hashes)
+            gpu, bit = g.tiers.get(_GPU), slot_bit(st.slot)  # a load stored it there first
+            ho.removed(ev.hashes, [bool(m & bit) for m in gpu.masks(ev.hashes)] if gpu is not None
+                       else [False] * len(ev.hashes))
         if len(g.tiers) == 1:
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
         else:  # retract from the union only where no other tier still holds the block there

@@ -301,6 +301,13 @@ def test_cli_kv_hints_json_and_bad_hint_flags(tmp_path, capsys):
         assert str(e.value).startswith("error: ")
     with pytest.raises(SystemExit, match="--disk-offload-blocks"):
         cli_main([*base[:-4], "--disk-offload-blocks", "500"])
+    # a count or rate out of range: one line naming the flag, before any work
+    for flag, value, floor in (("--hybrid-group-blocks", "-5", ">= 0"), ("--index-block-size", "0", ">= 1"),
+                               ("--speed", "0", "> 0"), ("--replicas", "0", ">= 1")):
+        with pytest.raises(SystemExit, match=f"^error: {flag} must be {floor}, not "):
+            cli_main([*base, flag, value])
+    with pytest.raises(SystemExit, match="--drop-rate"):
+        cli_main([*base, "--drop-rate", "1"])
 
 
 def test_kv_hints_placement_and_eviction_advice_are_issued_followed_and_counted():
