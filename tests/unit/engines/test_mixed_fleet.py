@@ -214,8 +214,8 @@ def _check_figures(res: dict, n: int) -> None:
             # requests whose own onboarding evicted part of their prefix (self_evicted, host tier)
             assert s["self_evicted"] <= s["requests"] // 20, (name, s)
             assert s["over_cut"] <= s["over_raw"], (name, s)
-            if s["self_evicted"]:  # the cut foresaw some of it
-                assert s["onboard_cut"] > 0 and s["over_cut"] < s["over_raw"], (name, s)
+            if s["self_evicted"]:  # the cut foresaw most of it (the host queue kept as the engine's)
+                assert s["onboard_cut"] > 0 and s["over_cut"] * 4 <= s["over_raw"], (name, s)
             # the relay's take-over guess (kvidx/engines/trtllm/mirror.py: a partially matched leaf is
             # taken over without a `removed`; the mirror retracts every sibling tied for the longest
             # common prefix, the engine takes only the first) can retract a block the engine kept:
