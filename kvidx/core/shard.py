@@ -140,10 +140,11 @@ class ModelShard(ShardWalk, ShardSnapshot):
         return st.replica in self.pool_readers
 
     def _pending_applies(self) -> bool:
-        """Pending credit counts only in full-attention models: where sliding-window or state groups
-        decide the resume point, what the engine will keep of a routed prompt is not known (it frees
-        out-of-window blocks and keeps state only at chunk ends), so crediting it would over-credit."""
-        return bool(self.pending.masks) and all(g.kind in FULL_KINDS for g in self.groups.values())
+        """Pending credit counts in full-attention and sliding-window models (a window group keeps a
+        routed prompt's last window: PendingCredits.window_masks). Not with state groups: the engine
+        keeps state at chunk ends, which the router does not know."""
+        return bool(self.pending.masks) and all(g.kind in FULL_KINDS or g.kind in WINDOW_KINDS
+                                                for g in self.groups.values())
 
     def _upper_bound_tiers(self, tiers: list[Tier]) -> bool:
         return bool(self.unreported_eviction_tiers) and any(
@@ -183,10 +184,25 @@ class ModelShard(ShardWalk, ShardSnapshot):
         if fa is not None:  # blocks the replica already holds are the index's, not pending: an
             bit = slot_bit(st.slot)  # eviction of one must show at once
             pend = [h for h, m in zip(hashes, fa.any.masks(hashes), strict=True) if not m & bit]
-        self.pending.add(st.slot, pend, expires, max(0, n_tokens - credited))
+        self.pending.add(st.slot, pend, expires, max(0, n_tokens - credited),
+                         self._last_window(st, hashes, n_tokens))
         self.foresight.active = True
         if self.foresight.slots and hashes:
             self._foresee_route(st, hashes, n_tokens, credited, expires)
+
+    def _last_window(self, st: ReplicaState, hashes: list[int], n_tokens: int) -> list[int]:
+        """The index blocks a routed prompt leaves in its replica's sliding-window groups: the widest
+        window before the last engine block boundary it can resume at (those it does not hold yet)."""
+        wins = [g for g in self.groups.values() if g.kind in WINDOW_KINDS and g.window]
+        if not wins:
+            return []
+        ebs = self.engine_block_size(st)
+        k = max(1, ebs // self.block_size)
+        need = max(-(-(g.window - 1) // ebs) for g in wins) * k
+        end = min(len(hashes), (n_tokens - 1) // ebs * k)
+        run = hashes[max(0, end - need):end]
+        bit = slot_bit(st.slot)
+        return [h for h, m in zip(run, wins[0].any.masks(run), strict=True) if not m & bit]
 
     def _foresee_route(self, st: ReplicaState, hashes: list[int], n_tokens: int, credited: int,
                        expires: float) -> None:
@@ -306,6 +322,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
             return
         if self.pending.masks and g.kind in FULL_KINDS:
             self.pending.confirm(st.slot, hashes)
+        elif self.pending.window_masks and g.kind in WINDOW_KINDS:
+            self.pending.confirm(st.slot, hashes, window=True)
         gb = st.group_blocks
         if self.foresight.active and (len(self.groups) > 1 or g.kind in FULL_KINDS):
             if len(self.groups) > 1 and not self.foresight.pooled:

@@ -200,8 +200,8 @@ class ShardWalk:
         loadable, tails = self._loadable(hashes, hits)
         resume = self.resume_points(hashes, n_tokens, loadable, tails=tails, doomed=doomed)
         evicting = self._evicting(hashes, n_tokens, resume) if doomed else None
-        with_pending = (self.prefix_blocks(hashes, pending=True, doomed=doomed) if self._pending_applies()
-                        else hits)
+        with_pending = (self.pending_resumable(hashes, n_tokens, hits, None, doomed)
+                        if self._pending_applies() else None)
         inflight = self.pending.inflight
         held = self._prompt_held(hashes) if len(self.groups) > 1 else None
         gids = sorted(self.groups)
@@ -219,12 +219,8 @@ class ShardWalk:
                 continue
             slot = st.slot
             res = resume.get(slot, _NO_HIT)[1]
-            pending = 0
-            if with_pending is not hits and with_pending.get(slot, 0) > hits.get(slot, 0):
-                # a routed prompt not yet confirmed by the engine's events: resumable up to its end
-                n_eff = n_tokens - (st.recompute - 1)
-                pending = max(0, resumable(min(with_pending[slot] * bs, n_eff), n_eff,
-                                           self.engine_block_size(st)) - res)
+            # a routed prompt not yet confirmed by the engine's events: resumable up to its end
+            pending = max(0, with_pending.get(slot, 0) - res) if with_pending else 0
             ranked.append((res + pending, pending, st))
         ranked.sort(key=_by_first_desc)
         answers = []
@@ -316,13 +312,25 @@ class ShardWalk:
         if now is not None and len(self.pending):
             self.pending.expire(now)
         if self._pending_applies():  # pending credit: the prompt's resumable part up to its pending end
-            wp = self.prefix_blocks(hashes, pending=True, doomed=doomed)
-            for s in slots:
-                st = self.by_slot[s]
-                n_eff = n_tokens - (st.recompute - 1)
-                best = max(best, resumable(min(wp.get(s, 0) * self.block_size, n_eff), n_eff,
-                                           self.engine_block_size(st)))
+            best = max([best, *self.pending_resumable(hashes, n_tokens, hits, set(slots), doomed).values()])
         return best
+
+    def pending_resumable(self, hashes: list[int], n_tokens: int, hits: dict[int, int],
+                          slots: set[int] | None = None, doomed: dict[int, dict[int, int]] | None = None
+                          ) -> dict[int, int]:
+        """slot -> resumable tokens counting routed prompts the engine's events have not confirmed
+        yet (pending credit), for the slots whose hit (`hits`) they lengthen."""
+        wp = self.prefix_blocks(hashes, pending=True, doomed=doomed)
+        wp = {s: n for s, n in wp.items() if n > hits.get(s, 0) and (slots is None or s in slots)}
+        if len(self.groups) > 1:  # window groups: what they hold and the routed prompts' last windows
+            return {s: r[1] for s, r in self.resume_points(hashes, n_tokens, wp, set(wp), None, doomed,
+                                                           pending=True).items()}
+        out = {}
+        for s, nb in wp.items():
+            st = self.by_slot[s]
+            n_eff = n_tokens - (st.recompute - 1)
+            out[s] = resumable(min(nb * self.block_size, n_eff), n_eff, self.engine_block_size(st))
+        return out
 
     def resume_point(self, hashes: list[int], n_tokens: int, st: ReplicaState, cached: int) -> int:
         """The tokens the engine can resume from on one replica (see `resume_points`)."""
@@ -331,7 +339,7 @@ class ShardWalk:
 
     def resume_points(self, hashes: list[int], n_tokens: int, hits: dict[int, int],
                       slots: set[int] | None = None, tails: dict[int, int] | None = None,
-                      doomed: dict[int, dict[int, int]] | None = None
+                      doomed: dict[int, dict[int, int]] | None = None, pending: bool = False
                       ) -> dict[int, tuple[int, int, dict[int, int] | None]]:
         """slot -> (full-attention hit, resumable tokens, {group: its own hit} or None), vLLM's rule
         (vllm/v1/core/kv_cache_coordinator.py, HybridKVCacheCoordinator.find_longest_cache_hit):
@@ -350,7 +358,8 @@ class ShardWalk:
         partial block inside the first block it does not hold whole. Otherwise partial blocks are
         indexed but credit stays at engine block boundaries. `tails` (tail_hits): tokens of the
         partial block after a slot's full blocks that its engine holds; they count in its hit.
-        `doomed` (Foresight.doomed): copies in-flight prefills will evict do not count in any group."""
+        `doomed` (Foresight.doomed): copies in-flight prefills will evict do not count in any group.
+        `pending`: routed prompts' last windows count in window groups (`hits` then counts them too)."""
         ibs = self.block_size
         n_prompt = n_tokens
         cons = [(gid, g) for gid, g in sorted(self.groups.items())
@@ -384,8 +393,9 @@ class ShardWalk:
                 out[slot] = (top, top, None) if not cons else (0, 0, None)
                 continue
             classes.setdefault((ebs, step), []).append((slot, top))
+        pend = self.pending.window_masks if pending else None
         for (ebs, step), members in classes.items():
-            self._scan(hashes, ebs, step, members, cons, out, doomed)
+            self._scan(hashes, ebs, step, members, cons, out, doomed, pend)
         return out
 
     def _fine_fa_hit(self, hashes: list[int], n_tokens: int, slot: int, fa: GroupIndex, cached: int,
@@ -407,7 +417,7 @@ class ShardWalk:
 
     def _scan(self, hashes: list[int], ebs: int, step: int, members: list[tuple[int, int]],
               cons: list[tuple[int, GroupIndex]], out: dict,
-              doomed: dict[int, dict[int, int]] | None = None) -> None:
+              doomed: dict[int, dict[int, int]] | None = None, pend: dict[int, int] | None = None) -> None:
         ibs = self.block_size
         k = max(1, ebs // ibs)
         members.sort(key=lambda m: -m[1])
@@ -425,6 +435,8 @@ class ShardWalk:
             else:
                 need = -(-(g.window - 1) // ebs) * k  # index blocks per window
                 masks = _cut(g.any.masks(hashes[:n_idx]), hashes[:n_idx], doomed, gid)
+                if pend:
+                    masks = [m | pend.get(h, 0) for m, h in zip(masks, hashes[:n_idx], strict=True)]
                 checks.append((gid, _window_and(masks, max(1, need))))
             r = 0
             for m in masks:

@@ -49,6 +49,30 @@ def test_pending_credit_uses_the_engine_block_size():
     assert answer(s, "new", H[:9], 150).resumable_tokens == 128  # 32-token engine blocks
 
 
+def test_pending_credit_in_a_sliding_window_model_counts_the_last_window_only():
+    """A routed prefill computes its whole prompt, but a sliding-window group keeps only the window
+    before its end (vLLM allocates no block the window has passed): the route credits the prompt up to
+    its end, and a prompt that leaves it earlier only as far as the window group holds it."""
+    s = ModelShard("m", 16)
+    fa = BlocksStored("GPU", 0, H[:1], None, 0, group_kind="full_attention")
+    swa = BlocksStored("GPU", 1, H[:1], None, 0, group_kind="sliding_window", sliding_window=32)
+    s.apply(batch("r", 0, [fa, swa]), 0.0)
+    s.add_pending("r", 0, H, 161, credited=16, expires=5.0)  # 161 tokens: resumable up to 160
+    a = answer(s, "r", now=1.0)
+    assert a.resumable_tokens == 160 and a.pending_tokens == 144
+    assert s.credited(H, 161, "r", now=1.0) == 160
+    # a prompt leaving the routed one after 6 blocks: the window before 96 is not kept
+    other = [*H[:6], 2000, 2001]
+    assert answer(s, "r", other, 129, now=1.0).resumable_tokens == 16
+    # the engine's events: the full-attention blocks and the last window; the route is confirmed
+    s.apply(batch("r", 1, [BlocksStored("GPU", 0, H, None, 0, group_kind="full_attention"),
+                           BlocksStored("GPU", 1, H[8:], None, 0, group_kind="sliding_window",
+                                        sliding_window=32)]), 1.5)
+    assert not s.pending.window_masks and answer(s, "r", now=2.0).resumable_tokens == 160
+    s.apply(batch("r", 2, [BlocksRemoved("GPU", 1, [H[9]])]), 1.6)  # an eviction shows at once
+    assert answer(s, "r", now=2.0).resumable_tokens == 16
+
+
 def test_pool_blocks_count_for_attached_replicas_only():
     s = ModelShard("m", 16)
     s.set_pools({"pool-1": ["a", "b"]})
