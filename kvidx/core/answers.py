@@ -66,7 +66,8 @@ class ReplicaAnswer(msgspec.Struct, omit_defaults=True):
     credit_factor: float | None = None
     index_resumable_tokens: int | None = None
     # eviction foresight: resumable tokens not credited because prefills routed to this replica and
-    # not yet reported will evict blocks they need first (kvidx.core.foresight)
+    # not yet reported will evict blocks they need first (kvidx.core.foresight), or the request's own
+    # host loads will (a TensorRT-LLM host tier: ShardWalk.onboard_cut)
     evicting_tokens: int = 0
 
 

@@ -199,7 +199,7 @@ class ShardWalk:
         hits = self.prefix_blocks(hashes, doomed=doomed)
         loadable, tails = self._loadable(hashes, hits)
         resume = self.resume_points(hashes, n_tokens, loadable, tails=tails, doomed=doomed)
-        evicting = self._evicting(hashes, n_tokens, resume) if doomed else None
+        evicting = self._evicting(hashes, n_tokens, resume) if doomed or loadable is not hits else None
         with_pending = (self.pending_resumable(hashes, n_tokens, hits, None, doomed)
                         if self._pending_applies() else None)
         inflight = self.pending.inflight
@@ -259,7 +259,8 @@ class ShardWalk:
 
     def _evicting(self, hashes: list[int], n_tokens: int, resume: dict) -> dict[int, int]:
         """slot -> resumable tokens the lookup did not credit because in-flight prefills will evict
-        blocks they need first (the same walk without foresight, minus the one with it)."""
+        blocks they need first, or the request's own host loads will (onboard_cut): the same walk
+        without either, minus the one with them."""
         raw_hits = self.prefix_blocks(hashes)
         raw = self.resume_points(hashes, n_tokens, raw_hits, tails=self.tail_hits(hashes, raw_hits))
         out = {}

@@ -37,6 +37,7 @@ def test_own_loads_free_the_deepest_host_blocks_first():
     assert resumable(s, prompt) == 64 and s.credited(prompt, 97, "t") == 64
     (a,) = s.lookup(prompt, 97, 1.0)
     assert a.cached_tokens == 80  # held now: the cut is what the engine can resume, not what it holds
+    assert a.evicting_tokens == 16  # and the answer says what the cut took
     # host of 3, all cached: loading 3 frees 5 at once (the oldest); the walk ends there too
     assert resumable(offloaded(3), prompt) == 64
     # a prompt that needs no host block, or an engine whose loads free nothing: the whole hit
