@@ -119,7 +119,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         add_lmcache_routes(app, ctx, lmcache_lookup)
     app.add_middleware(HotPath, ctx=ctx, dynamo=dynamo)  # the lookups, past the router
     if conductor is not None:  # outside the hot path: its msgpack /query goes first
-        app.add_middleware(ConductorPaths, store=store, registry=conductor)
+        app.add_middleware(ConductorPaths, store=store, registry=conductor, fanout=fanout, metrics=metrics)
     if auth_token:  # added last: outermost, so it guards the lookups too
         add_bearer_auth(app, auth_token)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))

@@ -23,7 +23,8 @@ the request's content type, as the conductor itself refuses anything but msgpack
   cache_salt?, instance_id?}`: per registered instance and DP rank one cursor over the prompt's blocks of
   the registered size: the GPU blocks that rank holds, then blocks any replica of the model holds in host
   memory (`cpu`), then on disk (`disk` = `longest_matched`), cumulative token counts; the instance's
-  gpu/cpu/disk are the best of its ranks.
+  gpu/cpu/disk are the best of its ranks. A model split in replica groups: the other groups' holders
+  answer their part (`?local=1&groups=...`), merged before the cursors are read.
 - `GET /services`, `GET /global_view`: the registrations and the contexts (tenant, model, LoRA, block
   size), with each context's hash profile and its root digest (kvidx.core.vllm_hashing).
 
@@ -40,15 +41,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl
 
 import msgspec
 import numpy as np
 from fastapi.responses import Response
 
 from index_service.dynamo_api import Listener
+from index_service.fanout import local_groups
 from index_service.store import ShardStore
+from index_service.wire import Reject
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.vllm_hashing import ALGORITHMS, root_digest
 from schemas.events import TIER_IDS
@@ -420,7 +425,7 @@ class ConductorRegistry:
         return {"context_count": len(out), "contexts": out}
 
     # ---- query ----------------------------------------------------------------------------------
-    def query(self, store: ShardStore, body: bytes) -> dict:
+    def parse_query(self, body: bytes) -> QueryArgs:
         obj = decode_map(body, QUERY_FIELDS)
         model = bs = tokens = None
         tenant, lora, salt, only = "default", "", None, None
@@ -455,16 +460,27 @@ class ConductorRegistry:
         for name, v in (("model", model), ("block_size", bs), ("token_ids", tokens)):
             if v is None:
                 raise Invalid(f"{name} is required", "missing", name)
+        return QueryArgs(model, bs, tokens, tenant, lora, salt, only)
+
+    def query(self, store: ShardStore, body: bytes) -> dict:
+        """POST /query answered from this instance's index alone (a model it holds whole)."""
+        return self.answer(store, self.parse_query(body))
+
+    def answer(self, store: ShardStore, q: QueryArgs, parts: list[dict] = ()) -> dict:
+        """The conductor's answer: per registered instance and DP rank, the cursors over this instance's
+        index merged with `parts`, the other replica groups' (`Reach.part` on their holders)."""
         with self.lock:
-            ctx = self.contexts.get((tenant, model, lora, bs))
+            ctx = self.contexts.get((q.tenant, q.model, q.lora, q.block_size))
             if ctx is None:
                 return {"instances": {}}
-            ids = sorted(ctx.instances, key=str.encode) if only is None else \
-                ([only] if only in ctx.instances else [])
+            ids = sorted(ctx.instances, key=str.encode) if q.instance is None else \
+                ([q.instance] if q.instance in ctx.instances else [])
             ranks = {i: sorted(ctx.instances[i]) for i in ids}
             endpoints = {(s.instance_id, s.dp_rank): s.endpoint for s in self.services.values()
-                         if s.context == (tenant, model, lora, bs)}
-        reach = _Reach(store, model, bs, tokens, lora, salt)
+                         if s.context == (q.tenant, q.model, q.lora, q.block_size)}
+        reach = Reach(store, q)
+        for part in parts:
+            reach.merge(part)
         out = {}
         for iid in ids:
             per = {r: reach.rank(endpoints.get((iid, r)), r) for r in ranks[iid]}
@@ -475,6 +491,18 @@ class ConductorRegistry:
                         "gpu": max(p[0] for p in per.values()), "cpu": max(p[1] for p in per.values()),
                         "disk": max(p[2] for p in per.values())}
         return {"instances": out}
+
+
+@dataclass
+class QueryArgs:
+    """A conductor /query, checked."""
+    model: str
+    block_size: int
+    tokens: np.ndarray
+    tenant: str
+    lora: str
+    salt: str | None
+    instance: str | None
 
 
 def _tokens(v: Any) -> np.ndarray:
@@ -501,48 +529,92 @@ def _held(g, names: tuple[str, ...], hashes: list[int]) -> list[int]:
     """Per block: the slots holding it in one of these tiers."""
     maps = [g.tiers[TIER_IDS[n]] for n in names if TIER_IDS[n] in g.tiers]
     if not maps:
-        return []
+        return [0] * len(hashes)
     held = maps[0].masks(hashes)
     for d in maps[1:]:
         held = [h | m for h, m in zip(held, d.masks(hashes), strict=True)]
     return held
 
 
-class _Reach:
-    """One prompt against a model's shard, by blocks of the registered size: per replica and DP rank,
-    the cursor over its GPU blocks, then blocks any replica holds in host memory, then on disk."""
+def _bits(held: list[int], mask: int) -> int:
+    """Bit i set where block i is held by one of the slots in `mask`."""
+    out = 0
+    for i, m in enumerate(held):
+        if m & mask:
+            out |= 1 << i
+    return out
 
-    def __init__(self, store: ShardStore, model: str, bs: int, tokens: np.ndarray, lora: str,
-                 salt: str | None):
-        self.bs = bs
-        self.shard = shard = store.shards.get(model)
+
+class Reach:
+    """One prompt against a model's index, by blocks of the registered size: per replica and DP rank,
+    the cursor over its GPU blocks, then blocks any replica holds in host memory, then on disk. From
+    this instance's shard (with `only`: its replicas of those replica groups), merged with the parts
+    of the groups other instances hold (`part` there, `merge` here): per replica its GPU cursor and
+    the pools it reads, per tier the blocks any replica that is no pool holds, per pool its blocks
+    (a pool counts only for its readers)."""
+
+    def __init__(self, store: ShardStore, q: QueryArgs, only: frozenset[int] | None = None):
+        self.bs = q.block_size
+        ibs = store.block_size(q.model)
+        self.n = len(q.tokens) // q.block_size if q.block_size % ibs == 0 else 0  # whole registered blocks
+        self.k = max(1, q.block_size // ibs)
+        self.gpu: dict[tuple[str, int], int] = {}  # (replica, dp rank) -> leading index blocks on GPU
+        self.reads: dict[tuple[str, int], list[str]] = {}  # (replica, dp rank) -> the pools it reads
+        self.lower = [0, 0]  # host memory, disk: bit i = index block i held by a replica that is no pool
+        self.pools: dict[str, list[int]] = {}  # pool -> [host memory, disk] bits
+        shard = store.shards.get(q.model)
         g = shard._lookup_group(None) if shard is not None else None
-        self.n = len(tokens) // bs
-        self.gpu: dict[int, int] = {}  # slot -> leading index blocks it holds on GPU (the map's walk)
-        self.lower: list[list[int]] = [[], []]  # host memory, disk: the slots holding each block
-        self.pool_mask, self.pool_readers = 0, {}  # pools count only for the ranks reading them
-        if g is None or bs % shard.block_size or not self.n:
-            self.n, self.k = 0, 1
+        if g is None or not self.n:
             return
-        self.k = bs // shard.block_size
-        packed = tokens[:self.n * bs].astype("<i4").view("<u4").tobytes()
+        packed = q.tokens[:self.n * self.bs].astype("<i4").view("<u4").tobytes()
         with store.lock:
-            hashes = prompt_hashes(packed, shard.block_size, lora or None, salt)
+            hashes = prompt_hashes(packed, ibs, q.lora or None, q.salt)
+            mine = sum(1 << st.slot for st in shard.by_slot
+                       if st is not None and (not only or st.group in only))
             gpu = g.tiers.get(TIER_IDS["GPU"])
-            self.gpu = dict(gpu.walk(hashes).items()) if gpu is not None else {}
-            self.lower = [_held(g, names, hashes) for names in (_HOST, _DISK)]
-            self.pool_mask, self.pool_readers = shard._pools() if shard.pool_readers else (0, {})
+            for slot, n in (gpu.walk(hashes).items() if gpu is not None else ()):
+                st = shard.by_slot[slot]
+                if mine >> slot & 1:
+                    self.gpu[(st.replica, st.dp_rank)] = n
+            pool_mask, _ = shard._pools() if shard.pool_readers else (0, {})
+            held = [_held(g, names, hashes) for names in (_HOST, _DISK)]
+            self.lower = [_bits(h, mine & ~pool_mask) for h in held]
+            for st in shard.by_slot:
+                if st is None or not mine >> st.slot & 1:
+                    continue
+                if pool_mask >> st.slot & 1:
+                    self.pools[st.replica] = [_bits(h, 1 << st.slot) for h in held]
+                else:
+                    read = [p for p, readers in shard.pool_readers.items() if st.replica in readers]
+                    if read:
+                        self.reads[(st.replica, st.dp_rank)] = read
+
+    def part(self) -> dict:
+        """What another instance merges (msgpack: no int wider than 64 bits, so bits go as bytes)."""
+        nb = (self.n * self.k + 7) // 8
+        return {"gpu": [[r, d, n] for (r, d), n in self.gpu.items()],
+                "reads": [[r, d, p] for (r, d), p in self.reads.items()],
+                "lower": [b.to_bytes(nb, "little") for b in self.lower],
+                "pools": {p: [b.to_bytes(nb, "little") for b in bits] for p, bits in self.pools.items()}}
+
+    def merge(self, part: dict) -> None:
+        for r, d, n in part["gpu"]:
+            self.gpu[(r, d)] = n
+        for r, d, p in part["reads"]:
+            self.reads[(r, d)] = p
+        self.lower = [a | int.from_bytes(b, "little") for a, b in zip(self.lower, part["lower"], strict=True)]
+        for p, bits in part["pools"].items():
+            self.pools[p] = [int.from_bytes(b, "little") for b in bits]
 
     def rank(self, endpoint: str | None, dp_rank: int) -> tuple[int, int, int]:
-        st = self.shard.replicas.get((endpoint, dp_rank)) if self.n else None
-        k = self.k
-        pos = self.gpu.get(st.slot, 0) // k if st is not None else 0  # whole blocks of the registered size
-        # any replica's own host memory or disk; a pool's only where this rank reads it
-        mine = 1 << st.slot if st is not None else 0
-        seen = ~self.pool_mask | sum(p for p, readers in self.pool_readers.items() if readers & mine)
+        key = (endpoint, dp_rank)
+        k, full = self.k, (1 << self.k) - 1
+        pos = self.gpu.get(key, 0) // k if self.n else 0  # whole blocks of the registered size
         out = [pos * self.bs]
-        for held in self.lower:  # each tier continues where the faster ones stopped
-            while held and pos < self.n and all(m & seen for m in held[pos * k:(pos + 1) * k]):
+        for tier, held in enumerate(self.lower):  # each tier continues where the faster ones stopped
+            for p in self.reads.get(key, ()):  # a pool's blocks only where this rank reads it
+                held |= self.pools.get(p, (0, 0))[tier]
+            while pos < self.n and (held >> (pos * k)) & full == full:
                 pos += 1
             out.append(pos * self.bs)
         return out[0], out[1], out[2]
@@ -556,8 +628,12 @@ class ConductorPaths:
     (POST /register, /unregister, /query with a msgpack content type) and its GET /services and
     /global_view; everything else passes on."""
 
-    def __init__(self, app, store: ShardStore, registry: ConductorRegistry):
+    def __init__(self, app, store: ShardStore, registry: ConductorRegistry, fanout=None, metrics=None):
+        """`fanout` (index_service.fanout.Fanout): the instances holding a split model's other replica
+        groups, asked for their part of a /query (`?local=1&groups=...` there); `metrics`: the
+        service's (index_service.metrics.ServiceMetrics), where fan-outs are counted."""
         self.app, self.store, self.registry = app, store, registry
+        self.fanout, self.metrics = fanout, metrics
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path") if scope["type"] == "http" else None
@@ -565,8 +641,13 @@ class ConductorPaths:
             ctype = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), "")
             if scope["method"] == "POST" and is_msgpack(ctype):
                 body = await _read(receive)
-                response = reply(413, {"error": "request body too large"}) if body is None else \
-                    self.handle(path, body)
+                if body is None:
+                    response = reply(413, {"error": "request body too large"})
+                elif path == "/query":
+                    params = dict(parse_qsl(scope.get("query_string", b"").decode()))
+                    response = await self.query(body, params)
+                else:
+                    response = self.handle(path, body)
                 await response(scope, receive, send)
                 return
         elif path in ("/services", "/global_view"):
@@ -585,11 +666,41 @@ class ConductorPaths:
         try:
             if path == "/register":
                 return reply(*reg.register(body))
-            if path == "/unregister":
-                return reply(*reg.unregister(body))
-            return reply(200, reg.query(self.store, body))
+            return reply(*reg.unregister(body))
         except Invalid as e:
             return reply(400, e.body)
+
+    async def query(self, body: bytes, params: dict[str, str]) -> Response:
+        """POST /query. A model split in replica groups: the groups this instance does not hold are asked
+        of their holders, whose parts (per replica its GPU cursor, per tier the blocks held) are merged
+        before the cursors are read; a group no holder answered for in time is left out, counted in
+        kvidx_fanout_partial_total (the conductor's answer has no field for it)."""
+        try:
+            only = local_groups(params)
+        except Reject as e:
+            return reply(422, {"error": e.error, "reason": "invalid_value", "field": "groups"})
+        try:
+            q = self.registry.parse_query(body)
+        except Invalid as e:
+            return reply(400, e.body)
+        if only is not None:  # another instance's fan-out: this instance's part, for those groups
+            return reply(200, {"reach": Reach(self.store, q, only).part()})
+        missing = self.store.missing_groups(q.model) if self.fanout is not None else []
+        parts: list[dict] = []
+        if missing:
+            t0 = time.perf_counter()
+            raws, gone, _ = await self.fanout.gather_raw("/query", missing, body, MSGPACK)
+            for raw in raws:
+                try:
+                    parts.append(msgspec.msgpack.decode(raw)["reach"])
+                except (msgspec.DecodeError, KeyError, TypeError) as e:  # a peer of another version
+                    log.warning("event=fanout_unreadable path=/query error=%s", e)
+                    gone = gone or missing
+            if gone:
+                log.warning("event=conductor_query_partial model=%s missing_groups=%s", q.model, gone)
+            if self.metrics is not None:
+                self.metrics.fanout(time.perf_counter() - t0, len(gone))
+        return reply(200, self.registry.answer(self.store, q, parts))
 
 
 async def _read(receive) -> bytes | None:

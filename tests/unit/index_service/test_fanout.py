@@ -225,6 +225,61 @@ def test_dynamo_query_on_a_partial_instance_answers_like_a_full_one():
             assert c.post(f"{full}/query?local=1&groups=x", json=body).status_code == 422
 
 
+def test_conductor_query_on_a_partial_instance_answers_like_a_full_one():
+    """Mooncake conductor's msgpack POST /query on an instance holding some replica groups: the other
+    groups' holder answers its part (`?local=1&groups=...`: per replica its GPU cursor, per tier the
+    blocks any replica holds), merged before the cursors are read, so a rank's host and disk phases
+    continue through blocks held in any group, as on a full instance."""
+    from index_service.conductor_api import ConductorRegistry
+    from kvidx.core.hashing import prompt_hashes
+    from schemas.events import BlocksStored, EventBatch
+
+    mp = {"Content-Type": "application/msgpack"}
+    prompt = list(range(5000, 5000 + 16 * 24))
+    hashes = prompt_hashes(prompt, 16)
+    endpoints = [f"tcp://10.0.3.{i}:5557" for i in range(8)]
+    assert {hashed_group(e, G) for e in endpoints} >= {0, 2}  # some in each half
+    stores = {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
+    registries = {k: ConductorRegistry() for k in stores}
+    # GPU prefixes of different lengths; host memory and disk runs further on, in both halves
+    held = {0: [("GPU", 0, 3)], 1: [("GPU", 0, 6), ("CPU", 6, 12)], 2: [("CPU", 0, 9)],
+            3: [("GPU", 0, 2), ("DISK", 12, 20)], 4: [("CPU", 12, 16)], 5: [("GPU", 0, 4), ("DISK", 9, 12)],
+            6: [("DISK", 16, 24)], 7: [("GPU", 0, 12)]}
+    for i, ep in enumerate(endpoints):
+        iid, rank = f"engine-{i // 2}", i % 2
+        reg = {"endpoint": ep, "type": "vLLM", "modelname": "m", "instance_id": iid, "block_size": 32,
+               "dp_rank": rank, "hash_profile": {"strategy": "vllm_v1", "algorithm": "sha256_cbor",
+                                                 "python_hash_seed": "0", "index_projection": "low64_be"}}
+        events = [BlocksStored(t, 0, hashes[lo:hi], hashes[lo - 1] if lo else None, lo)
+                  for t, lo, hi in held[i]]
+        batch = EventBatch(1, "m", ep, rank, 1, 0, 1.0, 1.0, 32, events, replica_group=hashed_group(ep, G))
+        for k in stores:
+            assert registries[k].register(msgspec.msgpack.encode(reg))[0] == 200
+            stores[k].apply(batch, 2.0)
+    for s in stores.values():
+        s.ready = True
+    directory = PeerDirectory("a")
+    with ServerThread(create_app(stores["full"], conductor=registries["full"])) as full, \
+            ServerThread(create_app(stores["b"], conductor=registries["b"])) as b:
+        directory.add_static(b, frozenset({2, 3}))
+        app = create_app(stores["a"], conductor=registries["a"], fanout=Fanout(directory, timeout_s=5.0))
+        with ServerThread(app) as a, httpx.Client(timeout=10) as c:
+            for n in (5, 12, 24):
+                body = msgspec.msgpack.encode({"model": "m", "block_size": 32, "token_ids": prompt[:n * 16]})
+                want = msgspec.msgpack.decode(c.post(f"{full}/query", content=body, headers=mp).content)
+                got = msgspec.msgpack.decode(c.post(f"{a}/query", content=body, headers=mp).content)
+                assert got == want and len(want["instances"]) == 4, (n, got, want)
+                lower = [v["disk"] > v["gpu"] for v in want["instances"].values()]
+                assert n < 12 or any(lower), want  # the lower tiers take part
+                alone = Fanout(PeerDirectory("a"), timeout_s=1.0)  # a's own groups only: not the same
+                app_alone = create_app(stores["a"], conductor=registries["a"], fanout=alone)
+                with ServerThread(app_alone) as solo:
+                    part = msgspec.msgpack.decode(c.post(f"{solo}/query", content=body, headers=mp).content)
+                assert n < 12 or part != want
+            r = c.post(f"{full}/query?local=1&groups=x", content=body, headers=mp)
+            assert r.status_code == 422 and msgspec.msgpack.decode(r.content)["field"] == "groups"
+
+
 def test_sglang_prefix_on_a_partial_instance_answers_like_a_full_one():
     """SGLang's MatchExternalKvPrefix on an instance holding some replica groups: the other groups'
     workers come from their holder over HTTP (POST /internal/sglang/{model}/match_prefix?local=1),
