@@ -370,15 +370,14 @@ class HostLoads:
     - an evicted host block (a subtree freed) leaves its slot empty where it was.
     A load needs a GPU block, whose victim is offloaded: each load takes the host's front slot."""
 
-    __slots__ = ("capacity", "order", "blocks", "unit_of", "empty", "fresh", "open", "ids")
+    __slots__ = ("order", "blocks", "unit_of", "empty", "fresh", "open", "ids")
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity  # engine blocks
         self.order = PyOrder()  # slot ids, oldest first (the host's start: `fresh` empty slots before)
         self.blocks: dict[int, list[int]] = {}  # slot id -> the keys it holds
         self.unit_of: dict[int, int] = {}  # key -> its slot id
         self.empty: set[int] = set()  # slot ids in the order that hold nothing
-        self.fresh = capacity  # empty slots ahead of the order: the host's start
+        self.fresh = capacity  # empty slots ahead of the order: the host's start (engine blocks)
         self.open: int | None = None  # a partial engine block just offloaded: its tail keys join it
         self.ids = 0
 

@@ -2,6 +2,7 @@
 onboardBlock -> getFreeBlock): a hit whose own host loads free the rest of it is credited only up to
 where the engine will still find it (ShardWalk.onboard_cut)."""
 
+from kvidx.core.foresight import HostLoads
 from kvidx.core.shard import ModelShard
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
@@ -47,3 +48,24 @@ def test_own_loads_free_the_deepest_host_blocks_first():
 
 def test_a_roomy_host_frees_only_empty_slots():
     assert resumable(offloaded(8), [*CHAIN, 6]) == 80  # five empty host slots take the three loads
+
+
+def test_the_host_queue_keeps_empty_slots_where_the_engine_does():
+    """HostLoads follows TensorRT-LLM's host queue: a load leaves its slot empty at the tail, so the
+    next load takes the oldest block even while slots are empty; an evicted block's slot stays empty
+    where it was; a removal of the front that no offload explains is an offload of a block outside the
+    radix tree (its slot goes to the tail)."""
+    h = HostLoads(3)
+    for k in (1, 2, 3):
+        h.stored([k], 1)  # offloads fill the host: 1, 2, 3 oldest first
+    h.removed([2], [True])  # 2 loaded: its slot is empty, at the tail
+    assert h.reach([1, 3], [0, 1]) == 1  # loading 1 takes the front, which is 3 (1 is claimed)
+    h.removed([3], [False])  # 3 evicted (a subtree freed): its slot empty where it was
+    assert h.reach([1], [0]) is None  # loading 1 takes 3's empty slot
+    h.removed([1], [False])  # the front removed with no offload shown: its slot to the tail
+    h.stored([7], 1)  # the next offload takes the front: 3's empty slot
+    h.stored([8], 1)  # and then 2's
+    assert h.blocks.keys() == {h.unit_of[7], h.unit_of[8]} and len(h.order) == 3
+    assert h.reach([7, 8], [0, 1]) is None  # 1's empty slot, then the one loading 7 left
+    h.stored([9], 1)  # 1's empty slot taken: 7 is the front now
+    assert h.reach([9, 7], [0, 1]) == 1  # loading 9 frees the front, 7
