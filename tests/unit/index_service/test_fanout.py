@@ -3,6 +3,9 @@ an instance asks the one holding the other groups and answers every lookup form 
 holding all; a peer that is down gives a partial answer naming its groups; routes to replicas of
 groups held elsewhere are accepted and left to their holder."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 import msgspec
 import pytest
@@ -177,6 +180,21 @@ def test_a_connection_the_peer_closed_while_idle_is_replaced(fleet):
                 time.sleep(1.5)  # the peer drops the idle connection
 
 
+@contextmanager
+def _split_service(stores: dict, api: str, registries: dict) -> Iterator[tuple[str, str, httpx.Client]]:
+    """The full instance and b (groups 2, 3) served with a router API's registries (`api`: the
+    create_app keyword); a (groups 0, 1) asks b for the rest. (full's URL, a's URL, a client)."""
+    for s in stores.values():
+        s.ready = True
+    directory = PeerDirectory("a")
+    with ServerThread(create_app(stores["full"], **{api: registries["full"]})) as full, \
+            ServerThread(create_app(stores["b"], **{api: registries["b"]})) as b:
+        directory.add_static(b, frozenset({2, 3}))
+        app = create_app(stores["a"], **{api: registries["a"]}, fanout=Fanout(directory, timeout_s=5.0))
+        with ServerThread(app) as a, httpx.Client(timeout=10) as c:
+            yield full, a, c
+
+
 def test_dynamo_query_on_a_partial_instance_answers_like_a_full_one():
     """Dynamo's POST /query on an instance holding some replica groups: the others' workers come from
     their holder (`?local=1` there), merged into one ScoreResponse equal to a full instance's."""
@@ -202,27 +220,20 @@ def test_dynamo_query_on_a_partial_instance_answers_like_a_full_one():
         for k in stores:
             registries[k].apply_record(registration_key(reg.instance_id, reg.dp_rank), reg)
             stores[k].apply(batch, 2.0)
-    for s in stores.values():
-        s.ready = True
-    directory = PeerDirectory("a")
-    with ServerThread(create_app(stores["full"], dynamo=registries["full"])) as full, \
-            ServerThread(create_app(stores["b"], dynamo=registries["b"])) as b:
-        directory.add_static(b, frozenset({2, 3}))
-        app = create_app(stores["a"], dynamo=registries["a"], fanout=Fanout(directory, timeout_s=5.0))
-        with ServerThread(app) as a, httpx.Client(timeout=10) as c:
-            for n in (5, 12, 24):
-                body = {"token_ids": prompt[:n * 16], "model_name": "m"}
-                want = c.post(f"{full}/query", json=body).json()
-                got = c.post(f"{a}/query", json=body).json()
-                alone = c.post(f"{a}/query?local=1", json=body).json()
-                assert got == want and len(want["instances"]) == 4, (n, got, want)
-                assert alone != want  # a alone misses the other half's workers
-            # a holder asked for some groups answers for those only (a full instance, here)
-            body = {"token_ids": prompt, "model_name": "m"}
-            only2 = c.post(f"{full}/query?local=1&groups=2", json=body).json()["instances"]
-            want2 = {str(100 + i // 2) for i, ep in enumerate(endpoints) if hashed_group(ep, G) == 2}
-            assert set(only2) == want2
-            assert c.post(f"{full}/query?local=1&groups=x", json=body).status_code == 422
+    with _split_service(stores, "dynamo", registries) as (full, a, c):
+        for n in (5, 12, 24):
+            body = {"token_ids": prompt[:n * 16], "model_name": "m"}
+            want = c.post(f"{full}/query", json=body).json()
+            got = c.post(f"{a}/query", json=body).json()
+            alone = c.post(f"{a}/query?local=1", json=body).json()
+            assert got == want and len(want["instances"]) == 4, (n, got, want)
+            assert alone != want  # a alone misses the other half's workers
+        # a holder asked for some groups answers for those only (a full instance, here)
+        body = {"token_ids": prompt, "model_name": "m"}
+        only2 = c.post(f"{full}/query?local=1&groups=2", json=body).json()["instances"]
+        want2 = {str(100 + i // 2) for i, ep in enumerate(endpoints) if hashed_group(ep, G) == 2}
+        assert set(only2) == want2
+        assert c.post(f"{full}/query?local=1&groups=x", json=body).status_code == 422
 
 
 def test_conductor_query_on_a_partial_instance_answers_like_a_full_one():
@@ -256,28 +267,19 @@ def test_conductor_query_on_a_partial_instance_answers_like_a_full_one():
         for k in stores:
             assert registries[k].register(msgspec.msgpack.encode(reg))[0] == 200
             stores[k].apply(batch, 2.0)
-    for s in stores.values():
-        s.ready = True
-    directory = PeerDirectory("a")
-    with ServerThread(create_app(stores["full"], conductor=registries["full"])) as full, \
-            ServerThread(create_app(stores["b"], conductor=registries["b"])) as b:
-        directory.add_static(b, frozenset({2, 3}))
-        app = create_app(stores["a"], conductor=registries["a"], fanout=Fanout(directory, timeout_s=5.0))
-        with ServerThread(app) as a, httpx.Client(timeout=10) as c:
-            for n in (5, 12, 24):
-                body = msgspec.msgpack.encode({"model": "m", "block_size": 32, "token_ids": prompt[:n * 16]})
-                want = msgspec.msgpack.decode(c.post(f"{full}/query", content=body, headers=mp).content)
-                got = msgspec.msgpack.decode(c.post(f"{a}/query", content=body, headers=mp).content)
-                assert got == want and len(want["instances"]) == 4, (n, got, want)
-                lower = [v["disk"] > v["gpu"] for v in want["instances"].values()]
-                assert n < 12 or any(lower), want  # the lower tiers take part
-                alone = Fanout(PeerDirectory("a"), timeout_s=1.0)  # a's own groups only: not the same
-                app_alone = create_app(stores["a"], conductor=registries["a"], fanout=alone)
-                with ServerThread(app_alone) as solo:
-                    part = msgspec.msgpack.decode(c.post(f"{solo}/query", content=body, headers=mp).content)
-                assert n < 12 or part != want
-            r = c.post(f"{full}/query?local=1&groups=x", content=body, headers=mp)
-            assert r.status_code == 422 and msgspec.msgpack.decode(r.content)["field"] == "groups"
+    alone = create_app(stores["a"], conductor=registries["a"], fanout=Fanout(PeerDirectory("a"), 1.0))
+    with _split_service(stores, "conductor", registries) as (full, a, c), ServerThread(alone) as solo:
+        for n in (5, 12, 24):
+            body = msgspec.msgpack.encode({"model": "m", "block_size": 32, "token_ids": prompt[:n * 16]})
+            want = msgspec.msgpack.decode(c.post(f"{full}/query", content=body, headers=mp).content)
+            got = msgspec.msgpack.decode(c.post(f"{a}/query", content=body, headers=mp).content)
+            assert got == want and len(want["instances"]) == 4, (n, got, want)
+            if n >= 12:  # the lower tiers take part, through blocks of both halves: a alone differs
+                assert any(v["disk"] > v["gpu"] for v in want["instances"].values()), want
+                part = msgspec.msgpack.decode(c.post(f"{solo}/query", content=body, headers=mp).content)
+                assert part != want
+        r = c.post(f"{full}/query?local=1&groups=x", content=body, headers=mp)
+        assert r.status_code == 422 and msgspec.msgpack.decode(r.content)["field"] == "groups"
 
 
 def test_sglang_prefix_on_a_partial_instance_answers_like_a_full_one():
