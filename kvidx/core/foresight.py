@@ -361,68 +361,98 @@ class Foresight:
 
 class HostLoads:
     """A replica's host tier as TensorRT-LLM queues it (EventBatch.host_tier_blocks), and what a
-    prompt's own loads leave of its hit. Its slots oldest first, each an engine block held there (its
-    index blocks, or a partial block's keys) or empty (kvCacheManager.cpp, evictionPolicy.cpp):
-    - an offload (a key stored in the host) takes the front slot, freeing what it held with its
-      subtree, and joins the tail;
-    - a load (a key leaving the host for the GPU) leaves an empty slot at the tail: `onboardBlock`
-      swaps the block with the GPU block it took, which is released into the host queue;
-    - an evicted host block (a subtree freed) leaves its slot empty where it was.
-    A load needs a GPU block, whose victim is offloaded: each load takes the host's front slot."""
+    prompt's own loads leave of its hit. Its slots oldest first, each an engine block held there or
+    empty (kvCacheManager.cpp, evictionPolicy.cpp):
+    - an offload (an engine block stored in the host) takes the front slot, freeing what it held with
+      its subtree, and joins the tail;
+    - a load (an engine block stored on the GPU, then removed from the host) leaves an empty slot at
+      the tail: `onboardBlock` swaps the block with the GPU block it took, which joins the host queue;
+    - an evicted host block (a subtree freed) leaves its slot empty where it was;
+    - a removal of the front that no offload explains is the offload of a block outside the radix
+      tree (no event): its slot goes to the tail, empty.
+    The relay publishes every engine block entering or leaving the host with its engine hash, even
+    with no index block of its own (kvidx.engines.trtllm.mirror `_host_queue`). A load takes a GPU
+    block, whose victim is offloaded: each load is assumed to take the host's front slot (the safe
+    side: a victim without a key, or of low priority, is not offloaded)."""
 
-    __slots__ = ("order", "blocks", "unit_of", "empty", "fresh", "open", "ids")
+    __slots__ = ("order", "slot_of", "engine_of", "keys", "unit_of", "empty", "fresh", "up", "open", "ids",
+                 "took")
 
     def __init__(self, capacity: int) -> None:
         self.order = PyOrder()  # slot ids, oldest first (the host's start: `fresh` empty slots before)
-        self.blocks: dict[int, list[int]] = {}  # slot id -> the keys it holds
-        self.unit_of: dict[int, int] = {}  # key -> its slot id
+        self.slot_of: dict[int, int] = {}  # engine block hash -> its slot id
+        self.engine_of: dict[int, int] = {}  # slot id -> the engine block it holds
+        self.keys: dict[int, list[int]] = {}  # slot id -> its index blocks (what prompts' hashes reach)
+        self.unit_of: dict[int, int] = {}  # index block -> the slot id holding it
         self.empty: set[int] = set()  # slot ids in the order that hold nothing
         self.fresh = capacity  # empty slots ahead of the order: the host's start (engine blocks)
-        self.open: int | None = None  # a partial engine block just offloaded: its tail keys join it
+        self.up: set[int] = set()  # engine blocks in the host just stored on the GPU: being loaded
+        self.open: int | None = None  # the last offload's slot: the next runs of its index blocks join it
         self.ids = 0
+        # the engine block the last offload's front slot held, and whether a front removal followed:
+        # if that block turns out to be loaded next, the engine had claimed it (out of the queue) and
+        # took the slot behind it
+        self.took: list | None = None
 
-    def stored(self, hashes: list[int], per: int, tail: bool = False) -> None:
-        """Keys arrived in the host: one offload per engine block (`per` index blocks; a partial
-        block's index blocks, then its tail keys in the next event)."""
-        if tail and self.open is not None:
-            u, self.open = self.open, None
-            run = [h for h in hashes if h not in self.unit_of]
-            self.blocks[u].extend(run)
-            self.unit_of.update(dict.fromkeys(run, u))
+    def stored(self, engine_hashes: list[int], hashes: list[int]) -> None:
+        """Stored in the host: an engine block (its hash; its index blocks' later runs come without)."""
+        if not engine_hashes:
+            if self.open is not None:
+                self._index(self.open, hashes)
             return
-        self.open = None
-        if tail:  # a partial block of its own (no index block of it is full)
-            per = max(1, len(hashes))
-        for k in range(0, len(hashes), per):
-            chunk = hashes[k:k + per]
-            run = [h for h in chunk if h not in self.unit_of]
-            if not run:
+        for eh in engine_hashes:
+            self.up.discard(eh)
+            if eh in self.slot_of:  # stored again while there: no offload
                 continue
+            self.took = None
             self._take_front()
             u = self._slot()
-            self.blocks[u] = run
-            self.unit_of.update(dict.fromkeys(run, u))
-            self.open = u if not tail and len(chunk) < per else None
+            self.slot_of[eh], self.engine_of[u], self.keys[u] = u, eh, []
+            self._index(u, hashes if len(engine_hashes) == 1 else [])
+            self.open = u
 
-    def removed(self, hashes: list[int], loaded: list[bool]) -> None:
-        """Keys gone from the host: `loaded` where each went to the GPU (a load) rather than away."""
+    def raised(self, engine_hashes: list[int]) -> None:
+        """Stored on the GPU: those in the host are being loaded (their removal from it follows)."""
+        for eh in engine_hashes:
+            if eh in self.slot_of:
+                self.up.add(eh)
+            elif self.took is not None and self.took[0] == eh:
+                # the last offload took the slot behind this block (claimed for this load): an empty
+                # one where no removal followed (a cached one's removal already went to the tail)
+                if not self.took[1]:
+                    self._take_front()
+                    self.empty.add(self._slot())
+                self.took = None
+
+    def removed(self, engine_hashes: list[int]) -> None:
+        """Gone from the host: loaded, evicted, or taken by an offload no event shows."""
         self.open = None
-        for h, up in zip(hashes, loaded, strict=True):
-            u = self.unit_of.pop(h, None)
+        for eh in engine_hashes:
+            u = self.slot_of.get(eh)
             if u is None:  # freed by the offload that took its slot (or never seen)
                 continue
-            run = self.blocks[u]
-            run.remove(h)
-            if run:
-                continue
-            del self.blocks[u]
-            if up or (not self.fresh and self.order.head(1) == [u]):
-                # a load, or the front taken by an offload no event shows (a block outside the
-                # tree): an empty slot at the tail
+            loaded = eh in self.up
+            self._forget(u)
+            if loaded or (not self.fresh and self.order.head(1) == [u]):
+                if not loaded and self.took is not None:
+                    self.took[1] = True
                 self.order.discard([u])
                 self.empty.add(self._slot())
-            else:  # a subtree freed: the slot stays where it was
+            else:
                 self.empty.add(u)
+
+    def _index(self, u: int, hashes: list[int]) -> None:
+        self.keys[u].extend(hashes)
+        self.unit_of.update(dict.fromkeys(hashes, u))
+
+    def _forget(self, u: int) -> None:
+        """Slot `u`'s engine block is gone from the host."""
+        eh = self.engine_of.pop(u)
+        del self.slot_of[eh]
+        self.up.discard(eh)
+        for h in self.keys.pop(u):
+            if self.unit_of.get(h) == u:
+                del self.unit_of[h]
 
     def _slot(self) -> int:
         self.ids += 1
@@ -440,9 +470,9 @@ class HostLoads:
         self.order.discard(head)
         if u in self.empty:
             self.empty.discard(u)
-        else:  # its keys' removal follows the offload's store
-            for h in self.blocks.pop(u):
-                del self.unit_of[h]
+        else:  # its engine block is freed: its removal follows the offload's store
+            self.took = [self.engine_of[u], False]
+            self._forget(u)
 
     def reach(self, hashes, loads: list[int]) -> int | None:
         """Where the engine's walk over a prompt ends when it loads the host blocks at positions
@@ -450,7 +480,7 @@ class HostLoads:
         (the blocks it already loaded are out of the queue); None: it gets through."""
         fresh = self.fresh
         front = self.order.head(2 * len(loads) + 1)
-        unit_of, blocks, empty = self.unit_of, self.blocks, self.empty
+        unit_of, keys, empty = self.unit_of, self.keys, self.empty
         claimed: set[int] = set()
         freed: set[int] = set()
         fi = 0
@@ -470,7 +500,7 @@ class HostLoads:
                 fi += 1
                 if x not in claimed:
                     if x not in empty:
-                        freed.update(blocks.get(x, ()))
+                        freed.update(keys.get(x, ()))
                     break
         return None
 

@@ -199,7 +199,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         ebs = self.engine_block_size(st)
         k = max(1, ebs // self.block_size)
         need = max(-(-(g.window - 1) // ebs) for g in wins) * k
-        end = min(len(hashes), (n_tokens - 1) // ebs * k)
+        end = max(0, min(len(hashes), (n_tokens - 1) // ebs * k))
         run = hashes[max(0, end - need):end]
         bit = slot_bit(st.slot)
         return [h for h, m in zip(run, wins[0].any.masks(run), strict=True) if not m & bit]
@@ -305,9 +305,12 @@ class ModelShard(ShardWalk, ShardSnapshot):
         tid = TIER_IDS.get(ev.tier, _LAST_TIER)
         d = g.tiers.get(tid) or g.tier_map(tid)
         new = d.store(hashes, st.slot)
-        if (self.host_orders and tid == _CPU and not ev.router_keys
+        if (self.host_orders and not ev.tail and not ev.router_keys
                 and (ho := self.host_orders.get(st.slot)) is not None):
-            ho.stored(hashes, max(1, (st.block_size or self.block_size) // self.block_size), ev.tail)
+            if tid == _CPU:
+                ho.stored(ev.engine_hashes, hashes)
+            elif tid == _GPU:
+                ho.raised(ev.engine_hashes)
         if self.journal is not None:
             self.journal.touch(gid, tid, hashes)
         if g.any is not d:
@@ -348,11 +351,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
             return
         if self.journal is not None:
             self.journal.touch(ev.group, tid, ev.hashes)
-        if (self.host_orders and tid == _CPU and not ev.router_keys
+        if (self.host_orders and tid == _CPU and not ev.tail and not ev.router_keys
                 and (ho := self.host_orders.get(st.slot)) is not None):
-            gpu, bit = g.tiers.get(_GPU), slot_bit(st.slot)  # a load stored it there first
-            ho.removed(ev.hashes, [bool(m & bit) for m in gpu.masks(ev.hashes)] if gpu is not None
-                       else [False] * len(ev.hashes))
+            ho.removed(ev.engine_hashes)
         if len(g.tiers) == 1:
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
         else:  # retract from the union only where no other tier still holds the block there

@@ -54,7 +54,7 @@ class ShardWalk:
         out = None
         for slot, host in self.host_orders.items():
             nb = hits.get(slot, 0)
-            if not nb or not host.blocks:
+            if not nb or not host.keys:
                 continue
             bit = 1 << slot
             on_gpu = gpu.masks(hashes[:nb]) if gpu is not None else [0] * nb

@@ -162,7 +162,7 @@ class TrtllmMirror:
                 if partial:
                     self.stats["partial_blocks"] += 1
                 fresh = self._ref(sub, tier)
-                if fresh:
+                if fresh or (tier != "GPU" and self._host_queue()):
                     new.append((tier, depth, seed, fresh, eh))
             if partial:
                 break  # a partial block is always the last of a stored chain
@@ -214,9 +214,18 @@ class TrtllmMirror:
                 gone.append(c)
         return gone
 
+    def _host_queue(self) -> bool:
+        """The engine has a host tier: every engine block that enters or leaves it is published, with
+        its engine hash, even when none of its index blocks is new or gone (kvidx.core.foresight
+        HostLoads keeps the host's queue)."""
+        return len(self.capacity) > 1 and self.capacity[1] > 0
+
     def _emit_stored(self, new: list, out: list[Event]) -> None:
         unit = TOKEN_GRANULAR if self.partial_reuse else 0
         for tier, depth, seed, fresh, eh in new:
+            if not fresh:  # an engine block with no index block of its own to store (_host_queue)
+                out.append(BlocksStored(tier, 0, [], None, depth, [eh], "full_attention", None, unit))
+                continue
             # contiguous runs of newly cached index blocks of this engine block
             start = 0
             for i in range(1, len(fresh) + 1):
@@ -250,6 +259,8 @@ class TrtllmMirror:
         for eh in hashes:
             if check_hash(eh) not in self.nodes:
                 self.stats["remove_unknown"] += 1
+                if self._host_queue():  # it may hold a host slot all the same (a wrong take-over guess)
+                    out.append(BlocksRemoved("CPU", 0, [], [eh]))
                 continue
             self.stats["removed"] += 1
             self._drop(eh, out)
@@ -276,7 +287,7 @@ class TrtllmMirror:
             g[1].append(h)
             self._ends(n, n.tier, False)
         for tier, (hashes, engine) in gone.items():
-            if hashes:
+            if hashes or (tier != "GPU" and self._host_queue()):
                 out.append(BlocksRemoved(tier, 0, hashes, engine))
         if self.tails is not None:
             out.extend(self.tails.events())
@@ -299,6 +310,10 @@ class TrtllmMirror:
         node = self.nodes.get(eh)
         if node is None:
             self.stats["update_unknown"] += 1
+            if self._host_queue() and lvl.old_value is not None and lvl.old_value != lvl.new_value:
+                # a block the mirror lost (a wrong take-over guess) still moves through the host queue
+                out.append(BlocksStored(tier_of(lvl.new_value), 0, [], None, 0, [eh]))
+                out.append(BlocksRemoved(tier_of(lvl.old_value), 0, [], [eh]))
             return
         new_tier = tier_of(lvl.new_value)
         if new_tier == node.tier:
@@ -307,9 +322,10 @@ class TrtllmMirror:
         old = node.tier
         node.tier = new_tier
         fresh = self._ref(node.sub, new_tier)
-        self._emit_stored([(new_tier, node.depth, node.seed, fresh, eh)] if fresh else [], out)
+        host = self._host_queue()
+        self._emit_stored([(new_tier, node.depth, node.seed, fresh, eh)] if fresh or host else [], out)
         gone = self._unref(node.sub, old)  # after the store: a move never shows as a loss
-        if gone:
+        if gone or host:
             out.append(BlocksRemoved(old, 0, gone, [eh]))
         if self.tails is not None:
             self._ends(node, new_tier, True)

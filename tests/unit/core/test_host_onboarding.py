@@ -19,8 +19,9 @@ def offloaded(host_tier_blocks: int) -> ModelShard:
     first (the engine frees a sequence tail first): the host holds 5, 4, 3, oldest first."""
     s = ModelShard("m", 16)
     events = [BlocksStored("GPU", 0, CHAIN, None, 0)]
-    for h in (5, 4, 3):
-        events += [BlocksStored("CPU", 0, [h], h - 1, h - 1), BlocksRemoved("GPU", 0, [h])]
+    for h in (5, 4, 3):  # engine block hash 100 + h: each offload is one engine block
+        events += [BlocksStored("CPU", 0, [h], h - 1, h - 1, [100 + h]),
+                   BlocksRemoved("GPU", 0, [h], [100 + h])]
     s.apply(batch(0, events, host_tier_blocks), 0.0)
     return s
 
@@ -51,21 +52,29 @@ def test_a_roomy_host_frees_only_empty_slots():
 
 
 def test_the_host_queue_keeps_empty_slots_where_the_engine_does():
-    """HostLoads follows TensorRT-LLM's host queue: a load leaves its slot empty at the tail, so the
-    next load takes the oldest block even while slots are empty; an evicted block's slot stays empty
-    where it was; a removal of the front that no offload explains is an offload of a block outside the
-    radix tree (its slot goes to the tail)."""
+    """HostLoads follows TensorRT-LLM's host queue by engine block: a load leaves its slot empty at
+    the tail, so the next load takes the oldest block even while slots are empty; an evicted block's
+    slot stays empty where it was; a removal of the front that no offload explains is an offload of a
+    block outside the radix tree (its slot goes to the tail); an offload whose front block is then
+    loaded took the slot behind it (the engine had claimed the block for that load)."""
     h = HostLoads(3)
     for k in (1, 2, 3):
-        h.stored([k], 1)  # offloads fill the host: 1, 2, 3 oldest first
-    h.removed([2], [True])  # 2 loaded: its slot is empty, at the tail
+        h.stored([100 + k], [k])  # offloads fill the host: 1, 2, 3 oldest first
+    h.raised([102])
+    h.removed([102])  # 2 loaded: its slot is empty, at the tail
     assert h.reach([1, 3], [0, 1]) == 1  # loading 1 takes the front, which is 3 (1 is claimed)
-    h.removed([3], [False])  # 3 evicted (a subtree freed): its slot empty where it was
+    h.removed([103])  # 3 evicted (a subtree freed): its slot empty where it was
     assert h.reach([1], [0]) is None  # loading 1 takes 3's empty slot
-    h.removed([1], [False])  # the front removed with no offload shown: its slot to the tail
-    h.stored([7], 1)  # the next offload takes the front: 3's empty slot
-    h.stored([8], 1)  # and then 2's
-    assert h.blocks.keys() == {h.unit_of[7], h.unit_of[8]} and len(h.order) == 3
-    assert h.reach([7, 8], [0, 1]) is None  # 1's empty slot, then the one loading 7 left
-    h.stored([9], 1)  # 1's empty slot taken: 7 is the front now
+    h.removed([101])  # the front removed with no offload shown: its slot to the tail
+    h.stored([107], [7])  # the next offload takes the front: 3's empty slot
+    h.stored([108], [8])  # and then 2's
+    assert set(h.unit_of) == {7, 8} and len(h.order) == 3
+    h.stored([109], [9])  # 1's empty slot taken: 7 is the front now
     assert h.reach([9, 7], [0, 1]) == 1  # loading 9 frees the front, 7
+    # an offload takes the front (7), but the next event loads 7: the engine had claimed it and took
+    # the slot behind it (8, whose removal follows); 7's load leaves an empty slot at the tail
+    h.stored([110], [10])
+    h.removed([108])
+    h.raised([107])
+    h.removed([107])
+    assert set(h.unit_of) == {9, 10} and len(h.order) == 3 and len(h.empty) == 1
