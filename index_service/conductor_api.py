@@ -466,7 +466,12 @@ class ConductorRegistry:
         """POST /query answered from this instance's index alone (a model it holds whole)."""
         return self.answer(store, self.parse_query(body))
 
-    def answer(self, store: ShardStore, q: QueryArgs, parts: list[dict] = ()) -> dict:
+    def knows(self, q: QueryArgs) -> bool:
+        """The query's context (tenant, model, LoRA, block size) has registrations."""
+        with self.lock:
+            return (q.tenant, q.model, q.lora, q.block_size) in self.contexts
+
+    def answer(self, store: ShardStore, q: QueryArgs, parts: list[Reach] = ()) -> dict:
         """The conductor's answer: per registered instance and DP rank, the cursors over this instance's
         index merged with `parts`, the other replica groups' (`Reach.part` on their holders)."""
         with self.lock:
@@ -491,6 +496,18 @@ class ConductorRegistry:
                         "gpu": max(p[0] for p in per.values()), "cpu": max(p[1] for p in per.values()),
                         "disk": max(p[2] for p in per.values())}
         return {"instances": out}
+
+
+class _PartBody(msgspec.Struct):
+    gpu: list[tuple[str, int, int]]
+    reads: list[tuple[str, int, list[str]]]
+    lower: list[bytes]
+    pools: dict[str, list[bytes]]
+
+
+class _ReachPart(msgspec.Struct):
+    """What a holder of other replica groups answers to `POST /query?local=1&groups=...`."""
+    reach: _PartBody
 
 
 @dataclass
@@ -582,8 +599,10 @@ class Reach:
             for st in shard.by_slot:
                 if st is None or not mine >> st.slot & 1:
                     continue
-                if pool_mask >> st.slot & 1:
-                    self.pools[st.replica] = [_bits(h, 1 << st.slot) for h in held]
+                if pool_mask >> st.slot & 1:  # a pool's DP ranks: one pool
+                    acc = self.pools.get(st.replica, [0, 0])
+                    self.pools[st.replica] = [a | _bits(h, 1 << st.slot)
+                                              for a, h in zip(acc, held, strict=True)]
                 else:
                     read = [p for p, readers in shard.pool_readers.items() if st.replica in readers]
                     if read:
@@ -597,14 +616,27 @@ class Reach:
                 "lower": [b.to_bytes(nb, "little") for b in self.lower],
                 "pools": {p: [b.to_bytes(nb, "little") for b in bits] for p, bits in self.pools.items()}}
 
-    def merge(self, part: dict) -> None:
-        for r, d, n in part["gpu"]:
-            self.gpu[(r, d)] = n
-        for r, d, p in part["reads"]:
-            self.reads[(r, d)] = p
-        self.lower = [a | int.from_bytes(b, "little") for a, b in zip(self.lower, part["lower"], strict=True)]
-        for p, bits in part["pools"].items():
-            self.pools[p] = [int.from_bytes(b, "little") for b in bits]
+    @classmethod
+    def decode(cls, raw: bytes, q: QueryArgs) -> Reach:
+        """Another instance's part (`part`, msgpack); ValueError or TypeError where it is malformed."""
+        body = msgspec.msgpack.decode(raw, type=_ReachPart)
+        out = cls.__new__(cls)
+        out.bs, out.n, out.k = q.block_size, 0, 1
+        out.gpu = {(r, d): n for r, d, n in body.reach.gpu}
+        out.reads = {(r, d): p for r, d, p in body.reach.reads}
+        if len(body.reach.lower) != 2 or any(len(b) != 2 for b in body.reach.pools.values()):
+            raise ValueError("a part has two tiers: host memory and disk")
+        out.lower = [int.from_bytes(b, "little") for b in body.reach.lower]
+        out.pools = {p: [int.from_bytes(b, "little") for b in bits] for p, bits in body.reach.pools.items()}
+        return out
+
+    def merge(self, part: Reach) -> None:
+        self.gpu.update(part.gpu)
+        self.reads.update(part.reads)
+        self.lower = [a | b for a, b in zip(self.lower, part.lower, strict=True)]
+        for p, bits in part.pools.items():
+            acc = self.pools.get(p, [0, 0])
+            self.pools[p] = [a | b for a, b in zip(acc, bits, strict=True)]
 
     def rank(self, endpoint: str | None, dp_rank: int) -> tuple[int, int, int]:
         key = (endpoint, dp_rank)
@@ -683,19 +715,20 @@ class ConductorPaths:
             q = self.registry.parse_query(body)
         except Invalid as e:
             return reply(400, e.body)
-        if only is not None:  # another instance's fan-out: this instance's part, for those groups
+        if only:  # another instance's fan-out: this instance's part, for those groups
             return reply(200, {"reach": Reach(self.store, q, only).part()})
-        missing = self.store.missing_groups(q.model) if self.fanout is not None else []
-        parts: list[dict] = []
+        missing = (self.store.missing_groups(q.model) if self.fanout is not None and only is None
+                   and self.registry.knows(q) else [])
+        parts: list[Reach] = []
         if missing:
             t0 = time.perf_counter()
             raws, gone, _ = await self.fanout.gather_raw("/query", missing, body, MSGPACK)
             for raw in raws:
                 try:
-                    parts.append(msgspec.msgpack.decode(raw)["reach"])
-                except (msgspec.DecodeError, KeyError, TypeError) as e:  # a peer of another version
+                    parts.append(Reach.decode(raw, q))
+                except (msgspec.DecodeError, ValueError) as e:  # a peer of another version
                     log.warning("event=fanout_unreadable path=/query error=%s", e)
-                    gone = gone or missing
+                    gone = list(missing)  # which of its groups it answered for is not known
             if gone:
                 log.warning("event=conductor_query_partial model=%s missing_groups=%s", q.model, gone)
             if self.metrics is not None:

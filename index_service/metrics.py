@@ -76,7 +76,8 @@ class _StoreCollector:
                                      "routed and not yet reported will evict (eviction foresight)",
                                      labels=["model"])
         cut = CounterMetricFamily("kvidx_foresight_discounted_lookups", "Lookups where eviction "
-                                  "foresight cut a replica's credit", labels=["model"])
+                                  "foresight (or a replica's own host loads) cut a replica's credit",
+                                  labels=["model"])
         nbytes = GaugeMetricFamily("kvidx_index_bytes", "Memory of the index's mask maps (compiled core "
                                    "only: the Python reference would be walked to measure)", labels=["model"])
         now = time.time()

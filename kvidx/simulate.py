@@ -330,8 +330,10 @@ _FLAG_FLOORS: tuple[tuple[str, int], ...] = (
     ("--cache-tokens", 1), ("--engine-blocks", 1), ("--requests", 1), ("--trace-block-tokens", 1),
     ("--host-tier-blocks", 0), ("--pool-blocks", 0), ("--pool-group", 1), ("--hybrid-group-blocks", 0),
     ("--hybrid-chunk-tokens", 1), ("--cpu-offload-blocks", 0), ("--disk-offload-blocks", 0),
-    ("--replay-buffer", 0), ("--decode-ms-per-token", 0))
-_POSITIVE_FLAGS = ("--speed", "--chat-rate", "--prefill-tps", "--trtllm-poll-ms")
+    ("--replay-buffer", 0), ("--decode-ms-per-token", 0), ("--agents", 1), ("--jobs", 1),
+    ("--kv-bytes-per-token", 0), ("--hint-delay-ms", 0))
+_POSITIVE_FLAGS = ("--speed", "--chat-rate", "--prefill-tps", "--trtllm-poll-ms", "--placement-tps",
+                   "--window-s")
 
 
 def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], list[str], str]:
@@ -339,9 +341,9 @@ def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], li
     kinds, the policies and the trace's path."""
     for flag, least in (*_FLAG_FLOORS, *((f, None) for f in _POSITIVE_FLAGS)):
         v = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        if v is not None and (v <= 0 if least is None else v < least):
+        if v is not None and not (v > 0 if least is None else v >= least):  # NaN fails both
             raise SystemExit(f"error: {flag} must be {'> 0' if least is None else f'>= {least}'}, not {v}")
-    if not 0.0 <= args.drop_rate < 1.0:
+    if not 0.0 <= args.drop_rate < 1.0:  # NaN fails it
         raise SystemExit(f"error: --drop-rate takes a share in [0, 1), not {args.drop_rate}")
     if args.engine_block_size % args.index_block_size:
         raise SystemExit("error: --index-block-size must divide --engine-block-size")
@@ -374,10 +376,8 @@ def _check_args(args: argparse.Namespace, say: Say) -> tuple[tuple[str, ...], li
     for k in kinds:
         if k not in HINT_KINDS:
             raise SystemExit(f"error: unknown hint kind {k!r} (known: {', '.join(HINT_KINDS)})")
-    if args.placement_tps <= 0 or args.kv_bytes_per_token < 0 or args.agents < 1:
-        raise SystemExit("error: --placement-tps must be > 0, --kv-bytes-per-token >= 0 and --agents >= 1")
-    if not 0.0 <= args.hint_compliance <= 1.0 or args.hint_delay_ms < 0:
-        raise SystemExit("error: --hint-compliance takes a share in [0, 1] and --hint-delay-ms a delay >= 0")
+    if not 0.0 <= args.hint_compliance <= 1.0:
+        raise SystemExit(f"error: --hint-compliance takes a share in [0, 1], not {args.hint_compliance}")
     if args.replica_groups != 1 and (args.replica_groups < 1 or not args.kafka):
         raise SystemExit("error: --replica-groups takes a count >= 1, with --kafka (groups are Kafka keys)")
     n = args.service_instances

@@ -24,7 +24,8 @@ class RouteDecision(msgspec.Struct, array_like=True):
     ttl_s: float  # how long the prompt counts as cached there without the engine's confirmation
     router: str = ""
     # resumable tokens the index did not credit because prefills already routed there will evict
-    # blocks first (the answer's evicting_tokens, eviction foresight); 0 in records before it
+    # blocks first, or its own host loads will (the answer's evicting_tokens: eviction foresight, a
+    # TensorRT-LLM host tier); 0 in records before it
     evicting_tokens: int = 0
 
 

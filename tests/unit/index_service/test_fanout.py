@@ -241,7 +241,7 @@ def test_conductor_query_on_a_partial_instance_answers_like_a_full_one():
     groups' holder answers its part (`?local=1&groups=...`: per replica its GPU cursor, per tier the
     blocks any replica holds), merged before the cursors are read, so a rank's host and disk phases
     continue through blocks held in any group, as on a full instance."""
-    from index_service.conductor_api import ConductorRegistry
+    from index_service.conductor_api import ConductorRegistry, Reach
     from kvidx.core.hashing import prompt_hashes
     from schemas.events import BlocksStored, EventBatch
 
@@ -280,6 +280,16 @@ def test_conductor_query_on_a_partial_instance_answers_like_a_full_one():
                 assert part != want
         r = c.post(f"{full}/query?local=1&groups=x", content=body, headers=mp)
         assert r.status_code == 422 and msgspec.msgpack.decode(r.content)["field"] == "groups"
+        # `?local=1` alone: an answer from this instance's groups, in the conductor's form (as Dynamo's)
+        own = msgspec.msgpack.decode(c.post(f"{a}/query?local=1", content=body, headers=mp).content)
+        assert set(own) == {"instances"} and own == part
+    # a holder's part that does not parse is refused, not merged (its groups count as missing)
+    q = registries["a"].parse_query(body)
+    bad = msgspec.msgpack.encode({"reach": {"gpu": [], "reads": [], "lower": [b""], "pools": {}}})
+    with pytest.raises(ValueError):
+        Reach.decode(bad, q)
+    with pytest.raises(msgspec.DecodeError):
+        Reach.decode(msgspec.msgpack.encode({"reach": {"gpu": "x"}}), q)
 
 
 def test_sglang_prefix_on_a_partial_instance_answers_like_a_full_one():
