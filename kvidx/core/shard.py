@@ -143,8 +143,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         """Pending credit counts in full-attention and sliding-window models (a window group keeps a
         routed prompt's last window: PendingCredits.window_masks). Not with state groups: the engine
         keeps state at chunk ends, which the router does not know."""
-        return bool(self.pending.masks) and all(g.kind in FULL_KINDS or g.kind in WINDOW_KINDS
-                                                for g in self.groups.values())
+        return bool(self.pending.masks or self.pending.window_masks) and all(
+            g.kind in FULL_KINDS or g.kind in WINDOW_KINDS for g in self.groups.values())
 
     def _upper_bound_tiers(self, tiers: list[Tier]) -> bool:
         return bool(self.unreported_eviction_tiers) and any(

@@ -320,9 +320,14 @@ class ShardWalk:
                           slots: set[int] | None = None, doomed: dict[int, dict[int, int]] | None = None
                           ) -> dict[int, int]:
         """slot -> resumable tokens counting routed prompts the engine's events have not confirmed
-        yet (pending credit), for the slots whose hit (`hits`) they lengthen."""
+        yet (pending credit), for the slots whose hit (`hits`) they lengthen, or whose window groups
+        they fill."""
         wp = self.prefix_blocks(hashes, pending=True, doomed=doomed)
-        wp = {s: n for s, n in wp.items() if n > hits.get(s, 0) and (slots is None or s in slots)}
+        win = 0  # slots a routed prompt's last window is pending on, in this prompt
+        for h in hashes if self.pending.window_masks else ():
+            win |= self.pending.window_masks.get(h, 0)
+        wp = {s: n for s, n in wp.items()
+              if (n > hits.get(s, 0) or win >> s & 1) and (slots is None or s in slots)}
         if len(self.groups) > 1:  # window groups: what they hold and the routed prompts' last windows
             return {s: r[1] for s, r in self.resume_points(hashes, n_tokens, wp, set(wp), None, doomed,
                                                            pending=True).items()}

@@ -71,6 +71,11 @@ def test_pending_credit_in_a_sliding_window_model_counts_the_last_window_only():
     assert not s.pending.window_masks and answer(s, "r", now=2.0).resumable_tokens == 160
     s.apply(batch("r", 2, [BlocksRemoved("GPU", 1, [H[9]])]), 1.6)  # an eviction shows at once
     assert answer(s, "r", now=2.0).resumable_tokens == 16
+    # the prompt routed there again: full attention holds it all, the window group will hold its end
+    s.add_pending("r", 0, H, 161, credited=16, expires=5.0)
+    assert not s.pending.masks and s.pending.window_masks
+    a = answer(s, "r", now=2.5)
+    assert a.resumable_tokens == 160 and a.pending_tokens == 144
 
 
 def test_pool_blocks_count_for_attached_replicas_only():
