@@ -471,7 +471,7 @@ class ConductorRegistry:
         with self.lock:
             return (q.tenant, q.model, q.lora, q.block_size) in self.contexts
 
-    def answer(self, store: ShardStore, q: QueryArgs, parts: list[Reach] = ()) -> dict:
+    def answer(self, store: ShardStore, q: QueryArgs, parts: list[_PartBody] = ()) -> dict:
         """The conductor's answer: per registered instance and DP rank, the cursors over this instance's
         index merged with `parts`, the other replica groups' (`Reach.part` on their holders)."""
         with self.lock:
@@ -616,27 +616,21 @@ class Reach:
                 "lower": [b.to_bytes(nb, "little") for b in self.lower],
                 "pools": {p: [b.to_bytes(nb, "little") for b in bits] for p, bits in self.pools.items()}}
 
-    @classmethod
-    def decode(cls, raw: bytes, q: QueryArgs) -> Reach:
-        """Another instance's part (`part`, msgpack); ValueError or TypeError where it is malformed."""
-        body = msgspec.msgpack.decode(raw, type=_ReachPart)
-        out = cls.__new__(cls)
-        out.bs, out.n, out.k = q.block_size, 0, 1
-        out.gpu = {(r, d): n for r, d, n in body.reach.gpu}
-        out.reads = {(r, d): p for r, d, p in body.reach.reads}
-        if len(body.reach.lower) != 2 or any(len(b) != 2 for b in body.reach.pools.values()):
+    @staticmethod
+    def decode(raw: bytes) -> _PartBody:
+        """Another instance's part (`part`, msgpack); DecodeError or ValueError where it is malformed."""
+        body = msgspec.msgpack.decode(raw, type=_ReachPart).reach
+        if len(body.lower) != 2 or any(len(b) != 2 for b in body.pools.values()):
             raise ValueError("a part has two tiers: host memory and disk")
-        out.lower = [int.from_bytes(b, "little") for b in body.reach.lower]
-        out.pools = {p: [int.from_bytes(b, "little") for b in bits] for p, bits in body.reach.pools.items()}
-        return out
+        return body
 
-    def merge(self, part: Reach) -> None:
-        self.gpu.update(part.gpu)
-        self.reads.update(part.reads)
-        self.lower = [a | b for a, b in zip(self.lower, part.lower, strict=True)]
+    def merge(self, part: _PartBody) -> None:
+        self.gpu.update({(r, d): n for r, d, n in part.gpu})
+        self.reads.update({(r, d): p for r, d, p in part.reads})
+        self.lower = [a | int.from_bytes(b, "little") for a, b in zip(self.lower, part.lower, strict=True)]
         for p, bits in part.pools.items():
             acc = self.pools.get(p, [0, 0])
-            self.pools[p] = [a | b for a, b in zip(acc, bits, strict=True)]
+            self.pools[p] = [a | int.from_bytes(b, "little") for a, b in zip(acc, bits, strict=True)]
 
     def rank(self, endpoint: str | None, dp_rank: int) -> tuple[int, int, int]:
         key = (endpoint, dp_rank)
@@ -719,13 +713,13 @@ class ConductorPaths:
             return reply(200, {"reach": Reach(self.store, q, only).part()})
         missing = (self.store.missing_groups(q.model) if self.fanout is not None and only is None
                    and self.registry.knows(q) else [])
-        parts: list[Reach] = []
+        parts: list[_PartBody] = []
         if missing:
             t0 = time.perf_counter()
             raws, gone, _ = await self.fanout.gather_raw("/query", missing, body, MSGPACK)
             for raw in raws:
                 try:
-                    parts.append(Reach.decode(raw, q))
+                    parts.append(Reach.decode(raw))
                 except (msgspec.DecodeError, ValueError) as e:  # a peer of another version
                     log.warning("event=fanout_unreadable path=/query error=%s", e)
                     gone = list(missing)  # which of its groups it answered for is not known

@@ -24,7 +24,7 @@ from kvidx.core.maskmap import MaskMap
 from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
 from kvidx.core.snapshot import ShardSnapshot
-from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, ShardWalk
+from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, ShardWalk, window_blocks
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 _LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)
@@ -198,7 +198,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
             return []
         ebs = self.engine_block_size(st)
         k = max(1, ebs // self.block_size)
-        need = max(-(-(g.window - 1) // ebs) for g in wins) * k
+        need = max(window_blocks(g.window, ebs, k) for g in wins)
         end = max(0, min(len(hashes), (n_tokens - 1) // ebs * k))
         run = hashes[max(0, end - need):end]
         bit = slot_bit(st.slot)
@@ -230,8 +230,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         whole = len(hashes) // per * per
         # a window group's prefill takes a block per position and keeps only its windows: the rest is
         # transient room, counted with the first full-attention group until the step is reported
-        window = {gid: -(-(g.window - 1) // ebs) * per for gid, g in self.groups.items()
-                  if g.kind in WINDOW_KINDS and g.window}  # index blocks a window needs
+        window = {gid: window_blocks(g.window, ebs, per) for gid, g in self.groups.items()
+                  if g.kind in WINDOW_KINDS and g.window}
         transient = sum(max(0, whole - resume_b - need) for need in window.values())
         for gid, g in self.groups.items():
             if g.kind in FULL_KINDS:

@@ -13,7 +13,7 @@ from kvidx.core.answers import Freshness, Group, ReplicaAnswer, Tier
 from kvidx.core.hashing import PromptHashes
 from kvidx.core.maskmap import lookup_json as native_lookup_json
 from kvidx.core.maskmap import walk_masks
-from schemas.events import TIERS
+from schemas.events import TIER_IDS, TIERS
 
 if TYPE_CHECKING:
     from kvidx.core.shard import GroupIndex, ReplicaState
@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 STATE_KINDS = frozenset({"mamba"})
+
+
+def window_blocks(window: int, engine_block_size: int, per: int) -> int:
+    """Index blocks a sliding window of `window` tokens needs before a resume point: the
+    ceil((w-1)/B) engine blocks right before it, `per` index blocks each."""
+    return -(-(window - 1) // engine_block_size) * per
 
 
 class ShardWalk:
@@ -49,15 +55,17 @@ class ShardWalk:
         prompt's deepest host blocks are often the oldest (freed tail first, offloaded first)."""
         if not self.host_orders:
             return hits
+        cands = [(slot, host, hits[slot]) for slot, host in self.host_orders.items()
+                 if hits.get(slot) and host.keys]
+        if not cands:
+            return hits
         g = self._lookup_group(None)
-        gpu = g.tiers.get(0) if g is not None else None
+        gpu = g.tiers.get(TIER_IDS["GPU"]) if g is not None else None
+        top = max(nb for _, _, nb in cands)
+        on_gpu = gpu.masks(hashes[:top]) if gpu is not None else [0] * top  # once for every replica
         out = None
-        for slot, host in self.host_orders.items():
-            nb = hits.get(slot, 0)
-            if not nb or not host.keys:
-                continue
+        for slot, host, nb in cands:
             bit = 1 << slot
-            on_gpu = gpu.masks(hashes[:nb]) if gpu is not None else [0] * nb
             loads = [i for i in range(nb) if not on_gpu[i] & bit]  # held only below the GPU
             cut = host.reach(hashes, loads) if loads else None
             if cut is not None:
@@ -439,7 +447,7 @@ class ShardWalk:
                 masks = _cut(g.any.masks(hashes[sub - 1:n_idx:sub]), hashes[sub - 1:n_idx:sub], doomed, gid)
                 checks.append((gid, lambda e, masks=masks, sub=sub: masks[e // sub - 1]))
             else:
-                need = -(-(g.window - 1) // ebs) * k  # index blocks per window
+                need = window_blocks(g.window, ebs, k)
                 masks = _cut(g.any.masks(hashes[:n_idx]), hashes[:n_idx], doomed, gid)
                 if pend:
                     masks = [m | pend.get(h, 0) for m, h in zip(masks, hashes[:n_idx], strict=True)]
