@@ -15,6 +15,8 @@ Series:
                                             docs/engines.md "Partial blocks")
 - kvidx_replica_event_age_max_seconds{model}  age of the stalest replica's last applied engine batch
 - kvidx_batches_applied_total               batches the store folded
+- kvidx_fold_compiled_batches_total         of those (and of redeliveries), the ones the compiled fold
+                                            took (kvidx.core.shard.NATIVE_FOLD); the rest: the Python fold
 - kvidx_ready                               1 once the store was rebuilt
 - kvidx_core_info{maskmap}                  1, labelled with the index core that runs: native (the
                                             compiled mask map) or python (the reference fallback)
@@ -48,6 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from index_service.store import ShardStore
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
+from kvidx.core.shard import NATIVE_FOLD
 
 FORMS = ("json", "binary", "rank", "routes", "lmcache")  # lmcache: LMCache's POST /lookup
 # Lookups take ~50 us (short prompt, binary) to a few ms (32k tokens as JSON on a loaded box).
@@ -106,6 +109,10 @@ class _StoreCollector:
         yield nbytes
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)
+        if NATIVE_FOLD is not None:
+            yield CounterMetricFamily("kvidx_fold_compiled_batches", "Event batches (redeliveries "
+                                      "included) the compiled fold took; the rest: the Python fold",
+                                      value=NATIVE_FOLD.folded)
         yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))
         core = GaugeMetricFamily("kvidx_core_info", "The index core that runs (maskmap: native | python)",
                                  labels=["maskmap"])

@@ -25,13 +25,13 @@ from pathlib import Path
 import faust
 from confluent_kafka import Producer
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvidx.config import ShardSettings
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.groups import shard_key
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
-from kvidx.core.shard import ModelShard
+from kvidx.core.shard import NATIVE_FOLD, ModelShard
 from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.config import client_config, faust_credentials
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC
@@ -84,6 +84,19 @@ class _ConsumerLag:
 
 CONSUMER_LAG = _ConsumerLag()
 REGISTRY.register(CONSUMER_LAG)
+
+
+class _CompiledFold:
+    """How many batches the compiled fold took (kvidx.core.shard.NATIVE_FOLD), read at scrape time."""
+
+    def collect(self):
+        if NATIVE_FOLD is not None:
+            yield CounterMetricFamily("kvidx_worker_fold_compiled_batches", "Event batches (redeliveries "
+                                      "included) the compiled fold took; the rest: the Python fold",
+                                      value=NATIVE_FOLD.folded)
+
+
+REGISTRY.register(_CompiledFold())
 
 
 class ShardWorker:

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvidx.core.answers import Tier
 from kvidx.core.foresight import Foresight, HostLoads
-from kvidx.core.maskmap import MaskMap
+from kvidx.core.maskmap import MaskMap, native_module
 from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
 from kvidx.core.snapshot import ShardSnapshot
@@ -30,6 +30,7 @@ from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBa
 _LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)
 _CPU = TIER_IDS["CPU"]
 _GPU = TIER_IDS["GPU"]
+_native = native_module()
 
 
 class ReplicaState(msgspec.Struct):
@@ -61,6 +62,8 @@ class ReplicaState(msgspec.Struct):
 
 
 class GroupIndex:
+    __slots__ = ("gid", "kind", "window", "new_map", "tiers", "any")  # fixed: the compiled fold reads them
+
     def __init__(self, kind: str = "full_attention", window: int | None = None, new_map: type = MaskMap,
                  gid: int = 0):
         self.gid = gid
@@ -80,6 +83,12 @@ class GroupIndex:
                 self.any = self.any.copy()  # a second tier: the union needs its own map
             self.tiers[tier] = d
         return d
+
+
+# the compiled fold of a plain batch (native/src/fold.rs), on shards of compiled maps; `apply` below is
+# the reference, and folds whatever it declines
+NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, GroupIndex, TIER_IDS,
+                              _LAST_TIER) if _native is not None else None)
 
 
 class ModelShard(ShardWalk, ShardSnapshot):
@@ -116,6 +125,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.lookahead = 0  # see _lookahead_changed
         self.tail_keys = 0  # live partial-block keys of all replicas: lookups key the partial block
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
+        self._fold = NATIVE_FOLD.fold if NATIVE_FOLD is not None and self.new_map is _native.MaskMap else None
 
     # ---- topology ---------------------------------------------------------------------------
     def set_pools(self, pools: dict[str, Iterable[str]]) -> None:
@@ -250,6 +260,15 @@ class ModelShard(ShardWalk, ShardSnapshot):
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
         st = self.replicas.get((batch.replica, batch.dp_rank)) or self.replica(batch.replica, batch.dp_rank)
+        fold = self._fold
+        if fold is not None and not (self.pending.masks or self.pending.window_masks or self.foresight.active
+                                     or self.foresight.slots or st.slot in self.host_orders):
+            n = fold(self.groups, self.journal, batch, st, now)
+            if n is not None:  # the compiled fold took it (None: not plain, the Python fold below does it)
+                if n < 0:
+                    return False
+                self.blocks_applied += n
+                return True
         epoch, seq = batch.epoch, batch.seq
         # (epoch, seq, part) <= the slot's, compared without building the tuples (the hot path)
         if epoch <= st.epoch and (epoch < st.epoch or seq < st.seq

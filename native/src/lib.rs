@@ -18,6 +18,7 @@
 //! following one another.
 
 mod answer;
+mod fold;
 mod order;
 mod table;
 mod tokens;
@@ -1248,6 +1249,7 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Depths>()?;
     m.add_class::<order::Order>()?;
     m.add_class::<HashArray>()?;
+    m.add_class::<fold::Folder>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
     m.add_function(wrap_pyfunction!(chain_array, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;

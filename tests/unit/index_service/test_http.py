@@ -3,6 +3,7 @@ shard's, all three request forms agree, bad requests get the right 4xx naming th
 
 from __future__ import annotations
 
+import re
 import struct
 import time
 
@@ -357,6 +358,9 @@ def test_metrics(world):
     assert "kvidx_ready 1.0" in text
     from kvidx.core.maskmap import IMPLEMENTATION
     assert f'kvidx_core_info{{maskmap="{IMPLEMENTATION}"}} 1.0' in text
+    # the compiled fold took the plain batches (both here; its count is the process's), where it is built
+    folded = re.search(r"^kvidx_fold_compiled_batches_total (\S+)$", text, re.M)
+    assert (folded is not None and float(folded[1]) >= 2) == (IMPLEMENTATION == "native")
     assert f'kvidx_lookup_prompt_tokens_total{{model="{MODEL}"}}' in text
     assert 'model="nope"' not in text  # client-chosen names never become label values
     # a second app in the same process has its own registry: its counters start at zero

@@ -1,0 +1,142 @@
+"""The compiled fold of plain batches (native/src/fold.rs, `kvidx.core.shard.NATIVE_FOLD`) against the
+Python fold it stands in for (`ModelShard.apply`, the reference): random streams mixing plain batches
+with everything the compiled fold declines (copies, partial-block tails, router keys, clears, host
+tiers, lookahead, new groups and tiers), redeliveries, gaps and a change journal, folded both ways,
+must leave the same state after every batch: every replica's fields, the counts, every map and the
+journal."""
+
+import random
+
+import msgspec
+import pytest
+
+from kvidx.core.maskmap import IMPLEMENTATION, PyMaskMap
+from kvidx.core.shard import NATIVE_FOLD, ModelShard, ReplicaState
+from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
+
+pytestmark = pytest.mark.skipif(IMPLEMENTATION != "native", reason="kvidx_native is not built here")
+
+
+class PythonFoldShard(ModelShard):
+    """Compiled maps, the Python fold."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._fold = None
+
+
+class ReferenceShard(ModelShard):
+    """The pure-Python reference: reference maps (the compiled fold declines them), the Python fold."""
+
+    new_map = PyMaskMap
+
+
+def _event(r: random.Random, chains: list[list[int]], rare: bool):
+    c = r.choice(chains)
+    k = r.randint(1, len(c))
+    tier = r.choice(["GPU", "CPU", "DISK", "NVME?"]) if r.random() < 0.3 else "GPU"
+    group = 1 if r.random() < 0.15 else 0
+    kind = "sliding_window" if group else "full_attention"
+    extra = {}
+    if rare and r.random() < 0.3:
+        extra = r.choice([{"tail": True}, {"router_keys": True}])
+    x = r.random()
+    if x < 0.55:
+        if rare and r.random() < 0.1:
+            extra = {"copy": True}
+        bs = r.choice([0, 0, 0, 1, 4, 16])
+        return BlocksStored(tier, group, c[:k], None, 0, group_kind=kind,
+                            sliding_window=32 if group else None, block_size=bs, **extra)
+    if x < 0.97:
+        g = group if r.random() < 0.9 else 7  # a group no replica has: nothing to remove
+        return BlocksRemoved(tier, g, r.sample(c, r.randint(1, len(c))), **extra)
+    return ReplicaCleared("reset", tier=r.choice(["", "CPU"]))
+
+
+def _stream(r: random.Random, n_replicas: int, chains: list[list[int]], n: int) -> list[EventBatch]:
+    seqs: dict[str, int] = {}
+    out = []
+    for _ in range(n):
+        rep = f"r{r.randrange(n_replicas)}"
+        rare = r.random() < 0.15
+        events = [_event(r, chains, rare) for _ in range(r.choice([1, 1, 1, 2, 3]))]
+        seq = seqs.get(rep, -1) + 1
+        x = r.random()
+        if x < 0.05:  # a redelivery
+            seq = max(0, seq - 1)
+        elif x < 0.08:  # batches lost in between
+            seq += r.randint(1, 3)
+        seqs[rep] = seq
+        out.append(EventBatch(
+            SCHEMA_VERSION, "m", rep, 0, 1 + (r.random() < 0.01), seq, r.random(), r.random(),
+            r.choice([16, 16, 0]), events, part=r.choice([0, 0, 0, 1]),
+            recompute_tokens=r.choice([1, 0]), replica_group=r.choice([0, 0, 2]),
+            lookahead_tokens=1 if rare and r.random() < 0.2 else 0,
+            host_tier_blocks=40 if rare and r.random() < 0.2 else 0))
+    return out
+
+
+def _state(shard: ModelShard) -> dict:
+    maps = {(gid, tid): sorted(d.items()) for gid, g in shard.groups.items() for tid, d in g.tiers.items()}
+    anys = {gid: sorted(g.any.items()) for gid, g in shard.groups.items()}
+    # the journal's keys touched (a tier cleared lists its keys in its map's order: the maps' own)
+    journal = None if shard.journal is None else (
+        {k: sorted({h for hs in v for h in hs}) for k, v in shard.journal.touched.items()},
+        set(shard.journal.cleared))
+    return {
+        "replicas": {k: msgspec.to_builtins(st) for k, st in shard.replicas.items()},
+        "slots": [st.slot if st else None for st in shard.by_slot],
+        "blocks_applied": shard.blocks_applied, "tail_keys": shard.tail_keys, "lookahead": shard.lookahead,
+        "host_orders": sorted(shard.host_orders), "maps": maps, "any": anys, "journal": journal,
+        "groups": {gid: (g.kind, g.window) for gid, g in shard.groups.items()},
+    }
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_compiled_fold_leaves_the_state_the_python_fold_leaves(seed):
+    r = random.Random(seed)
+    n_replicas = r.choice([2, 5, 64, 70])
+    chains = [[r.getrandbits(64) for _ in range(r.randint(1, 24))] for _ in range(10)]
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16), ReferenceShard("m", 16)]
+    if seed % 2:
+        for s in shards:
+            s.track_changes()
+    folded0 = NATIVE_FOLD.folded
+    for i, b in enumerate(_stream(r, n_replicas, chains, 600)):
+        now = 3.0 + i
+        assert len({s.apply(b, now) for s in shards}) == 1
+        native, *others = (_state(s) for s in shards)
+        for other in others:
+            assert native == other, f"batch {i}: {b}"
+    assert NATIVE_FOLD.folded - folded0 > 300  # most batches took the compiled fold
+
+
+def _batch(seq: int, hashes: list[int]) -> EventBatch:
+    ev = BlocksStored("GPU", 0, hashes, None, 0)
+    return EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, seq, 1.0, 1.0, 16, [ev])
+
+
+def test_compiled_fold_declines_while_pending_credit_or_foresight_is_kept():
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
+    first = _batch(0, [1, 2])
+    for s in shards:
+        s.apply(first, 1.0)
+        s.add_pending("a", 0, [1, 2, 3, 4], 64, 32, 100.0)  # blocks 3, 4 pending on replica a
+    declined0 = NATIVE_FOLD.declined
+    b = _batch(1, [3])
+    assert [s.apply(b, 2.0) for s in shards] == [True, True]
+    assert NATIVE_FOLD.declined == declined0  # the shard's side is checked before the call
+    assert _state(shards[0]) == _state(shards[1])
+    assert shards[0].pending.masks == shards[1].pending.masks  # the store confirmed block 3 in both
+
+
+def test_a_field_of_another_type_is_declined_not_misread():
+    s = ModelShard("m", 16)
+    s.apply(_batch(0, [1]), 1.0)
+    st = s.replicas[("a", 0)]
+    big = _batch(2**70, [2])
+    declined0 = NATIVE_FOLD.declined
+    assert s.apply(big, 2.0) is True  # a seq past i64: the Python fold's
+    assert NATIVE_FOLD.declined == declined0 + 1
+    assert st.seq == 2**70 and s.groups[0].any.get(2) == 1
+    assert isinstance(st, ReplicaState)
