@@ -193,7 +193,8 @@ def _headline(primary: dict, zero: dict | None, runs: list[dict], config: dict, 
         out["kafka_wait_ms"] = {"p50": c["kafka_wait_ms_p50"], "p99": c["kafka_wait_ms_p99"],
                                 "timeouts": c["kafka_wait_timeouts"]}
     for key in ("instances", "fanout_lookup_us", "fanout_lookups", "fanout_mismatches", "blind_lookups",
-                "credit_lost_tokens", "rolling_restart"):
+                "credit_lost_tokens", "rolling_restart", "fanout_http_lookup_us", "fanout_http_lookups",
+                "fanout_http_mismatches", "fanout_http_partial"):
         if key in primary.get("counters", {}):
             out[key] = primary["counters"][key]
     # the engines' own counts (TensorRT-LLM's offloads and self-evictions, pools, hybrid groups, CPU
@@ -818,7 +819,9 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
                    help="with --replica-groups: N service instances each holding ~1/N of the groups; every "
                         "lookup goes to one of them, which merges the others' answers (as `serve --groups` "
                         "does), compared with a full instance's (JSON: instances, fanout_lookup_us, "
-                        "fanout_mismatches)")
+                        "fanout_mismatches); at the end the same instances as `kvidx serve --groups` "
+                        "processes: their RSS (instances[].rss_bytes) and the run's last 400 lookups over "
+                        "HTTP through them (fanout_http_lookup_us, fanout_http_mismatches)")
     r.add_argument("--rolling-restart", action="store_true",
                    help="with --service-instances: two real `kvidx worker` processes, and every worker and "
                         "instance restarted once during the run, one at a time (JSON: blind_lookups, "

@@ -739,6 +739,9 @@ class _IndexSide:
         self.blind_lookups = 0  # answered by an instance not ready or not caught up
         self.credit_lost = 0  # credit on the chosen replica the full instance gave and the merge did not
         self._full_credit: dict[str, int] = {}
+        # the last lookups of a run with instances, sent again to them as processes at its end (census)
+        self.recent: deque[tuple[str, np.ndarray]] = deque(maxlen=400)
+        self.split: Config | None = None  # the deployment's configuration the instances read
         if cfg.transport == "kafka":
             inner: Any = self._start_kafka(stack)
         else:
@@ -760,8 +763,8 @@ class _IndexSide:
         names = topic_names(cfg.topic_prefix)
         groups = cfg.replica_groups
         # the deployment's configuration as relays and instances read it: G groups per model
-        split = Config(models={m: ModelConfig(replica_groups=groups) for m in cfg.models},
-                       pools=store.config.pools)
+        split = self.split = Config(models={m: ModelConfig(replica_groups=groups) for m in cfg.models},
+                                    pools=store.config.pools)
         inner = KafkaSink(cfg.bootstrap, names["events"], names["dead_letters"],
                           replica_group=split.replica_group)
         stack.append(inner.close)
@@ -837,6 +840,7 @@ class _IndexSide:
             answers = shard.lookup(self.last_hashes, len(prompt), t) if shard is not None else []
             if self.instances and self.last_hashes is not None:
                 answers = self._fanout_lookup(model, self.last_hashes, len(prompt), t, answers)
+                self.recent.append((model, prompt))
         return {a.replica: a for a in answers if a.dp_rank == 0}
 
     def _fanout_lookup(self, model: str, hashes: list[int], n: int, t: float,
@@ -874,22 +878,41 @@ class _IndexSide:
                     shard = store.shard(model)
                 shard.add_pending(replica, 0, self.last_hashes, n_tokens, credited, expires)
 
-    def instance_counters(self) -> dict[str, Any]:
+    def instance_counters(self, t_end: float) -> dict[str, Any]:
         """The partial service instances: groups, entries and index memory each; the fan-out lookups'
         time (in process: the shards' walks and the merge, no HTTP) and how many differed from the
-        full instance's answer."""
+        full instance's answer. Then the same instances as processes (kvidx.sim.census): their RSS, and
+        the run's last lookups over HTTP through them, timed and compared (at `t_end`, past every
+        route's pending credit)."""
         if not self.instances:
             return {}
-        instances = []
+        from kvidx.sim.census import census
+        for model in self.cfg.models:  # the last events in every instance first
+            self.wait_until_applied(model)
+        instances, expected = [], []
         for s in self.instances:
             maps = [d for shard in s.shards.values() for g in shard.groups.values() for d in g.tiers.values()]
             instances.append({"groups": sorted(s.groups or ()), "entries": sum(len(d) for d in maps),
                               "index_bytes": sum(d.memory_bytes() for d in maps)})
+            expected.append({(m, gid): len(g.any) for m, shard in s.shards.items()
+                             for gid, g in shard.groups.items() if len(g.any)})
+
+        def full(model: str, prompt: np.ndarray) -> list[ReplicaAnswer]:
+            shard = self.store.shards[model]
+            hashes = prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block,
+                                   tails=bool(shard.tail_keys))
+            return shard.lookup(hashes, len(prompt), t_end)
+
+        assert self.split is not None
+        procs = census(self.cfg.bootstrap, self.cfg.topic_prefix, self.split, self.cfg.index_block,
+                       [frozenset(s.groups or ()) for s in self.instances], expected, list(self.recent), full)
+        for mine, theirs in zip(instances, procs.pop("instances"), strict=True):
+            mine["rss_bytes"] = theirs["rss_bytes"]
         us = np.asarray(self.fanout_us or [0.0])
         out = {"instances": instances, "fanout_lookup_us": {"p50": round(float(np.percentile(us, 50)), 1),
                                                       "p99": round(float(np.percentile(us, 99)), 1)},
                "fanout_lookups": len(self.fanout_us), "fanout_mismatches": self.fanout_mismatches,
-               "blind_lookups": self.blind_lookups, "credit_lost_tokens": self.credit_lost}
+               "blind_lookups": self.blind_lookups, "credit_lost_tokens": self.credit_lost, **procs}
         if self.rolling is not None:
             out["rolling_restart"] = self.rolling.counters()
         return out
@@ -1309,6 +1332,11 @@ def _stop_all(stack: list[Callable[[], Any]]) -> None:
             pass
 
 
+def _after_pending(requests: list[SimRequest], cfg: FleetConfig, store: ShardStore) -> float:
+    """A time past the run's last request and every route's pending credit."""
+    return max((r.t for r in requests), default=0.0) / cfg.speed + store.config.pending_ttl_s + 1.0
+
+
 def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
               progress: Callable[[int], None] | None = None) -> RunResult:
     """Simulate the fleet on `requests` with one routing policy; see the module docstring."""
@@ -1331,7 +1359,7 @@ def run_fleet(requests: list[SimRequest], cfg: FleetConfig, policy: str,
         accounts = _Accounts(cfg, plan, fleet.replicas())
         _replay_requests(requests, cfg, clock, index, fleet, router, serving, hints, accounts, progress)
         counters = {**_stream_counters(fleet, net, index), **_tier_counters(cfg, fleet),
-                    **index.kafka_counters(), **index.instance_counters(),
+                    **index.kafka_counters(), **index.instance_counters(_after_pending(requests, cfg, store)),
                     "foresight": _foresight_counters(accounts), "serving": serving.report()}
         if policy == "kv_hints":
             counters["hints"] = hints.report()

@@ -24,6 +24,13 @@ def test_events_through_kafka_agree_exactly(kafka_bootstrap, topics, trace_reqs,
         assert r.counters["fanout_lookups"] > len(reqs) * 0.9 and r.counters["fanout_mismatches"] == 0
         assert [i["groups"] for i in r.counters["instances"]] == [[0, 2], [1, 3]]
         assert all(i["entries"] for i in r.counters["instances"])
+        # the same instances as `kvidx serve --groups` processes (kvidx.sim.census): they reached the
+        # in-process instances' index, and the run's last lookups through them over HTTP (each fanned
+        # out to the other) answered as the full index does
+        assert all(i["rss_bytes"] > 10 << 20 for i in r.counters["instances"])
+        assert r.counters["fanout_http_lookups"] > 50 and r.counters["fanout_http_mismatches"] == 0
+        assert r.counters["fanout_http_partial"] == 0
+        assert 0 < r.counters["fanout_http_lookup_us"]["p50"] <= r.counters["fanout_http_lookup_us"]["p99"]
     if groups > 1:  # the batches went under the groups' keys, to distinct partitions
         from confluent_kafka import Consumer
 
