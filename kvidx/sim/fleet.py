@@ -80,12 +80,14 @@ from kvidx.config import Config, ModelConfig, PoolConfig
 from kvidx.core.answers import ReplicaAnswer, merge_replicas
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.price import PriceConfig
+from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
 from kvidx.engines.trtllm.relay import TrtllmPollRelay
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
 from kvidx.sim.advice import HintFollower
+from kvidx.sim.census import answer_key, census
 from kvidx.sim.hybrid_engine import FleetHybridEngine
 from kvidx.sim.rolling import RollingRestart
 from kvidx.sim.serving import ServingModel
@@ -835,13 +837,17 @@ class _IndexSide:
         else:
             shard = self.store.shards.get(model)
             if shard is not None:
-                self.last_hashes = prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block,
-                                                 tails=bool(shard.tail_keys))
+                self.last_hashes = self._hashes(shard, prompt)
             answers = shard.lookup(self.last_hashes, len(prompt), t) if shard is not None else []
             if self.instances and self.last_hashes is not None:
                 answers = self._fanout_lookup(model, self.last_hashes, len(prompt), t, answers)
                 self.recent.append((model, prompt))
         return {a.replica: a for a in answers if a.dp_rank == 0}
+
+    def _hashes(self, shard: ModelShard, prompt: np.ndarray) -> list[int]:
+        """The prompt's index blocks, as the service hashes them for this shard."""
+        tokens = prompt.astype("<u4").tobytes()
+        return prompt_hashes(tokens, self.cfg.index_block, tails=bool(shard.tail_keys))
 
     def _fanout_lookup(self, model: str, hashes: list[int], n: int, t: float,
                        full: list[ReplicaAnswer]) -> list[ReplicaAnswer]:
@@ -857,7 +863,7 @@ class _IndexSide:
         parts = [s.lookup(hashes, n, t) for s in (st.shards.get(model) for st in order) if s is not None]
         merged = merge_replicas(parts)
         self.fanout_us.append((time.perf_counter() - t0) * 1e6)
-        if _answer_key(merged) != _answer_key(full):
+        if answer_key(merged) != answer_key(full):
             self.fanout_mismatches += 1
         return merged
 
@@ -886,7 +892,6 @@ class _IndexSide:
         route's pending credit)."""
         if not self.instances:
             return {}
-        from kvidx.sim.census import census
         for model in self.cfg.models:  # the last events in every instance first
             self.wait_until_applied(model)
         instances, expected = [], []
@@ -899,9 +904,7 @@ class _IndexSide:
 
         def full(model: str, prompt: np.ndarray) -> list[ReplicaAnswer]:
             shard = self.store.shards[model]
-            hashes = prompt_hashes(prompt.astype("<u4").tobytes(), self.cfg.index_block,
-                                   tails=bool(shard.tail_keys))
-            return shard.lookup(hashes, len(prompt), t_end)
+            return shard.lookup(self._hashes(shard, prompt), len(prompt), t_end)
 
         assert self.split is not None
         procs = census(self.cfg.bootstrap, self.cfg.topic_prefix, self.split, self.cfg.index_block,
@@ -1213,17 +1216,6 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
     index.sink.flush()
     if progress is not None:
         progress(len(requests))
-
-
-def _answer_key(answers: list[ReplicaAnswer]) -> list:
-    """An answer's per-replica content, in a stable order, without its freshness (each instance
-    applied the events at its own moment)."""
-    out = []
-    for a in answers:
-        d = msgspec.to_builtins(a)
-        d.pop("freshness", None)
-        out.append(d)
-    return sorted(out, key=lambda d: (-d["resumable_tokens"], d["replica"], d["dp_rank"]))
 
 
 def _stream_counters(fleet: _Fleet, net: _Network, index: _IndexSide) -> dict[str, Any]:
