@@ -80,10 +80,11 @@ def render(results: list[tuple[str, dict | None, str, float, int]], quick: bool,
 
 
 # sections of RESULTS.md that benchmarks run on their own write (bench/peers, bench_durability.py,
-# bench_partial.py, bench_hints.py, bench_groups.py, bench_sglang_grpc.py, simulate's foresight
-# figures): a rewrite of the report keeps them
+# bench_partial.py, bench_hints.py, bench_groups.py, bench_sglang_grpc.py, simulate's foresight,
+# host-queue and hybrid figures): a rewrite of the report keeps them
 STANDALONE = ("Peers side by side", "Durability", "Partial blocks", "Hints in the simulator",
-              "Replica groups", "Eviction foresight", "SGLang's external-indexer")
+              "Replica groups", "Eviction foresight", "SGLang's external-indexer",
+              "TensorRT-LLM's host queue", "Hybrid models")
 
 
 def standalone_sections(old: str) -> str:
