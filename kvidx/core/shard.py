@@ -263,12 +263,9 @@ class ModelShard(ShardWalk, ShardSnapshot):
         fold = self._fold
         if fold is not None and not (self.pending.masks or self.pending.window_masks or self.foresight.active
                                      or self.foresight.slots or st.slot in self.host_orders):
-            n = fold(self.groups, self.journal, batch, st, now)
-            if n is not None:  # the compiled fold took it (None: not plain, the Python fold below does it)
-                if n < 0:
-                    return False
-                self.blocks_applied += n
-                return True
+            done = fold(self, self.groups, self.journal, batch, st, now)
+            if done is not None:  # the compiled fold took it (None: not plain, the Python fold below does it)
+                return done
         epoch, seq = batch.epoch, batch.seq
         # (epoch, seq, part) <= the slot's, compared without building the tuples (the hot path)
         if epoch <= st.epoch and (epoch < st.epoch or seq < st.seq

@@ -186,11 +186,38 @@ struct Step<'py> {
     store: bool,
     gid: Bound<'py, PyAny>,
     tid: Bound<'py, PyAny>,
-    hashes: Bound<'py, PyAny>,
+    hashes: Bound<'py, PyList>,
     // None: a removal from a group or tier the shard never had (a no-op, not counted)
     target: Option<(Bound<'py, PyDict>, Bound<'py, MaskMap>, Bound<'py, PyAny>)>,  // (tiers, map, any)
     block_size: i64,
 }
+
+/// Everything a plain batch reads and writes, read and checked before anything changes. The objects
+/// written into the replica are owned here: Python code that may run during the fold (a finalizer
+/// run by an allocation) cannot free them under it.
+struct Plan<'py> {
+    steps: Vec<Step<'py>>,
+    fields: [Bound<'py, PyAny>; 7],  // epoch, seq, part, replica_group, recompute_tokens, engine_ts, relay_ts
+    block_size: Option<Bound<'py, PyAny>>,  // the engine's block size, when the batch names one
+    slot: i64,
+    blocks: i64,
+    unit: i64,
+    seq_gaps: Option<i64>,  // the replica's new count, when the batch skipped some
+    batches: i64,  // the replica's new count
+    group_blocks: Bound<'py, PyDict>,
+}
+
+/// Counts of the events folded so far: written to the replica once, also when an event fails (the
+/// Python fold has counted the events before it by then).
+struct Counts<'py> {
+    blocks: i64,
+    unit: i64,
+    applied: usize,
+    groups: Vec<(Bound<'py, PyAny>, i64)>,  // group -> change of live entries, in first-change order
+}
+
+// bounds within which the fold's arithmetic cannot overflow (a batch or replica beyond them: declined)
+const BIG: i64 = 1 << 62;
 
 #[pyclass(name = "Folder", module = "kvidx_native", frozen)]
 pub struct Folder {
@@ -205,8 +232,21 @@ pub struct Folder {
     declined: AtomicU64,
 }
 
+#[inline(always)]
+fn exact_int(p: *mut ffi::PyObject) -> bool {
+    // SAFETY: a null check, then a type check of a live object
+    !p.is_null() && unsafe { ffi::PyLong_CheckExact(p) } != 0
+}
+
+#[inline(always)]
+fn exact_float(p: *mut ffi::PyObject) -> bool {
+    // SAFETY: a null check, then a type check of a live object
+    !p.is_null() && unsafe { ffi::PyFloat_CheckExact(p) } != 0
+}
+
 impl Folder {
-    /// The check pass: the steps of a plain batch, or None (decline) with nothing changed.
+    /// The check pass over the events: their steps, or None (decline). Only exact lists, ints and
+    /// strs are taken, so no Python code runs while they are read and used.
     fn steps<'py>(&self, groups: &Bound<'py, PyDict>, events: &Bound<'py, PyList>)
                   -> PyResult<Option<Vec<Step<'py>>>> {
         let py = groups.py();
@@ -219,26 +259,28 @@ impl Folder {
                 return Ok(None);  // a replica or tier cleared
             }
             let layout = if store { &self.stored } else { &self.removed };
-            // SAFETY: `ev` is exactly of the layout's class; fields are read while the GIL is held
-            // and turned into owned references before any Python code can run
+            // SAFETY: `ev` is exactly of the layout's class; each field is null- and type-checked and
+            // taken as an owned reference before it is used
             let (gid, tier, hashes, block_size) = unsafe {
                 if flag(layout.get(p, E_TAIL)) != Some(false) || flag(layout.get(p, E_ROUTER_KEYS)) != Some(false)
                     || (store && flag(layout.get(p, E_COPY)) != Some(false)) {
                     return Ok(None);
                 }
                 let (g, t, h) = (layout.get(p, E_GROUP), layout.get(p, E_TIER), layout.get(p, E_HASHES));
-                if g.is_null() || t.is_null() || h.is_null() {
+                if !exact_int(g) || t.is_null() || ffi::PyUnicode_CheckExact(t) == 0 || h.is_null()
+                    || ffi::PyList_CheckExact(h) == 0 {
                     return Ok(None);
                 }
                 let bs = if store {
                     match layout.int(p, E_BLOCK_SIZE) {
-                        Some(v) => v,
-                        None => return Ok(None),
+                        Some(v) if (0..BIG).contains(&v) => v,
+                        _ => return Ok(None),
                     }
                 } else {
                     0
                 };
-                (Bound::from_borrowed_ptr(py, g), Bound::from_borrowed_ptr(py, t), Bound::from_borrowed_ptr(py, h), bs)
+                (Bound::from_borrowed_ptr(py, g), Bound::from_borrowed_ptr(py, t),
+                 Bound::from_borrowed_ptr(py, h).cast_into::<PyList>()?, bs)
             };
             let tid = match tier_ids.get_item(&tier)? {
                 Some(t) => t,
@@ -249,15 +291,14 @@ impl Folder {
                 if !self.group.is(g.as_ptr()) {
                     return Ok(None);
                 }
-                // SAFETY: `g` is exactly a GroupIndex
+                // SAFETY: `g` is exactly a GroupIndex; its fields are null-checked and owned before use
                 let (tiers, any) = unsafe {
                     let (t, a) = (self.group.get(g.as_ptr(), G_TIERS), self.group.get(g.as_ptr(), G_ANY));
-                    if t.is_null() || a.is_null() {
+                    if t.is_null() || a.is_null() || ffi::PyDict_CheckExact(t) == 0 {
                         return Ok(None);
                     }
-                    (Bound::from_borrowed_ptr(py, t), Bound::from_borrowed_ptr(py, a))
+                    (Bound::from_borrowed_ptr(py, t).cast_into::<PyDict>()?, Bound::from_borrowed_ptr(py, a))
                 };
-                let Ok(tiers) = tiers.cast_into::<PyDict>() else { return Ok(None) };
                 if let Some(m) = tiers.get_item(&tid)? {
                     let Ok(m) = m.cast_into::<MaskMap>() else { return Ok(None) };  // the reference map
                     if any.cast::<MaskMap>().is_err() {
@@ -274,20 +315,68 @@ impl Folder {
         Ok(Some(steps))
     }
 
-    /// The apply pass: the maps, the journal, the replica's counts. Returns the block events folded.
-    fn run_steps<'py>(&self, journal: &Bound<'py, PyAny>, st: *mut ffi::PyObject, slot: i64, steps: &[Step<'py>])
-                      -> PyResult<usize> {
+    /// The check pass: the plan of a plain batch that is not a redelivery, or None (decline).
+    /// `epoch`, `seq`: the batch's; `s_epoch`, `s_seq`: the replica's.
+    unsafe fn plan<'py>(&self, groups: &Bound<'py, PyDict>, b: *mut ffi::PyObject, s: *mut ffi::PyObject,
+                        now: &Bound<'py, PyAny>, (epoch, seq, s_epoch, s_seq): (i64, i64, i64, i64))
+                        -> PyResult<Option<Plan<'py>>> {
+        let py = groups.py();
+        let (b_, r_) = (&self.batch, &self.replica);
+        let same = |bi: usize, si: usize| match (b_.int(b, bi), r_.int(s, si)) {
+            (Some(x), Some(y)) => x == y,
+            _ => false,
+        };
+        if !same(B_HOST_TIER, S_HOST_TIER) || !same(B_LOOKAHEAD, S_LOOKAHEAD) || !exact_float(now.as_ptr()) {
+            return Ok(None);
+        }
+        let ints = [B_EPOCH, B_SEQ, B_PART, B_GROUP, B_RECOMPUTE];
+        let floats = [B_ENGINE_TS, B_RELAY_TS];
+        if !ints.iter().all(|&i| exact_int(b_.get(b, i))) || !floats.iter().all(|&i| exact_float(b_.get(b, i))) {
+            return Ok(None);
+        }
+        let fields = [B_EPOCH, B_SEQ, B_PART, B_GROUP, B_RECOMPUTE, B_ENGINE_TS, B_RELAY_TS]
+            .map(|i| Bound::from_borrowed_ptr(py, b_.get(b, i)));
+        let bs = b_.get(b, B_BLOCK_SIZE);
+        let block_size = match b_.int(b, B_BLOCK_SIZE) {
+            Some(0) => None,
+            Some(v) if v > 0 => Some(Bound::from_borrowed_ptr(py, bs)),
+            _ => return Ok(None),
+        };
+        let (Some(slot), Some(blocks), Some(unit), Some(gaps), Some(batches)) =
+            (r_.int(s, S_SLOT), r_.int(s, S_BLOCKS), r_.int(s, S_UNIT), r_.int(s, S_SEQ_GAPS), r_.int(s, S_BATCHES))
+        else {
+            return Ok(None);
+        };
+        if [blocks, gaps, batches].iter().any(|v| !(-BIG..BIG).contains(v)) {
+            return Ok(None);
+        }
+        let gb = r_.get(s, S_GROUP_BLOCKS);
+        if gb.is_null() || ffi::PyDict_CheckExact(gb) == 0 {
+            return Ok(None);
+        }
+        let events = b_.get(b, B_EVENTS);
+        if events.is_null() || ffi::PyList_CheckExact(events) == 0 {
+            return Ok(None);
+        }
+        let events = Bound::from_borrowed_ptr(py, events).cast_into::<PyList>()?;
+        let Some(steps) = self.steps(groups, &events)? else {
+            return Ok(None);
+        };
+        let seq_gaps = (epoch == s_epoch && seq > s_seq + 1).then(|| gaps + seq - s_seq - 1);
+        if seq_gaps.is_some_and(|g| g >= BIG) {
+            return Ok(None);
+        }
+        let group_blocks = Bound::from_borrowed_ptr(py, gb).cast_into::<PyDict>()?;
+        Ok(Some(Plan { steps, fields, block_size, slot, blocks, unit, seq_gaps, batches: batches + 1, group_blocks }))
+    }
+
+    /// The apply pass, event by event in the Python fold's order (a removal's journal entry before
+    /// it, a store's after it); stops at an event that fails, as the Python fold does.
+    fn run_steps<'py>(journal: &Bound<'py, PyAny>, plan: &Plan<'py>, c: &mut Counts<'py>) -> PyResult<()> {
         let py = journal.py();
         let touched = if journal.is_none() { None } else { Some(journal.getattr(pyo3::intern!(py, "touched"))?) };
-        let mut deltas: Vec<(&Bound<'py, PyAny>, i64)> = Vec::new();  // group -> change of live entries
-        let mut blocks: i64 = 0;
-        let mut applied = 0usize;
-        // SAFETY: `st` is exactly a ReplicaState
-        let mut unit = unsafe { self.replica.int(st, S_UNIT) };
-        let unit0 = unit;
-        for s in steps {
-            let Some((tiers, d, any)) = &s.target else { continue };
-            if let Some(t) = &touched {  // ChangeJournal.touch
+        let touch = |s: &Step<'py>| -> PyResult<()> {  // ChangeJournal.touch
+            if let Some(t) = &touched {
                 let t = t.cast::<PyDict>()?;
                 let key = PyTuple::new(py, [&s.gid, &s.tid])?;
                 match t.get_item(&key)? {
@@ -295,61 +384,77 @@ impl Folder {
                     None => t.set_item(key, PyList::new(py, [&s.hashes])?)?,
                 }
             }
+            Ok(())
+        };
+        for s in &plan.steps {
+            let Some((tiers, d, any)) = &s.target else { continue };
             let n: i64 = if s.store {
-                let new = d.borrow_mut().store(&s.hashes, slot)?;
+                let new = d.try_borrow_mut()?.store(s.hashes.as_any(), plan.slot)?;
+                touch(s)?;
                 if !any.is(d) {
-                    any.cast::<MaskMap>()?.borrow_mut().store(&s.hashes, slot)?;
+                    any.cast::<MaskMap>()?.try_borrow_mut()?.store(s.hashes.as_any(), plan.slot)?;
                 }
-                if s.block_size != 0 && unit.is_some_and(|u| u == 0 || s.block_size < u) {
-                    unit = Some(s.block_size);
+                if s.block_size != 0 && (c.unit == 0 || s.block_size < c.unit) {
+                    c.unit = s.block_size;
                 }
                 new as i64
-            } else if tiers.len() == 1 {  // the map is its own union
-                -(MaskMap::remove(d, &s.hashes, slot, None, None)? as i64)
-            } else {  // retract from the union only where no other tier still holds the block
-                let others = PyList::empty(py);
-                for (t, m) in tiers.iter() {
-                    if !t.eq(&s.tid)? {
-                        others.append(m)?;
+            } else {
+                touch(s)?;
+                let gone = if tiers.len() == 1 {  // the map is its own union
+                    MaskMap::remove(d, s.hashes.as_any(), plan.slot, None, None)?
+                } else {  // retract from the union only where no other tier still holds the block
+                    let others = PyList::empty(py);
+                    for (t, m) in tiers.iter() {
+                        if !t.eq(&s.tid)? {
+                            others.append(m)?;
+                        }
                     }
-                }
-                let any = any.cast::<MaskMap>()?.clone();
-                -(MaskMap::remove(d, &s.hashes, slot, Some(others.as_any()), Some(any))? as i64)
+                    let any = any.cast::<MaskMap>()?.clone();
+                    MaskMap::remove(d, s.hashes.as_any(), plan.slot, Some(others.as_any()), Some(any))?
+                };
+                -(gone as i64)
             };
             if n != 0 {
-                blocks += n;
-                match deltas.iter_mut().find(|x| x.0.eq(&s.gid).unwrap_or(false)) {
+                c.blocks += n;
+                match c.groups.iter_mut().find(|x| x.0.eq(&s.gid).unwrap_or(false)) {
                     Some(x) => x.1 += n,
-                    None => deltas.push((&s.gid, n)),
+                    None => c.groups.push((s.gid.clone(), n)),
                 }
             }
-            applied += s.hashes.len()?;
+            c.applied += s.hashes.len();
         }
-        // SAFETY: `st` is exactly a ReplicaState; only ints are written
-        unsafe {
-            if blocks != 0 {
-                let b = self.replica.int(st, S_BLOCKS).unwrap_or(0);
-                self.replica.set_int(st, S_BLOCKS, b + blocks)?;
-            }
-            if unit != unit0 {
-                self.replica.set_int(st, S_UNIT, unit.unwrap_or(0))?;
-            }
-            if !deltas.is_empty() {
-                let gb = Bound::from_borrowed_ptr(py, self.replica.get(st, S_GROUP_BLOCKS));
-                let gb = gb.cast::<PyDict>()?;
-                for (gid, delta) in &deltas {
-                    let cur: i64 = match gb.get_item(*gid)? {
-                        Some(v) => v.extract()?,
-                        None => 0,
-                    };
-                    gb.set_item(*gid, cur + delta)?;
-                }
-            }
-        }
-        Ok(applied)
+        Ok(())
     }
 
-    fn decline(&self) -> PyResult<Option<i64>> {
+    /// The counts of the events folded, into the replica and the shard.
+    fn write_counts(&self, shard: &Bound<'_, PyAny>, st: *mut ffi::PyObject, plan: &Plan<'_>, c: &Counts<'_>)
+                    -> PyResult<()> {
+        let py = shard.py();
+        // SAFETY: `st` is exactly a ReplicaState; only ints are written
+        unsafe {
+            if c.blocks != 0 {
+                self.replica.set_int(st, S_BLOCKS, plan.blocks + c.blocks)?;
+            }
+            if c.unit != plan.unit {
+                self.replica.set_int(st, S_UNIT, c.unit)?;
+            }
+        }
+        for (gid, delta) in &c.groups {
+            let cur: i64 = match plan.group_blocks.get_item(gid)? {
+                Some(v) => v.extract()?,
+                None => 0,
+            };
+            plan.group_blocks.set_item(gid, cur + delta)?;
+        }
+        if c.applied != 0 {
+            let name = pyo3::intern!(py, "blocks_applied");
+            let a: i64 = shard.getattr(name)?.extract()?;
+            shard.setattr(name, a + c.applied as i64)?;
+        }
+        Ok(())
+    }
+
+    fn decline(&self) -> PyResult<Option<bool>> {
         self.declined.fetch_add(1, Ordering::Relaxed);
         Ok(None)
     }
@@ -375,78 +480,63 @@ impl Folder {
         })
     }
 
-    /// fold(groups, journal, batch, st, now) -> the block events folded (>= 0), -1 for a redelivery
-    /// (st.duplicates counted), or None: not plain, nothing changed, the Python fold's turn. `st` is
-    /// the batch's replica; the caller adds the block events to its shard's count.
-    fn fold<'py>(&self, groups: &Bound<'py, PyDict>, journal: &Bound<'py, PyAny>, batch: &Bound<'py, PyAny>,
-                 st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>) -> PyResult<Option<i64>> {
-        let py = groups.py();
+    /// fold(shard, groups, journal, batch, st, now) -> True (folded), False (a redelivery:
+    /// st.duplicates counted), or None: not plain, nothing changed, the Python fold's turn. `groups`,
+    /// `journal`: the shard's; `st`: the batch's replica. An event that fails raises after the counts
+    /// of those before it are written, as the Python fold leaves them.
+    fn fold<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, journal: &Bound<'py, PyAny>,
+                 batch: &Bound<'py, PyAny>, st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>) -> PyResult<Option<bool>> {
         let (b, s) = (batch.as_ptr(), st.as_ptr());
         if !self.batch.is(b) || !self.replica.is(s) {
             return self.decline();
         }
         let (b_, r_) = (&self.batch, &self.replica);
         // SAFETY: `batch` and `st` are exactly of their layouts' classes; the GIL is held
-        unsafe {
-            let (Some(epoch), Some(seq), Some(part)) = (b_.int(b, B_EPOCH), b_.int(b, B_SEQ), b_.int(b, B_PART))
-            else {
-                return self.decline();
+        let plan = unsafe {
+            let order = |l: &Layout, o, i: [usize; 3]| match (l.int(o, i[0]), l.int(o, i[1]), l.int(o, i[2])) {
+                (Some(x), Some(y), Some(z)) if [x, y, z].iter().all(|v| (-BIG..BIG).contains(v)) => Some((x, y, z)),
+                _ => None,
             };
-            let (Some(s_epoch), Some(s_seq), Some(s_part)) = (r_.int(s, S_EPOCH), r_.int(s, S_SEQ), r_.int(s, S_PART))
+            let (Some((epoch, seq, part)), Some((s_epoch, s_seq, s_part))) =
+                (order(b_, b, [B_EPOCH, B_SEQ, B_PART]), order(r_, s, [S_EPOCH, S_SEQ, S_PART]))
             else {
                 return self.decline();
             };
             // (epoch, seq, part) <= the replica's: a redelivery
             if epoch <= s_epoch && (epoch < s_epoch || seq < s_seq || (seq == s_seq && part <= s_part)) {
-                let Some(d) = r_.int(s, S_DUPLICATES) else { return self.decline() };
+                let Some(d) = r_.int(s, S_DUPLICATES).filter(|d| *d < BIG) else { return self.decline() };
                 r_.set_int(s, S_DUPLICATES, d + 1)?;
                 self.folded.fetch_add(1, Ordering::Relaxed);
-                return Ok(Some(-1));
+                return Ok(Some(false));
             }
-            let same = |bi: usize, si: usize| match (b_.int(b, bi), r_.int(s, si)) {
-                (Some(x), Some(y)) => x == y,
-                _ => false,
-            };
-            if !same(B_HOST_TIER, S_HOST_TIER) || !same(B_LOOKAHEAD, S_LOOKAHEAD) {
-                return self.decline();
+            match self.plan(groups, b, s, now, (epoch, seq, s_epoch, s_seq))? {
+                Some(p) => p,
+                None => return self.decline(),
             }
-            let events = b_.get(b, B_EVENTS);
-            if events.is_null() || ffi::PyList_CheckExact(events) == 0 {
-                return self.decline();
+        };
+        // from here on the batch is folded
+        let mut counts = Counts { blocks: 0, unit: plan.unit, applied: 0, groups: Vec::new() };
+        let done = Self::run_steps(journal, &plan, &mut counts);
+        self.write_counts(shard, s, &plan, &counts)?;
+        done?;
+        // SAFETY: `st` is exactly a ReplicaState; the values written are the batch's, owned by the plan
+        // and checked to be ints and floats, and `now` (a float)
+        unsafe {
+            if let Some(g) = plan.seq_gaps {
+                r_.set_int(s, S_SEQ_GAPS, g)?;
             }
-            let events = Bound::from_borrowed_ptr(py, events).cast_into::<PyList>()?;
-            let Some(steps) = self.steps(groups, &events)? else {
-                return self.decline();
-            };
-            let (Some(slot), Some(gaps), Some(batches)) = (r_.int(s, S_SLOT), r_.int(s, S_SEQ_GAPS), r_.int(s, S_BATCHES))
-            else {
-                return self.decline();
-            };
-            let bs = b_.get(b, B_BLOCK_SIZE);
-            let fields = [B_GROUP, B_RECOMPUTE, B_ENGINE_TS, B_RELAY_TS].map(|i| b_.get(b, i));
-            if bs.is_null() || fields.iter().any(|p| p.is_null()) {
-                return self.decline();
+            for (i, field) in [S_EPOCH, S_SEQ, S_PART, S_GROUP, S_RECOMPUTE, S_ENGINE_TS, S_RELAY_TS]
+                .into_iter().zip(&plan.fields) {
+                r_.set_borrowed(s, i, field.as_ptr());
             }
-            // from here on the batch is folded
-            let applied = self.run_steps(journal, s, slot, &steps)?;
-            if epoch == s_epoch && seq > s_seq + 1 {
-                r_.set_int(s, S_SEQ_GAPS, gaps + seq - s_seq - 1)?;
+            if let Some(bs) = &plan.block_size {
+                r_.set_borrowed(s, S_BLOCK_SIZE, bs.as_ptr());
             }
-            r_.set_borrowed(s, S_EPOCH, b_.get(b, B_EPOCH));
-            r_.set_borrowed(s, S_SEQ, b_.get(b, B_SEQ));
-            r_.set_borrowed(s, S_PART, b_.get(b, B_PART));
-            r_.set_borrowed(s, S_GROUP, fields[0]);
-            r_.set_borrowed(s, S_RECOMPUTE, fields[1]);
-            if ffi::PyObject_IsTrue(bs) == 1 {
-                r_.set_borrowed(s, S_BLOCK_SIZE, bs);
-            }
-            r_.set_borrowed(s, S_ENGINE_TS, fields[2]);
-            r_.set_borrowed(s, S_RELAY_TS, fields[3]);
             r_.set_borrowed(s, S_APPLIED_TS, now.as_ptr());
-            r_.set_int(s, S_BATCHES, batches + 1)?;
-            self.folded.fetch_add(1, Ordering::Relaxed);
-            Ok(Some(applied as i64))
+            r_.set_int(s, S_BATCHES, plan.batches)?;
         }
+        self.folded.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(true))
     }
 
     /// Batches this folder took (redeliveries included) and declined (left to the Python fold).

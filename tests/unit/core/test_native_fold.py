@@ -85,6 +85,9 @@ def _state(shard: ModelShard) -> dict:
         set(shard.journal.cleared))
     return {
         "replicas": {k: msgspec.to_builtins(st) for k, st in shard.replicas.items()},
+        # the types too: to_builtins and == take 1, 1.0 and True for one another
+        "types": {k: [type(getattr(st, f)).__name__ for f in st.__struct_fields__]
+                  for k, st in shard.replicas.items()},
         "slots": [st.slot if st else None for st in shard.by_slot],
         "blocks_applied": shard.blocks_applied, "tail_keys": shard.tail_keys, "lookahead": shard.lookahead,
         "host_orders": sorted(shard.host_orders), "maps": maps, "any": anys, "journal": journal,
@@ -140,3 +143,46 @@ def test_a_field_of_another_type_is_declined_not_misread():
     assert NATIVE_FOLD.declined == declined0 + 1
     assert st.seq == 2**70 and s.groups[0].any.get(2) == 1
     assert isinstance(st, ReplicaState)
+
+
+def test_an_event_that_fails_leaves_what_the_python_fold_leaves():
+    """A hash that is not a u64 in the second event: the first is folded and counted, the second's
+    earlier hashes are in the map, the error propagates, and the journal still writes a delta."""
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
+    bad = EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, 1, 1.0, 1.0, 16,
+                     [BlocksStored("GPU", 0, [10, 11, 12], None, 0, block_size=4),
+                      BlocksStored("GPU", 0, [13, -5], None, 0)])
+    for s in shards:
+        s.track_changes()
+        s.apply(_batch(0, [1]), 1.0)
+        with pytest.raises(OverflowError):
+            s.apply(bad, 2.0)
+    assert _state(shards[0]) == _state(shards[1])
+    # the first event counted; the second's hash 13 set but not counted, as in the Python fold
+    assert shards[0].replicas[("a", 0)].blocks == 4 and shards[0].blocks_applied == 4
+    assert shards[0].groups[0].any.get(13) == 1
+    assert shards[0].snapshot_delta() == shards[1].snapshot_delta()
+
+
+def test_sequence_numbers_at_the_edge_of_64_bits_fold_alike():
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
+    top = 2**63 - 1
+    last = _batch(top, [3])
+    last.part = 1  # a mirror-replay part after the last sequence number
+    batches = [_batch(0, [1]), _batch(top, [2]), last]
+    for b in batches:
+        assert len({s.apply(b, 2.0) for s in shards}) == 1
+        assert _state(shards[0]) == _state(shards[1])
+    assert shards[0].replicas[("a", 0)].seq_gaps == top - 1
+
+
+def test_eviction_foresight_alone_keeps_the_python_fold():
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
+    for s in shards:
+        s.apply(_batch(0, [1, 2]), 1.0)
+        s.foresight.active = True  # as a route sets it (add_pending), pending credit aside
+    declined0, folded0 = NATIVE_FOLD.declined, NATIVE_FOLD.folded
+    for s in shards:
+        s.apply(_batch(1, [3]), 2.0)
+    assert (NATIVE_FOLD.declined, NATIVE_FOLD.folded) == (declined0, folded0)
+    assert _state(shards[0]) == _state(shards[1])
