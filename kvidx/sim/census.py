@@ -11,8 +11,8 @@ the comparison is made after every route's pending credit expired).
 
 from __future__ import annotations
 
-import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -90,9 +90,8 @@ def census(bootstrap: str, topic_prefix: str, config: Config, index_block: int,
             cmd = [sys.executable, "-m", "kvidx.cli", "serve", "--bootstrap", bootstrap, "--topic-prefix",
                    topic_prefix, "--config", str(conf), "--index-block-size", str(index_block), "--groups",
                    ",".join(map(str, sorted(groups))), "--port", str(port), "--log-level", "warning"]
-            with open(log, "w") as out:
-                p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+            with open(log, "w") as out:  # `-m` from the repository's root: this checkout's kvidx
+                p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
             procs.append((p, f"http://127.0.0.1:{port}", log))
         deadline = time.monotonic() + timeout_s
         for (p, url, log), want in zip(procs, expected, strict=True):
@@ -114,6 +113,7 @@ def census(bootstrap: str, topic_prefix: str, config: Config, index_block: int,
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)  # an instance's log is in the error that needed it
 
 
 def _fanout_over_http(urls: list[str], prompts: Sequence[tuple[str, np.ndarray]], full: Answers,
