@@ -53,14 +53,13 @@ import os
 from collections import deque
 
 from fastapi import FastAPI
-from fastapi_offline import FastAPIOffline
 
-from index_service.auth import add_bearer_auth
+from index_service.auth import BearerToken, add_bearer_auth
 from index_service.conductor_api import ConductorPaths, ConductorRegistry
 from index_service.context import ServiceContext, kv, log
 from index_service.dynamo_api import DynamoRegistry, add_dynamo_routes
 from index_service.errors import one_error_shape
-from index_service.hot_path import HotPath
+from index_service.hot_path import DynamoQueryPath, HotPath, LookupApp
 from index_service.lmcache_api import add_lmcache_routes
 from index_service.lookup_routes import add_binary_lookup, add_json_lookup
 from index_service.metrics import ServiceMetrics
@@ -95,7 +94,7 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     (index_service/lmcache_api.py)."""
     # /docs and /redoc with their JavaScript and CSS served by the service itself (fastapi-offline
     # ships them): the default pages load them from a CDN, which a cluster without internet lacks
-    app: FastAPI = FastAPIOffline(title="kvidx lookup service", version="1", telemetry=_telemetry())
+    app = LookupApp.of(title="kvidx lookup service", version="1", telemetry=_telemetry())
     one_error_shape(app)
     document_responses(app)
     auth = (401,) if auth_token else ()  # documented only where it can happen
@@ -117,10 +116,13 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         add_dynamo_routes(app, store, dynamo, fanout, metrics)
     if lmcache_lookup is not None:
         add_lmcache_routes(app, ctx, lmcache_lookup)
-    app.add_middleware(HotPath, ctx=ctx, dynamo=dynamo)  # the lookups, past the router
-    if conductor is not None:  # outside the hot path: its msgpack /query goes first
+    token = BearerToken(auth_token) if auth_token else None
+    app.hot = HotPath(ctx, token)  # the routers' lookups, before the middleware below
+    if dynamo is not None:
+        app.add_middleware(DynamoQueryPath, ctx=ctx, dynamo=dynamo)  # its /query, past the router
+    if conductor is not None:  # outside Dynamo's /query: its msgpack /query goes first
         app.add_middleware(ConductorPaths, store=store, registry=conductor, fanout=fanout, metrics=metrics)
-    if auth_token:  # added last: outermost, so it guards the lookups too
-        add_bearer_auth(app, auth_token)
+    if token is not None:  # added last: outermost, so it guards every other /v1/ route too
+        add_bearer_auth(app, token)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))
     return app

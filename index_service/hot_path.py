@@ -1,19 +1,22 @@
-"""The lookups routers make on every request (POST /v1/lookup, /v1/rank, /v1/lookup/binary, and
-Dynamo's POST /query where its API is on), taken
-straight to their handlers: an ASGI middleware in front of the FastAPI router, so a lookup skips route
-matching and FastAPI's per-request dependency solving (about a quarter of a hashed lookup's CPU in
-the app). The handlers are the very ones the FastAPI routes call (lookup_routes), so answers, errors,
-metrics and logs are the same; the routes stay registered for the OpenAPI document and for any
-method or path this does not take."""
+"""The lookups routers make on every request, taken straight to their handlers: POST /v1/lookup,
+/v1/rank and /v1/lookup/binary before the app's middleware stack (`LookupApp`: no route matching,
+dependency solving, error and body-limit middleware, about a quarter of a hashed lookup's CPU in the
+app), the bearer token checked here; Dynamo's POST /query, where its API is on, as a middleware after
+Mooncake conductor's (which takes the same path for msgpack bodies). The handlers are the very ones
+the FastAPI routes call (lookup_routes), so answers, errors, metrics and logs are the same; the
+routes stay registered for the OpenAPI document and for any method or path this does not take."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from index_service.auth import BearerToken
 from index_service.context import ServiceContext
 from index_service.dynamo_api import query_handler
 from index_service.lookup_routes import binary_lookup, json_lookup
@@ -65,21 +68,59 @@ class LookupRequest:
 
 
 class HotPath:
-    def __init__(self, app: ASGIApp, ctx: ServiceContext, dynamo=None):
-        self.app = app
+    """The routers' lookups (and their bearer token), taken before the app's middleware."""
+
+    def __init__(self, ctx: ServiceContext, token: BearerToken | None):
+        self.token = token
         self.handlers = {
             "/v1/lookup": lambda request: json_lookup(ctx, request, "json", rank=False),
             "/v1/rank": lambda request: json_lookup(ctx, request, "rank", rank=True),
             "/v1/lookup/binary": lambda request: binary_lookup(ctx, request),
         }
-        if dynamo is not None:  # Dynamo's POST /query (index_service/dynamo_api.py)
-            self.handlers["/query"] = lambda request: query_handler(ctx.store, dynamo, request, ctx.fanout,
-                                                                    metrics=ctx.metrics)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def take(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Answer the request if it is a lookup: True once answered, False for the app to answer."""
         handler = self.handlers.get(scope["path"]) if scope["type"] == "http" else None
         if handler is None or scope["method"] != "POST":
+            return False
+        request = LookupRequest(scope, receive)
+        if self.token is not None and not self.token.accepts((request.get("authorization") or "").encode()):
+            response = self.token.refusal()
+        else:
+            response = await handler(request)
+        await response(scope, receive, send)
+        return True
+
+
+class LookupApp(FastAPI):
+    """The service's FastAPI app, with the routers' lookups taken before its middleware (`hot`).
+    Made by `LookupApp.of`: fastapi-offline builds a plain FastAPI (its docs pages served locally)."""
+
+    hot: HotPath | None = None
+
+    @classmethod
+    def of(cls, **kwargs) -> LookupApp:
+        app = FastAPIOffline(**kwargs)
+        app.__class__ = cls  # the same object and state; only __call__ differs
+        return app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.hot is not None and await self.hot.take(scope, receive, send):
+            return
+        await super().__call__(scope, receive, send)
+
+
+class DynamoQueryPath:
+    """Dynamo's POST /query past the router (a middleware: after Mooncake conductor's msgpack paths)."""
+
+    def __init__(self, app: ASGIApp, ctx: ServiceContext, dynamo):
+        self.app = app
+        self.handler = lambda request: query_handler(ctx.store, dynamo, request, ctx.fanout,
+                                                     metrics=ctx.metrics)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/query" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        response = await handler(LookupRequest(scope, receive))
+        response = await self.handler(LookupRequest(scope, receive))
         await response(scope, receive, send)

@@ -381,6 +381,14 @@ def test_bearer_token_required_on_v1_when_configured(world):
         r = c.post("/v1/lookup", json=body, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["model"] == MODEL
         assert c.get("/healthz").status_code == 200  # probes stay open
+        # the lookups taken before the middleware (hot_path.HotPath) and a route behind it alike
+        binary = np.arange(64, dtype="<u4").tobytes()
+        for path, kw in (("/v1/rank", {"json": body}),
+                         (f"/v1/lookup/binary?model={MODEL}", {"content": binary}),
+                         ("/v1/routes", {"json": {"request_id": "r", "model": MODEL, "replica": "x"}})):
+            assert c.post(path, **kw).status_code == 401, path
+            r = c.post(path, **kw, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code != 401, path
 
 
 def test_route_to_an_unknown_replica_is_refused(world):
