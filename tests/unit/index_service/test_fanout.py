@@ -26,10 +26,25 @@ def _store(groups=None) -> ShardStore:
     return ShardStore(16, config=CONFIG, groups=groups)
 
 
+def _split_stores() -> dict[str, ShardStore]:
+    """A full instance's store and the two halves' (groups 0-1, groups 2-3)."""
+    return {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
+
+
+def _split_prompt(first_token: int, subnet: int) -> tuple[list[int], list[int], list[str]]:
+    """A 24-block prompt, its hashes, and eight engine endpoints with some in each half's groups."""
+    from kvidx.core.hashing import prompt_hashes
+
+    prompt = list(range(first_token, first_token + 16 * 24))
+    endpoints = [f"tcp://10.0.{subnet}.{i}:5557" for i in range(8)]
+    assert {hashed_group(e, G) for e in endpoints} >= {0, 2}  # some in each half
+    return prompt, prompt_hashes(prompt, 16), endpoints
+
+
 @pytest.fixture(scope="module")
 def fleet():
     batches, docs = random_fleet(40, seed=5, groups=G)
-    stores = {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
+    stores = _split_stores()
     for b in batches:
         for s in stores.values():
             s.apply(b, 2.0)
@@ -201,15 +216,11 @@ def test_dynamo_query_on_a_partial_instance_answers_like_a_full_one():
     import time
 
     from index_service.dynamo_api import DynamoRegistry
-    from kvidx.core.hashing import prompt_hashes
     from schemas.events import BlocksStored, EventBatch
     from schemas.registrations import REGISTRATIONS_VERSION, Registration, registration_key
 
-    prompt = list(range(3000, 3000 + 16 * 24))
-    hashes = prompt_hashes(prompt, 16)
-    endpoints = [f"tcp://10.0.2.{i}:5557" for i in range(8)]
-    assert {hashed_group(e, G) for e in endpoints} >= {0, 2}  # some in each half
-    stores = {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
+    prompt, hashes, endpoints = _split_prompt(3000, 2)
+    stores = _split_stores()
     registries = {k: DynamoRegistry() for k in stores}
     now = time.time()
     for i, ep in enumerate(endpoints):
@@ -242,15 +253,11 @@ def test_conductor_query_on_a_partial_instance_answers_like_a_full_one():
     blocks any replica holds), merged before the cursors are read, so a rank's host and disk phases
     continue through blocks held in any group, as on a full instance."""
     from index_service.conductor_api import ConductorRegistry, Reach
-    from kvidx.core.hashing import prompt_hashes
     from schemas.events import BlocksStored, EventBatch
 
     mp = {"Content-Type": "application/msgpack"}
-    prompt = list(range(5000, 5000 + 16 * 24))
-    hashes = prompt_hashes(prompt, 16)
-    endpoints = [f"tcp://10.0.3.{i}:5557" for i in range(8)]
-    assert {hashed_group(e, G) for e in endpoints} >= {0, 2}  # some in each half
-    stores = {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
+    prompt, hashes, endpoints = _split_prompt(5000, 3)
+    stores = _split_stores()
     registries = {k: ConductorRegistry() for k in stores}
     # GPU prefixes of different lengths; host memory and disk runs further on, in both halves
     held = {0: [("GPU", 0, 3)], 1: [("GPU", 0, 6), ("CPU", 6, 12)], 2: [("CPU", 0, 9)],
@@ -311,7 +318,7 @@ def test_sglang_prefix_on_a_partial_instance_answers_like_a_full_one():
     chain = [str(h) for h in range(1000, 1024)]
     workers = [f"worker-{i}" for i in range(8)]
     assert len({hashed_group(w, G) for w in workers}) > 2
-    stores = {"full": _store(), "a": _store(frozenset({0, 1})), "b": _store(frozenset({2, 3}))}
+    stores = _split_stores()
     indexers = {k: SglangIndexer(s, "m") for k, s in stores.items()}
     now = time.time()
     for i, w in enumerate(workers):
