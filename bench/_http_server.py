@@ -12,6 +12,7 @@ import _common  # noqa: F401  (puts the project on sys.path)
 import uvicorn
 
 from index_service.app import create_app
+from index_service.http_protocol import server_config
 from index_service.store import ShardStore
 from kvidx.core.shard import ModelShard
 
@@ -35,8 +36,8 @@ def main() -> int:
     # the profile is written below
     signal.signal(signal.SIGTERM, _exit)
     try:
-        uvicorn.run(create_app(store), host="127.0.0.1", port=args.port, log_level="warning",
-                    access_log=False)
+        app = create_app(store)
+        uvicorn.Server(server_config(app, "127.0.0.1", args.port, log_level="warning")).run()
     finally:
         if prof is not None:
             _write_profile(prof, args.profile)

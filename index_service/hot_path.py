@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from index_service.auth import BearerToken
@@ -27,12 +28,13 @@ class LookupRequest:
     `stream`, `query_params`), read straight off the ASGI scope and messages: a Request builds its
     Headers and streams the body through an async generator, ~10 us of a hashed lookup."""
 
-    __slots__ = ("scope", "receive", "headers")
+    __slots__ = ("scope", "receive", "headers", "whole_body")
 
-    def __init__(self, scope: Scope, receive: Receive):
+    def __init__(self, scope: Scope, receive: Receive | None, whole_body: bytes | None = None):
         self.scope = scope
         self.receive = receive
         self.headers = self  # .headers.get(name): only content-length is read
+        self.whole_body = whole_body  # the body already read in full (LookupProtocol), else None
 
     def get(self, name: str, default: str | None = None) -> str | None:
         key = name.encode()
@@ -46,6 +48,9 @@ class LookupRequest:
         return QueryParams(self.scope["query_string"])
 
     async def stream(self) -> AsyncIterator[bytes]:
+        if self.whole_body is not None:
+            yield self.whole_body
+            return
         while True:
             msg = await self.receive()
             if msg["type"] == "http.disconnect":
@@ -55,6 +60,8 @@ class LookupRequest:
                 return
 
     async def body(self) -> bytes:
+        if self.whole_body is not None:
+            return self.whole_body
         msg = await self.receive()  # most bodies come in one message
         if msg["type"] == "http.disconnect":
             raise ClientDisconnect()
@@ -71,23 +78,36 @@ class HotPath:
     """The routers' lookups (and their bearer token), taken before the app's middleware."""
 
     def __init__(self, ctx: ServiceContext, token: BearerToken | None):
+        self.ctx = ctx
         self.token = token
         self.handlers = {
             "/v1/lookup": lambda request: json_lookup(ctx, request, "json", rank=False),
             "/v1/rank": lambda request: json_lookup(ctx, request, "rank", rank=True),
             "/v1/lookup/binary": lambda request: binary_lookup(ctx, request),
         }
+        # the largest body each path reads (ServiceContext.read_body refuses more with a 413)
+        self.body_limits = {"/v1/lookup": ctx.max_json_bytes, "/v1/rank": ctx.max_json_bytes,
+                            "/v1/lookup/binary": ctx.max_binary_bytes}
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether a lookup runs to its answer without waiting for anything once its body is read:
+        true unless the model's replica groups are split over instances (index_service.fanout asks
+        the others over HTTP). LookupProtocol answers such lookups inside the parser's callback."""
+        return self.ctx.fanout is None
+
+    async def answer(self, handler, request: LookupRequest) -> Response:
+        """The handler's answer, or 401 without the bearer token."""
+        if self.token is not None and not self.token.accepts((request.get("authorization") or "").encode()):
+            return self.token.refusal()
+        return await handler(request)
 
     async def take(self, scope: Scope, receive: Receive, send: Send) -> bool:
         """Answer the request if it is a lookup: True once answered, False for the app to answer."""
         handler = self.handlers.get(scope["path"]) if scope["type"] == "http" else None
         if handler is None or scope["method"] != "POST":
             return False
-        request = LookupRequest(scope, receive)
-        if self.token is not None and not self.token.accepts((request.get("authorization") or "").encode()):
-            response = self.token.refusal()
-        else:
-            response = await handler(request)
+        response = await self.answer(handler, LookupRequest(scope, receive))
         await response(scope, receive, send)
         return True
 

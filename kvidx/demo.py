@@ -25,6 +25,7 @@ import uvicorn
 
 from index_service.app import create_app
 from index_service.follower import KafkaFollower
+from index_service.http_protocol import server_config
 from index_service.store import ShardStore
 from kvidx.client import KvidxClient, KvidxError, Retry, UnknownModel
 from kvidx.core.answers import ReplicaAnswer
@@ -150,8 +151,7 @@ def _start_relays(engines: list[SimVllmEngine], sinks: list, stack: list) -> Non
 def _start_service(store: ShardStore, port: int, replicas: int, stack: list) -> str:
     """The lookup service on loopback, once ready and knowing every replica; its base URL."""
     port = port or _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(store), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(server_config(create_app(store), "127.0.0.1", port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True, name="http").start()
     stack.append(lambda: setattr(server, "should_exit", True))
     base = f"http://127.0.0.1:{port}"

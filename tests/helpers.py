@@ -38,11 +38,13 @@ class ServerThread:
     def __init__(self, app, **config):
         import uvicorn
 
+        from index_service.http_protocol import server_config
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", **config))
+        config.setdefault("log_level", "warning")
+        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:

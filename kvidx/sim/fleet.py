@@ -630,11 +630,12 @@ class _HttpLookup:
         import uvicorn
 
         from index_service.app import create_app
+        from index_service.http_protocol import server_config
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(store), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(server_config(create_app(store), "127.0.0.1", self.port,
+                                                   log_level="warning"))
         threading.Thread(target=self.server.run, daemon=True, name="simulate-http").start()
         deadline = time.monotonic() + 30
         while not self.server.started:
