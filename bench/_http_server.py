@@ -9,10 +9,9 @@ import sys
 import time
 
 import _common  # noqa: F401  (puts the project on sys.path)
-import uvicorn
 
 from index_service.app import create_app
-from index_service.http_protocol import server_config
+from index_service.http_protocol import serve
 from index_service.store import ShardStore
 from kvidx.core.shard import ModelShard
 
@@ -36,8 +35,7 @@ def main() -> int:
     # the profile is written below
     signal.signal(signal.SIGTERM, _exit)
     try:
-        app = create_app(store)
-        uvicorn.Server(server_config(app, "127.0.0.1", args.port, log_level="warning")).run()
+        serve(create_app(store), "127.0.0.1", args.port, log_level="warning")
     finally:
         if prof is not None:
             _write_profile(prof, args.profile)

@@ -11,6 +11,7 @@ through any instance counts as pending credit on every instance.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -225,6 +226,7 @@ class KafkaFollower(Background):
         raise RuntimeError(f"topic {topic} not found")
 
     def _ready(self, t0: float) -> None:
+        gc.freeze()  # what the rebuild made lives on: out of the collector's full scans (http_protocol.serve)
         self.store.ready = True
         self.store.not_ready_reason = None
         log.info("event=caught_up seconds=%.3f batches=%d", time.monotonic() - t0,

@@ -28,13 +28,18 @@ class LookupRequest:
     `stream`, `query_params`), read straight off the ASGI scope and messages: a Request builds its
     Headers and streams the body through an async generator, ~10 us of a hashed lookup."""
 
-    __slots__ = ("scope", "receive", "headers", "whole_body")
+    __slots__ = ("scope", "receive", "whole_body")
 
     def __init__(self, scope: Scope, receive: Receive | None, whole_body: bytes | None = None):
         self.scope = scope
         self.receive = receive
-        self.headers = self  # .headers.get(name): only content-length is read
         self.whole_body = whole_body  # the body already read in full (LookupProtocol), else None
+
+    @property
+    def headers(self) -> LookupRequest:
+        """Itself (.headers.get(name)); not an attribute: a reference to itself would be a cycle per
+        request, left to the garbage collector, whose full collections stall the loop (~40 ms)."""
+        return self
 
     def get(self, name: str, default: str | None = None) -> str | None:
         key = name.encode()

@@ -340,13 +340,11 @@ def _read_token(path: str) -> str:
 def cmd_serve(args) -> int:
     import socket
 
-    import uvicorn
-
     from index_service.app import create_app
     from index_service.conductor_api import ConductorRegistry
     from index_service.dynamo_api import DynamoRegistry
     from index_service.follower import KafkaFollower, RoutePublisher
-    from index_service.http_protocol import server_config
+    from index_service.http_protocol import serve
     from index_service.registrations import RegistrationLog
     from index_service.sglang_indexer import SglangIndexer, add_sglang_peer_route, remote_prefix, start_server
     from index_service.store import ShardStore
@@ -447,7 +445,7 @@ def cmd_serve(args) -> int:
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
     try:
-        uvicorn.Server(server_config(app, args.host, args.port, log_level="warning")).run()
+        serve(app, args.host, args.port, log_level="warning")
     finally:
         for server in grpc_servers:
             server.stop(2)
