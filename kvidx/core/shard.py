@@ -94,6 +94,7 @@ NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemo
 class ModelShard(ShardWalk, ShardSnapshot):
     # the mask map class: the compiled one where built; property tests pin the pure-Python reference
     new_map: type = MaskMap
+    replica_fields = _native.ReplicaFields(ReplicaState) if _native is not None else None
 
     def __init__(self, model: str, block_size: int, unreported_eviction_kinds: Iterable[str] = ()):
         self.model = model

@@ -32,6 +32,9 @@ def window_blocks(window: int, engine_block_size: int, per: int) -> int:
 class ShardWalk:
     """Lookups of ModelShard (its state: groups, by_slot, replicas, pending, pools)."""
 
+    # where the replica states keep the fields lookup_json reads (kvidx_native.ReplicaFields), or None
+    replica_fields = None
+
     # ---- lookup -----------------------------------------------------------------------------
     def prefix_blocks(self, hashes: list[int], group: int | None = None, pending: bool = False,
                       doomed: dict[int, dict[int, int]] | None = None) -> dict[int, int]:
@@ -303,7 +306,7 @@ class ShardWalk:
         return native_lookup_json(self.model, n_tokens, self.block_size, self.by_slot, hits, with_pending,
                                   self.pending.inflight or None, gid, g.kind, tier, now, pending_bs,
                                   per_token, load_cost.get(tier, 0.0), rank, top_k,
-                                  self.tail_hits(hashes, hits) or None)
+                                  self.tail_hits(hashes, hits) or None, self.replica_fields)
 
     def credited(self, hashes: list[int], n_tokens: int, replica: str | None = None,
                  dp_rank: int | None = None, now: float | None = None) -> int:

@@ -5,10 +5,11 @@
 //! the order and with the arithmetic of the Python lookup (`ShardWalk.lookup`, `Pricer`), which stays
 //! the reference: tests/unit/core/test_answer_json.py compares the two on random shards.
 
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::ffi;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
+
+use crate::layout::Layout;
 use crate::Depths;
 
 struct Row<'py> {
@@ -53,35 +54,78 @@ fn get_i64(d: Option<&Bound<'_, PyAny>>, slot: i64) -> PyResult<i64> {
     }
 }
 
-/// An attribute converted by the C API's `conv` (which returns `failed` with an exception set on
-/// error): a replica's dozen fields, 64 replicas a lookup, where pyo3's getattr + extract per field
-/// was a third of the answer's time.
-#[inline]
-fn attr<T: Copy + PartialEq>(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>,
-                             conv: unsafe extern "C" fn(*mut ffi::PyObject) -> T, failed: T) -> PyResult<T> {
-    // SAFETY: the GIL is held (ob is bound); v is a new reference, released before returning
-    unsafe {
-        let v = ffi::PyObject_GetAttr(ob.as_ptr(), name.as_ptr());
-        if v.is_null() {
-            return Err(PyErr::fetch(ob.py()));
-        }
-        let x = conv(v);
-        ffi::Py_DECREF(v);
-        if x == failed && !ffi::PyErr_Occurred().is_null() {
-            return Err(PyErr::fetch(ob.py()));
-        }
-        Ok(x)
+/// The replica state fields the answer reads, in the order of `Fields` indices.
+const R_NAMES: [&str; 13] = ["slot", "block_size", "recompute", "unit", "group_blocks", "batches", "engine_ts",
+                             "applied_ts", "replica", "dp_rank", "epoch", "seq", "seq_gaps"];
+const SLOT: usize = 0;
+const BLOCK_SIZE: usize = 1;
+const RECOMPUTE: usize = 2;
+const UNIT: usize = 3;
+const GROUP_BLOCKS: usize = 4;
+const BATCHES: usize = 5;
+const ENGINE_TS: usize = 6;
+const APPLIED_TS: usize = 7;
+const REPLICA: usize = 8;
+const DP_RANK: usize = 9;
+const EPOCH: usize = 10;
+const SEQ: usize = 11;
+const SEQ_GAPS: usize = 12;
+
+/// Where kvidx.core.shard.ReplicaState keeps the fields an answer reads (layout.rs): a replica's
+/// dozen fields, 64 replicas a lookup, by attribute lookup were ~40 % of the answer's time.
+#[pyclass(frozen)]
+pub struct ReplicaFields {
+    layout: Layout,
+}
+
+#[pymethods]
+impl ReplicaFields {
+    #[new]
+    fn new(replica_state: &Bound<'_, PyType>) -> PyResult<Self> {
+        Ok(ReplicaFields { layout: Layout::of(replica_state, &R_NAMES)? })
     }
 }
 
-#[inline]
-fn attr_i64(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
-    attr(ob, name, ffi::PyLong_AsLongLong, -1)
+/// A replica state's fields: at their offsets when it is exactly the class of `fields`, else (any
+/// other object, or no `fields`) by attribute lookup.
+struct Reader<'a> {
+    fields: Option<&'a ReplicaFields>,
 }
 
-#[inline]
-fn attr_f64(ob: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<f64> {
-    attr(ob, name, ffi::PyFloat_AsDouble, -1.0)
+impl Reader<'_> {
+    fn get<'py>(&self, st: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(f) = self.fields {
+            if f.layout.is(st.as_ptr()) {
+                // SAFETY: `st` is exactly the layout's class; the slot holds an object or null
+                let p = unsafe { f.layout.get(st.as_ptr(), i) };
+                if !p.is_null() {
+                    // SAFETY: a live object in the slot, taken as a new reference
+                    return Ok(unsafe { Bound::from_borrowed_ptr(st.py(), p) });
+                }
+            }
+        }
+        st.getattr(PyString::intern(st.py(), R_NAMES[i]))
+    }
+
+    fn int(&self, st: &Bound<'_, PyAny>, i: usize) -> PyResult<i64> {
+        let v = self.get(st, i)?;
+        // SAFETY: the GIL is held and `v` is owned until the end of the call
+        let x = unsafe { ffi::PyLong_AsLongLong(v.as_ptr()) };
+        if x == -1 && PyErr::occurred(st.py()) {
+            return Err(PyErr::fetch(st.py()));
+        }
+        Ok(x)
+    }
+
+    fn float(&self, st: &Bound<'_, PyAny>, i: usize) -> PyResult<f64> {
+        let v = self.get(st, i)?;
+        // SAFETY: as in `int`
+        let x = unsafe { ffi::PyFloat_AsDouble(v.as_ptr()) };
+        if x == -1.0 && PyErr::occurred(st.py()) {
+            return Err(PyErr::fetch(st.py()));
+        }
+        Ok(x)
+    }
 }
 
 /// Python's float(int(x * 1e6)) / 1e3: milliseconds, truncated to the microsecond.
@@ -146,7 +190,7 @@ impl Floats {
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
 #[pyo3(signature = (model, n_tokens, block_size, states, hits, with_pending, inflight, group, kind, tier,
-                    now, pending_block_size, per_token, load_cost, rank, top_k, tails=None))]
+                    now, pending_block_size, per_token, load_cost, rank, top_k, tails=None, fields=None))]
 pub fn lookup_json<'py>(
     py: Python<'py>,
     model: &str,
@@ -166,17 +210,19 @@ pub fn lookup_json<'py>(
     rank: bool,
     top_k: Option<usize>,
     tails: Option<&Bound<'py, PyDict>>,
+    fields: Option<&Bound<'py, ReplicaFields>>,
 ) -> PyResult<(Bound<'py, PyBytes>, i64, usize)> {
     let bs = block_size;
+    let rd = Reader { fields: fields.map(|f| f.get()) };
     let mut rows: Vec<Row<'py>> = Vec::with_capacity(states.len());
     for st in states.iter() {
         if st.is_none() {
             continue;
         }
-        let slot: i64 = attr_i64(&st, intern!(py, "slot"))?;
-        let ebs0: i64 = attr_i64(&st, intern!(py, "block_size"))?;
-        let recompute: i64 = attr_i64(&st, intern!(py, "recompute"))?;
-        let unit: i64 = attr_i64(&st, intern!(py, "unit"))?;
+        let slot: i64 = rd.int(&st, SLOT)?;
+        let ebs0: i64 = rd.int(&st, BLOCK_SIZE)?;
+        let recompute: i64 = rd.int(&st, RECOMPUTE)?;
+        let unit: i64 = rd.int(&st, UNIT)?;
         let nb = get_i64(Some(hits), slot)?;
         // tokens of the partial block after the whole ones (walk.py tail_hits: partial-block keys)
         let held = nb * bs + get_i64(tails.map(|d| d.as_any()), slot)?;
@@ -196,22 +242,22 @@ pub fn lookup_json<'py>(
                 pending = (resumable((w * bs).min(n_eff), n_eff, ebs) - top).max(0);
             }
         }
-        let group_blocks = st.getattr(intern!(py, "group_blocks"))?;
+        let group_blocks = rd.get(&st, GROUP_BLOCKS)?;
         let blocks: i64 = match group_blocks.cast::<PyDict>()?.get_item(group)? {
             Some(v) => v.extract()?,
             None => 0,
         };
-        let batches: i64 = attr_i64(&st, intern!(py, "batches"))?;
+        let batches: i64 = rd.int(&st, BATCHES)?;
         let freshness = if batches > 0 {
-            let ets: f64 = attr_f64(&st, intern!(py, "engine_ts"))?;
-            let ats: f64 = attr_f64(&st, intern!(py, "applied_ts"))?;
+            let ets: f64 = rd.float(&st, ENGINE_TS)?;
+            let ats: f64 = rd.float(&st, APPLIED_TS)?;
             Some((ms(now - ets), ms(ats - ets)))
         } else {
             None
         };
         rows.push(Row {
-            name: st.getattr(intern!(py, "replica"))?.cast_into::<PyString>()?,
-            dp_rank: attr_i64(&st, intern!(py, "dp_rank"))?,
+            name: rd.get(&st, REPLICA)?.cast_into::<PyString>()?,
+            dp_rank: rd.int(&st, DP_RANK)?,
             cached: held.min(n_tokens),
             tier_tokens: held,
             resumable: top + pending,
@@ -220,9 +266,9 @@ pub fn lookup_json<'py>(
             pending,
             inflight: get_i64(inflight.map(|d| d.as_any()), slot)?,
             freshness,
-            epoch: attr_i64(&st, intern!(py, "epoch"))?,
-            seq: attr_i64(&st, intern!(py, "seq"))?,
-            seq_gaps: attr_i64(&st, intern!(py, "seq_gaps"))?,
+            epoch: rd.int(&st, EPOCH)?,
+            seq: rd.int(&st, SEQ)?,
+            seq_gaps: rd.int(&st, SEQ_GAPS)?,
             prefill: 0,
             prefill_s: 0.0,
             load_s: 0.0,

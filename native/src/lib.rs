@@ -19,6 +19,7 @@
 
 mod answer;
 mod fold;
+mod layout;
 mod order;
 mod table;
 mod tokens;
@@ -1250,6 +1251,7 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
     m.add_class::<HashArray>()?;
     m.add_class::<fold::Folder>()?;
+    m.add_class::<answer::ReplicaFields>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
     m.add_function(wrap_pyfunction!(chain_array, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
