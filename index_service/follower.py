@@ -106,8 +106,10 @@ class KafkaFollower(Background):
         c = Consumer({**client_config(), "bootstrap.servers": self.bootstrap,
                       "group.id": f"kvidx-service-{time.time_ns()}",
                       # the broker answers a waiting fetch as soon as an event arrives: a long wait
-                      # costs no freshness, a short one ~2 % of a core polling an idle broker
-                      "enable.auto.commit": False, "fetch.wait.max.ms": 100, "fetch.min.bytes": 1,
+                      # costs no freshness, a short one CPU (5 ms: ~2 % of a core on an idle broker;
+                      # 100 ms and a 50 ms poll: the service idled at ~8 ms/s, 500 and 250: ~4,
+                      # which at 500 lookups/s is 8 us of CPU a lookup)
+                      "enable.auto.commit": False, "fetch.wait.max.ms": 500, "fetch.min.bytes": 1,
                       # a position the retention passed: go on from the oldest event left (as the
                       # worker does), never jump to the end and wait there
                       "auto.offset.reset": "earliest", "topic.metadata.refresh.interval.ms": 5000})
@@ -142,7 +144,8 @@ class KafkaFollower(Background):
                     log.info("event=service_status ready=%s models=%d batches_applied=%d "
                              "routes_applied=%d consumer_lag=%d", self.store.ready, len(self.store.shards),
                              self.store.batches_applied, self.store.routes_applied, self.store.consumer_lag)
-                first = c.poll(0.05)  # wake on the first message, then take what is there
+                first = c.poll(0.25)  # wake on the first message, then take what is there (0.25 s:
+                # the longest a stop waits; an event wakes it at once)
                 msgs = [first, *c.consume(2000, 0)] if first is not None else []
                 for k, msg in enumerate(msgs):
                     if len(msgs) > 100 and time.monotonic() >= lag_at:  # a large batch in hand: the

@@ -22,6 +22,8 @@ from index_service.context import ServiceContext
 from index_service.dynamo_api import query_handler
 from index_service.lookup_routes import binary_lookup, json_lookup
 
+_NO_PARAMS = QueryParams(b"")  # immutable: one for every request without a query string
+
 
 class LookupRequest:
     """What the lookup handlers read of a request (a Starlette Request's `headers.get`, `body`,
@@ -50,7 +52,8 @@ class LookupRequest:
 
     @property
     def query_params(self) -> QueryParams:
-        return QueryParams(self.scope["query_string"])
+        query = self.scope["query_string"]
+        return QueryParams(query) if query else _NO_PARAMS
 
     async def stream(self) -> AsyncIterator[bytes]:
         if self.whole_body is not None:

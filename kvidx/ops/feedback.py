@@ -183,7 +183,8 @@ class FeedbackFollower(FeedbackTable, Background):
         self.applied = 0
 
     def run(self) -> None:
-        c = consumer(self.bootstrap, "feedback", **{"fetch.wait.max.ms": 50})
+        # a waiting fetch returns as soon as a report arrives: the long wait only saves idle CPU
+        c = consumer(self.bootstrap, "feedback", **{"fetch.wait.max.ms": 500})
         try:
             parts = partitions(c, self.topic, timeout_s=60)
             c.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in parts])

@@ -136,9 +136,9 @@ def test_usage_endpoint_and_feedback_cap_a_lying_replica(kafka_bootstrap, topics
     url = server.__enter__()
     try:
         with httpx.Client(base_url=url, timeout=10) as c:
-            def answer():
-                return {a["replica"]: a for a in
-                        c.post("/v1/lookup", json={"model": "m", "token_ids": tokens}).json()["replicas"]}
+            def answer():  # {} until the follower has folded the model's first events (404 till then)
+                got = c.post("/v1/lookup", json={"model": "m", "token_ids": tokens}).json()
+                return {a["replica"]: a for a in got.get("replicas", [])}
             wait_for(lambda: len(answer()) == 2, what="both replicas in the index")
             assert all(a["resumable_tokens"] == 304 and "feedback_capped" not in a for a in answer().values())
             # routers record decisions and forward the engines' usage; the liar reuses nothing
