@@ -1,7 +1,7 @@
 """The service's HTTP/1.1 connections: uvicorn's httptools protocol, with the routers' lookups answered
 inside the parser's callbacks (`LookupProtocol`). uvicorn's own path gives every request an ASGI
 cycle: a scope, an asyncio Event, a Task, receive/send messages and the response's headers built
-message by message, ~60 us of a hashed lookup's ~270 us of server CPU on the peers bench (a fifth).
+message by message, ~50 us of a hashed lookup's ~250 us of server CPU on the peers bench (a fifth).
 A lookup needs none of it: its body is read in full here, the same handler LookupApp's hot path
 calls (index_service.hot_path) runs to its answer without waiting for anything, and the answer is
 written to the socket at once.
@@ -16,8 +16,8 @@ default headers (date, server) behave as on uvicorn's path; uvicorn's access log
 serve`) does not list the lookups answered here: the service counts them (kvidx_lookups_total).
 
 It subclasses uvicorn's httptools protocol (callbacks that are not a public API): pyproject.toml
-bounds uvicorn's version, and tests/service/test_http_protocol.py holds it to uvicorn's behaviour
-over real sockets. Without httptools (uvicorn's h11 protocol) `http_protocol` returns "auto"."""
+bounds uvicorn's version, and tests/unit/index_service/test_http_protocol.py holds it to uvicorn's
+behaviour over real sockets. Without httptools (uvicorn's h11 protocol) `http_protocol` returns "auto"."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from starlette.responses import Response
 from index_service.context import json_response, kv
 from index_service.hot_path import HotPath, LookupRequest
 
-log = logging.getLogger("kvidx.service")
+log = logging.getLogger("kvidx.index_service")
 
 try:
     import httptools

@@ -107,24 +107,24 @@ impl Reader<'_> {
         st.getattr(PyString::intern(st.py(), R_NAMES[i]))
     }
 
-    fn int(&self, st: &Bound<'_, PyAny>, i: usize) -> PyResult<i64> {
+    /// Field `i` converted by the C API's `conv` (which returns `failed` with an exception set on error).
+    fn conv<T: Copy + PartialEq>(&self, st: &Bound<'_, PyAny>, i: usize,
+                                 conv: unsafe extern "C" fn(*mut ffi::PyObject) -> T, failed: T) -> PyResult<T> {
         let v = self.get(st, i)?;
         // SAFETY: the GIL is held and `v` is owned until the end of the call
-        let x = unsafe { ffi::PyLong_AsLongLong(v.as_ptr()) };
-        if x == -1 && PyErr::occurred(st.py()) {
+        let x = unsafe { conv(v.as_ptr()) };
+        if x == failed && PyErr::occurred(st.py()) {
             return Err(PyErr::fetch(st.py()));
         }
         Ok(x)
     }
 
+    fn int(&self, st: &Bound<'_, PyAny>, i: usize) -> PyResult<i64> {
+        self.conv(st, i, ffi::PyLong_AsLongLong, -1)
+    }
+
     fn float(&self, st: &Bound<'_, PyAny>, i: usize) -> PyResult<f64> {
-        let v = self.get(st, i)?;
-        // SAFETY: as in `int`
-        let x = unsafe { ffi::PyFloat_AsDouble(v.as_ptr()) };
-        if x == -1.0 && PyErr::occurred(st.py()) {
-            return Err(PyErr::fetch(st.py()));
-        }
-        Ok(x)
+        self.conv(st, i, ffi::PyFloat_AsDouble, -1.0)
     }
 }
 
