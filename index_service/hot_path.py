@@ -88,14 +88,12 @@ class HotPath:
     def __init__(self, ctx: ServiceContext, token: BearerToken | None):
         self.ctx = ctx
         self.token = token
-        self.handlers = {
-            "/v1/lookup": lambda request: json_lookup(ctx, request, "json", rank=False),
-            "/v1/rank": lambda request: json_lookup(ctx, request, "rank", rank=True),
-            "/v1/lookup/binary": lambda request: binary_lookup(ctx, request),
+        # path -> (its handler, the largest body it reads: ServiceContext.read_body refuses more, 413)
+        self.routes = {
+            "/v1/lookup": (lambda request: json_lookup(ctx, request, "json", rank=False), ctx.max_json_bytes),
+            "/v1/rank": (lambda request: json_lookup(ctx, request, "rank", rank=True), ctx.max_json_bytes),
+            "/v1/lookup/binary": (lambda request: binary_lookup(ctx, request), ctx.max_binary_bytes),
         }
-        # the largest body each path reads (ServiceContext.read_body refuses more with a 413)
-        self.body_limits = {"/v1/lookup": ctx.max_json_bytes, "/v1/rank": ctx.max_json_bytes,
-                            "/v1/lookup/binary": ctx.max_binary_bytes}
 
     @property
     def synchronous(self) -> bool:
@@ -112,10 +110,10 @@ class HotPath:
 
     async def take(self, scope: Scope, receive: Receive, send: Send) -> bool:
         """Answer the request if it is a lookup: True once answered, False for the app to answer."""
-        handler = self.handlers.get(scope["path"]) if scope["type"] == "http" else None
-        if handler is None or scope["method"] != "POST":
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
             return False
-        response = await self.answer(handler, LookupRequest(scope, receive))
+        response = await self.answer(route[0], LookupRequest(scope, receive))
         await response(scope, receive, send)
         return True
 

@@ -73,16 +73,17 @@ class LookupProtocol(HttpToolsProtocol):
             return None
         url = httptools.parse_url(self.url)
         path = url.path.decode("ascii", "replace")
-        handler = hot.handlers.get(path)
-        if handler is None:
+        route = hot.routes.get(path)
+        if route is None:
             return None
+        handler, body_limit = route
         length = None
         for name, value in self.headers:
             if name == b"content-length":
                 length = value
             elif name == b"transfer-encoding":
                 return None
-        if length is None or not length.isdigit() or int(length) > hot.body_limits[path]:
+        if length is None or not length.isdigit() or int(length) > body_limit:
             return None  # uvicorn's path streams it and refuses what is too large
         version = self.parser.get_http_version()
         self.scope.update(method="POST", http_version=version, path=path, raw_path=url.path,

@@ -54,7 +54,7 @@ fn get_i64(d: Option<&Bound<'_, PyAny>>, slot: i64) -> PyResult<i64> {
     }
 }
 
-/// The replica state fields the answer reads, in the order of `Fields` indices.
+/// The replica state fields the answer reads, in the order of the indices below.
 const R_NAMES: [&str; 13] = ["slot", "block_size", "recompute", "unit", "group_blocks", "batches", "engine_ts",
                              "applied_ts", "replica", "dp_rank", "epoch", "seq", "seq_gaps"];
 const SLOT: usize = 0;
