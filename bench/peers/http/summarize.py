@@ -52,7 +52,8 @@ def main():
     if os.path.exists(os.path.join(root, "run.json")):
         with open(os.path.join(root, "run.json")) as f:
             info = json.load(f)
-        out.append(f"Run: {info['date']}, kvidx {info['kvidx']}, command `{info['command']}`\n")
+        nice = f", both servers at nice {info['nice']}" if "nice" in info else ""
+        out.append(f"Run: {info['date']}, kvidx {info['kvidx']}, command `{info['command']}`{nice}\n")
     out += [f"rounds: {rounds}; cell = **median** (min–max) over rounds; ratio = Dynamo ÷ kvidx within a "
            "round, then median (min–max). Throughput ratio > 1: Dynamo serves more; latency and CPU ratios "
            "< 1: Dynamo is lower.\n"]
