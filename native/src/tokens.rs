@@ -47,57 +47,18 @@ fn skip_ws(raw: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// Arrays from this many bytes of body on are read in two halves on two threads (a 0.8 MB body, ~120k
-/// ids, takes ~0.5 ms on one; a thread costs ~30 us): those bodies are a token lookup's p99.
-const PARALLEL_FROM: usize = 256 * 1024;
-
-/// The JSON array of token ids at raw[i] (after whitespace) as little-endian uint32s (in one or two
-/// parts, to be joined) and the index just past its ']', or None for anything but such an array.
-fn read_ids(raw: &[u8], i: usize, parallel_from: usize) -> Option<(Vec<u8>, Vec<u8>, usize)> {
+/// The JSON array of token ids at raw[i] (after whitespace) appended to `out` as little-endian
+/// uint32s: the index just past its ']', or None for anything but such an array.
+fn read_ids(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
+    let n = raw.len();
     let mut i = skip_ws(raw, i);
     if raw.get(i) != Some(&b'[') {
         return None;
     }
     i = skip_ws(raw, i + 1);
     if raw.get(i) == Some(&b']') {
-        return Some((Vec::new(), Vec::new(), i + 1)); // an empty array
+        return Some(i + 1); // an empty array
     }
-    if raw.len() - i >= parallel_from {
-        if let Some(parts) = read_ids_halves(raw, i) {
-            return Some(parts);
-        }
-    }
-    let mut out = Vec::with_capacity((raw.len() - i) / 2);
-    let end = read_numbers(raw, i, &mut out, usize::MAX)?;
-    Some((out, Vec::new(), end))
-}
-
-/// The ids from raw[i] (its first number) read in two halves, the second on another thread, cut at
-/// the first comma past the middle of the body's rest. None where that cut is not between two ids
-/// of this array or either half is not valid: the caller then reads it whole, so the answer is the
-/// one reading it whole gives. The thread reads only the body's bytes (never Python objects).
-fn read_ids_halves(raw: &[u8], i: usize) -> Option<(Vec<u8>, Vec<u8>, usize)> {
-    let mid = i + (raw.len() - i) / 2;
-    let cut = mid + raw[mid..].iter().take(64).position(|&b| b == b',')?;
-    let (first, second) = std::thread::scope(|s| {
-        let second = s.spawn(|| {
-            let mut out = Vec::with_capacity((raw.len() - cut) / 2);
-            let end = read_numbers(raw, skip_ws(raw, cut + 1), &mut out, usize::MAX)?;
-            Some((out, end))
-        });
-        let mut out = Vec::with_capacity((cut - i) / 2);
-        let first = read_numbers(raw, i, &mut out, cut).map(|_| out);
-        (first, second.join().ok().flatten())
-    });
-    let (second, end) = second?;
-    Some((first?, second, end))
-}
-
-/// The numbers of a JSON array from raw[i] (its first number) appended to `out` as little-endian
-/// uint32s: the index just past its ']'; or, given a `stop` (the index of a comma in it), `stop`
-/// once the numbers before that comma are read. None for anything but such numbers.
-fn read_numbers(raw: &[u8], mut i: usize, out: &mut Vec<u8>, stop: usize) -> Option<usize> {
-    let n = raw.len();
     loop {
         // an integer: no sign, no leading zeros (JSON), no fraction or exponent (that is a float)
         let start = i;
@@ -127,14 +88,13 @@ fn read_numbers(raw: &[u8], mut i: usize, out: &mut Vec<u8>, stop: usize) -> Opt
             c = *raw.get(i)?;
         }
         match c {
-            b',' if i == stop => return Some(stop),
             b',' => {
                 i += 1;
                 if raw.get(i).is_some_and(|&b| ws(b)) {
                     i = skip_ws(raw, i);
                 }
             }
-            b']' if stop == usize::MAX => return Some(i + 1),
+            b']' => return Some(i + 1),
             _ => return None,
         }
     }
@@ -193,14 +153,8 @@ fn skip_value(raw: &[u8], mut i: usize) -> Option<usize> {
 /// member, the ids packed as little-endian uint32), or None (no such member, given twice, null, not
 /// such an array, a key with an escape, or not an object) for the ordinary decode. The other members are copied as they
 /// are; the caller decodes them (so a bad member still gets the ordinary error).
-/// `parallel_from`: the body size from which the ids are read on two threads (tests set it low).
 #[pyfunction]
-#[pyo3(signature = (raw, parallel_from = PARALLEL_FROM))]
-pub fn split_token_ids<'py>(
-    py: Python<'py>,
-    raw: &[u8],
-    parallel_from: usize,
-) -> Option<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+pub fn split_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     const KEY: &[u8] = b"\"token_ids\"";
     let mut i = skip_ws(raw, 0);
     if raw.get(i) != Some(&b'{') {
@@ -208,7 +162,7 @@ pub fn split_token_ids<'py>(
     }
     let mut rest: Vec<u8> = Vec::with_capacity(256);
     rest.push(b'{');
-    let mut ids: Option<(Vec<u8>, Vec<u8>)> = None;
+    let mut ids: Option<Vec<u8>> = None;
     i = skip_ws(raw, i + 1);
     if raw.get(i) != Some(&b'}') {
         loop {
@@ -228,9 +182,9 @@ pub fn split_token_ids<'py>(
                 if ids.is_some() {
                     return None;
                 }
-                let (first, second, end) = read_ids(raw, i + 1, parallel_from)?;
-                ids = Some((first, second));
-                i = end;
+                let mut out = Vec::with_capacity(raw.len() / 2);
+                i = read_ids(raw, i + 1, &mut out)?;
+                ids = Some(out);
             } else {
                 i = skip_value(raw, skip_ws(raw, i + 1))?;
                 if rest.len() > 1 {
@@ -250,12 +204,6 @@ pub fn split_token_ids<'py>(
         return None;
     }
     rest.push(b'}');
-    let (first, second) = ids?;
-    let packed = PyBytes::new_with(py, first.len() + second.len(), |buf| {
-        buf[..first.len()].copy_from_slice(&first);
-        buf[first.len()..].copy_from_slice(&second);
-        Ok(())
-    })
-    .ok()?;
-    Some((PyBytes::new(py, &rest), packed))
+    let ids = ids?;
+    Some((PyBytes::new(py, &rest), PyBytes::new(py, &ids)))
 }
