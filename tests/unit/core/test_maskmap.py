@@ -558,3 +558,66 @@ def test_split_token_ids_is_strict_json(native, ids, junk, where):
         assert np.frombuffer(got[1], dtype="<u4").tolist() == want, text
     else:
         assert got is None, text
+
+
+def _json_token_ids(text: str) -> list[int] | None:
+    """What a JSON decoder reads from `text` if it is an array of uint32s, else None."""
+    import json
+    try:
+        got = json.loads(text)
+    except ValueError:
+        return None
+    ok = isinstance(got, list) and all(type(x) is int and 0 <= x < 2**32 for x in got)
+    return got if ok else None
+
+
+@given(st.lists(st.one_of(st.integers(0, 200_000), st.integers(0, 9), st.sampled_from(EDGE_IDS)),
+                min_size=12, max_size=300),
+       st.sampled_from([",", ", ", " ,", ",\n", ",  ", ", \t"]), st.booleans(),
+       st.sampled_from(["", "", "", ",", ", ", " ", "\n", "0", "00", "-1", ".5", "e1", "x", "]", "[", ",,",
+                        '"']),
+       st.floats(0, 1), st.integers(0, 2))
+@settings(SETTINGS, max_examples=600)
+def test_split_token_ids_long_arrays_with_a_fault_anywhere(native, ids, sep, mixed, junk, where, pad):
+    """Arrays long enough for the 64-bytes-at-a-time reading (compact or ", " separated), with a
+    separator of another kind here and there (`mixed`) and a fault (`junk`) put at any byte (`where`),
+    read exactly as a JSON decoder reads them, or refused: over block boundaries, at the array's
+    last bytes, in the middle of a number."""
+    parts = [str(ids[0])]
+    for k, x in enumerate(ids[1:]):
+        parts += (sep if not mixed or k % 7 == 3 else ",", str(x))
+    text = "[" + "".join(parts) + "]"
+    at = 1 + int(where * (len(text) - 1))
+    text = text[:at] + junk + text[at:]
+    body = '{"model": "m", "token_ids": ' + text + "}" + " " * pad
+    want = _json_token_ids(text)
+    got = native.split_token_ids(body.encode())
+    if want is None:
+        assert got is None, text
+    else:
+        assert got is not None and got[0] == b'{"model": "m"}', text
+        assert np.frombuffer(got[1], dtype="<u4").tolist() == want, text
+
+
+@pytest.mark.parametrize("sep", [",", ", "])
+def test_split_token_ids_a_fault_at_every_byte(native, sep):
+    """Every fault a router's JSON could carry, put at every byte of a 3-block stretch of an array
+    read 64 bytes at a time (both separator forms, numbers of 1-10 digits crossing the blocks'
+    edges): read exactly as a JSON decoder reads the result, or refused."""
+    rng = np.random.default_rng(5)
+    ids = [int(x) for x in rng.integers(0, 10 ** rng.integers(1, 9, 60), dtype=np.int64)] + [12345678, 0]
+    text = "[" + sep.join(map(str, ids)) + "]"
+    faults = ["", ",", " ", "  ", "\n", "0", "01", "-", ".5", "e1", "x", "]", "[", ",,", ", ,", '"', "9" * 3]
+    checked = 0
+    for at in range(1, min(len(text), 200)):
+        for junk in faults:
+            bad = text[:at] + junk + text[at:]
+            want = _json_token_ids(bad)
+            got = native.split_token_ids(b'{"model": "m", "token_ids": ' + bad.encode() + b"}")
+            if want is None:
+                assert got is None, (at, junk)
+            else:
+                assert got is not None and np.frombuffer(got[1], dtype="<u4").tolist() == want, (at, junk)
+                checked += 1
+    assert checked > 500  # valid arrays too, not only refusals
+
