@@ -39,14 +39,20 @@ Agreement (live; the offline audit joins request by request):
 - kvidx_usage_prompt_tokens_total{model}    prompt tokens of the engine usage reports (POST /v1/usage)
 - kvidx_usage_reused_tokens_total{model}    tokens the engines reported reused (cached_tokens)
   reused / credited over a window ~ agreement; model is "other" for models the index does not hold
+The process (every collection since it started, whichever app observes it):
+- kvidx_gc_pause_seconds{generation}        histogram of the garbage collector's generation 1 and 2
+                                            collections: the event loop stops for them (a full one over
+                                            the service's objects was ~40 ms before gc.freeze)
 """
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from index_service.store import ShardStore
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
@@ -152,9 +158,63 @@ class _StoreCollector:
         yield from (batches, blocks, age, lag, gaps)
 
 
+GC_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0)
+
+
+class _GcPauses:
+    """The collector's generation 1 and 2 pauses, timed by a gc callback (one per process): bucket
+    counts and sums, read at scrape. Generation 0 collections (microseconds each, hundreds a second
+    under load) are not timed."""
+
+    def __init__(self):
+        self.counts = {g: [0] * (len(GC_BUCKETS) + 1) for g in (1, 2)}
+        self.sums = {1: 0.0, 2: 0.0}
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        generation = info["generation"]
+        if generation == 0:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._started
+        self.sums[generation] += seconds
+        counts = self.counts[generation]
+        for k, bound in enumerate(GC_BUCKETS):
+            if seconds <= bound:
+                counts[k] += 1
+                return
+        counts[-1] += 1
+
+    def collect(self):
+        family = HistogramMetricFamily("kvidx_gc_pause_seconds", "Garbage collector pauses (generations 1 "
+                                       "and 2) of this process", labels=["generation"])
+        for generation, counts in self.counts.items():
+            cumulative, buckets = 0, []
+            for bound, n in zip((*map(str, GC_BUCKETS), "+Inf"), counts, strict=True):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            family.add_metric([str(generation)], buckets, self.sums[generation])
+        yield family
+
+
+_GC_PAUSES = _GcPauses()
+_gc_lock = threading.Lock()
+
+
+def _timing_gc() -> _GcPauses:
+    """The process's GC pause timer, its callback installed on first use."""
+    with _gc_lock:
+        if _GC_PAUSES not in gc.callbacks:
+            gc.callbacks.append(_GC_PAUSES)
+    return _GC_PAUSES
+
+
 class ServiceMetrics:
     def __init__(self, store: ShardStore):
         self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_timing_gc())
         self.latency = Histogram("kvidx_lookup_latency_seconds",
                                  "Handler time of answered lookups (body read to response encoded)",
                                  ["form"], buckets=LATENCY_BUCKETS, registry=self.registry)

@@ -92,6 +92,29 @@ def test_service_series():
     assert not any(x.labels.get("model") == "not-indexed" for x in rows)
 
 
+def test_gc_pauses_series():
+    """Each generation 1 and 2 collection is timed into kvidx_gc_pause_seconds (the loop's stalls)."""
+    import gc
+
+    app = create_app(seeded_store(), max_tokens=4096)
+    with ServerThread(app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        before = scrape(client)
+        gc.collect(2)
+        gc.collect(1)
+        gc.collect(2)
+        after = scrape(client)
+
+    def count(s, generation):
+        return [x.value for x in s["kvidx_gc_pause_seconds_count"] if x.labels["generation"] == generation][0]
+
+    # other threads may collect too: at least ours
+    assert count(after, "2") - count(before, "2") >= 2
+    assert count(after, "1") - count(before, "1") >= 1
+    inf = [x.value for x in after["kvidx_gc_pause_seconds_bucket"]
+           if x.labels == {"generation": "2", "le": "+Inf"}]
+    assert inf == [count(after, "2")]
+
+
 def test_worker_consumer_lag_series(tmp_path):
     from faust.types import TP
 
