@@ -1256,5 +1256,6 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chain_array, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::split_token_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens::token_reader, m)?)?;
     Ok(())
 }

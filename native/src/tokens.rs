@@ -7,10 +7,14 @@
 //! decoder walks the tokens at all (a decoder skipping them as raw text costs more than parsing them).
 //!
 //! Arrays as routers write them ("1,2,3", or Python's "1, 2, 3") are read 64 bytes at a time on
-//! x86-64 (`read_blocks`: 2.7-2.9 ns a token, against 4.8 number by number; a lookup of 122k tokens
-//! spends ~330 us here instead of ~580); every other spacing, and every array elsewhere, number by
-//! number (`read_rest`). tests/unit/core/test_maskmap.py holds both to a JSON decoder, with a fault
-//! put at every byte.
+//! x86-64 (`read_blocks`): the block's bytes classed at once, then with AVX-512 (F, BW, VBMI, VBMI2)
+//! its numbers gathered and converted together, else each from where it starts. 122k tokens, this
+//! host (AMD EPYC): 180 us with AVX-512, 330 us without, 575 us number by number (`read_rest`,
+//! which reads every other spacing, every array's last bytes and other CPUs). tests/unit/core/
+//! test_maskmap.py holds each reading (`token_reader` pins one) to a JSON decoder, with a fault put
+//! at every byte.
+
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -67,8 +71,10 @@ fn read_ids(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
         return Some(i + 1); // an empty array
     }
     #[cfg(target_arch = "x86_64")]
-    if let Some(after) = read_blocks(raw, i, out) {
-        return read_rest(raw, after, false, out);
+    if READER.load(Ordering::Relaxed) >= BLOCKS {
+        if let Some(after) = read_blocks(raw, i, out) {
+            return read_rest(raw, after, false, out);
+        }
     }
     out.clear();
     read_rest(raw, i, true, out)
@@ -137,47 +143,38 @@ fn separator(raw: &[u8], i: &mut usize) -> Option<bool> {
     }
 }
 
-/// Bit k set where raw[p + k] is a digit, a comma, a space (SSE2, which every x86-64 has).
+/// Bit k set where raw[p + k] is a digit, a comma, a space, a '0' (AVX-512 where `WIDE`, else SSE2,
+/// which every x86-64 has); 64 bytes are readable at p.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn classify64(raw: &[u8], p: usize) -> (u64, u64, u64) {
+unsafe fn classify64<const WIDE: bool>(raw: &[u8], p: usize) -> (u64, u64, u64, u64) {
     use std::arch::x86_64::*;
-    let block = &raw[p..p + 64];
-    let (mut digit, mut comma, mut space) = (0u64, 0u64, 0u64);
-    // SAFETY: SSE2 is part of x86-64; the loads read `block`, 64 bytes in bounds (sliced above)
-    unsafe {
-        let zero = _mm_set1_epi8(b'0' as i8);
-        let nine = _mm_set1_epi8(9);
-        let commas = _mm_set1_epi8(b',' as i8);
-        let spaces = _mm_set1_epi8(b' ' as i8);
-        for k in 0..4 {
-            let x = _mm_loadu_si128(block.as_ptr().add(16 * k) as *const __m128i);
-            let d = _mm_sub_epi8(x, zero);
-            let is_digit = _mm_cmpeq_epi8(_mm_min_epu8(d, nine), d); // x - '0' <= 9, unsigned
-            digit |= (_mm_movemask_epi8(is_digit) as u32 as u64) << (16 * k);
-            comma |= (_mm_movemask_epi8(_mm_cmpeq_epi8(x, commas)) as u32 as u64) << (16 * k);
-            space |= (_mm_movemask_epi8(_mm_cmpeq_epi8(x, spaces)) as u32 as u64) << (16 * k);
-        }
+    let at = raw.as_ptr().add(p);
+    if WIDE {
+        let x = _mm512_loadu_si512(at as *const _);
+        let below_ten = _mm512_sub_epi8(x, _mm512_set1_epi8(b'0' as i8));
+        return (
+            _mm512_cmplt_epu8_mask(below_ten, _mm512_set1_epi8(10)),
+            _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8(b',' as i8)),
+            _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8(b' ' as i8)),
+            _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8(b'0' as i8)),
+        );
     }
-    (digit, comma, space)
-}
-
-/// Bit k set where raw[p + k] is '0'.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn digit_zero(raw: &[u8], p: usize) -> u64 {
-    use std::arch::x86_64::*;
-    let block = &raw[p..p + 64];
-    let mut zero = 0u64;
-    // SAFETY: SSE2 is part of x86-64; the loads read `block`, 64 bytes in bounds (sliced above)
-    unsafe {
-        let zeros = _mm_set1_epi8(b'0' as i8);
-        for k in 0..4 {
-            let x = _mm_loadu_si128(block.as_ptr().add(16 * k) as *const __m128i);
-            zero |= (_mm_movemask_epi8(_mm_cmpeq_epi8(x, zeros)) as u32 as u64) << (16 * k);
-        }
+    let (mut digit, mut comma, mut space, mut zero) = (0u64, 0u64, 0u64, 0u64);
+    let zeros = _mm_set1_epi8(b'0' as i8);
+    let nine = _mm_set1_epi8(9);
+    let commas = _mm_set1_epi8(b',' as i8);
+    let spaces = _mm_set1_epi8(b' ' as i8);
+    for k in 0..4 {
+        let x = _mm_loadu_si128(at.add(16 * k) as *const __m128i);
+        let d = _mm_sub_epi8(x, zeros);
+        let is_digit = _mm_cmpeq_epi8(_mm_min_epu8(d, nine), d); // x - '0' <= 9, unsigned
+        digit |= (_mm_movemask_epi8(is_digit) as u32 as u64) << (16 * k);
+        comma |= (_mm_movemask_epi8(_mm_cmpeq_epi8(x, commas)) as u32 as u64) << (16 * k);
+        space |= (_mm_movemask_epi8(_mm_cmpeq_epi8(x, spaces)) as u32 as u64) << (16 * k);
+        zero |= (_mm_movemask_epi8(_mm_cmpeq_epi8(x, zeros)) as u32 as u64) << (16 * k);
     }
-    zero
+    (digit, comma, space, zero)
 }
 
 /// The values of 8-byte numbers written with leading zeros ("00012345"; the zeros may be NUL
@@ -237,6 +234,121 @@ unsafe fn values_avx2(padded: &[u64], out: *mut u8) {
     }
 }
 
+/// How split_token_ids reads token arrays: number by number (NUMBERS), 64-byte blocks (BLOCKS), and
+/// with AVX-512 the numbers of a block converted at once (WIDE, where the CPU has it). The widest by
+/// default; `token_reader` pins a narrower one (tests hold each to a JSON decoder).
+static READER: AtomicU8 = AtomicU8::new(WIDE);
+const NUMBERS: u8 = 0;
+const BLOCKS: u8 = 1;
+const WIDE: u8 = 2;
+
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vbmi")
+            && std::is_x86_feature_detected!("avx512vbmi2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The token-array reading split_token_ids uses ("wide", "blocks" or "numbers": what this CPU runs
+/// of the one asked for), after pinning `reader` if given (tests; any other name: the widest).
+#[pyfunction]
+#[pyo3(signature = (reader=None))]
+pub fn token_reader(reader: Option<&str>) -> &'static str {
+    if let Some(name) = reader {
+        let level = match name {
+            "numbers" => NUMBERS,
+            "blocks" => BLOCKS,
+            _ => WIDE,
+        };
+        READER.store(level, Ordering::Relaxed);
+    }
+    match READER.load(Ordering::Relaxed) {
+        WIDE if has_avx512() => "wide",
+        NUMBERS => "numbers",
+        _ if cfg!(target_arch = "x86_64") => "blocks",
+        _ => "numbers",
+    }
+}
+
+/// The numbers of the 64-byte block at raw[p..] (first digits `starts`, last digits `ends`, each
+/// number whole in the block) appended to `out` as little-endian uint32s, 8 at a time: each
+/// number's digits gathered right-aligned into 8 bytes by one byte permutation, then pairs, fours
+/// and eights by multiply-adds. False (nothing appended) if a number has more than 8 digits.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn numbers_avx512(raw: &[u8], p: usize, starts: u64, ends: u64, out: &mut Vec<u8>) -> bool {
+    use std::arch::x86_64::*;
+    static IOTA: [u8; 64] = {
+        let mut a = [0u8; 64];
+        let mut k = 0;
+        while k < 64 {
+            a[k] = k as u8;
+            k += 1;
+        }
+        a
+    };
+    static LANE: [u8; 64] = {
+        let mut a = [0u8; 64];
+        let mut k = 0;
+        while k < 64 {
+            a[k] = (k / 8) as u8; // byte k of the result belongs to number k / 8 of the group
+            k += 1;
+        }
+        a
+    };
+    static BACK: [i8; 64] = {
+        let mut a = [0i8; 64];
+        let mut k = 0;
+        while k < 64 {
+            a[k] = (k % 8) as i8 - 7; // byte b of a number's 8 is its last digit's position - 7 + b
+            k += 1;
+        }
+        a
+    };
+    let n = ends.count_ones() as usize;
+    let iota = _mm512_loadu_si512(IOTA.as_ptr() as *const _);
+    // the numbers' first and last positions, packed in order (zeros past the n-th)
+    let first = _mm512_maskz_compress_epi8(starts, iota);
+    let last = _mm512_maskz_compress_epi8(ends, iota);
+    let live = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+    if _mm512_mask_cmpgt_epu8_mask(live, _mm512_sub_epi8(last, first), _mm512_set1_epi8(7)) != 0 {
+        return false;
+    }
+    let block = _mm512_loadu_si512(raw.as_ptr().add(p) as *const _);
+    let back = _mm512_loadu_si512(BACK.as_ptr() as *const _);
+    let eight = _mm512_set1_epi8(8);
+    let low4 = _mm512_set1_epi8(0x0F);
+    let tens = _mm512_set1_epi16(0x010A); // bytes 10, 1: the first digit of a pair times ten
+    let hundreds = _mm512_set1_epi32(0x0001_0064); // 16-bit 100, 1
+    let ten_thousands = _mm512_set1_epi64(10_000);
+    // 8 numbers a round; the rounds write whole 32 bytes, past the n-th number too (reserved, and
+    // not counted in the length)
+    out.reserve(4 * n + 32);
+    let at = out.len();
+    let dst = out.as_mut_ptr().add(at);
+    let mut lane = _mm512_loadu_si512(LANE.as_ptr() as *const _);
+    let mut k = 0;
+    while k < n {
+        let from = _mm512_permutexvar_epi8(lane, first);
+        let to = _mm512_add_epi8(_mm512_permutexvar_epi8(lane, last), back);
+        // leading bytes before the number's first digit are zero (signed: `to` may be below 0)
+        let digits = _mm512_maskz_permutexvar_epi8(_mm512_cmpge_epi8_mask(to, from), to, block);
+        let fours = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(digits, low4), tens), hundreds);
+        // each number: its high four digits (low 32 bits) times 10,000 plus its low four
+        let v = _mm512_add_epi64(_mm512_mul_epu32(fours, ten_thousands), _mm512_srli_epi64(fours, 32));
+        _mm256_storeu_si256(dst.add(4 * k) as *mut __m256i, _mm512_cvtepi64_epi32(v));
+        lane = _mm512_add_epi8(lane, eight);
+        k += 8;
+    }
+    out.set_len(at + 4 * n);
+    true
+}
+
 /// The array's numbers read 64 bytes at a time from raw[i] (its first digit): the bytes are classed
 /// at once (digits, commas, spaces) and the block checked to be "1,2" or "1, 2" as a whole, then
 /// each number is read from where it starts; the numbers do not wait for each other (a number at a
@@ -247,6 +359,27 @@ unsafe fn values_avx2(padded: &[u64], out: *mut u8) {
 /// or nothing was read (`read_rest` reads the whole array).
 #[cfg(target_arch = "x86_64")]
 fn read_blocks(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
+    if READER.load(Ordering::Relaxed) >= WIDE && has_avx512() {
+        // SAFETY: the CPU has AVX-512 F, BW, VBMI and VBMI2 (checked above)
+        unsafe { read_blocks_wide(raw, i, out) }
+    } else {
+        // SAFETY: WIDE is false: SSE2 only, which every x86-64 has
+        unsafe { read_blocks_with::<false>(raw, i, out) }
+    }
+}
+
+/// `read_blocks` compiled for AVX-512: the bytes classed and the numbers converted 64 at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2")]
+unsafe fn read_blocks_wide(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
+    read_blocks_with::<true>(raw, i, out)
+}
+
+/// `read_blocks` with AVX-512 (`WIDE`: the caller has checked the CPU has it) or SSE2. Every raw
+/// read is in bounds: p + 72 <= raw.len() for the block at p and a number's 8 bytes from p + 64.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn read_blocks_with<const WIDE: bool>(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
     let mut p = i;
     let mut last_end = None;
     // the byte before the block: a digit, a comma (bit 63 of the last block)
@@ -257,7 +390,7 @@ fn read_blocks(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
     let mut padded = [0u64; STAGED + 64];
     let mut count = 0;
     while p + 72 <= raw.len() {
-        let (mut digit, mut comma, mut space) = classify64(raw, p);
+        let (mut digit, mut comma, mut space, zero) = classify64::<WIDE>(raw, p);
         let other = !(digit | comma | space);
         let keep = if other == 0 { u64::MAX } else { (1u64 << other.trailing_zeros()) - 1 };
         digit &= keep;
@@ -277,8 +410,19 @@ fn read_blocks(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
         if digit & prev_digit != 0 {
             ends &= ends - 1;
         }
-        if starts & digit_zero(raw, p) & !ends != 0 {
+        if starts & zero & !ends != 0 {
             return None; // a leading zero
+        }
+        if WIDE {
+            // the block's numbers at once; the one going on into the next block is read below
+            let last_start = 1u64 << (63 - starts.leading_zeros().min(63));
+            let spanning = starts.count_ones() > ends.count_ones();
+            let whole = if spanning { starts & !last_start } else { starts };
+            if !numbers_avx512(raw, p, whole, ends, out) {
+                return None; // 9 digits or more
+            }
+            starts = if spanning { last_start } else { 0 };
+            ends = 0;
         }
         while ends != 0 {
             let s = starts.trailing_zeros() as usize;
@@ -295,9 +439,13 @@ fn read_blocks(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
         if starts != 0 {
             // the last number goes on into the next block
             let s = p + starts.trailing_zeros() as usize;
-            let (_, len) = digits8(raw, s)?; // None: 8 digits or more
-            padded[count] = padded8(raw, s, len);
-            count += 1;
+            let (v, len) = digits8(raw, s)?; // None: 8 digits or more
+            if WIDE {
+                out.extend_from_slice(&(v as u32).to_le_bytes());
+            } else {
+                padded[count] = padded8(raw, s, len);
+                count += 1;
+            }
             last_end = Some(s + len);
         } else if digit != 0 {
             last_end = Some(p + 64 - digit.leading_zeros() as usize);

@@ -43,6 +43,17 @@ def native():
     return kvidx_native
 
 
+@pytest.fixture(scope="module", params=["wide", "blocks", "numbers"])
+def reader(native, request):
+    """split_token_ids pinned to one way of reading token arrays (native/src/tokens.rs: AVX-512,
+    64-byte blocks, number by number); skipped where this CPU lacks it."""
+    if native.token_reader(request.param) != request.param:
+        native.token_reader("wide")
+        pytest.skip(f"this CPU does not run the {request.param!r} token reader")
+    yield request.param
+    native.token_reader("wide")
+
+
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 M64 = (1 << 64) - 1
 PHI = 0x9E3779B97F4A7C15
@@ -538,7 +549,7 @@ EDGE_IDS = [0, 9, 10, 99999999, 100000000, 4294967295, 4294967296]
                 max_size=40),
        st.sampled_from(["", " ", "\n", "\t ", "0", "-", ".5", "e1", "x", "00"]), st.integers(0, 3))
 @SETTINGS
-def test_split_token_ids_is_strict_json(native, ids, junk, where):
+def test_split_token_ids_is_strict_json(native, reader, ids, junk, where):
     """The compiled token parser (8 digits at a time) reads exactly what a JSON decoder reads into
     uint32s, and refuses (None) everything else: out of range, leading zeros, signs, fractions."""
     sep = [",", ", ", " ,", ",\n"][where]
@@ -578,7 +589,7 @@ def _json_token_ids(text: str) -> list[int] | None:
                         '"']),
        st.floats(0, 1), st.integers(0, 2))
 @settings(SETTINGS, max_examples=600)
-def test_split_token_ids_long_arrays_with_a_fault_anywhere(native, ids, sep, mixed, junk, where, pad):
+def test_split_token_ids_long_arrays_with_a_fault_anywhere(native, reader, ids, sep, mixed, junk, where, pad):
     """Arrays long enough for the 64-bytes-at-a-time reading (compact or ", " separated), with a
     separator of another kind here and there (`mixed`) and a fault (`junk`) put at any byte (`where`),
     read exactly as a JSON decoder reads them, or refused: over block boundaries, at the array's
@@ -600,7 +611,7 @@ def test_split_token_ids_long_arrays_with_a_fault_anywhere(native, ids, sep, mix
 
 
 @pytest.mark.parametrize("sep", [",", ", "])
-def test_split_token_ids_a_fault_at_every_byte(native, sep):
+def test_split_token_ids_a_fault_at_every_byte(native, reader, sep):
     """Every fault a router's JSON could carry, put at every byte of a 3-block stretch of an array
     read 64 bytes at a time (both separator forms, numbers of 1-10 digits crossing the blocks'
     edges): read exactly as a JSON decoder reads the result, or refused."""
