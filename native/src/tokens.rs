@@ -554,7 +554,8 @@ pub fn split_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<(Bound<'py, P
                 if ids.is_some() {
                     return None;
                 }
-                let mut out = Vec::with_capacity(raw.len() / 2);
+                // 4 bytes a token: no more than its text for ids of 3+ digits (and separators): no regrowth
+                let mut out = Vec::with_capacity(raw.len());
                 i = read_ids(raw, i + 1, &mut out)?;
                 ids = Some(out);
             } else {

@@ -33,6 +33,18 @@ def proc_ticks(pid):
     return int(rest[11]) + int(rest[12])
 
 
+def gc_pauses(port: int) -> tuple[float, float]:
+    """kvidx serve's generation-2 collections so far: (count, seconds), from /metrics."""
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    got = {}
+    for line in text.splitlines():
+        for name in ("count", "sum"):
+            if line.startswith(f'kvidx_gc_pause_seconds_{name}{{generation="2"}}'):
+                got[name] = float(line.split()[-1])
+    return got.get("count", 0.0), got.get("sum", 0.0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--qdir", required=True)
@@ -70,6 +82,7 @@ def main():
                            "--duration", str(a.duration), "--pid", str(pid)]
                     with open("/proc/loadavg") as f:
                         load1 = float(f.read().split()[0])
+                    gc0 = gc_pauses(port) if s == "kvidx" else None
                     b0, t0 = cpu_jiffies()
                     p0 = proc_ticks(pid)
                     w0 = time.time()
@@ -87,6 +100,10 @@ def main():
                                 "wall_s": round(w1 - w0, 2), "machine_busy_cores": round(busy_cores, 2),
                                 "server_cores_whole_run": round((p1 - p0) / 100 / (w1 - w0), 2),
                                 "reqs": FORMS[form][s]})
+                    if gc0 is not None:  # the service's full collections during the run (stalls)
+                        gc1 = gc_pauses(port)
+                        res["gc2_pauses"] = gc1[0] - gc0[0]
+                        res["gc2_pause_ms"] = round((gc1[1] - gc0[1]) * 1e3, 1)
                     res["other_cores_approx"] = round(busy_cores - res["server_cores_whole_run"]
                                                       - res["client_cpu_s"] / a.duration, 2)
                     with open(os.path.join(od, f"{form}_{s}_{mode}.json"), "w") as f:
@@ -94,7 +111,9 @@ def main():
                     print(f"[bench] r{r} {form:4s} {mode:6s} {s:5s}: {res['throughput']:9.1f}/s "
                           f"p50 {res['p50_us']:9.1f} p99 {res['p99_us']:10.1f} us  "
                           f"cpu/req {res['server_cpu_us_per_req']:7.1f} us err {res['errors']} "
-                          f"non200 {res['non200']} unsent {res['unsent']} other {res['other_cores_approx']}",
+                          f"non200 {res['non200']} unsent {res['unsent']} other {res['other_cores_approx']}"
+                          + (f" gc2 {res['gc2_pauses']:.0f} ({res['gc2_pause_ms']} ms)"
+                             if "gc2_pauses" in res else ""),
                           flush=True)
                     time.sleep(0.5)
 

@@ -17,6 +17,7 @@ ROUNDS=3
 QUICK=0
 REV=""
 DO_PROFILE=0
+HOLD=0
 NQ=${NQ:-2000}
 DUR=${DUR:-8}
 WARM=${WARM:-2}
@@ -42,6 +43,8 @@ Options:
                 tree (the repo's .venv/bin/kvidx with PYTHONPATH set to it)
   --profile     afterwards, profile both servers (py-spy on kvidx if .venv/bin/py-spy exists, perf on
                 Dynamo if perf works)
+  --hold        set up, feed and check as usual, then keep both services up instead of the load matrix
+                (ports and PIDs in \$RES/hold.json) until interrupted: for loadgen runs, perf or py-spy by hand
   -h, --help    this text
 
 Environment: PB (scratch folder, default bench/peers/.build), EVENTS (event file, default
@@ -59,6 +62,7 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1 ;;
     --rev) REV=$2; shift ;;
     --profile) DO_PROFILE=1 ;;
+    --hold) HOLD=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -183,6 +187,13 @@ a1=$(ticks "$KPID"); b1=$(ticks "$DPID"); sleep 5; a2=$(ticks "$KPID"); b2=$(tic
     {'kvidx_idle_cores': (a2 - a1) / 500, 'dyn_idle_cores': (b2 - b1) / 500}))" "$a1" "$a2" "$b1" "$b2" \
   | tee "$RES/idle.json"
 ps -o pid,rss,args -p "$KPID,$DPID" > "$RES/rss.txt"
+
+if [ "$HOLD" = 1 ]; then
+  echo "{\"kvidx_port\": $KP, \"kvidx_pid\": $KPID, \"dyn_port\": $DP, \"dyn_pid\": $DPID, \"queries\": \"$Q\", \"loadgen\": \"$LOADGEN\"}" \
+    > "$RES/hold.json"
+  log "holding: both services up ($RES/hold.json); Ctrl-C (or SIGTERM to this script) stops them"
+  while true; do sleep 1; done
+fi
 
 # ---- 7. the interleaved load matrix ----------------------------------------------------------------
 log "load matrix: $ROUNDS round(s), ${WARM} s warm-up + ${DUR} s per run"
