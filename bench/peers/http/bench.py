@@ -63,7 +63,8 @@ def main():
     a = ap.parse_args()
     assert a.warmup + a.duration <= 25, "each run is bounded to 30 s"
     srv = {"kvidx": (a.kvidx_port, a.kvidx_pid), "dyn": (a.dyn_port, a.dyn_pid)}
-    modes = [("closed", int(c)) for c in a.conns.split(",")] + [("open", int(r)) for r in a.rates.split(",")]
+    modes = ([("closed", int(c)) for c in a.conns.split(",") if c]
+             + [("open", int(r)) for r in a.rates.split(",") if r])
     for r in range(1, a.rounds + 1):
         od = os.path.join(a.out, f"round{r}")
         os.makedirs(od, exist_ok=True)
