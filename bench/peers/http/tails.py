@@ -1,6 +1,6 @@
 """Where the slow answers of one open-loop run came from: reads a load generator trace (`loadgen
---trace`: conn, due, sent, done on CLOCK_MONOTONIC) and, if given, a system-wide record of the
-scheduler's context switches taken during the run:
+--trace`: conn, due, sent, done[, index, written] on CLOCK_MONOTONIC) and, if given, a system-wide
+record of the scheduler's context switches taken during the run:
 
     perf record -a -k CLOCK_MONOTONIC -e dummy --switch-events -o sw.data -- sleep 11
 
@@ -77,7 +77,10 @@ def main() -> None:
     late = [(r[2] - r[1]) / 1e3 for r in rows]
     served = [(r[3] - r[2]) / 1e3 for r in rows]
     total = [(r[3] - r[1]) / 1e3 for r in rows]
-    parts = (("due -> answered", total), ("due -> sent (client)", late), ("sent -> answered", served))
+    parts = [("due -> answered", total), ("due -> sent (client)", late), ("sent -> answered", served)]
+    if len(rows[0]) > 5:  # loadgen's "written" stamp: the body's write vs the server's answer
+        parts += [("sent -> written (client)", [(r[5] - r[2]) / 1e3 for r in rows]),
+                  ("written -> answered", [(r[3] - r[5]) / 1e3 for r in rows])]
     for name, v in parts:
         print(f"{name:26s} p50 {pct(v, 50):7.0f}  p99 {pct(v, 99):7.0f}  p99.9 {pct(v, 99.9):7.0f}  "
               f"max {max(v):7.0f} us")
