@@ -79,10 +79,8 @@ fn read_ids(raw: &[u8], i: usize, out: &mut Vec<u8>) -> Option<usize> {
 /// its separator); the index just past the array's ']', or None.
 fn read_rest(raw: &[u8], mut i: usize, at_number: bool, out: &mut Vec<u8>) -> Option<usize> {
     let n = raw.len();
-    if !at_number {
-        if !separator(raw, &mut i)? {
-            return Some(i);
-        }
+    if !at_number && !separator(raw, &mut i)? {
+        return Some(i);
     }
     loop {
         // an integer: no sign, no leading zeros (JSON), no fraction or exponent (that is a float)
