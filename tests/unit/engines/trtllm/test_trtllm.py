@@ -1,8 +1,9 @@
 """TensorRT-LLM adapter: pull-API decoding, the mirror's rules, the poll relay, conformance fixtures
 and the shadow audit against the simulated KV cache manager (kvidx/sim/trtllm_engine.py).
 
-Regenerate the conformance fixtures with
-`KVIDX_REGEN_FIXTURES=1 pytest tests/unit/engines/trtllm/test_trtllm.py`.
+Regenerate the conformance fixtures (the engine's recording, its own final state, and the mirror
+counters' regression snapshot) with `KVIDX_REGEN_FIXTURES=1 pytest tests/unit/engines/trtllm/test_trtllm.py`
+and review the diff; a missing file fails.
 """
 
 from __future__ import annotations
@@ -235,23 +236,36 @@ with priority >= 30 as `updated` 0 -> 1 and onboarding as 1 -> 0), as of TensorR
 
 - events.jsonl / requests.jsonl: the pull-API recording format (../../../../shared/fixtures/README.md),
   one poll after each request, requests one at a time; `gpu` without a host tier, `host` with one.
-- expected.json: the mirror's final state (live blocks, stats) and, per request, the tokens the
-  index credits at send time (index block size 1) next to the engine's cached_tokens.
+  Each request's `cached_tokens` is the simulated engine's own answer.
+- engine.json: the simulated engine's own final state, from its radix tree (not from kvidx's relay):
+  its counters and every block it holds, engine hash -> cache level. The test's expected answers
+  come from these two files: the relay's mirror must hold exactly the engine's blocks at their
+  levels, and the index must credit every request exactly the engine's cached_tokens.
+- snapshot.json: a regression snapshot of the relay mirror's own counters (written by the code under
+  test, so it proves nothing by itself: it shows a change). A missing snapshot fails the test;
+  it is rewritten only with `KVIDX_REGEN_FIXTURES=1`, and its diff reviewed.
 """
 
 
-def _generate(case: str, host: int) -> dict:
+def _generate(case: str, host: int) -> None:
+    """Record the case from the simulated engine: events, requests, the engine's own final state,
+    and the mirror counters' regression snapshot."""
     d = FIX / case
     d.mkdir(parents=True, exist_ok=True)
     eng = SimTrtllmEngine(num_blocks=48, host_blocks=host, block_size=B, window_size=4096, version="1.2.0")
     record(eng, chat(7, n_conv=10, turns=5), str(d / "events.jsonl"), str(d / "requests.jsonl"), t0=1.75e9)
-    ag, shard, relay = run_shadow(d / "events.jsonl", d / "requests.jsonl", 1, engine_block=B)
-    m = relay.ranks[0].mirror
-    credited = [mm for mm in _credits(d)]
-    exp = {"engine_stats": eng.stats, "mirror_live_blocks": m.live_blocks(), "mirror_stats": m.stats,
-           "credited": credited, "agreement": ag.summary()}
-    (d / "expected.json").write_text(json.dumps(exp, indent=1) + "\n")
-    return exp
+    blocks = {str(b.hash): b.level for b in eng.blocks if b.key and b.prev is not None}  # in its tree
+    (d / "engine.json").write_text(json.dumps({"stats": eng.stats, "blocks": blocks}, indent=1) + "\n")
+    snapshot = {"mirror_stats": _full_replay(d).ranks[0].mirror.stats}
+    (d / "snapshot.json").write_text(json.dumps(snapshot, indent=1) + "\n")
+
+
+def _full_replay(d: Path) -> TrtllmPollRelay:
+    """Every poll of the recording through a relay (the shadow stops at the last request's send)."""
+    relay = TrtllmPollRelay("model", "trtllm", 1, B, epoch=0)
+    for ns, events, _ in read_polls(d / "events.jsonl"):
+        relay.on_poll(events, ns)
+    return relay
 
 
 def _credits(d: Path) -> list[dict]:
@@ -273,22 +287,34 @@ def _credits(d: Path) -> list[dict]:
 
 @pytest.mark.parametrize("case,host", [("gpu", 0), ("host", 160)])
 def test_conformance_fixture(case, host):
-    if os.environ.get("KVIDX_REGEN_FIXTURES") or not (FIX / case / "expected.json").exists():
+    d = FIX / case
+    if os.environ.get("KVIDX_REGEN_FIXTURES"):
         _generate(case, host)
         (FIX / "README.md").write_text(FIXTURE_README)
-    exp = json.loads((FIX / case / "expected.json").read_text())
-    ag, shard, relay = run_shadow(FIX / case / "events.jsonl", FIX / case / "requests.jsonl",
-                                  index_block_size=1, engine_block=B)
-    m = relay.ranks[0].mirror
-    assert m.live_blocks() == exp["mirror_live_blocks"] and m.stats == exp["mirror_stats"]
-    assert _credits(FIX / case) == exp["credited"]
-    assert ag.summary() == exp["agreement"]
-    # at concurrency 1 the index agrees exactly, partial-block reuse and host tier included
-    assert ag.exact == ag.requests and ag.summary()["recall"] == 1.0
-    assert exp["engine_stats"]["partial_matches"] > 0 and exp["engine_stats"]["taken_over"] > 0
+    for name in ("events.jsonl", "requests.jsonl", "engine.json", "snapshot.json"):
+        if not (d / name).exists():
+            pytest.fail(f"{d / name} is missing: regenerate with KVIDX_REGEN_FIXTURES=1 and review the diff")
+    engine = json.loads((d / "engine.json").read_text())
+    reqs = [json.loads(x) for x in (d / "requests.jsonl").read_text().splitlines()]
+    # the engine's answers: its blocks (hash -> level) and each request's cached tokens
+    mirror = _full_replay(d).ranks[0].mirror
+    assert {str(h): (0 if n.tier == "GPU" else 1) for h, n in mirror.nodes.items()} == engine["blocks"]
+    assert _credits(d) == [{"i": r["i"], "cached_tokens": r["cached_tokens"], "credited": r["cached_tokens"]}
+                           for r in reqs]
+    ag, shard, relay = run_shadow(d / "events.jsonl", d / "requests.jsonl", index_block_size=1, engine_block=B)
+    prompt = sum(len(r["prompt_token_ids"]) for r in reqs)
+    reused = sum(r["cached_tokens"] for r in reqs)
+    assert ag.summary() == {"requests": len(reqs), "prompt_tokens": prompt, "reused_tokens": reused,
+                            "credited_tokens": reused, "reuse_rate": round(reused / prompt, 6), "recall": 1.0,
+                            "over_credit": 0.0, "exact_requests": len(reqs)}
+    # the regression snapshot of the mirror's counters (written by the code under test)
+    assert mirror.stats == json.loads((d / "snapshot.json").read_text())["mirror_stats"]
+    # the recording exercises partial-block reuse, and the host tier where there is one
+    st = engine["stats"]
+    assert st["partial_matches"] > 0 and st["taken_over"] > 0 and st["requests"] == len(reqs)
     if host:
-        assert exp["engine_stats"]["offloaded"] > 0 and exp["engine_stats"]["onboarded"] > 0
-        assert exp["mirror_stats"]["moved"] > 0
+        assert st["offloaded"] > 0 and st["onboarded"] > 0 and mirror.stats["moved"] > 0
+        assert set(engine["blocks"].values()) == {0, 1}
 
 
 # ---- shadow ---------------------------------------------------------------------------------------
