@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
-from kvidx.engines import RelayOptions, ShadowResult
+from kvidx.engines import RelayOptions, ShadowResult, set_aside_counts
 from kvidx.engines import get as get_engine
 from kvidx.engines.contract import Frame, PublisherRelays, SequencedRelay
 from kvidx.engines.recording import read_frames
@@ -166,7 +166,11 @@ def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, 
     extra = batches.extra()
     if adapter.shadow_extra is not None:
         extra.update(adapter.shadow_extra(recording, reqs, model, index_block_size, options))
-    return ShadowResult(agreement, batches.dead_letters(), extra, batches.relays), shard
+    # events (not batches) set aside, and why: the rest of their batches was folded
+    aside = set_aside_counts(batches.relays.values())
+    extra["set_aside_events"] = sum(aside.values())
+    extra["set_aside"] = {f"{reason}/{kind}": n for (reason, kind), n in sorted(aside.items())}
+    return ShadowResult(agreement, batches.dead_letters(), extra, batches.relays, aside), shard
 
 
 def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",

@@ -31,6 +31,16 @@ class ShadowResult:
     dead_letters: int
     extra: dict  # the adapter's own figures (LMCache's chunk counters ...)
     relays: dict = field(default_factory=dict)  # publisher -> its relay logic, as the replay left it
+    set_aside: dict = field(default_factory=dict)  # (reason, event kind) -> single events set aside
+
+
+def set_aside_counts(relays) -> dict[tuple[str, str], int]:
+    """(reason, event kind) -> events set aside, over relays (each counts its own in `.set_aside`)."""
+    total: dict[tuple[str, str], int] = {}
+    for r in relays:
+        for key, n in getattr(r, "set_aside", {}).items():
+            total[key] = total.get(key, 0) + n
+    return total
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,102 @@
 """What every engine adapter's mirror shares: the error that names a dead-letter reason, the one
 mapping of engine media to index tiers, the per-tier reference counts of index blocks (a block is
 cached in a tier while any engine block there holds it: several engine blocks can hold one index
-block), and the split of newly cached blocks into contiguous runs."""
+block), the split of newly cached blocks into contiguous runs, and the one rule for events a mirror
+cannot place (`SetAside`, `Unreadable`, `place_unreadable`; the table is in docs/engines.md).
+
+Events are placed one by one: an event that cannot be placed is set aside on its own (its position
+in the engine batch, a bounded reason and its kind), and the batch's other events are applied in
+order. Setting an event aside never credits more: a store is simply not indexed; a removal that
+names known engine hashes in a way the mirror cannot place (an unknown medium, an undecodable body)
+drops those hashes from every tier and group (`drop_everywhere`); a clear clears; an event whose
+kind or hashes cannot be read at all may have removed anything, so the replica is cleared.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
 from kvidx.core.hashing import tail_key as _tail_key
 from schemas.events import Event, ReplicaCleared
+
+# the tiers a mirror indexes engine blocks in; a medium mapping elsewhere is unknown (set aside)
+KNOWN_TIERS = frozenset({"GPU", "CPU", "DISK"})
+# the bounded values of the set-aside counters' `event` label
+EVENT_KINDS = ("stored", "removed", "cleared", "updated", "created", "other")
+# the bounded values of their `reason` label besides MirrorError reasons (code literals)
+UNDECODABLE = "undecodable_event"
+UNKNOWN_HASH = "unknown_hash"
+UNKNOWN_PARENT = "unknown_parent"
+UNKNOWN_MEDIUM = "unknown_medium"
+
+
+@dataclass
+class SetAside:
+    """One engine event a mirror could not place: its position in the engine batch, its kind (one
+    of EVENT_KINDS), why (a bounded reason), a one-line detail, and what the mirror did instead."""
+    position: int
+    event: str
+    reason: str
+    detail: str
+    action: str = "skipped"  # "skipped" | "dropped_everywhere" | "cleared"
+    raw: bytes | None = None  # the event's own bytes when it could not be decoded
+
+
+@dataclass
+class Unreadable:
+    """An event of an engine batch that did not decode (the batch's other events did): what could
+    be read of it loosely (its kind, its block hashes), for the conservative rule."""
+    raw: bytes
+    kind: str  # one of EVENT_KINDS
+    hashes: list | None  # its block hashes if they could be read (ints or bytes), else None
+    detail: str
+
+
+def read_unreadable(raw: bytes, detail: str, kinds: dict[str, str], hash_fields: tuple[str, ...] = (
+        "block_hashes",), tag_fields: tuple[str, ...] = ("type",), positional_hashes: int = 1) -> Unreadable:
+    """An undecodable event read loosely: the kind from its tag (`kinds`: the engine's tag -> one of
+    EVENT_KINDS), its hashes from the first of `hash_fields` that is a list of ints or bytes (a
+    positional event: element `positional_hashes` after the tag)."""
+    try:
+        obj = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
+        obj = None
+    tag: Any = None
+    hashes: Any = None
+    if isinstance(obj, dict):
+        tag = next((obj[f] for f in tag_fields if isinstance(obj.get(f), str)), None)
+        hashes = next((obj[f] for f in hash_fields if f in obj), None)
+    elif isinstance(obj, list) and obj and isinstance(obj[0], str):
+        tag = obj[0]
+        hashes = obj[positional_hashes] if len(obj) > positional_hashes else None
+    ok = isinstance(hashes, list) and all(isinstance(h, int | bytes) and not isinstance(h, bool)
+                                          for h in hashes)
+    return Unreadable(raw, kinds.get(tag, "other") if isinstance(tag, str) else "other",
+                      hashes if ok else None, detail[:300])
+
+
+def place_unreadable(mirror, ev: Unreadable, position: int, out: list[Event]) -> SetAside:
+    """The conservative rule for an event that did not decode: a store is not indexed; a clear
+    clears; a removal (or an update, or an event of a kind this adapter does not know) whose hashes
+    could be read drops those hashes from every tier and group (`mirror.drop_everywhere`); one whose
+    hashes could not be read may have removed anything: the replica is cleared."""
+    if ev.kind in ("stored", "created"):
+        action = "skipped"
+    elif ev.kind == "cleared":
+        engine_cache_reset(mirror, out)
+        action = "cleared"
+    elif ev.hashes is not None:
+        mirror.drop_everywhere(ev.hashes, out)
+        action = "dropped_everywhere"
+    else:
+        mirror.clear()
+        mirror.stats["cleared"] = mirror.stats.get("cleared", 0) + 1
+        out.append(ReplicaCleared("unplaceable_event"))
+        action = "cleared"
+    return SetAside(position, ev.kind, UNDECODABLE, ev.detail, action, ev.raw)
 
 
 class MirrorError(ValueError):

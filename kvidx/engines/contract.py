@@ -9,6 +9,12 @@ An adapter (kvidx/engines/<name>/, registered in kvidx.engines) provides:
   controller feed, recordings), and the recording kind `kvidx shadow` and `relay --play` read.
 Every adapter guarantees: canonical keys (kvidx.core.hashing, the same for every engine), batches in
 the engine's order, and bad input as a dead letter with a reason (never an exception, never folded).
+Events are decoded and placed one by one: an event that cannot be decoded or placed is set aside on
+its own (`RelayOutput.set_aside`: a dead letter with the event's position in its batch and its kind;
+kvidx.engines.common.SetAside), the batch's other events are folded in order, and setting it aside
+never credits more (the rule per event kind: kvidx.engines.common.place_unreadable, docs/engines.md).
+A payload whose batch envelope cannot be read at all is a dead letter, and since any of its events
+may have been a removal, the replica is cleared with it (ReplicaCleared "undecodable_batch").
 
 `SequencedRelay` is the engine-neutral part, free of sockets and brokers: frames in, versioned event
 batches out. Per publisher (one engine replica or one DP rank): decode the payload, check the sequence
@@ -28,7 +34,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvidx.engines.common import MirrorError
+from kvidx.core.shard import wall_epoch
+from kvidx.engines.common import MirrorError, SetAside
 from kvidx.engines.sniff import wrong_engine
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, ReplicaCleared
 
@@ -49,16 +56,46 @@ class Frame:
 
 @dataclass
 class DeadLetter:
+    """A dead letter: a whole engine message (`position` -1), or one event of it that was set aside
+    (`position`: its place in the engine batch, `event`: its kind; `frame.payload` is that event's own
+    bytes and `frame.seq` the batch's)."""
     reason: str
     detail: str
     frame: Frame
+    position: int = -1
+    event: str = ""
 
 
 @dataclass
 class RelayOutput:
     batches: list[EventBatch] = field(default_factory=list)
-    dead: list[DeadLetter] = field(default_factory=list)
+    dead: list[DeadLetter] = field(default_factory=list)  # whole engine messages
+    set_aside: list[DeadLetter] = field(default_factory=list)  # single events (the rest was folded)
     gap: tuple[int, int] | None = None  # (first missing seq, seq received) when a gap is detected
+
+    def add(self, other: RelayOutput) -> None:
+        self.batches += other.batches
+        self.dead += other.dead
+        self.set_aside += other.set_aside
+
+
+def set_aside_letters(entries: list[SetAside], events: list, frame: Frame, counts: dict[tuple[str, str], int]
+                      ) -> list[DeadLetter]:
+    """The dead letters of a batch's set-aside events (each its own bytes: the undecodable event's, or
+    the decoded event re-encoded), counted in `counts` by (reason, event kind)."""
+    out = []
+    for sa in entries:
+        key = (sa.reason, sa.event)
+        counts[key] = counts.get(key, 0) + 1
+        raw = sa.raw
+        if raw is None:
+            try:
+                raw = msgspec.msgpack.encode(events[sa.position])
+            except (TypeError, IndexError, msgspec.EncodeError):
+                raw = b""
+        f = Frame(frame.topic, frame.seq, raw, frame.recv_ns, frame.endpoint, frame.src)
+        out.append(DeadLetter(sa.reason, f"{sa.action}: {sa.detail}"[:300], f, sa.position, sa.event))
+    return out
 
 
 class SequencedRelay:
@@ -75,12 +112,14 @@ class SequencedRelay:
         self.model = model
         self.replica = replica
         self.dp_rank = dp_rank
-        # epochs order a replica's batches across relay restarts: start from the wall clock (ms)
-        self.epoch = epoch if epoch is not None else int(time.time() * 1000)
+        # epochs order a replica's batches across relay restarts: start from the wall clock (ms), the
+        # clock every writer's epochs share (kvidx.core.shard.wall_epoch)
+        self.epoch = epoch if epoch is not None else wall_epoch()
         self.next_seq: int | None = None
         self.counters: dict[str, int] = {"frames": 0, "duplicates": 0, "gaps": 0, "restarts": 0}
         self.resync_part = 0  # mirror-replay parts sent (EventBatch.part), increasing for ever
         self.wrong_engine_reason: str | None = None  # why the stream is another engine's, once seen
+        self.set_aside: dict[tuple[str, str], int] = {}  # (reason, event kind) -> events set aside
 
     def on_frame(self, frame: Frame, check_gap: bool = True) -> RelayOutput:
         out = RelayOutput()
@@ -103,6 +142,7 @@ class SequencedRelay:
         if len(frame.payload) > MAX_PAYLOAD:
             self._skip(frame)
             out.dead.append(DeadLetter("oversized", f"{len(frame.payload)} bytes", frame))
+            self._unreadable_batch(frame, out)
             return out
         if self.wrong_engine_reason is None and self.counters["frames"] <= SNIFF_FRAMES:
             self.wrong_engine_reason = wrong_engine(frame.payload, self.engine)
@@ -115,18 +155,31 @@ class SequencedRelay:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._skip(frame)
             out.dead.append(DeadLetter("malformed_payload", str(e)[:300], frame))
+            self._unreadable_batch(frame, out)
             return out
         try:
             events = self.mirror.apply(batch.events, now=batch.ts)
-        except MirrorError as e:
+        except MirrorError as e:  # a mirror places events one by one: this is a bug's safety net
             self._skip(frame)
             out.dead.append(DeadLetter(e.reason, str(e)[:300], frame))
+            self._unreadable_batch(frame, out)
             return out
         self.next_seq = frame.seq + 1
         if batch.data_parallel_rank is not None:
             self.dp_rank = batch.data_parallel_rank  # the publisher's rank, for clears too
+        aside = getattr(self.mirror, "set_aside", None)
+        if aside:
+            out.set_aside += set_aside_letters(aside, batch.events, frame, self.set_aside)
         out.batches.append(self._wrap(events, frame.seq, frame, batch.ts))
         return out
+
+    def _unreadable_batch(self, frame: Frame, out: RelayOutput) -> None:
+        """A batch none of whose events can be read may have removed anything: the replica is cleared
+        (the next batches rebuild it), in the batch's place in the sequence. Another engine's stream
+        is not this case (nothing of it was ever indexed)."""
+        if getattr(self.mirror, "holds", self.mirror.live_blocks)():
+            self.mirror.clear()
+            out.batches.append(self._wrap([ReplicaCleared("undecodable_batch")], frame.seq, frame, 0.0))
 
     def decode(self, payload: bytes):
         """The engine batch in a payload: `.ts`, `.events`, `.data_parallel_rank`."""
@@ -140,8 +193,7 @@ class SequencedRelay:
         out = RelayOutput(batches=[self._wrap([ReplicaCleared("gap_unfilled")], -1, frame, 0.0)])
         self.next_seq = None
         nxt = self.on_frame(frame)
-        out.batches += nxt.batches
-        out.dead += nxt.dead
+        out.add(nxt)
         return out
 
     def _skip(self, frame: Frame) -> None:
@@ -202,7 +254,8 @@ class PublisherRelays:
     def __init__(self, make_relay):
         self.make_relay = make_relay  # endpoint -> SequencedRelay
         self.relays: dict[str, SequencedRelay] = {}
-        self.dead_letters = 0
+        self.dead_letters = 0  # whole engine messages
+        self.set_aside_events = 0  # single events set aside (the relays count them by reason and kind)
 
     def batches(self, frame: Frame) -> list[EventBatch]:
         relay = self.relays.get(frame.endpoint)
@@ -212,6 +265,7 @@ class PublisherRelays:
         if out.gap is not None:  # a recording cannot be asked for the missing batches
             out = relay.gap_unfilled(frame)
         self.dead_letters += len(out.dead)
+        self.set_aside_events += len(out.set_aside)
         return out.batches
 
 

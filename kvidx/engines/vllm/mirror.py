@@ -39,7 +39,13 @@ It turns the engine's events into canonical index events by vLLM's rules (vllm/v
   through the engine parents. Self-describing ones carry tokens and are placed like any store;
 - LMCache's stores re-published through vLLM (a medium vLLM never uses, e.g. "cpu") go to
   kvidx/engines/lmcache/chunks.py: placed by tokens, in an upper-bound tier with a TTL / capacity;
-- AllBlocksCleared drops everything the replica held.
+- AllBlocksCleared drops everything the replica held;
+- events are placed one by one (kvidx/engines/common.py, the table in docs/engines.md): a store that
+  cannot be placed (a parent never seen, a medium that maps to no known tier, a tokenless store of an
+  engine hash never seen with tokens — vLLM 0.34's simple_kv_offload lazy mode stores every block it
+  copies to host memory that way, with the GPU block's size — wrong sizes or lookahead) is set aside
+  and not indexed; a removal of hashes not held is set aside; a removal on an unknown medium drops
+  its hashes from every tier and group; an undecodable event follows common.place_unreadable.
 The mirror is pure: no I/O, no clocks. It is fed decoded engine batches and returns schema events.
 """
 
@@ -59,10 +65,17 @@ from kvidx.core.hashing import (
 )
 from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS
 from kvidx.engines.common import (
+    KNOWN_TIERS,
+    UNKNOWN_HASH,
+    UNKNOWN_MEDIUM,
+    UNKNOWN_PARENT,
     MirrorError,
+    SetAside,
+    Unreadable,
     engine_cache_reset,
     hold,
     normalize_tier,
+    place_unreadable,
     release,
     stored_runs,
 )
@@ -110,6 +123,7 @@ class VllmMirror:
                       "remove_unknown": 0, "orphan_blocks": 0, "cleared": 0, "hashless_stored": 0,
                       "reannounced": 0, "partial_blocks": 0, "partial_unaligned": 0,
                       "placeholder_stored": 0, "placeholder_unknown": 0, "placed_inner": 0}
+        self.set_aside: list[SetAside] = []  # the last batch's events that could not be placed
         self.cpu_chunk_blocks = max(1, cpu_chunk_blocks)
         self.eparent: dict[EngineHash, EngineHash | None] = {}  # only with cpu_chunk_blocks > 1
         self.lmcache = LmcacheChunks(index_block_size, self.refs, lmcache)
@@ -124,32 +138,41 @@ class VllmMirror:
     def hybrid(self) -> bool:
         return len(self.group_kinds) > 1
 
-    def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
+    def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared | Unreadable],
               now: float | None = None) -> list[Event]:
-        """`now`: the engine batch's timestamp, which ages LMCache's chunks (engines/lmcache/chunks.py)."""
+        """`now`: the engine batch's timestamp, which ages LMCache's chunks (engines/lmcache/chunks.py).
+        Events that cannot be placed are listed in `self.set_aside` (by their position in `events`)."""
         out: list[Event] = []
         self.copies_removed = {}
-        events = _merge_removals(events)
+        self.set_aside = []
+        events, origins = _merge_removals(events)
         reannounced = self._reannounced(events)
         dense = _dense_positions(events)
         for i, ev in enumerate(events):
-            if isinstance(ev, BlockStored):
-                if is_lmcache_store(ev):
-                    try:
-                        self.lmcache.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids,
-                                            ev.block_size, ev.lora_name, out, now)
-                    except LmcacheError as e:
-                        raise MirrorError(e.reason, str(e)) from None
-                    continue
-                if reannounced and i in reannounced:
-                    self.stats["reannounced"] += 1
-                    self.stats["restored_live"] += len(ev.block_hashes)
-                    continue
-                self._stored(ev, out, dense)
-            elif isinstance(ev, BlockRemoved):
-                self._removed(ev, out)
-            else:
-                engine_cache_reset(self, out)
+            at = origins[i]
+            try:
+                if isinstance(ev, BlockStored):
+                    if is_lmcache_store(ev):
+                        try:
+                            self.lmcache.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids,
+                                                ev.block_size, ev.lora_name, out, now)
+                        except LmcacheError as e:
+                            raise MirrorError(e.reason, str(e)) from None
+                        continue
+                    if reannounced and i in reannounced:
+                        self.stats["reannounced"] += 1
+                        self.stats["restored_live"] += len(ev.block_hashes)
+                        continue
+                    self._stored(ev, out, dense, at[0])
+                elif isinstance(ev, BlockRemoved):
+                    self._removed(ev, out, at)
+                elif isinstance(ev, Unreadable):
+                    self.set_aside.append(place_unreadable(self, ev, at[0], out))
+                else:
+                    engine_cache_reset(self, out)
+            except MirrorError as e:  # raised before the event changed anything
+                kind = "stored" if isinstance(ev, BlockStored) else "removed"
+                self.set_aside.append(SetAside(at[0], kind, e.reason, str(e)))
         if self.lmcache.live:
             self.lmcache.expire(now, out)
         return out
@@ -196,18 +219,23 @@ class VllmMirror:
         return out or None
 
     def _stored(self, ev: BlockStored, out: list[Event],
-                dense: dict[EngineHash, tuple[EngineHash | None, int, int]] | None = None) -> None:
+                dense: dict[EngineHash, tuple[EngineHash | None, int, int]] | None = None,
+                at: int = 0) -> None:
         """`dense`: where the batch's stores that list every block of their token range put each
-        engine hash (see `_positions`)."""
+        engine hash (see `_positions`); `at`: the event's position in its batch (for set-asides)."""
         nb = len(ev.block_hashes)
         if nb == 0:
             # vLLM's mamba groups announce chunks whose state blocks were all skipped (blocks filled
             # during decode): nothing was cached
             self.stats["hashless_stored"] += 1
             return
+        if normalize_tier(ev.medium) not in KNOWN_TIERS:
+            raise MirrorError(UNKNOWN_MEDIUM, f"BlockStored on medium {str(ev.medium)[:40]!r}")
         ibs, ebs = self.index_block_size, ev.block_size
-        if ebs == 0 and not ev.token_ids:
-            self._placeholder(ev, out)
+        if not ev.token_ids:
+            # tokenless: the offloading connector's placeholders (block_size 0) and vLLM 0.34's
+            # simple_kv_offload (the GPU block's size): placed through the engine-hash memo
+            self._placeholder(ev, out, at)
             return
         if 0 < ebs < self.block_size and ebs % ibs:
             # a partial block (--prefix-match-unit) finer than the index block size: not indexable,
@@ -242,6 +270,8 @@ class VllmMirror:
             known = self.memo.get(ev.parent_block_hash)
             if known is None:  # a parent we never saw (joined mid-stream): the chain can't be placed
                 self.stats["orphan_blocks"] += nb
+                self.set_aside.append(SetAside(at, "stored", UNKNOWN_PARENT, f"{nb} blocks under a parent "
+                                                                             "never seen"))
                 return
             parent, depth0 = known[0][-1], known[1] + len(known[0])
 
@@ -390,12 +420,14 @@ class VllmMirror:
             out[i] = [*(out[i] or []), ["la", *tokens[end:end + n_la]]]
         return out
 
-    def _placeholder(self, ev: BlockStored, out: list[Event]) -> None:
-        """An offloading-connector store without tokens: its hash is the engine hash of the last GPU
-        block of the offloaded chunk; the chunk's canonical hashes come from the memo."""
+    def _placeholder(self, ev: BlockStored, out: list[Event], at: int = 0) -> None:
+        """A store without tokens (the offloading connector's, vLLM 0.34's simple_kv_offload): its hash
+        is the engine hash of the last GPU block of the offloaded chunk; the chunk's canonical hashes
+        come from the memo. Hashes the memo does not know are set aside (one entry per event)."""
         tier = normalize_tier(ev.medium)
         group = ev.group_idx or 0
         kind, window = self.group_kinds.get(group, ("full_attention", None))
+        unknown = self.stats["placeholder_unknown"]
         for eh in ev.block_hashes:
             subs: list[tuple[tuple[int, ...], int]] = []
             h: EngineHash | None = eh
@@ -411,6 +443,9 @@ class VllmMirror:
             subs.reverse()
             sub = tuple(c for s_, _ in subs for c in s_)
             depth0 = subs[0][1]
+            if kind in STATE_KINDS:  # a state checkpoint is a point: the state after its last block
+                depth0 += len(sub) - 1
+                sub = sub[-1:]
             key = (eh, tier, group)
             entry = self.live.get(key)
             if entry is not None:
@@ -426,18 +461,32 @@ class VllmMirror:
             for hashes, run_parent, depth, engine in stored_runs(list(sub), new_pos, None, depth0,
                                                                  [fold_engine_hash(eh)]):
                 out.append(BlocksStored(tier, group, hashes, run_parent, depth, engine, kind, window))
+        missed = self.stats["placeholder_unknown"] - unknown
+        if missed:
+            self.set_aside.append(SetAside(at, "stored", UNKNOWN_HASH, f"tokenless store: {missed} of "
+                                           f"{len(ev.block_hashes)} engine hashes never seen with tokens"))
 
-    def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:
+    def _removed(self, ev: BlockRemoved, out: list[Event], at: list[int] | None = None) -> None:
+        """`at`: each hash's event position in the batch (removals are merged), for set-asides."""
         tier = normalize_tier(ev.medium)
+        if tier not in KNOWN_TIERS:  # a tier this mirror does not know: the blocks could be anywhere
+            self.drop_everywhere(ev.block_hashes, out)
+            for p in dict.fromkeys(at or ()):
+                self.set_aside.append(SetAside(p, "removed", UNKNOWN_MEDIUM, f"BlockRemoved on medium "
+                                               f"{str(ev.medium)[:40]!r}", "dropped_everywhere"))
+            return
         group = ev.group_idx or 0
         hashes: list[int] = []
         engine: list[int] = []
         dynamo_gone: list[int] = []
-        for eh in ev.block_hashes:
+        unknown: dict[int, int] = {}  # event position -> its hashes not held
+        for j, eh in enumerate(ev.block_hashes):
             key = (eh, tier, group)
             entry = self.live.get(key)
             if entry is None:
                 self.stats["remove_unknown"] += 1
+                if at is not None:
+                    unknown[at[j]] = unknown.get(at[j], 0) + 1
                 continue
             if entry[0] > 1:
                 entry[0] -= 1
@@ -453,6 +502,23 @@ class VllmMirror:
             out.append(BlocksRemoved(tier, group, hashes, engine))
         if dynamo_gone:
             out.append(BlocksRemoved(tier, group, dynamo_gone, router_keys=True))
+        for p, n in unknown.items():
+            self.set_aside.append(SetAside(p, "removed", UNKNOWN_HASH, f"{n} engine hashes not held in "
+                                                                       f"{tier} group {group}"))
+
+    def drop_everywhere(self, engine_hashes: list, out: list[Event]) -> None:
+        """Drop engine blocks from every tier and group, every copy: what a removal the mirror cannot
+        place could have referred to."""
+        live = self.live
+        for tier, group in {(t, g) for (_, t, g) in live}:
+            gone = [eh for eh in engine_hashes if (eh, tier, group) in live]
+            for eh in gone:
+                live[(eh, tier, group)][0] = 1
+            if gone:
+                self._removed(BlockRemoved(gone, tier, group), out)
+
+    def holds(self) -> bool:
+        return bool(self.live or self.lmcache.live)
 
     def _remember(self, eh: EngineHash, sub: tuple[int, ...], depth: int) -> None:
         memo = self.memo
@@ -560,21 +626,26 @@ def _dense_positions(events: list) -> dict[EngineHash, tuple[EngineHash | None, 
     return out
 
 
-def _merge_removals(events: Iterable) -> list:
+def _merge_removals(events: Iterable) -> tuple[list, list[list[int]]]:
     """vLLM sends one BlockRemoved per evicted block: consecutive ones of one tier and group become one
-    event, so the mirror's per-event work is paid once per run, not once per block."""
+    event, so the mirror's per-event work is paid once per run, not once per block. Also each merged
+    event's origin: the positions in `events` (per hash for a removal run, else the event's own)."""
     out: list = []
+    origins: list[list[int]] = []
     run: list | None = None  # the block hashes of the BlockRemoved run being merged
-    for ev in events:
+    for i, ev in enumerate(events):
         if isinstance(ev, BlockRemoved):
             last = out[-1] if out else None
             if (run is not None and isinstance(last, BlockRemoved) and last.medium == ev.medium
                     and last.group_idx == ev.group_idx):
                 run.extend(ev.block_hashes)
+                origins[-1].extend([i] * len(ev.block_hashes))
                 continue
             run = list(ev.block_hashes)
             out.append(msgspec.structs.replace(ev, block_hashes=run))
+            origins.append([i] * len(run) if run else [i])
         else:
             run = None
             out.append(ev)
-    return out
+            origins.append([i])
+    return out, origins

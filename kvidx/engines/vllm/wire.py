@@ -150,7 +150,7 @@ class _BatchPos(msgspec.Struct, array_like=True):
 
 class Batch(msgspec.Struct):
     ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list  # BlockStored | BlockRemoved | AllBlocksCleared | common.Unreadable (did not decode)
     data_parallel_rank: int | None
 
 
@@ -158,31 +158,63 @@ _dec_map = msgspec.msgpack.Decoder(_Batch)
 _dec_pos = msgspec.msgpack.Decoder(_BatchPos)
 
 
+class _RawBatch(msgspec.Struct, array_like=True):
+    """The batch envelope with its events left undecoded: read one by one when the batch as a whole
+    does not decode (one bad event costs that event only)."""
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_dec_raw = msgspec.msgpack.Decoder(_RawBatch)
+_dec_event = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+_dec_event_pos = msgspec.msgpack.Decoder(_BlockStoredPos | _BlockRemovedPos | _AllBlocksClearedPos)
+EVENT_KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
+
+
+def _from_positional_event(e):
+    if isinstance(e, _BlockStoredPos):
+        return BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id,
+                           e.medium, e.lora_name)
+    if isinstance(e, _BlockRemovedPos):
+        return BlockRemoved(e.block_hashes, e.medium)
+    return AllBlocksCleared()
+
+
 def _from_positional(b: _BatchPos) -> Batch:
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-    for e in b.events:
-        if isinstance(e, _BlockStoredPos):
-            events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
-                                      e.lora_id, e.medium, e.lora_name))
-        elif isinstance(e, _BlockRemovedPos):
-            events.append(BlockRemoved(e.block_hashes, e.medium))
-        else:
-            events.append(AllBlocksCleared())
-    return Batch(b.ts, events, b.data_parallel_rank)
+    return Batch(b.ts, [_from_positional_event(e) for e in b.events], b.data_parallel_rank)
+
+
+def _decode_event(raw: msgspec.Raw):
+    """One event of a batch that did not decode as a whole: the event, or an Unreadable."""
+    from kvidx.engines.common import read_unreadable
+
+    try:
+        return _dec_event.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        error = e
+    try:
+        return _from_positional_event(_dec_event_pos.decode(raw))
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return read_unreadable(bytes(raw), str(error) or "nested too deeply", EVENT_KINDS)
 
 
 def decode_payload(payload: bytes) -> Batch:
-    """Decode one payload frame, map-encoded or positional. Raises msgspec errors on bad input."""
+    """Decode one payload frame, map-encoded or positional. Raises msgspec errors when the batch
+    envelope is bad; events that do not decode are kept in their place as common.Unreadable."""
     try:
         b = _dec_map.decode(payload)
         return Batch(b.ts, b.events, b.data_parallel_rank)
     except msgspec.ValidationError as map_error:
         try:
             return _from_positional(_dec_pos.decode(payload))
-        except msgspec.ValidationError:
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            pass
+        try:
+            rb = _dec_raw.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
             raise map_error from None
-        except RecursionError:
-            raise msgspec.DecodeError("nested too deeply") from None
+        return Batch(rb.ts, [_decode_event(r) for r in rb.events], rb.data_parallel_rank)
     except RecursionError:  # msgspec's depth limit (extra_keys are Any): a malformed frame, not a crash
         raise msgspec.DecodeError("nested too deeply") from None
 

@@ -139,18 +139,23 @@ def test_relay_malformed_payload_dead_letter_then_next_frame_applies(bad):
     r = VllmPublisherRelay("m", "rep", 16, epoch=0)
     r.on_frame(block_frame(0, 0))
     out = r.on_frame(frame(1, None, payload=bad))
-    assert out.batches == [] and out.gap is None
+    assert out.gap is None
     (d,) = out.dead
     assert d.reason == "malformed_payload" and d.frame.seq == 1
+    # none of its events can be read: any could have been a removal, so the replica is cleared
+    assert kinds(out) == [["ReplicaCleared"]] and out.batches[0].events[0].reason == "undecodable_batch"
+    assert r.mirror.live_blocks() == 0
     out = r.on_frame(block_frame(2, 1))
     assert out.gap is None and out.dead == []
     assert out.batches[0].seq == 2 and out.batches[0].events[0].hashes == [H[1]]
 
 
-def test_relay_mirror_error_dead_letter():
+def test_relay_mirror_error_sets_the_event_aside():
     r = VllmPublisherRelay("m", "rep", 16, epoch=0)
     out = r.on_frame(frame(0, [stored_ev([1], None, T[:24], bs=24)]))
-    assert [d.reason for d in out.dead] == ["block_size_mismatch"] and out.batches == []
+    assert out.dead == [] and [(d.reason, d.position, d.event) for d in out.set_aside] == [
+        ("block_size_mismatch", 0, "stored")]
+    assert [b.events for b in out.batches] == [[]] and r.set_aside == {("block_size_mismatch", "stored"): 1}
     out = r.on_frame(frame(1, [stored_ev([1], None, T[:16], bs=16)]))
     assert out.dead == [] and out.gap is None and len(out.batches) == 1
 

@@ -13,7 +13,6 @@ import pytest
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
-from kvidx.engines.common import MirrorError
 from kvidx.engines.vllm.mirror import VllmMirror
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.wire import BlockStored, check_engine_version
@@ -84,14 +83,15 @@ def test_a_relay_pinned_before_033_refuses_lookahead_and_033_is_accepted():
     assert check_engine_version("0.33.0").lookahead and not check_engine_version("0.32.0").lookahead
     prompt = list(range(3 * B + 1))
     old = VllmPublisherRelay("m", "r", B, engine_version="0.32.0")
-    with pytest.raises(MirrorError) as e:
-        old.mirror.apply(store_events(prompt, 1))
-    assert e.value.reason == "wrong_engine" and "--engine-version 0.33.0" in str(e.value)
+    assert old.mirror.apply(store_events(prompt, 1)) == []  # each such store is set aside
+    (e,) = old.mirror.set_aside
+    assert e.reason == "wrong_engine" and "--engine-version 0.33.0" in e.detail
     new = VllmPublisherRelay("m", "r", B, engine_version="0.33.0")
     assert new.mirror.apply(store_events(prompt, 1)) and new.mirror.lookahead_tokens == 1
-    with pytest.raises(MirrorError) as e:  # the same engine cannot change L without a restart
-        new.mirror.apply([BlockStored([7], None, prompt[:B], B, lookahead_token_ids=[prompt[B:B + 2]])])
-    assert e.value.reason == "lookahead_changed"
+    # the same engine cannot change L without a restart
+    changed = BlockStored([7], None, prompt[:B], B, lookahead_token_ids=[prompt[B:B + 2]])
+    assert new.mirror.apply([changed]) == []
+    assert [a.reason for a in new.mirror.set_aside] == ["lookahead_changed"]
 
 
 def test_the_models_lookahead_survives_snapshots():

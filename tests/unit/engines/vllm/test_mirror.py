@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from kvidx.core.hashing import prompt_hashes
-from kvidx.engines.common import MirrorError, normalize_tier
+from kvidx.engines.common import normalize_tier
 from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.mirror import VllmMirror
 from kvidx.engines.vllm.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
@@ -170,21 +168,19 @@ def test_all_blocks_cleared():
     assert stored(m.apply([S([2], 1, T[16:32])])) == [H16[1]]  # the memo still chains it
 
 
-def test_block_size_not_multiple_raises():
+def test_block_size_not_multiple_is_set_aside():
     m = VllmMirror(16)
-    with pytest.raises(MirrorError) as ei:
-        m.apply([S([1], None, T[:24], bs=24)])
-    assert ei.value.reason == "block_size_mismatch"
-    with pytest.raises(MirrorError) as ei:
-        VllmMirror(32).apply([S([1], None, T[:16], bs=16)])
-    assert ei.value.reason == "block_size_mismatch"
+    assert m.apply([S([1], None, T[:24], bs=24), S([2], None, T[:16])]) != []  # the other store is placed
+    assert [(a.position, a.event, a.reason) for a in m.set_aside] == [(0, "stored", "block_size_mismatch")]
+    m32 = VllmMirror(32)
+    assert m32.apply([S([1], None, T[:16], bs=16)]) == []
+    assert [a.reason for a in m32.set_aside] == ["block_size_mismatch"]
 
 
-def test_short_token_ids_raises():
+def test_short_token_ids_is_set_aside():
     m = VllmMirror(16)
-    with pytest.raises(MirrorError) as ei:
-        m.apply([S([1, 2], None, T[:31])])
-    assert ei.value.reason == "short_token_ids"
+    assert m.apply([S([1, 2], None, T[:31])]) == []
+    assert [a.reason for a in m.set_aside] == ["short_token_ids"]
     assert m.live_blocks() == 0
 
 

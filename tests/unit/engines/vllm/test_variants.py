@@ -234,11 +234,13 @@ def test_bigram_pages_unpair_to_the_same_prefix():
 # ---- bad input through the relay ------------------------------------------------------------------
 def test_bad_extra_keys_and_placeholders_never_stop_the_relay():
     r = VllmPublisherRelay("m", "r", 16, engine_version="0.32.0")
-    bad = [b"\x91", b"\x93\xcb",  # truncated
-           ew.payload([ew.BlockStored([1], None, T[:20], 32, None, "GPU", None)])]  # short token ids
-    for i, p in enumerate(bad):
+    for i, p in enumerate([b"\x91", b"\x93\xcb"]):  # truncated: dead letters
         out = r.on_frame(_frame(p, i))
         assert out.dead and not out.batches
+    # short token ids: that event is set aside, its batch still goes out
+    out = r.on_frame(_frame(ew.payload([ew.BlockStored([1], None, T[:20], 32, None, "GPU", None)]), 2))
+    assert not out.dead and [d.reason for d in out.set_aside] == ["short_token_ids"]
+    assert [b.events for b in out.batches] == [[]]
     ok = r.on_frame(_frame(ew.payload([ew.BlockStored([1], None, T[:32], 32, None, "GPU", None,
                                                       [[["odd", "keys"], 3.5]])]), 3))
     assert ok.batches and not ok.dead

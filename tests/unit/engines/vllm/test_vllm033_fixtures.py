@@ -33,5 +33,5 @@ def test_a_relay_pinned_to_032_refuses_lookahead(variant):
     d = FIXTURES / variant
     res, _ = run_shadow_engine("vllm", d / "frames.jsonl", d / "requests.jsonl",
                                options=RelayOptions(engine_version="0.32.0"))
-    assert res.dead_letters > 0
+    assert res.set_aside.get(("wrong_engine", "stored"), 0) > 0 and res.dead_letters == 0
     assert res.agreement.summary()["over_credit"] == 0.0

@@ -7,6 +7,7 @@ from collections import Counter
 import msgspec
 import pytest
 
+from kvidx.engines.common import Unreadable
 from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.wire import (
     AllBlocksCleared,
@@ -143,14 +144,27 @@ def test_ints_at_and_above_2_63_round_trip():
     enc([1.0]),
     enc(["x", [], 0]),
     enc([1.0, "events", 0]),
-    enc([1.0, [{"type": "Nope"}], 0]),
-    enc([1.0, [{"type": "BlockStored", "block_hashes": [1]}], 0]),
-    enc([1.0, [{"type": "BlockRemoved", "block_hashes": [1.5]}], 0]),
-    enc([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-                "token_ids": ["a"], "block_size": 16}], 0]),
-    enc([1.0, [["Nope", [1]]], 0]),
-    enc([1.0, [["BlockStored", [1]]], 0]),
 ])
 def test_malformed_payloads_raise_msgspec_errors(payload):
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
         decode_payload(payload)
+
+
+@pytest.mark.parametrize("event,kind,hashes", [
+    ({"type": "Nope"}, "other", None),
+    ({"type": "BlockStored", "block_hashes": [1]}, "stored", [1]),
+    ({"type": "BlockRemoved", "block_hashes": [1.5]}, "removed", None),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": ["a"],
+      "block_size": 16}, "stored", [1]),
+    (["Nope", [1]], "other", [1]),
+    (["BlockStored", [1]], "stored", [1]),
+    (["BlockRemoved", [7, 8], 3], "removed", [7, 8]),
+    (7, "other", None),
+])
+def test_an_event_that_does_not_decode_costs_that_event_only(event, kind, hashes):
+    good = {"type": "BlockRemoved", "block_hashes": [9]}
+    b = decode_payload(enc([1.0, [good, event, good], 0]))
+    first, bad, last = b.events
+    assert first == last == BlockRemoved([9])
+    assert isinstance(bad, Unreadable) and (bad.kind, bad.hashes) == (kind, hashes)
+    assert msgspec.msgpack.decode(bad.raw) == event and bad.detail
