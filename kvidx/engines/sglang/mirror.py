@@ -33,6 +33,10 @@ SGLang's rules (sglang 0.5.23 wheel unless noted; ENGINES.md):
   its last copy goes. With content-only hashes (<= 0.5.3) a parent hash may name several places;
   the most recently stored one is taken (best effort, counted as `ambiguous_parent`).
 - AllBlocksCleared (radix_cache.py `reset`) drops everything.
+- Events are placed one by one (kvidx/engines/common.py, docs/engines.md): a store that cannot be
+  placed (a parent never seen, a medium mapping to no known tier, bad sizes or tokens) is set aside
+  and not indexed; a removal of pages not held is set aside; a removal on an unknown medium drops its
+  pages from every tier; an undecodable event follows common.place_unreadable.
 - Router keys (`router_keys=True`): each page's first live copy in a tier is also published under
   its SGLang key (the engine's page hash as the decimal int64 its router sends,
   kvidx.core.hashing.sglang_key; BlocksStored.router_keys), and its last copy's removal retracts it:
@@ -51,11 +55,18 @@ from collections.abc import Iterable
 from kvidx.core.hashing import chain, extra_seed, namespace_seed, pack_tokens, sglang_key
 from kvidx.core.spec_decode import SpecDecodeError, is_bigram_page, unpair_tokens
 from kvidx.engines.common import (
+    KNOWN_TIERS,
+    UNKNOWN_HASH,
+    UNKNOWN_MEDIUM,
+    UNKNOWN_PARENT,
     MirrorError,
     PartialTails,
+    SetAside,
+    Unreadable,
     engine_cache_reset,
     hold,
     normalize_tier,
+    place_unreadable,
     release,
     stored_runs,
 )
@@ -97,25 +108,35 @@ class SglangMirror:
         # full block]
         self.tails: PartialTails | None = None
         self.pages: dict[tuple[int, str], list] = {}
+        self.set_aside: list[SetAside] = []  # the last batch's events that could not be placed
 
-    def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
+    def apply(self, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared | Unreadable],
               now: float | None = None) -> list[Event]:
-        """`now` (the batch's engine time) is accepted for the relay's interface and not used."""
+        """`now` (the batch's engine time) is accepted for the relay's interface and not used. Events
+        that cannot be placed are listed in `self.set_aside` (by position)."""
         out: list[Event] = []
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                self._stored(ev, out)
-            elif isinstance(ev, BlockRemoved):
-                self._removed(ev, out)
-            else:
-                engine_cache_reset(self, out)
+        self.set_aside = []
+        for i, ev in enumerate(events):
+            try:
+                if isinstance(ev, BlockStored):
+                    self._stored(ev, out, i)
+                elif isinstance(ev, BlockRemoved):
+                    self._removed(ev, out, i)
+                elif isinstance(ev, Unreadable):
+                    self.set_aside.append(place_unreadable(self, ev, i, out))
+                else:
+                    engine_cache_reset(self, out)
+            except MirrorError as e:  # raised before the event changed the cache's state
+                self.set_aside.append(SetAside(i, "stored", e.reason, str(e)))
         return out
 
-    def _stored(self, ev: BlockStored, out: list[Event]) -> None:
+    def _stored(self, ev: BlockStored, out: list[Event], at: int = 0) -> None:
         nb = len(ev.block_hashes)
         if nb == 0:
             self.stats["empty_stored"] += 1
             return
+        if normalize_tier(ev.medium) not in KNOWN_TIERS:
+            raise MirrorError(UNKNOWN_MEDIUM, f"BlockStored on medium {str(ev.medium)[:40]!r}")
         P, B = ev.block_size, self.index_block_size
         if P <= 0 or (P % B and B % P):
             raise MirrorError("block_size_mismatch",
@@ -145,6 +166,8 @@ class SglangMirror:
             known = self.memo.get(parent)
             if known is None:  # a parent we never saw (joined mid-stream): the chain can't be placed
                 self.stats["orphan_blocks"] += nb
+                self.set_aside.append(SetAside(at, "stored", UNKNOWN_PARENT, f"{nb} pages under a parent "
+                                                                             "never seen"))
                 return
             if parent in self._placed:
                 self.stats["ambiguous_parent"] += 1
@@ -225,15 +248,24 @@ class SglangMirror:
             if not before[1]:
                 tails.add(tier, before[2], before[3], before[4])
 
-    def _removed(self, ev: BlockRemoved, out: list[Event]) -> None:
+    def _removed(self, ev: BlockRemoved, out: list[Event], at: int | None = None) -> None:
+        """`at`: the event's position in its batch (None: no set-aside is recorded)."""
         tier = normalize_tier(ev.medium)
+        if tier not in KNOWN_TIERS:  # a tier this mirror does not know: the pages could be anywhere
+            self.drop_everywhere(ev.block_hashes, out)
+            if at is not None:
+                self.set_aside.append(SetAside(at, "removed", UNKNOWN_MEDIUM, f"BlockRemoved on medium "
+                                               f"{str(ev.medium)[:40]!r}", "dropped_everywhere"))
+            return
         hashes: list[int] = []
         engine: list[int] = []
+        unknown = 0
         for eh in ev.block_hashes:  # several radix nodes, leaf first: page by page
             key = (eh, tier, GROUP)
             entry = self.live.get(key)
             if entry is None:
                 self.stats["remove_unknown"] += 1
+                unknown += 1
                 continue
             sub = entry[2].pop()
             if entry[0] > 1:
@@ -252,6 +284,21 @@ class SglangMirror:
             out.append(BlocksRemoved(tier, GROUP, _router_keys(engine), router_keys=True))
         if self.tails is not None:
             out.extend(self.tails.events(GROUP))
+        if unknown and at is not None:
+            self.set_aside.append(SetAside(at, "removed", UNKNOWN_HASH, f"{unknown} of "
+                                           f"{len(ev.block_hashes)} pages not held in {tier}"))
+
+    def drop_everywhere(self, engine_hashes: list, out: list[Event]) -> None:
+        """Drop pages from every tier, every copy: what a removal the mirror cannot place could have
+        referred to."""
+        live = self.live
+        for tier in {t for (_, t, _) in live}:
+            gone = [eh for eh in engine_hashes if (eh, tier, GROUP) in live]
+            for eh in gone:
+                entry = live[(eh, tier, GROUP)]
+                entry[0], entry[2] = 1, entry[2][-1:]
+            if gone:
+                self._removed(BlockRemoved(gone, tier), out)
 
     def _remember(self, eh: int, state: tuple) -> None:
         memo = self.memo

@@ -147,38 +147,67 @@ class VersionMismatch(msgspec.ValidationError):
     "version_mismatch")."""
 
 
+def _norm_event(e):
+    if isinstance(e, BlockStored | BlockRemoved | AllBlocksCleared):
+        ev = e
+    elif isinstance(e, _StoredPos):
+        ev = BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium)
+    elif isinstance(e, _RemovedPos):
+        ev = BlockRemoved(e.block_hashes, e.medium)
+    else:
+        ev = AllBlocksCleared()
+    for h in () if isinstance(ev, AllBlocksCleared) else ev.block_hashes:
+        if not -_I64 <= h < _I64:
+            raise msgspec.ValidationError(f"block hash {h} is not a signed 64-bit int")
+    return ev
+
+
 def _norm(b: _BatchMap | _BatchPos) -> Batch:
-    events: list = []
-    for e in b.events:
-        if isinstance(e, BlockStored | BlockRemoved | AllBlocksCleared):
-            events.append(e)
-        elif isinstance(e, _StoredPos):
-            events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
-                                      e.lora_id, e.medium))
-        elif isinstance(e, _RemovedPos):
-            events.append(BlockRemoved(e.block_hashes, e.medium))
-        else:
-            events.append(AllBlocksCleared())
-        hashes = e.block_hashes if not isinstance(e, AllBlocksCleared | _ClearedPos) else ()
-        for h in hashes:
-            if not -_I64 <= h < _I64:
-                raise msgspec.ValidationError(f"block hash {h} is not a signed 64-bit int")
-    return Batch(b.ts, events, b.attn_dp_rank)
+    return Batch(b.ts, [_norm_event(e) for e in b.events], b.attn_dp_rank)
+
+
+class _RawBatch(msgspec.Struct, array_like=True):
+    """The envelope with its events undecoded: read one by one when the batch does not decode."""
+    ts: float
+    events: list[msgspec.Raw]
+    attn_dp_rank: int | None = None
+
+
+_dec_raw = msgspec.msgpack.Decoder(_RawBatch)
+_dec_event = {"map": msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared),
+              "positional": msgspec.msgpack.Decoder(_StoredPos | _RemovedPos | _ClearedPos)}
+EVENT_KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
+
+
+def _decode_event(raw: msgspec.Raw, encoding: str):
+    from kvidx.engines.common import read_unreadable
+
+    try:
+        return _norm_event(_dec_event[encoding].decode(raw))
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        return read_unreadable(bytes(raw), str(e) or "nested too deeply", EVENT_KINDS)
 
 
 def decode_payload(payload: bytes, encoding: str = "map") -> Batch:
     """Decode one payload frame in the pinned encoding ("map" or "positional"). Raises msgspec errors
-    on bad input, VersionMismatch when it is the other encoding."""
+    on a bad batch envelope, VersionMismatch when the batch is the other encoding; an event that does
+    not decode stays in its place as a common.Unreadable (the batch's other events are read)."""
     try:
         return _norm(_dec[encoding].decode(payload))
     except msgspec.ValidationError as first:
         other = "positional" if encoding == "map" else "map"
         try:
-            _dec[other].decode(payload)
+            _norm(_dec[other].decode(payload))
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+        else:
+            raise VersionMismatch(f"version_mismatch: payload is {other}-encoded, "
+                                  f"the pinned version sends {encoding}") from None
+        try:
+            rb = _dec_raw.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise first from None
-        raise VersionMismatch(f"version_mismatch: payload is {other}-encoded, "
-                              f"the pinned version sends {encoding}") from None
+        return Batch(rb.ts, [_decode_event(r, encoding) for r in rb.events], rb.attn_dp_rank)
 
 
 def u64(h: int) -> int:

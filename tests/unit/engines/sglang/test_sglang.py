@@ -20,7 +20,6 @@ import pytest
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
-from kvidx.engines.common import MirrorError
 from kvidx.engines.contract import Frame
 from kvidx.engines.recording import frame_to_line
 from kvidx.engines.sglang.mirror import SglangMirror
@@ -157,10 +156,13 @@ def test_version_pinning_and_bad_input():
     assert [d.reason for d in out.dead] == ["version_mismatch"]
     out = relay.on_frame(Frame(b"kv", 1, b"\xc1garbage", 2, "e"))
     assert [d.reason for d in out.dead] == ["malformed_payload"]
+    # a bad event costs that event only: it is set aside, its batch goes out
     too_big = enc.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [1 << 63]}], 0])
-    assert relay.on_frame(Frame(b"kv", 2, too_big, 3, "e")).dead[0].reason == "malformed_payload"
+    out = relay.on_frame(Frame(b"kv", 2, too_big, 3, "e"))
+    assert not out.dead and [(d.reason, d.event) for d in out.set_aside] == [("undecodable_event", "removed")]
     wrong = enc.encode(_EB23(1.0, [BlockStored23([1, 2], None, [1, 2, 3], 2, None)], 0))
-    assert relay.on_frame(Frame(b"kv", 3, wrong, 4, "e")).dead[0].reason == "short_token_ids"
+    out = relay.on_frame(Frame(b"kv", 3, wrong, 4, "e"))
+    assert not out.dead and [d.reason for d in out.set_aside] == ["short_token_ids"]
     # the relay went on: seq 4 is accepted, a jump is a gap, seq 0 again is a restart
     ok = enc.encode(_EB23(1.0, [BlockStored23([1], None, [1, 2], 2, None, "GPU")], 0))
     assert relay.on_frame(Frame(b"kv", 4, ok, 5, "e")).batches
@@ -214,8 +216,9 @@ def test_page_larger_than_index_block_and_size_rules():
     toks = list(range(16))
     m.apply([_st([1], None, toks, 16)])
     assert m.cached_index_blocks() == set(prompt_hashes(toks, 4))
-    with pytest.raises(MirrorError):
-        SglangMirror(16).apply([_st([1], None, list(range(24)), 24)])
+    m16 = SglangMirror(16)
+    assert m16.apply([_st([1], None, list(range(24)), 24)]) == []
+    assert [a.reason for a in m16.set_aside] == ["block_size_mismatch"]
 
 
 def test_salt_lora_and_tiers_namespace_like_the_router():
