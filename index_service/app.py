@@ -27,8 +27,9 @@ Both answer 200:
     known ones); 413 more than max_tokens tokens (or a body too large to hold them); 422 a field
     missing, of the wrong type or out of range (token ids must be 0..2^32-1), an empty prompt, both
     or neither of token_ids and block_hashes.
-GET /healthz     200 {"status": "ok", "ready": true, "models": n, "batches_applied": n}; 503 (status
-                 "not_ready") until the store was rebuilt.
+GET /healthz     200 {"status": "ok", "ready": true, "models": n, "batches_applied": n, "auth": "on"|"off"};
+                 503 (status "not_ready") until the store was rebuilt. Open, like /metrics; every other
+                 route needs a bearer token with its scope when credentials are set (index_service.auth).
 GET /v1/models   {"models": [{"model", "block_size", "replicas", "groups", "blocks_applied",
                  "freshness": {...summary over replicas...}}]}
 GET /metrics     Prometheus text (index_service.metrics).
@@ -44,7 +45,7 @@ Where things are: the request bodies and Reject in index_service.wire; the query
 feedback caps -> price -> rank -> top_k, routing decisions as pending credit) in index_service.query,
 usable without HTTP; the shared handler plumbing (body limits, error responses, metrics of an answer)
 in index_service.context; the routes in lookup_routes, routing_routes and status_routes; the error
-shape in errors, the bearer token in auth, the OpenAPI additions in openapi.
+shape in errors, the bearer tokens and their scopes in auth, the OpenAPI additions in openapi.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from collections import deque
 
 from fastapi import FastAPI
 
-from index_service.auth import BearerToken, add_bearer_auth
+from index_service.auth import Credentials, RequireScope
 from index_service.conductor_api import ConductorPaths, ConductorRegistry
 from index_service.context import ServiceContext, kv, log
 from index_service.dynamo_api import DynamoRegistry, add_dynamo_routes
@@ -78,26 +79,30 @@ def _telemetry() -> dict:
 
 
 def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None,
-               publish_usage=None, feedback=None, dynamo: DynamoRegistry | None = None,
-               conductor: ConductorRegistry | None = None, fanout=None,
+               credentials: Credentials | None = None, publish_usage=None, feedback=None,
+               dynamo: DynamoRegistry | None = None, conductor: ConductorRegistry | None = None, fanout=None,
                lmcache_lookup: str | None = None) -> FastAPI:
-    """`auth_token`: when set, every /v1/ request must carry `Authorization: Bearer <token>`
-    (/healthz and /metrics stay open for probes and scrapers). `publish_usage(UsageReport)`: where
-    POST /v1/usage sends reports (kvidx.ops.audit.UsagePublisher: the usage topic). `feedback`: an
-    object whose `apply(model, replicas, block_size)` caps the credit of replicas whose engines reuse
-    less than the index credits (kvidx.ops.feedback.FeedbackFollower). Both may be set later on
-    `app.state`. `dynamo`: Dynamo's indexer API at its own paths (index_service/dynamo_api.py), its
-    registrations starting relays; `conductor`: Mooncake conductor's msgpack API on the same paths
-    (index_service/conductor_api.py), told apart by the content type. `fanout`
-    (index_service.fanout.Fanout): how an instance holding some replica groups asks for the others.
-    `lmcache_lookup`: the model LMCache's controller lookup (POST /lookup) answers for
+    """`credentials` (index_service.auth.Credentials): when set, every request but GET /healthz and
+    /metrics must carry `Authorization: Bearer <token>` of a token with the path's scope (401 without or
+    with a wrong one, 403 without the scope); `auth_token`: one token granting every scope.
+    `publish_usage(UsageReport)`: where POST /v1/usage sends reports (kvidx.ops.audit.UsagePublisher: the
+    usage topic). `feedback`: an object whose `apply(model, replicas, block_size)` caps the credit of
+    replicas whose engines reuse less than the index credits (kvidx.ops.feedback.FeedbackFollower). Both
+    may be set later on `app.state`. `dynamo`: Dynamo's indexer API at its own paths
+    (index_service/dynamo_api.py), its registrations starting relays; `conductor`: Mooncake conductor's
+    msgpack API on the same paths (index_service/conductor_api.py), told apart by the content type.
+    `fanout` (index_service.fanout.Fanout): how an instance holding some replica groups asks for the
+    others. `lmcache_lookup`: the model LMCache's controller lookup (POST /lookup) answers for
     (index_service/lmcache_api.py)."""
     # /docs and /redoc with their JavaScript and CSS served by the service itself (fastapi-offline
     # ships them): the default pages load them from a CDN, which a cluster without internet lacks
     app = LookupApp.of(title="kvidx lookup service", version="1", telemetry=_telemetry())
     one_error_shape(app)
     document_responses(app)
-    auth = (401,) if auth_token else ()  # documented only where it can happen
+    if credentials is None and auth_token:
+        credentials = Credentials.from_token(auth_token)
+    app.state.credentials = credentials
+    auth = (401, 403) if credentials is not None else ()  # documented only where it can happen
     app.state.publish_usage = publish_usage
     app.state.usage_recent = deque(maxlen=10_000)
     app.state.feedback = feedback
@@ -116,13 +121,12 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         add_dynamo_routes(app, store, dynamo, fanout, metrics)
     if lmcache_lookup is not None:
         add_lmcache_routes(app, ctx, lmcache_lookup)
-    token = BearerToken(auth_token) if auth_token else None
-    app.hot = HotPath(ctx, token)  # the routers' lookups, before the middleware below
+    app.hot = HotPath(ctx, credentials)  # the routers' lookups, before the middleware below
     if dynamo is not None:
         app.add_middleware(DynamoQueryPath, ctx=ctx, dynamo=dynamo)  # its /query, past the router
     if conductor is not None:  # outside Dynamo's /query: its msgpack /query goes first
         app.add_middleware(ConductorPaths, store=store, registry=conductor, fanout=fanout, metrics=metrics)
-    if token is not None:  # added last: outermost, so it guards every other /v1/ route too
-        add_bearer_auth(app, token)
+    if credentials is not None:  # added last: outermost, so it guards every other route and middleware
+        app.add_middleware(RequireScope, credentials=credentials)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))
     return app

@@ -654,6 +654,9 @@ class ConductorPaths:
     (POST /register, /unregister, /query with a msgpack content type) and its GET /services and
     /global_view; everything else passes on."""
 
+    paths = (("POST", "/register"), ("POST", "/unregister"), ("POST", "/query"), ("GET", "/services"),
+             ("GET", "/global_view"))
+
     def __init__(self, app, store: ShardStore, registry: ConductorRegistry, fanout=None, metrics=None):
         """`fanout` (index_service.fanout.Fanout): the instances holding a split model's other replica
         groups, asked for their part of a /query (`?local=1&groups=...` there); `metrics`: the

@@ -10,6 +10,10 @@ A lookup asks, for the groups it misses, the fewest live instances that hold the
 `POST /v1/lookup` or `/v1/rank` with `?local=1&groups=...`: answered from their shard alone, never
 fanned out again), all at once, with one timeout; a group no instance answered for in time is named
 in the answer (`partial`, `missing_groups`), never waited for longer.
+
+Instances authenticate each other with a token: each request carries this instance's own (its
+credentials' `peer` entry, index_service.auth.Credentials.peer_token, read again when the file changes),
+which the peer checks like any caller's (scope `read`; `admin` for the /internal/ routes).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -123,14 +127,16 @@ class PeerError(Exception):
 class Http1Pool:
     """Keep-alive HTTP/1.1 connections to one peer, for the one request shape fan-out sends (a POST with
     a JSON body; the answer framed by Content-Length, as the service sends it). A general client
-    (httpx) cost ~1 ms of CPU per request here, more than the lookup it carries."""
+    (httpx) cost ~1 ms of CPU per request here, more than the lookup it carries. `auth()`: the
+    Authorization header line each request carries (b"" for none), asked per request (tokens rotate)."""
 
-    def __init__(self, url: str, headers: bytes):
+    def __init__(self, url: str, headers: bytes, auth: Callable[[], bytes] = bytes):
         u = urlsplit(url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"peer URL {url!r}: fan-out speaks plain http://host:port")
         self.host, self.port = u.hostname, u.port or 80
         self.headers = headers
+        self.auth = auth
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
@@ -147,7 +153,7 @@ class Http1Pool:
         reader, writer = conn
         try:
             writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n"
-                         % (path.encode(), self.host.encode(), len(body), self.headers) + body)
+                         % (path.encode(), self.host.encode(), len(body), self.headers + self.auth()) + body)
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head.split(b"\r\n")
             status = int(lines[0].split(b" ", 2)[1])
@@ -174,10 +180,13 @@ class Http1Pool:
 class Fanout:
     """The remote half of a lookup over replica groups (see the module docstring)."""
 
-    def __init__(self, directory: PeerDirectory, timeout_s: float = 0.25, auth_token: str | None = None):
+    def __init__(self, directory: PeerDirectory, timeout_s: float = 0.25,
+                 auth_token: str | Callable[[], str | None] | None = None):
+        """`auth_token`: the token sent to the peers, or what gives it per request (e.g.
+        Credentials.peer_token)."""
         self.directory = directory
         self.timeout_s = timeout_s
-        self._auth = b"Authorization: Bearer %s\r\n" % auth_token.encode() if auth_token else b""
+        self._token = auth_token if callable(auth_token) else (lambda: auth_token)
         # (peer URL, content type) -> its connections (in the serving loop)
         self._pools: dict[tuple[str, str], Http1Pool] = {}
 
@@ -223,8 +232,8 @@ class Fanout:
         groups has published yet: 404); None on an error or the timeout."""
         pool = self._pools.get((peer.url, content_type))
         if pool is None:
-            headers = b"Content-Type: %s\r\n%s" % (content_type.encode(), self._auth)
-            pool = self._pools[(peer.url, content_type)] = Http1Pool(peer.url, headers)
+            headers = b"Content-Type: %s\r\n" % content_type.encode()
+            pool = self._pools[(peer.url, content_type)] = Http1Pool(peer.url, headers, self._auth)
         try:
             status, data = await asyncio.wait_for(
                 pool.post(f"{path}?local=1&groups={','.join(map(str, groups))}", body), timeout_s)
@@ -237,6 +246,10 @@ class Fanout:
             log.warning("event=fanout_failed peer=%s status=%d body=%r", peer.name, status, data[:200])
             return None
         return data
+
+    def _auth(self) -> bytes:
+        token = self._token()
+        return b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
 
     def close(self) -> None:
         for pool in self._pools.values():

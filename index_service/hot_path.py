@@ -4,7 +4,9 @@ dependency solving, error and body-limit middleware, about a quarter of a hashed
 app), the bearer token checked here; Dynamo's POST /query, where its API is on, as a middleware after
 Mooncake conductor's (which takes the same path for msgpack bodies). The handlers are the very ones
 the FastAPI routes call (lookup_routes), so answers, errors, metrics and logs are the same; the
-routes stay registered for the OpenAPI document and for any method or path this does not take."""
+routes stay registered for the OpenAPI document and for any method or path this does not take.
+Each class that takes paths before the app's routes lists them in `paths` ((method, path) pairs), so
+the auth matrix (tests/security/test_auth_matrix.py) sees every path the service answers."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from index_service.auth import BearerToken
+from index_service.auth import READ, Credentials
 from index_service.context import ServiceContext
 from index_service.dynamo_api import query_handler
 from index_service.lookup_routes import binary_lookup, json_lookup
@@ -83,11 +85,13 @@ class LookupRequest:
 
 
 class HotPath:
-    """The routers' lookups (and their bearer token), taken before the app's middleware."""
+    """The routers' lookups (and their bearer token, scope `read`), taken before the app's middleware."""
 
-    def __init__(self, ctx: ServiceContext, token: BearerToken | None):
+    paths = (("POST", "/v1/lookup"), ("POST", "/v1/rank"), ("POST", "/v1/lookup/binary"))
+
+    def __init__(self, ctx: ServiceContext, credentials: Credentials | None):
         self.ctx = ctx
-        self.token = token
+        self.credentials = credentials
         # path -> (its handler, the largest body it reads: ServiceContext.read_body refuses more, 413)
         self.routes = {
             "/v1/lookup": (lambda request: json_lookup(ctx, request, "json", rank=False), ctx.max_json_bytes),
@@ -103,9 +107,12 @@ class HotPath:
         return self.ctx.fanout is None
 
     async def answer(self, handler, request: LookupRequest) -> Response:
-        """The handler's answer, or 401 without the bearer token."""
-        if self.token is not None and not self.token.accepts((request.get("authorization") or "").encode()):
-            return self.token.refusal()
+        """The handler's answer, or 401/403 without a token of scope `read`."""
+        if self.credentials is not None:
+            refused = self.credentials.refusal(request.get("authorization"), READ,
+                                               "POST " + request.scope["path"])
+            if refused is not None:
+                return refused.response()
         return await handler(request)
 
     async def take(self, scope: Scope, receive: Receive, send: Send) -> bool:
@@ -138,6 +145,8 @@ class LookupApp(FastAPI):
 
 class DynamoQueryPath:
     """Dynamo's POST /query past the router (a middleware: after Mooncake conductor's msgpack paths)."""
+
+    paths = (("POST", "/query"),)
 
     def __init__(self, app: ASGIApp, ctx: ServiceContext, dynamo):
         self.app = app

@@ -44,6 +44,7 @@ class Health(msgspec.Struct):
     ready: bool
     models: int
     batches_applied: int
+    auth: Literal["on", "off"] = "off"  # whether every route but /healthz and /metrics needs a token
     reason: str | None = None  # while not ready: what it waits for (e.g. a broker that does not answer)
     groups: list[int] | None = None  # the replica groups this instance holds (absent: all)
     peers: list[Peer] | None = None  # with groups: the live instances it asks for the others
@@ -83,6 +84,7 @@ _, COMPONENTS = msgspec.json.schema_components(_TYPES, ref_template="#/component
 ERRORS = {
     400: "malformed JSON or binary body",
     401: "missing or wrong bearer token",
+    403: "the token lacks the scope this route needs",
     404: "unknown model, or no such path",
     405: "method not allowed on this path",
     413: "prompt or body larger than max_tokens allows",

@@ -29,6 +29,11 @@ tiers map to kvidx's: HBM = GPU, DRAM = CPU, SSD = DISK (kvidx's shared tiers ar
 split in replica groups: the prefix query asks the other groups' holders over HTTP (`POST
 /internal/sglang/{model}/match_prefix?local=1&groups=...`, index_service/fanout.py) and merges per worker
 (a worker's prefix is its own).
+
+With credentials (`kvidx serve --auth-token-file`) every call carries the metadata `authorization:
+Bearer <token>`, checked by a server interceptor before the request is read: UNAUTHENTICATED without
+or with a wrong token, PERMISSION_DENIED without the scope (the feed needs `write`, the queries `read`:
+index_service.auth.RPC_SCOPES).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from google.protobuf.message import DecodeError
 
+from index_service.auth import RPC_SCOPES, Credentials, rpc_scope_needed
 from index_service.fanout import LOCAL_ONLY, local_groups
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
@@ -289,8 +295,33 @@ def _handler(indexer: SglangIndexer, method: str, call, request_type):
                                                response_serializer=lambda m: m.SerializeToString())
 
 
-def start_server(indexer: SglangIndexer, address: str, workers: int = 8) -> tuple[grpc.Server, int]:
-    """Serve `indexer` on `address` ("host:port"; port 0 picks one). Returns (server, bound port)."""
+class RequireScope(grpc.ServerInterceptor):
+    """Every call needs `authorization: Bearer <token>` metadata of a token with the method's scope."""
+
+    def __init__(self, credentials: Credentials, count: Callable[[str, str], None] | None = None):
+        self.credentials = credentials
+        self.count = count
+
+    def intercept_service(self, continuation, details):
+        header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        refused = self.credentials.refusal(header, rpc_scope_needed(details.method), f"rpc {details.method}")
+        if refused is None:
+            return continuation(details)
+        code = grpc.StatusCode.UNAUTHENTICATED if refused.status == 401 else grpc.StatusCode.PERMISSION_DENIED
+        method = details.method.rsplit("/", 1)[-1]
+        if self.count is not None and method in RPC_SCOPES:  # no label from a name the caller chose
+            self.count(method, code.name)
+
+        def refuse(request, context: grpc.ServicerContext):
+            context.abort(code, refused.error)
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def start_server(indexer: SglangIndexer, address: str, workers: int = 8,
+                 credentials: Credentials | None = None) -> tuple[grpc.Server, int]:
+    """Serve `indexer` on `address` ("host:port"; port 0 picks one). Returns (server, bound port).
+    `credentials`: the tokens every call must carry (RequireScope); None: open."""
     methods = {
         "ApplyExternalKvBatch": (indexer.apply, pb.ApplyExternalKvBatchRequest),
         "MatchExternalKv": (indexer.match, pb.MatchExternalKvRequest),
@@ -301,6 +332,7 @@ def start_server(indexer: SglangIndexer, address: str, workers: int = 8) -> tupl
     # SGLang's own bound on a message (16,384 hashes of up to 20 digits, with framing)
     limit = 64 << 20
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-grpc"),
+                         interceptors=[RequireScope(credentials, indexer.count)] if credentials else [],
                          options=[("grpc.max_receive_message_length", limit),
                                   ("grpc.max_send_message_length", limit),
                                   ("grpc.so_reuseport", 0)])  # a port in use is an error, not shared

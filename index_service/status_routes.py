@@ -1,5 +1,6 @@
-"""The read-only routes: GET /healthz (readiness, open to probes), GET /v1/models (the models indexed,
-with a freshness summary) and GET /metrics (Prometheus text, open to scrapers)."""
+"""The read-only routes: GET /healthz (readiness and whether tokens are required, open to probes),
+GET /v1/models (the models indexed, with a freshness summary) and GET /metrics (Prometheus text, open
+to scrapers)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def add_status_routes(app: FastAPI, ctx: ServiceContext, auth: tuple[int, ...]) 
     async def healthz() -> Response:
         ready = bool(store.ready)
         body = {"status": "ok" if ready else "not_ready", "ready": ready,
-                "models": len(store.shards), "batches_applied": store.batches_applied}
+                "models": len(store.shards), "batches_applied": store.batches_applied,
+                "auth": "off" if getattr(app.state, "credentials", None) is None else "on"}
         if not ready and getattr(store, "not_ready_reason", None):
             body["reason"] = store.not_ready_reason  # e.g. which broker address does not answer
         if getattr(store, "events_lost", 0):

@@ -326,21 +326,25 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _read_token(path: str) -> str:
-    try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as e:
-        sys.exit(f"error: --auth-token-file {path}: {e.strerror or e}")
-    if not token:
-        sys.exit(f"error: --auth-token-file {path}: the file is empty")
-    return token
+def _load_credentials(args):
+    """The tokens `kvidx serve` accepts (index_service.auth): --auth-token-file, else $KVIDX_API_TOKEN
+    (one token, every scope), else None (every API open); exits with one line if they cannot be read."""
+    from index_service.auth import Credentials, CredentialsError
+
+    if args.auth_token_file:
+        try:
+            return Credentials.from_file(args.auth_token_file, peer_name=args.peer_credential)
+        except CredentialsError as e:
+            sys.exit(f"error: --auth-token-file {e}")
+    token = os.environ.get("KVIDX_API_TOKEN", "").strip()
+    return Credentials.from_token(token) if token else None
 
 
 def cmd_serve(args) -> int:
     import socket
 
     from index_service.app import create_app
+    from index_service.auth import log_auth_state
     from index_service.conductor_api import ConductorRegistry
     from index_service.dynamo_api import DynamoRegistry
     from index_service.follower import KafkaFollower, RoutePublisher
@@ -360,7 +364,7 @@ def cmd_serve(args) -> int:
 
     log = logging.getLogger("kvidx.service")
     b = resolve_bootstrap(args.bootstrap)
-    token = _read_token(args.auth_token_file) if args.auth_token_file else os.environ.get("KVIDX_API_TOKEN")
+    credentials = _load_credentials(args)
     if _port_in_use(args.host, args.port):
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
     sglang_addresses = _sglang_indexer_addresses(args.sglang_indexer, args.host, args.port)
@@ -393,7 +397,11 @@ def cmd_serve(args) -> int:
     # where the others reach this instance: a wildcard address is no address for them
     host = socket.getfqdn() if args.host in ("0.0.0.0", "::", "") else args.host
     announcer = Announcer(directory, b, t["instances"], args.url or f"http://{host}:{args.port}", groups)
-    fanout = Fanout(directory, args.fanout_timeout_ms / 1000, token) if groups is not None else None
+    if groups is not None and credentials is not None and credentials.peer_token() is None:
+        sys.exit(f"error: --groups: the fan-out to the other instances needs a token of its own: add an "
+                 f"entry named {args.peer_credential!r} (scopes read,admin) to --auth-token-file")
+    peer_token = credentials.peer_token if credentials is not None else None
+    fanout = Fanout(directory, args.fanout_timeout_ms / 1000, peer_token) if groups is not None else None
     feedback: list[FeedbackFollower] = []
 
     def prepare() -> None:  # once the broker answers: the topics, the feedback follower, the registrations
@@ -416,7 +424,7 @@ def cmd_serve(args) -> int:
                                   start_pool_relay=mooncake_relay_starter(relay_sink, settings.block_size),
                                   set_pool=store.set_registered_pool,
                                   replica_groups=lambda model: settings.config.model(model).replica_groups)
-    app = create_app(store, max_tokens=args.max_tokens, auth_token=token,
+    app = create_app(store, max_tokens=args.max_tokens, credentials=credentials,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
                      fanout=fanout, lmcache_lookup=args.lmcache_lookup)
     # SGLang's external-indexer API (gRPC): its feed publishes to the events topic, batch by acked batch
@@ -429,7 +437,7 @@ def cmd_serve(args) -> int:
                                                                                       code).inc())
         sglang.append(indexer)
         try:
-            grpc_servers.append(start_server(indexer, address)[0])
+            grpc_servers.append(start_server(indexer, address, credentials=credentials)[0])
         except (OSError, RuntimeError) as e:
             sys.exit(f"error: --sglang-indexer {model}={address}: {e}")
     if sglang:  # a split model's other groups: asked of their holders' --sglang-indexer, over HTTP
@@ -441,6 +449,9 @@ def cmd_serve(args) -> int:
                     i.remote = remote_prefix(fanout, i.model, loop)
 
             app.router.on_startup.append(connect_sglang_fanout)
+    apis = ["kvidx", "dynamo", "conductor", *(["lmcache"] if args.lmcache_lookup else []),
+            *(["sglang-grpc"] if sglang else [])]
+    log_auth_state(credentials, apis)
     follower.start()
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
@@ -676,8 +687,16 @@ def _add_serve(sub) -> None:
                    help="this instance's stable name (e.g. the pod's): it runs the relays of the Dynamo "
                         "registrations it took, again after a restart (default: HOSTNAME:PORT, or "
                         "$KVIDX_INSTANCE_NAME)")
-    s.add_argument("--auth-token-file", help="require `Authorization: Bearer <token>` on /v1/ "
-                   "(the token read from this file; or set $KVIDX_API_TOKEN)")
+    s.add_argument("--auth-token-file", metavar="FILE",
+                   help="require `Authorization: Bearer <token>` (gRPC: `authorization` metadata) on every "
+                        "route and RPC but GET /healthz and /metrics, of a token with the route's scope "
+                        "(read, write, admin). FILE: lines `name scope[,scope] token`, or one bare token "
+                        "granting every scope; read again when it changes (docs/operations.md, Security). "
+                        "Or set $KVIDX_API_TOKEN (one token, every scope). Without either every API is open")
+    s.add_argument("--peer-credential", default="peer", metavar="NAME",
+                   help="the entry of --auth-token-file whose token this instance sends to the other "
+                        "instances (--groups fan-out; needs read, and admin for SGLang's); a single bare "
+                        "token is sent as is")
     s.add_argument("--max-tokens", type=int, default=1_000_000, help="largest prompt a lookup accepts")
     s.add_argument("--config", help="deployment configuration (.toml or .json): per-model block size, "
                    "prices, pools, replica groups; see kvidx/config.py")

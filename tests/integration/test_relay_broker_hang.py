@@ -45,13 +45,12 @@ def test_hung_broker_is_reported_and_nothing_is_lost(tmp_path, caplog):
         wait_for(lambda: sink.waiting() == 0 and relay.batches_published > 1, what="first batches delivered")
 
         os.kill(broker.pid, signal.SIGSTOP)  # the broker hangs: connections stay open, nothing answers
-        t0 = time.monotonic()
         for prompt, output in work[20:]:
             engine.serve(prompt, output)
         wait_for(lambda: "event=broker_not_answering" in caplog.text, timeout=10,
                  what="the relay to say the broker does not answer")
         said = next(r.getMessage() for r in caplog.records if "event=broker_not_answering" in r.getMessage())
-        assert time.monotonic() - t0 < 10
+        assert "event=broker_back" not in caplog.text  # said while the broker is still stopped
         assert bootstrap in said and "waiting_batches=" in said and "waiting_batches=0" not in said, said
 
         os.kill(broker.pid, signal.SIGCONT)

@@ -3,8 +3,6 @@ down longer than retention.ms): the deleted events are said once and counted, an
 from the oldest event kept. Before, the consumer's out-of-range reset jumped to the end of the
 partition and the instance waited there, not ready, until the next event arrived."""
 
-import time
-
 import pytest
 
 from index_service.store import ShardStore
@@ -50,9 +48,9 @@ def test_a_snapshot_older_than_retention_is_said_and_not_waited_on(kafka_bootstr
         fut.result(30)
 
     store = ShardStore(BS)
-    t0 = time.monotonic()
-    with fresh_service(store, kafka_bootstrap, topics, timeout=30):
-        assert time.monotonic() - t0 < 20, "catching up must not wait for a new event"
+    # no event is sent from here on: a follower that waited for a new one would never be ready, and
+    # fresh_service fails on its timeout (a bound on a hang, not a speed)
+    with fresh_service(store, kafka_bootstrap, topics, timeout=60):
         assert store.events_lost == cut - folded
         states = {st.replica: st for st in store.shards["tiny"].replicas.values()}
         assert states["r0"].batches == batches  # from the snapshot

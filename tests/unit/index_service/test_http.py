@@ -309,7 +309,8 @@ def test_healthz_and_models(world):
     client, store = world["client"], world["store"]
     resp = client.get("/healthz")
     assert resp.status_code == 200
-    assert resp.json() == {"status": "ok", "ready": True, "models": 3, "batches_applied": 2}
+    assert resp.json() == {"status": "ok", "ready": True, "models": 3, "batches_applied": 2,
+                           "auth": "off"}
     resp = client.get("/v1/models")
     assert resp.status_code == 200
     models = {m["model"]: m for m in resp.json()["models"]}

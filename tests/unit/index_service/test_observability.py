@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 from prometheus_client import REGISTRY
@@ -47,7 +48,9 @@ def scrape(client: httpx.Client) -> dict[str, list]:
 
 
 def test_service_series():
-    app = create_app(seeded_store(), max_tokens=4096)
+    t0 = time.time()
+    ets = t0 - 100.0  # the engine stamped the seeded batches 100 s before they were applied
+    app = create_app(seeded_store(engine_ts=ets), max_tokens=4096)
     prompt = list(range(1000, 1000 + 10 * 16))
     with ServerThread(app) as url, httpx.Client(base_url=url, timeout=10) as client:
         assert client.post("/v1/lookup", json={"model": MODEL, "token_ids": prompt}).status_code == 200
@@ -64,6 +67,7 @@ def test_service_series():
                                                "cached_tokens": 128})
             assert r.status_code == 202, r.text
         s = scrape(client)
+    t1 = time.time()
 
     def one(name, **labels):
         got = [x.value for x in s.get(name, []) if all(x.labels.get(k) == v for k, v in labels.items())]
@@ -77,11 +81,14 @@ def test_service_series():
     rows = s["kvidx_replica_batches_applied_total"]
     assert len(rows) == 4 and {x.labels["dp_rank"] for x in rows} == {"0"}
     assert all(x.value == 1 for x in rows)
-    assert 0 <= one("kvidx_replica_event_age_seconds", replica="tcp://10.0.0.1:5557") < 60
-    assert one("kvidx_replica_apply_lag_seconds", replica="tcp://10.0.0.1:5557") >= 0
+    # ages and lags bracketed by the clock readings around them: applied after t0, scraped after
+    # applying, before t1
+    age = one("kvidx_replica_event_age_seconds", replica="tcp://10.0.0.1:5557")
+    lag = one("kvidx_replica_apply_lag_seconds", replica="tcp://10.0.0.1:5557")
+    assert t0 - ets <= lag <= age <= t1 - ets
     assert one("kvidx_replica_seq_gaps_total", replica="tcp://10.0.0.1:5557") == 0
     assert one("kvidx_replica_blocks", replica="tcp://10.0.0.3:5557") == 40
-    assert one("kvidx_replica_event_age_max_seconds", model=MODEL) >= 0
+    assert t0 - ets <= one("kvidx_replica_event_age_max_seconds", model=MODEL) <= t1 - ets
     assert one("kvidx_consumer_lag_messages") == 0
     # agreement: credited (routes, once per decision) vs reused (usage); unknown models are "other"
     assert one("kvidx_routes_credited_tokens_total", model=MODEL) == 144

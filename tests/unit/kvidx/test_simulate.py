@@ -5,6 +5,7 @@ tests/integration/test_simulate.py."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -289,9 +290,19 @@ def test_cli_kv_hints_json_and_bad_hint_flags(tmp_path, capsys):
     assert cli_main([*base, "--policies", "kv,kv_hints", "--load-tps", "DISK=20000"]) == 0
     head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(head["policies"]) == {"kv", "kv_hints"}
+    # the prompt tokens, from the trace by the rule of kvidx/sim/workloads.py's docstring: 32 tokens
+    # per 512-token id, the last id's tail scaled (at least 1 token)
+    rows = [json.loads(x) for x in trace.read_text().splitlines()]
+    prompt = sum((len(r["hash_ids"]) - 1) * 32
+                 + min(32, max(1, math.ceil(max(r["input_length"] - 512 * (len(r["hash_ids"]) - 1), 1) / 16)))
+                 for r in rows)
     for p in head["policies"].values():
         assert {"p50", "p99", "mean"} <= set(p["ttft_est_s"]) and 0 <= p["gpu_share_of_reused"] <= 1
-        assert p["bytes_moved"] >= 0 and 0 < p["reuse_rate"] < 1
+        assert p["ttft_est_s"]["p50"] <= p["ttft_est_s"]["p99"]
+        assert p["prefill_tokens"] + p["prefill_tokens_saved"] == prompt
+        saved = p["prefill_tokens_saved"]
+        assert saved > 0 and p["reuse_rate"] == round(saved / prompt, 6)
+        assert p["bytes_moved"] == p["loaded_tokens"] * head["config"]["kv_bytes_per_token"]
     assert set(head["policies"]["kv_hints"]["hints"]["prefetch"]) >= {"issued", "followed", "paid_off"}
     assert head["config"]["load_tps"]["DISK"] == 20000.0
     for bad in (["--hints", "placement,moving"], ["--hint-compliance", "2"], ["--load-tps", "DISK"],
