@@ -48,6 +48,12 @@ Rules (sources in kvidx/engines/mooncake/wire.py; Mooncake tag v0.3.12 unless no
   model (`other_model`; the master sends model_name nil: registration supplies it). Run one relay per
   tenant, each publishing as its own pool. group_id is Mooncake's object group, not a KV-cache group:
   everything is group 0 (full attention).
+- Events are placed one by one (kvidx/engines/common.py, docs/engines.md): a store that cannot be
+  placed (a parent never seen, a medium outside the version's tiers, bad sizes) is set aside and
+  not indexed; a removal of an object not held (nor parked) is set aside; a removal on an unknown
+  medium drops its objects from every tier; an undecodable event follows common.place_unreadable.
+  Parked objects (placed once their key is learned) and unparsed keys (another engine's objects)
+  are counted, not set aside.
 The mirror is pure: no I/O, no clocks.
 """
 
@@ -57,7 +63,20 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from kvidx.engines.common import MirrorError, engine_cache_reset, hold, normalize_tier, release, stored_runs
+from kvidx.engines.common import (
+    UNKNOWN_HASH,
+    UNKNOWN_MEDIUM,
+    UNKNOWN_PARENT,
+    MirrorError,
+    SetAside,
+    Unreadable,
+    engine_cache_reset,
+    hold,
+    normalize_tier,
+    place_unreadable,
+    release,
+    stored_runs,
+)
 from kvidx.engines.mooncake.wire import Cleared, Removed, Stored
 from schemas.events import TIERS, BlocksRemoved, BlocksStored, Event
 
@@ -93,6 +112,7 @@ class MooncakeMirror:
         self.parked: OrderedDict[tuple[int, str, str, str], None] = OrderedDict()
         self._parked_by_hash: dict[int, list[tuple[int, str, str, str]]] = {}
         self._learned: set[int] = set()  # parked hashes learned since the last batch
+        self.set_aside: list[SetAside] = []  # the last batch's events that could not be placed
         self.group_kinds: dict[int, tuple[str, int | None]] = {GROUP: ("full_attention", None)}
         self.block_size = engine_block_size or 0
         self.stats = {"stored": 0, "refreshed": 0, "removed": 0, "remove_unknown": 0, "unparsed_key": 0,
@@ -113,18 +133,27 @@ class MooncakeMirror:
             self._learned.add(h)
 
     # ---- events -----------------------------------------------------------------------------------
-    def apply(self, events: Iterable[Stored | Removed | Cleared], now: float | None = None) -> list[Event]:
-        """`now` (the batch's time) is accepted for the relay's interface and not used."""
+    def apply(self, events: Iterable[Stored | Removed | Cleared | Unreadable], now: float | None = None
+              ) -> list[Event]:
+        """`now` (the batch's time) is accepted for the relay's interface and not used. Events that
+        cannot be placed are listed in `self.set_aside` (by position)."""
         out: list[Event] = []
-        for ev in events:
+        self.set_aside = []
+        for i, ev in enumerate(events):
+            if isinstance(ev, Unreadable):
+                self.set_aside.append(place_unreadable(self, ev, i, out))
+                continue
             if not self._ours(ev):
                 continue
-            if isinstance(ev, Stored):
-                self._stored(ev, out)
-            elif isinstance(ev, Removed):
-                self._removed(ev, out)
-            else:
-                self._cleared(ev, out)
+            try:
+                if isinstance(ev, Stored):
+                    self._stored(ev, out, i)
+                elif isinstance(ev, Removed):
+                    self._removed(ev, out, i)
+                else:
+                    self._cleared(ev, out)
+            except MirrorError as e:  # raised before the event changed the pool's state
+                self.set_aside.append(SetAside(i, "stored", e.reason, str(e)))
         if self._learned:
             self._unpark(out)
         return out
@@ -143,14 +172,19 @@ class MooncakeMirror:
         t = self.tiers.get(m)
         return t if t is not None else normalize_tier(medium)
 
-    def _stored(self, ev: Stored, out: list[Event]) -> None:
+    def _known_medium(self, medium: str | None) -> bool:
+        return (medium or "").lower() in self.tiers
+
+    def _stored(self, ev: Stored, out: list[Event], at: int = 0) -> None:
         if not ev.hashes:
             self.stats["unparsed_key"] += 1
             return
+        if not self._known_medium(ev.medium):
+            raise MirrorError(UNKNOWN_MEDIUM, f"stored on medium {str(ev.medium)[:40]!r}")
         tier = self.tier(ev.medium)
         okey = ev.object_key or ""
         if ev.token_ids:
-            self._stored_tokens(ev, tier, okey, out)
+            self._stored_tokens(ev, tier, okey, out, at)
             return
         for h in ev.hashes:
             known = self.memo.get(h)
@@ -159,7 +193,7 @@ class MooncakeMirror:
             else:
                 self._place(h, tier, ev.backend_id, okey, known, out)
 
-    def _stored_tokens(self, ev: Stored, tier: str, okey: str, out: list[Event]) -> None:
+    def _stored_tokens(self, ev: Stored, tier: str, okey: str, out: list[Event], at: int = 0) -> None:
         ibs, ebs = self.index_block_size, ev.block_size or self.engine_block_size
         if not ebs:
             raise MirrorError("no_block_size", "a stored event with token_ids but no block_size (configure "
@@ -174,6 +208,8 @@ class MooncakeMirror:
         if ev.parent_hash is None:
             if ev.base_block_idx:  # a chain's middle whose parent is not named: cannot be placed
                 self.stats["orphan_blocks"] += nb
+                self.set_aside.append(SetAside(at, "stored", UNKNOWN_PARENT,
+                                               "base_block_idx without a parent"))
                 return
             parent, depth0 = namespace_seed(ev.lora_name), 0
             extras: list[object] | None = [[ev.additional_salt]] if ev.additional_salt else None
@@ -181,6 +217,8 @@ class MooncakeMirror:
             known = self.memo.get(ev.parent_hash)
             if known is None:
                 self.stats["orphan_blocks"] += nb
+                self.set_aside.append(SetAside(at, "stored", UNKNOWN_PARENT, f"{nb} blocks under a parent "
+                                                                             "never seen"))
                 return
             parent, depth0, extras = known[0][-1], known[1] + len(known[0]), None
         self.block_size = max(self.block_size, ebs)
@@ -250,12 +288,18 @@ class MooncakeMirror:
                 self._place(h, tier, backend, okey, known, out)
                 self.stats["placed_late"] += 1
 
-    def _removed(self, ev: Removed, out: list[Event]) -> None:
+    def _removed(self, ev: Removed, out: list[Event], at: int = 0) -> None:
         if not ev.hashes:
             self.stats["unparsed_key"] += 1
             return
+        if self.removal == "medium" and not self._known_medium(ev.medium):
+            self.drop_everywhere(ev.hashes, out)  # the object could be in any tier
+            self.set_aside.append(SetAside(at, "removed", UNKNOWN_MEDIUM, f"removed on medium "
+                                           f"{str(ev.medium)[:40]!r}", "dropped_everywhere"))
+            return
         okey = ev.object_key or ""
         gone: dict[str, tuple[list[int], list[int]]] = {}
+        unknown = 0
         for h in ev.hashes:
             tiers = self.objects.get((h, ev.backend_id, okey), set())
             if self.removal == "medium":
@@ -265,10 +309,26 @@ class MooncakeMirror:
             if not tiers:
                 if not was_parked:
                     self.stats["remove_unknown"] += 1
+                    unknown += 1
                 continue
             for tier in sorted(tiers):
                 self._untrack(h, tier, ev.backend_id, okey, gone)
         out.extend(BlocksRemoved(t, GROUP, hashes, engine) for t, (hashes, engine) in gone.items() if hashes)
+        if unknown:
+            self.set_aside.append(SetAside(at, "removed", UNKNOWN_HASH, f"{unknown} of {len(ev.hashes)} "
+                                                                        "objects not held"))
+
+    def drop_everywhere(self, hashes: list[int], out: list[Event]) -> None:
+        """Drop objects of these seq hashes from every tier, backend and key (and the parking lot): what
+        a removal the mirror cannot place could have referred to."""
+        hs = set(hashes)
+        gone: dict[str, tuple[list[int], list[int]]] = {}
+        for h, tier, _g, backend, okey in [k for k in self.live if k[0] in hs]:
+            self._untrack(h, tier, backend, okey, gone)
+        for key in [k for k in self.parked if k[0] in hs]:
+            del self.parked[key]
+            self._unlist(key)
+        out.extend(BlocksRemoved(t, GROUP, hs_, engine) for t, (hs_, engine) in gone.items() if hs_)
 
     def _drop_parked(self, h: int, backend: str, okey: str, tier: str | None) -> bool:
         hit = [k for k in self._parked_by_hash.get(h, ()) if k[2] == backend and k[3] == okey

@@ -79,6 +79,8 @@ class MooncakeStoreRelay(SequencedRelay):
         out = super().on_frame(shifted, check_gap)
         for dl in out.dead:
             dl.frame = frame
+        for dl in out.set_aside:
+            dl.frame = dataclasses.replace(dl.frame, seq=frame.seq)
         if out.gap is not None:
             out.gap = (out.gap[0] + 1, out.gap[1] + 1)  # in the master's numbering
         return out

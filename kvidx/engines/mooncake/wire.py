@@ -36,7 +36,9 @@ Choices where the sources leave them open:
   of the key's hash, as the newer publisher does (dev/conductor include/kv_event/key_util.h
   ParseKvEventKey l. 107-211; the low 64 bits are vLLM's published int hash). Other keys (e.g.
   SGLang HiCache's `<sha256>_<rank>_k`) stay unidentified: counted by the mirror, never guessed.
-- An unknown event type is a ValidationError: the batch is a dead letter, never half-read.
+- An event that does not decode (an unknown event type, a bad field) is kept in its place as a
+  kvidx.engines.common.Unreadable: the mirror sets it aside by the common rule and reads the batch's
+  other events; only a bad batch envelope is a ValidationError (the whole message a dead letter).
 """
 
 from __future__ import annotations
@@ -294,12 +296,52 @@ def _event(e: _Event) -> Stored | Removed | Cleared:
                   e.additional_salt, parent_h, e.base_block_idx, e.token_ids)
 
 
+class _RawBatch(msgspec.Struct, array_like=True):
+    ts: int | float
+    events: list[msgspec.Raw]
+    dp_rank: int | None = None
+
+
+_dec_raw = msgspec.msgpack.Decoder(_RawBatch)
+_dec_event = msgspec.msgpack.Decoder(_Event)
+_KIND_OF_LEGACY = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared",
+                   "stored": "stored", "removed": "removed", "cleared": "cleared"}
+
+
+def _unreadable(raw: bytes, detail: str):
+    from kvidx.engines.common import read_unreadable
+
+    u = read_unreadable(raw, detail, _KIND_OF_LEGACY, ("seq_hashes", "block_hashes"), ("event_type", "type"))
+    if u.hashes is not None:  # as the mirror keys objects: u64
+        try:
+            u.hashes = [parse_hash(h, signed_ok=True) for h in u.hashes]
+        except (msgspec.ValidationError, ValueError, TypeError):
+            u.hashes = None
+    return u
+
+
+def _one(e: _Event | msgspec.Raw):
+    """One event: its Stored/Removed/Cleared, or an Unreadable (kept in its place)."""
+    try:
+        return _event(e if isinstance(e, _Event) else _dec_event.decode(e))
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError, TypeError, RecursionError) as err:
+        raw = bytes(e) if isinstance(e, msgspec.Raw) else msgspec.msgpack.encode(e)
+        return _unreadable(raw, str(err) or "nested too deeply")
+
+
 def decode_payload(payload: bytes) -> Batch:
-    """Decode one payload frame. Raises msgspec errors on bad input (the relay's dead letters)."""
-    b = _dec.decode(payload)
+    """Decode one payload frame. Raises msgspec errors on a bad batch envelope (the relay's dead
+    letters); an event that does not decode stays in its place as a common.Unreadable."""
+    try:
+        b = _dec.decode(payload)
+    except msgspec.ValidationError as first:
+        try:
+            b = _dec_raw.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            raise first from None
     if not isinstance(b.ts, int | float) or b.ts < 0:
         raise msgspec.ValidationError(f"timestamp_ms {b.ts!r} is not a non-negative number")
-    return Batch(b.ts / 1000.0, [_event(e) for e in b.events], None)
+    return Batch(b.ts / 1000.0, [_one(e) for e in b.events], None)
 
 
 def is_rfc_payload(payload: bytes) -> bool:
