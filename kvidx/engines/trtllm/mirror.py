@@ -43,6 +43,10 @@ and what the mirror does with them:
 - **Window sizes**: only the largest attention window is indexed (as TensorRT-LLM's own ZMQ
   publisher does); other windows' events are counted and skipped by the relay.
 - Unknown removals / updates are counted, never fatal. Hashes are unsigned 64-bit.
+- Events are placed one by one (kvidx/engines/common.py, docs/engines.md): a store that cannot be
+  placed (a parent never seen, a cache level that is neither GPU nor host, bad sizes) is set aside and
+  not indexed; a removal or update of a block not held is set aside; an update to an unknown cache
+  level drops the block (and its subtree); an undecodable event follows common.place_unreadable.
 
 The mirror is pure: fed decoded events, returns schema events.
 """
@@ -53,8 +57,15 @@ import os
 from collections.abc import Iterable
 
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
-from kvidx.engines.common import MirrorError, PartialTails
-from kvidx.engines.trtllm.wire import PRIMARY, Created, Removed, Stored, Updated, check_hash
+from kvidx.engines.common import (
+    UNKNOWN_HASH,
+    UNKNOWN_MEDIUM,
+    UNKNOWN_PARENT,
+    MirrorError,
+    PartialTails,
+    SetAside,
+)
+from kvidx.engines.trtllm.wire import PRIMARY, SECONDARY, Created, Removed, Stored, Updated, check_hash
 from schemas.events import BlocksRemoved, BlocksStored, Event, ReplicaCleared
 
 TOKEN_GRANULAR = 1  # BlocksStored.block_size marking an engine that resumes inside any block
@@ -93,23 +104,38 @@ class TrtllmMirror:
         self.stats = {"stored": 0, "removed": 0, "cascaded": 0, "moved": 0, "restored_live": 0,
                       "remove_unknown": 0, "update_unknown": 0, "orphan_blocks": 0, "partial_blocks": 0,
                       "taken_over": 0, "priority_updates": 0, "extra_id_blocks": 0}
+        self.set_aside: list[SetAside] = []  # the last call's events that could not be placed
 
     # ---- events -------------------------------------------------------------------------------
     def apply(self, events: Iterable[Created | Stored | Removed | Updated]) -> list[Event]:
+        """Events that cannot be placed are listed in `self.set_aside` (by position in `events`); a
+        MirrorError or ValueError is raised before the event changed anything and goes up."""
         out: list[Event] = []
-        for data in events:
+        self.set_aside = []
+        for i, data in enumerate(events):
             if isinstance(data, Stored):
-                self._stored(data, out)
+                self._stored(data, out, i)
             elif isinstance(data, Removed):
-                self._removed(data.block_hashes, out)
+                self._removed(data.block_hashes, out, i)
             elif isinstance(data, Updated):
-                self._updated(data, out)
+                self._updated(data, out, i)
             elif isinstance(data, Created):
                 self.capacity = list(data.num_blocks_per_cache_level)
         return out
 
-    def _stored(self, ev: Stored, out: list[Event]) -> None:
+    def drop_everywhere(self, engine_hashes: list[int], out: list[Event]) -> None:
+        """Drop blocks (and their subtrees) whatever their tier: what an event the mirror cannot place
+        could have removed or moved."""
+        for eh in engine_hashes:
+            if eh in self.nodes:
+                self.stats["removed"] += 1
+                self._drop(eh, out)
+
+    def _stored(self, ev: Stored, out: list[Event], at: int = 0) -> None:
         ibs = self.index_block_size
+        levels = {blk.cache_level for blk in ev.blocks} - {PRIMARY, SECONDARY, None}
+        if levels:
+            raise MirrorError(UNKNOWN_MEDIUM, f"stored at cache level {sorted(levels)[:3]}")
         parent = ev.parent_hash
         if parent is None:
             seed, depth = namespace_seed(ev.lora_name), 0
@@ -117,6 +143,8 @@ class TrtllmMirror:
             pnode = self.nodes.get(check_hash(parent))
             if pnode is None:
                 self.stats["orphan_blocks"] += len(ev.blocks)
+                self.set_aside.append(SetAside(at, "stored", UNKNOWN_PARENT,
+                                               f"{len(ev.blocks)} blocks under a parent never seen"))
                 return
             seed, depth = pnode.sub[-1] if pnode.sub else pnode.seed, pnode.depth + len(pnode.sub)
         new: list[tuple[str, int, int, list[int], int]] = []  # (tier, depth, parent canon, hashes, engine)
@@ -255,15 +283,22 @@ class TrtllmMirror:
                 self.stats["taken_over"] += 1
                 self._drop(sh, out)
 
-    def _removed(self, hashes: list[int], out: list[Event]) -> None:
+    def _removed(self, hashes: list[int], out: list[Event], at: int = 0) -> None:
+        for h in hashes:
+            check_hash(h)
+        unknown = 0
         for eh in hashes:
-            if check_hash(eh) not in self.nodes:
+            if eh not in self.nodes:
                 self.stats["remove_unknown"] += 1
+                unknown += 1
                 if self._host_queue():  # it may hold a host slot all the same (a wrong take-over guess)
                     out.append(BlocksRemoved("CPU", 0, [], [eh]))
                 continue
             self.stats["removed"] += 1
             self._drop(eh, out)
+        if unknown:
+            self.set_aside.append(SetAside(at, "removed", UNKNOWN_HASH, f"{unknown} of {len(hashes)} blocks "
+                                                                        "not held"))
 
     def _drop(self, eh: int, out: list[Event]) -> None:
         """Retract a block and its whole mirror subtree (TensorRT-LLM frees subtrees)."""
@@ -300,16 +335,22 @@ class TrtllmMirror:
             if p is not None:
                 p.children.pop(eh, None)
 
-    def _updated(self, ev: Updated, out: list[Event]) -> None:
+    def _updated(self, ev: Updated, out: list[Event], at: int = 0) -> None:
         if ev.priority is not None and ev.priority.new_value != ev.priority.old_value:
             self.stats["priority_updates"] += 1
         lvl = ev.cache_level
         if lvl is None or lvl.new_value is None:
             return
         eh = check_hash(ev.block_hash)
+        if lvl.new_value not in (PRIMARY, SECONDARY):  # a tier this mirror does not know
+            self.drop_everywhere([eh], out)
+            self.set_aside.append(SetAside(at, "updated", UNKNOWN_MEDIUM, f"moved to cache level "
+                                           f"{lvl.new_value}", "dropped_everywhere"))
+            return
         node = self.nodes.get(eh)
         if node is None:
             self.stats["update_unknown"] += 1
+            self.set_aside.append(SetAside(at, "updated", UNKNOWN_HASH, "a block not held moved"))
             if self._host_queue() and lvl.old_value is not None and lvl.old_value != lvl.new_value:
                 # a block the mirror lost (a wrong take-over guess) still moves through the host queue
                 out.append(BlocksStored(tier_of(lvl.new_value), 0, [], None, 0, [eh]))

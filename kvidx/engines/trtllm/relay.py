@@ -16,7 +16,11 @@ and turns the engine's events into versioned event batches.
   Fixed releases send `"priority": null`, which decodes.
 - Only the largest attention window is indexed (from the `created` events when seen, otherwise the
   largest window seen); other windows' events are counted (`other_window`).
-- A malformed event is dead-lettered alone (its id still counts as seen).
+- Events are placed one by one (kvidx/engines/common.py, docs/engines.md): an event that does not
+  decode is read loosely; with its event_id it keeps its place in the sequence and is set aside by
+  the common rule (a store skipped; a removal or update whose hashes can be read drops them; one
+  whose hashes cannot be read clears the rank); without an event_id it is a dead letter, and the gap
+  it leaves clears the rank. Events the mirror cannot place are set aside alone.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvidx.engines.common import MirrorError
-from kvidx.engines.contract import DeadLetter, Frame, RelayOutput
+from kvidx.engines.common import MirrorError, SetAside, Unreadable, place_unreadable
+from kvidx.engines.contract import DeadLetter, Frame, RelayOutput, set_aside_letters
 from kvidx.engines.trtllm.mirror import TrtllmMirror
 from kvidx.engines.trtllm.wire import (
     BUGGY_UPDATED_SERIALIZER,
@@ -41,6 +45,7 @@ from kvidx.engines.trtllm.wire import (
     Event,
     check_version,
     decode_event,
+    read_loosely,
     split_poll,
 )
 from schemas.events import SCHEMA_VERSION, EventBatch, ReplicaCleared
@@ -58,6 +63,15 @@ class RankState:
     windows_created: set[int] = field(default_factory=set)
 
 
+@dataclass
+class _Loose:
+    """An event that did not decode, with what could be read of its envelope."""
+    event_id: int
+    data: Unreadable
+    window_size: int | None
+    attention_dp_rank: int
+
+
 class TrtllmPollRelay:
     """Relay logic for one trtllm-serve instance (all its attention-DP ranks), free of I/O."""
 
@@ -72,6 +86,7 @@ class TrtllmPollRelay:
         self.ranks: dict[int, RankState] = {}
         self.counters = {"polls": 0, "events": 0, "duplicates": 0, "gaps": 0, "restarts": 0,
                          "other_window": 0, "poll_errors": 0, "dead": 0}
+        self.set_aside: dict[tuple[str, str], int] = {}  # (reason, event kind) -> events set aside
 
     def rank(self, r: int) -> RankState:
         st = self.ranks.get(r)
@@ -95,17 +110,22 @@ class TrtllmPollRelay:
         """One poll's events, each a dict (as recorded) or raw JSON bytes."""
         out = RelayOutput()
         self.counters["polls"] += 1
-        per_rank: dict[int, list[Event]] = {}
-        for raw in events:
+        per_rank: dict[int, list[tuple[int, Event | _Loose]]] = {}
+        for pos, raw in enumerate(events):
             try:
                 if isinstance(raw, bytes | bytearray) and len(raw) > MAX_EVENT:
                     raise ValueError(f"oversized event: {len(raw)} bytes")
                 ev = decode_event(raw)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
-                self.counters["dead"] += 1
-                out.dead.append(DeadLetter("malformed_event", str(e)[:300], self._frame(raw, -1, recv_ns)))
-                continue
-            per_rank.setdefault(ev.attention_dp_rank or 0, []).append(ev)
+                big = isinstance(raw, bytes | bytearray) and len(raw) > MAX_EVENT
+                eid, rank, window, u = (None, 0, None, None) if big else read_loosely(raw, str(e))
+                if eid is None:  # no place in the sequence: a dead letter (its gap clears the rank)
+                    self.counters["dead"] += 1
+                    out.dead.append(DeadLetter("malformed_event", str(e)[:300],
+                                               self._frame(raw, -1, recv_ns)))
+                    continue
+                ev = _Loose(eid, u, window, rank)
+            per_rank.setdefault(ev.attention_dp_rank or 0, []).append((pos, ev))
         for r, evs in per_rank.items():
             self._rank_events(r, evs, recv_ns, out)
         return out
@@ -123,11 +143,12 @@ class TrtllmPollRelay:
             st.next_id = None
         return out
 
-    def _rank_events(self, r: int, evs: list[Event], recv_ns: int, out: RelayOutput) -> None:
+    def _rank_events(self, r: int, evs: list[tuple[int, Event | _Loose]], recv_ns: int,
+                     out: RelayOutput) -> None:
         st = self.rank(r)
         canon: list = []
         last_id = -1
-        for ev in evs:
+        for pos, ev in evs:
             self.counters["events"] += 1
             if st.next_id is not None and ev.event_id != st.next_id:
                 if ev.event_id < st.next_id:
@@ -161,13 +182,22 @@ class TrtllmPollRelay:
                 elif w != st.max_window:
                     self.counters["other_window"] += 1
                     continue
-            try:
-                canon.extend(st.mirror.apply([data]))
-            except (MirrorError, ValueError) as e:
-                self.counters["dead"] += 1
-                reason = e.reason if isinstance(e, MirrorError) else "bad_value"
-                out.dead.append(DeadLetter(reason, str(e)[:300],
-                                           self._frame(msgspec.json.encode(ev), ev.event_id, recv_ns)))
+            frame = self._frame(b"", ev.event_id, recv_ns)
+            if isinstance(data, Unreadable):
+                aside = [place_unreadable(st.mirror, data, 0, canon)]
+            else:
+                try:
+                    canon.extend(st.mirror.apply([data]))
+                    aside = st.mirror.set_aside
+                except (MirrorError, ValueError) as e:  # raised before the event changed anything
+                    reason = e.reason if isinstance(e, MirrorError) else "bad_value"
+                    aside = [SetAside(0, type(data).__name__.lower(), reason, str(e))]
+            if aside:
+                for sa in aside:
+                    sa.position = pos
+                    if sa.raw is None:
+                        sa.raw = msgspec.json.encode(ev)
+                out.set_aside += set_aside_letters(aside, [], frame, self.set_aside)
         if canon:
             out.batches.append(self._wrap(st, r, canon, last_id, recv_ns))
 

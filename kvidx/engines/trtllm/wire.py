@@ -134,6 +134,39 @@ def decode_event(raw: bytes | dict) -> Event:
     return _dec_event.decode(raw)
 
 
+EVENT_KINDS = {"stored": "stored", "removed": "removed", "updated": "updated", "created": "created"}
+
+
+def read_loosely(raw: bytes | dict, detail: str):
+    """An event that did not decode, read as far as it goes: (event_id or None, attention-DP rank,
+    window size, a kvidx.engines.common.Unreadable with its kind and block hashes)."""
+    from kvidx.engines.common import Unreadable
+
+    obj = raw
+    if not isinstance(raw, dict):
+        try:
+            obj = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
+            obj = None
+    blob = raw if isinstance(raw, bytes | bytearray) else _enc.encode(raw) if obj is not None else b""
+    obj = obj if isinstance(obj, dict) else {}
+    data = obj.get("data") if isinstance(obj.get("data"), dict) else {}
+
+    def int_or_none(x):
+        return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+    hashes = data.get("block_hashes")
+    if "block_hash" in data:
+        hashes = [data["block_hash"]]
+    elif isinstance(data.get("blocks"), list):
+        hashes = [b.get("block_hash") if isinstance(b, dict) else None for b in data["blocks"]]
+    if not (isinstance(hashes, list) and all(int_or_none(h) is not None and 0 <= h <= U64 for h in hashes)):
+        hashes = None
+    kind = EVENT_KINDS.get(data.get("type"), "other") if isinstance(data.get("type"), str) else "other"
+    return (int_or_none(obj.get("event_id")), int_or_none(obj.get("attention_dp_rank")) or 0,
+            int_or_none(obj.get("window_size")), Unreadable(bytes(blob), kind, hashes, detail[:300]))
+
+
 def split_poll(body: bytes) -> list[bytes]:
     """A poll's response body (a JSON array) as one raw JSON document per event, so that one bad
     event is dead-lettered alone. Raises msgspec errors if the body is not a JSON array."""
