@@ -12,7 +12,7 @@ import time
 import urllib.error
 
 from kvidx.engines import EngineAdapter, RelayOptions
-from relays.run import FRAMES, emit
+from relays.run import FRAMES, emit, set_aside_line
 from relays.sinks import Sink
 
 log = logging.getLogger("kvidx.relay")
@@ -27,7 +27,7 @@ def play(adapter: EngineAdapter, path, model: str, sink: Sink, index_block_size:
     for recv_ns, events, error in sorted(adapter.read_polls(path), key=lambda p: p[0]):
         FRAMES.labels(core.replica).inc()
         out = core.poll_failed(error, recv_ns) if error else core.on_poll(events, recv_ns)
-        emit(sink, core.model, core.replica, out)
+        emit(sink, core.model, core.replica, out, adapter.name)
         n += 1
     sink.flush()
     return n
@@ -73,12 +73,14 @@ def run(adapter: EngineAdapter, url: str, model: str, sink: Sink, index_block_si
             if err is not None:
                 if recorder:
                     recorder.write(recv_ns, [], err)
-                batches += emit(sink, core.model, core.replica, core.poll_failed(err, recv_ns))
+                batches += emit(sink, core.model, core.replica, core.poll_failed(err, recv_ns),
+                                adapter.name)
             elif body is not None:
                 last_poll = time.time()
                 if recorder:
                     recorder.write(recv_ns, json.loads(body))
-                batches += emit(sink, core.model, core.replica, core.on_poll_body(body, recv_ns))
+                batches += emit(sink, core.model, core.replica, core.on_poll_body(body, recv_ns),
+                                adapter.name)
                 sink.flush(0)
             check = getattr(sink, "check_health", None)
             if check is not None:
@@ -86,8 +88,10 @@ def run(adapter: EngineAdapter, url: str, model: str, sink: Sink, index_block_si
             if time.monotonic() >= status_at:
                 status_at = time.monotonic() + status_every_s
                 age = f"{time.time() - last_poll:.1f}" if last_poll else "none"
-                log.info("event=relay_status replica=%s url=%s polls=%d batches=%d last_answer_age_s=%s",
-                         core.replica, url, polls, batches, age)
+                aside = getattr(core, "set_aside", {})
+                log.info("event=relay_status replica=%s url=%s polls=%d batches=%d set_aside_events=%d "
+                         "set_aside=%s last_answer_age_s=%s", core.replica, url, polls, batches,
+                         sum(aside.values()), set_aside_line(aside), age)
             time.sleep(interval_s)
     finally:
         sink.flush()

@@ -25,15 +25,31 @@ BLOCKS = Counter("kvidx_relay_blocks_total", "Block events published", ["replica
 DEAD = Counter("kvidx_relay_dead_letters_total", "Malformed engine messages, by reason",
                ["replica", "reason"])
 GAPS = Counter("kvidx_relay_gaps_total", "Sequence gaps, by outcome", ["replica", "outcome"])
+# label values are bounded: registered engine names, reasons and event kinds named in the code
+SET_ASIDE = Counter("kvidx_relay_set_aside_events_total",
+                    "Engine events set aside alone (the rest of their batch was folded), by reason and kind",
+                    ["engine", "reason", "event"])
 
 
-def emit(sink: Sink, model: str, replica: str, out: RelayOutput) -> int:
-    """Publish a relay step's dead letters and batches, counted and logged as every relay counts
-    them (ZMQ relays here, polled engines in relays/poller.py); returns the batches published."""
+def set_aside_line(counts: dict[tuple[str, str], int]) -> str:
+    """`reason/kind:n,...` for a status line ("none" when nothing was set aside)."""
+    return ",".join(f"{r}/{k}:{n}" for (r, k), n in sorted(counts.items())) or "none"
+
+
+def emit(sink: Sink, model: str, replica: str, out: RelayOutput, engine: str = "") -> int:
+    """Publish a relay step's dead letters, set-aside events and batches, counted and logged as every
+    relay counts them (ZMQ relays here, polled engines in relays/poller.py); returns the batches
+    published. A set-aside event is a dead letter of its own (its position in its batch in the
+    headers): the rest of its batch is published."""
     for dl in out.dead:
         DEAD.labels(replica, dl.reason).inc()
         log.warning("event=dead_letter replica=%s reason=%s seq=%d bytes=%d", replica, dl.reason,
                     dl.frame.seq, len(dl.frame.payload))
+        sink.dead_letter(dl, model, replica)
+    for dl in out.set_aside:
+        SET_ASIDE.labels(engine, dl.reason, dl.event).inc()
+        log.info("event=event_set_aside replica=%s reason=%s kind=%s seq=%d position=%d", replica, dl.reason,
+                 dl.event, dl.frame.seq, dl.position)
         sink.dead_letter(dl, model, replica)
     for b in out.batches:
         sink.publish(b)
@@ -68,6 +84,15 @@ class Relay:
         self._resync = None
         self._resync_at = 0.0
         self._lmcache = None  # LMCache controller messages, when the source carries them
+        lost = getattr(sink, "on_undelivered", None)
+        if lost is not None:  # a batch Kafka did not take: replay the mirror (it starts with a clear)
+            lost.append(self._batch_lost)
+
+    def _batch_lost(self, model: str, replica: str, dp_rank: int) -> None:
+        core = self.core
+        if (model, replica, dp_rank) == (core.model, core.replica, core.dp_rank or 0):
+            log.warning("event=batch_lost replica=%s dp_rank=%d action=mirror_replay", replica, dp_rank)
+            self.request_resync()
 
     def request_resync(self, replica_groups: int = 0) -> None:
         """Ask for a mirror replay (thread-safe: control listeners call it); with `replica_groups`,
@@ -148,9 +173,7 @@ class Relay:
         for f in [*missing, frame]:
             if self.recorder:
                 self.recorder.write(f)
-            o = self.core.on_frame(f, check_gap=False)
-            total.batches += o.batches
-            total.dead += o.dead
+            total.add(self.core.on_frame(f, check_gap=False))
         return total
 
     def _emit(self, out: RelayOutput) -> None:
@@ -159,7 +182,8 @@ class Relay:
             if wrong is not None:
                 log.error("event=wrong_engine replica=%s detail=%r", self.core.replica, wrong.detail)
         self.dead_letters += len(out.dead)
-        self.batches_published += emit(self.sink, self.core.model, self.core.replica, out)
+        self.batches_published += emit(self.sink, self.core.model, self.core.replica, out,
+                                       getattr(self.core, "engine", ""))
 
     def start_fresh(self, replay_from_start: bool = True) -> None:
         """A relay that starts knows nothing of the engine's cache: clear the replica's view, then
@@ -206,10 +230,12 @@ class Relay:
         self._status_at = now + self.status_every_s
         age = f"{time.time() - self.last_frame_at:.1f}" if self.last_frame_at is not None else "none"
         waiting = getattr(self.sink, "waiting", lambda: 0)()
+        aside = getattr(self.core, "set_aside", {})
         log.info("event=relay_status replica=%s endpoint=%s frames=%d batches=%d dead_letters=%d "
-                 "last_event_age_s=%s kafka_waiting=%d", self.core.replica,
+                 "set_aside_events=%d set_aside=%s last_event_age_s=%s kafka_waiting=%d", self.core.replica,
                  self.source.endpoint if self.source else "", self.core.counters["frames"],
-                 self.batches_published, self.dead_letters, age, waiting)
+                 self.batches_published, self.dead_letters, sum(aside.values()), set_aside_line(aside), age,
+                 waiting)
 
     def play(self, path: str | Path, realtime: bool = False, speed: float = 1.0) -> int:
         """Feed a recording instead of a live socket; with `realtime`, keep its timing."""

@@ -15,13 +15,15 @@ from collections.abc import Callable
 from typing import Protocol
 
 from confluent_kafka import KafkaException, Producer
+from prometheus_client import Counter
 
 from kvidx.core.groups import shard_key
 from kvidx.engines.contract import DeadLetter
 from kvidx.kafka.config import client_config
+from kvidx.kafka.delivery import DELIVERY_DEADLINE_S, flush_until
 from kvidx.kafka.topics import group_partition
 from relays.redact import redact
-from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, EventBatch, encode_batch
+from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, EventBatch, decode_batch, encode_batch
 
 log = logging.getLogger("kvidx.relay")
 
@@ -30,6 +32,11 @@ class Sink(Protocol):
     def publish(self, batch: EventBatch) -> None: ...
     def dead_letter(self, dl: DeadLetter, model: str, replica: str) -> None: ...
     def flush(self, timeout: float = 10.0) -> int: ...
+
+
+UNDELIVERED = Counter("kvidx_relay_undelivered_batches_total", "Event batches Kafka did not acknowledge "
+                      "(after librdkafka's retries); the relay replays its mirror for each replica hit",
+                      ["replica"])
 
 
 STALL_S = 3.0  # batches waiting this long with none delivered: the broker does not answer
@@ -48,8 +55,12 @@ class KafkaSink:
         self._partitions = 0  # the events topic's partition count, once a group > 0 is published
         self.events_topic = events_topic
         self.dead_letter_topic = dead_letter_topic
-        self.errors = 0
+        self.errors = 0  # messages refused or timed out (event batches and dead letters)
+        self.batch_errors = 0  # of which event batches
         self.delivered = 0
+        # told (model, replica, dp_rank) of every event batch Kafka did not take: a live relay then
+        # replays its mirror (relays.run.Relay), so a lost batch costs a resync, never a wrong index
+        self.on_undelivered: list[Callable[[str, str, int], None]] = []
         # broker health as the relay sees it (check_health): when progress was last seen, since when
         # batches have been waiting without any delivery, and when that was last said
         self._progress_at = time.monotonic()
@@ -66,11 +77,32 @@ class KafkaSink:
         })
 
     def _on_delivery(self, err, msg) -> None:
-        if err is not None:
-            self.errors += 1
-            log.error("event=delivery_failed topic=%s error=%s", msg.topic(), err)
-        else:
+        if err is None:
             self.delivered += 1
+            return
+        self.errors += 1
+        if msg.topic() != self.events_topic:
+            log.error("event=delivery_failed topic=%s error=%s", msg.topic(), err)
+            return
+        self.batch_errors += 1
+        try:
+            b = decode_batch(msg.value())
+            who = (b.model, b.replica, b.dp_rank)
+        except Exception:  # noqa: BLE001 - our own encoding; never let a callback raise
+            who = None
+        log.error("event=delivery_failed topic=%s replica=%s error=%s action=%s", msg.topic(),
+                  who[1] if who else "?", err, "mirror_replay" if self.on_undelivered else "none")
+        if who is not None:
+            UNDELIVERED.labels(who[1]).inc()
+            for tell in self.on_undelivered:
+                tell(*who)
+
+    def drain(self, deadline_s: float = DELIVERY_DEADLINE_S) -> int:
+        """Wait until Kafka acknowledged or refused every message handed over, up to `deadline_s`
+        (through a leader's or the controller's failover), saying every few seconds how many wait;
+        returns how many were not delivered: refused, plus still waiting (lost if the process exits)."""
+        waiting = flush_until(self.producer, deadline_s, "event batches") if self.producer is not None else 0
+        return waiting + self.errors
 
     def waiting(self) -> int:
         """Messages handed to the producer and not yet acknowledged by the broker."""
@@ -188,13 +220,16 @@ class KafkaSink:
                    ("model", model.encode()), ("replica", replica.encode()),
                    ("endpoint", f.endpoint.encode()), ("seq", str(f.seq).encode()),
                    ("topic", f.topic), ("redaction", how.encode()), ("bytes", str(len(f.payload)).encode())]
+        if dl.position >= 0:  # one event set aside: its place in the batch (frame.seq is the batch's)
+            headers += [("position", str(dl.position).encode()), ("event", dl.event.encode())]
         self._produce(self.dead_letter_topic, f"{model}/{replica}".encode(), value, headers)
 
     def flush(self, timeout: float = 10.0) -> int:
         return self.producer.flush(timeout) if self.producer is not None else 0
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, deadline_s: float = 30.0) -> None:
+        if self.producer is not None and (lost := flush_until(self.producer, deadline_s, "event batches")):
+            log.error("event=undelivered_at_close waiting=%d bootstrap=%s", lost, self.bootstrap)
         self.producer = None  # librdkafka's handle goes with the last reference
 
 

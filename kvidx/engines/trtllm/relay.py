@@ -75,6 +75,8 @@ class _Loose:
 class TrtllmPollRelay:
     """Relay logic for one trtllm-serve instance (all its attention-DP ranks), free of I/O."""
 
+    engine = "trtllm"
+
     def __init__(self, model: str, replica: str, index_block_size: int, block_size: int | None = None,
                  epoch: int | None = None, partial_reuse: bool = True):
         self.model = model
