@@ -50,8 +50,9 @@ import msgspec
 import numpy as np
 from fastapi.responses import Response
 
-from index_service.dynamo_api import Listener
+from index_service.dynamo_api import MAX_MODELS, MAX_REGISTRATIONS, Listener, live_replica
 from index_service.fanout import local_groups
+from index_service.guard import MAX_BLOCK_SIZE, MAX_DEPTH_ERROR, EndpointAllowList, bounded, name_error
 from index_service.store import ShardStore
 from index_service.wire import Reject
 from kvidx.core.hashing import prompt_hashes
@@ -70,13 +71,16 @@ REGISTER_FIELDS = ("block_size", "cache_group", "dp_rank", "endpoint", "hash_pro
 PROFILE_FIELDS = ("strategy", "algorithm", "python_hash_seed", "index_projection")
 QUERY_FIELDS = ("model", "block_size", "token_ids", "tenant_id", "lora_name", "cache_salt", "instance_id")
 UNREGISTER_FIELDS = ("dp_rank", "instance_id", "tenant_id")
+MAX_QUERY_TOKENS = 1 << 22  # token ids in one /query (a 16 MiB prompt): more is refused before use
 
 
 class Invalid(Exception):
     """The conductor's HttpValidationError: 400 {error, reason, field?, index?}."""
 
-    def __init__(self, error: str, reason: str, field: str | None = None, index: int | None = None):
+    def __init__(self, error: str, reason: str, field: str | None = None, index: int | None = None,
+                 status: int = 400):
         super().__init__(error)
+        self.status = status  # 400 as the conductor's; 403, 409, 413 for what kvidx refuses besides
         self.body: dict[str, Any] = {"error": error, "reason": reason}
         if field is not None:
             self.body["field"] = field
@@ -95,9 +99,10 @@ def reply(status: int, body: Any) -> Response:
 def decode_map(body: bytes, allowed: tuple[str, ...]) -> dict:
     """A request body: a msgpack map with string keys, none outside `allowed` (in the request's order)."""
     try:
-        obj = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
-        raise Invalid("Invalid msgpack object", "invalid_msgpack") from None
+        obj = bounded(msgspec.msgpack.decode, body)
+    except msgspec.DecodeError as e:
+        raise Invalid("Invalid msgpack object" + (f": {e}" if str(e) == MAX_DEPTH_ERROR else ""),
+                      "invalid_msgpack") from None
     if not isinstance(obj, dict):
         raise Invalid("request body must be a msgpack map", "invalid_msgpack")
     for k in obj:
@@ -118,6 +123,9 @@ def _text(obj: dict, name: str, required: bool = True, default: str = "") -> str
         raise Invalid(f"{name} must be a string", "invalid_type", name)
     if required and not v:
         raise Invalid(f"{name} must not be empty", "invalid_value", name)
+    bad = name_error(name, v, empty_ok=True)
+    if bad is not None:  # before it reaches a log line, a metric or the registrations topic
+        raise Invalid(bad, "invalid_value", name)
     return v
 
 
@@ -193,10 +201,16 @@ class Context:
 
 class ConductorRegistry:
     """The conductor's services and prefix contexts, with a relay per vLLM service (`start_relay` as in
-    DynamoRegistry: start(model, replica, dp_rank, endpoint, replay_endpoint, listener, 0) -> stop)."""
+    DynamoRegistry: start(model, replica, dp_rank, endpoint, replay_endpoint, listener, 0) -> stop).
+    A registration is refused, as DynamoRegistry's are, with an endpoint outside `allow` (403), one
+    that another source feeds (409: registered here under another key, in `others`, or a replica
+    holding blocks in `store`), or beyond `max_registrations` or `max_models` (409); block_size is in
+    1..MAX_BLOCK_SIZE."""
 
     def __init__(self, start_relay=None, owner: str = "local", log=None, start_pool_relay=None,
-                 set_pool=None, replica_groups=None):
+                 set_pool=None, replica_groups=None, allow: EndpointAllowList | None = None,
+                 store: ShardStore | None = None, max_registrations: int = MAX_REGISTRATIONS,
+                 max_models: int = MAX_MODELS):
         """`owner`: this instance's name; `log`: the registrations topic (index_service/registrations.py
         RegistrationLog), where registrations are kept beyond the process, or None. Type "Mooncake"
         services: `start_pool_relay` (relays/managed.py mooncake_relay_starter) follows the master,
@@ -210,8 +224,14 @@ class ConductorRegistry:
         self.owner = owner
         self.log = log
         self.services: dict[str, Service] = {}
-        self.contexts: dict[tuple[str, str, str, int], Context] = {}  # never deleted, as the conductor's
+        # a context goes with its last service (the conductor keeps its contexts: kvidx bounds them)
+        self.contexts: dict[tuple[str, str, str, int], Context] = {}
         self.lock = threading.Lock()
+        self.allow = allow if allow is not None else EndpointAllowList()
+        self.store = store
+        self.others: list = []  # registries whose endpoints are taken too (`feeds(endpoint)`)
+        self.max_registrations = max_registrations
+        self.max_models = max_models
 
     # ---- registration ---------------------------------------------------------------------------
     def register(self, body: bytes) -> tuple[int, dict]:
@@ -224,6 +244,9 @@ class ConductorRegistry:
             raise Invalid("block_size must be an integer", "invalid_type", "block_size")
         if bs <= 0:
             raise Invalid("block_size must be greater than zero", "out_of_range", "block_size")
+        if bs > MAX_BLOCK_SIZE:
+            raise Invalid(f"block_size must be at most {MAX_BLOCK_SIZE}", "out_of_range", "block_size",
+                          status=422)
         replay = _text(obj, "replay_endpoint", required=False)
         lora = _text(obj, "lora_name", required=False)
         tenant = _text(obj, "tenant_id", required=False) or "default"
@@ -246,12 +269,17 @@ class ConductorRegistry:
         if typ == "Mooncake" and self.replica_groups is not None and self.replica_groups(model) > 1:
             raise Invalid(f"type Mooncake: model {model} is split in replica groups, and kvidx credits a "
                           "registered pool within one group only", "unsupported", "type")
+        for name, value in (("endpoint", endpoint), ("replay_endpoint", replay)):
+            err = self.allow.error(name, value) if value else None
+            if err is not None:
+                raise Invalid(err, "forbidden_endpoint", name, status=403)
         svc = Service(endpoint, replay, typ, model, lora, tenant, iid, bs, rank, group, profile, self.owner)
         ok = {"status": "registered successfully", "instance_id": iid}
         with self.lock:
             old = self.services.get(svc.key)
             if old is not None and old == svc:
                 return 200, ok  # the same registration again: nothing new
+            self._taken(svc)
             self._add(svc)
         if self.log is not None:
             try:
@@ -265,6 +293,34 @@ class ConductorRegistry:
         log.info("event=conductor_register instance=%s dp_rank=%d model=%s endpoint=%s", iid, rank, model,
                  endpoint)
         return 200, ok
+
+    def _taken(self, svc: Service) -> None:
+        """Under the lock: Invalid (409) where `svc` would take over a replica another source feeds or go
+        beyond the bounds. The conductor's own conflicts (same key, same endpoint) are `_add`'s."""
+        mine = svc.key in self.services or any(s.endpoint == svc.endpoint for s in self.services.values())
+        if not mine:  # (a conflict here is the conductor's own, _add's)
+            for other in self.others:
+                who = other.feeds(svc.endpoint)
+                if who is not None:
+                    raise Invalid(f"endpoint {svc.endpoint} is fed already ({who})", "conflict", "endpoint",
+                                  status=409)
+            if self.store is not None and live_replica(self.store, svc.model, svc.endpoint):
+                raise Invalid(f"replica {svc.endpoint} of model {svc.model} is fed by another source (a "
+                              "relay publishing its events): a registration cannot take it over", "conflict",
+                              "endpoint", status=409)
+        if len(self.services) >= self.max_registrations:
+            raise Invalid(f"at most {self.max_registrations} registrations: unregister some first",
+                          "limit", status=409)
+        if self.store is not None and svc.model not in self.store.shards \
+                and len(self.store.shards) >= self.max_models:
+            raise Invalid(f"the index holds {len(self.store.shards)} models, at most {self.max_models}",
+                          "limit", "modelname", status=409)
+
+    def feeds(self, endpoint: str) -> str | None:
+        """Which registration here follows `endpoint` (None: none)."""
+        with self.lock:
+            return next((f"conductor registration {s.key}" for s in self.services.values()
+                         if s.endpoint == endpoint), None)
 
     def _add(self, svc: Service) -> None:
         """Under the lock: the conductor's conflict checks (Invalid), then the service and its context."""
@@ -294,6 +350,8 @@ class ConductorRegistry:
             ranks.discard(svc.dp_rank)
             if not ranks:
                 self.contexts[svc.context].instances.pop(svc.instance_id, None)
+        if svc is not None and not any(s.context == svc.context for s in self.services.values()):
+            self.contexts.pop(svc.context, None)  # reclaimed with its last service
         return svc
 
     def apply_record(self, key: str, rec: ConductorService | None) -> None:
@@ -383,12 +441,18 @@ class ConductorRegistry:
             raise Invalid("dp_rank must be a non-negative int", "invalid_value", "dp_rank")
         key = f"{iid}|{tenant}|{rank}"
         with self.lock:
-            svc = self._drop(key)
-            if svc is None:
+            if key not in self.services:
                 return 404, {"error": f"service not found: {key}"}
-        self._gone(svc)  # another instance's relay stops on the tombstone
-        if self.log is not None:
-            self.log.remove_conductor(key)
+        if self.log is not None:  # the tombstone first: a registration not removed for good stays
+            try:
+                self.log.remove_conductor(key)
+            except Exception as e:  # noqa: BLE001 - nothing is removed: the caller retries
+                return 503, {"error": f"the unregistration could not be kept (registrations topic): {e}",
+                             "reason": "unavailable"}
+        with self.lock:
+            svc = self._drop(key)
+        if svc is not None:
+            self._gone(svc)  # another instance's relay stops on the tombstone
         log.info("event=conductor_unregister key=%s", key)
         return 200, {"status": "unregistered successfully", "removed_instances": [key]}
 
@@ -441,6 +505,9 @@ class ConductorRegistry:
                     raise Invalid("block_size must be an integer", "invalid_type", k)
                 if v <= 0:
                     raise Invalid("block_size must be a positive integer", "out_of_range", k)
+                if v > MAX_BLOCK_SIZE:
+                    raise Invalid(f"block_size must be at most {MAX_BLOCK_SIZE}", "out_of_range", k,
+                                  status=422)
                 bs = v
             elif k == "token_ids":
                 tokens = _tokens(v)
@@ -524,6 +591,9 @@ class QueryArgs:
 
 def _tokens(v: Any) -> np.ndarray:
     """token_ids: a bin of little-endian int32, or an array of ints in the int32 range."""
+    if isinstance(v, (bytes, list)) and len(v) > MAX_QUERY_TOKENS * (4 if isinstance(v, bytes) else 1):
+        raise Invalid(f"token_ids: at most {MAX_QUERY_TOKENS} token ids", "out_of_range", "token_ids",
+                      status=413)
     if isinstance(v, bytes):
         if len(v) % 4:
             raise Invalid("token_ids bin size must be a multiple of 4", "invalid_value", "token_ids")
@@ -646,7 +716,8 @@ class Reach:
         return out[0], out[1], out[2]
 
 
-MAX_BODY = 8 << 20
+MAX_BODY = 8 << 20  # a /query (4 bytes a token id); a registration is small: MAX_REGISTER_BODY
+MAX_REGISTER_BODY = 64 << 10
 
 
 class ConductorPaths:
@@ -669,7 +740,7 @@ class ConductorPaths:
         if path in ("/register", "/unregister", "/query"):
             ctype = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), "")
             if scope["method"] == "POST" and is_msgpack(ctype):
-                body = await _read(receive)
+                body = await _read(receive, MAX_BODY if path == "/query" else MAX_REGISTER_BODY)
                 if body is None:
                     response = reply(413, {"error": "request body too large"})
                 elif path == "/query":
@@ -697,7 +768,7 @@ class ConductorPaths:
                 return reply(*reg.register(body))
             return reply(*reg.unregister(body))
         except Invalid as e:
-            return reply(400, e.body)
+            return reply(e.status, e.body)
 
     async def query(self, body: bytes, params: dict[str, str]) -> Response:
         """POST /query. A model split in replica groups: the groups this instance does not hold are asked
@@ -711,7 +782,7 @@ class ConductorPaths:
         try:
             q = self.registry.parse_query(body)
         except Invalid as e:
-            return reply(400, e.body)
+            return reply(e.status, e.body)
         if only:  # another instance's fan-out: this instance's part, for those groups
             return reply(200, {"reach": Reach(self.store, q, only).part()})
         missing = (self.store.missing_groups(q.model) if self.fanout is not None and only is None
@@ -733,13 +804,13 @@ class ConductorPaths:
         return reply(200, self.registry.answer(self.store, q, parts))
 
 
-async def _read(receive) -> bytes | None:
+async def _read(receive, limit: int) -> bytes | None:
     chunks, size = [], 0
     while True:
         msg = await receive()
         chunk = msg.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY:
+        if size > limit:
             return None
         chunks.append(chunk)
         if not msg.get("more_body"):

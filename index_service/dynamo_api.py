@@ -43,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from index_service.fanout import local_groups
+from index_service.guard import MAX_BLOCK_SIZE, MAX_DEPTH_ERROR, MAX_DP_RANK, EndpointAllowList, name_error
 from index_service.store import ShardStore
 from index_service.wire import Reject, read_split
 from kvidx.core.hashing import dynamo_keys, prompt_hashes
@@ -55,19 +56,31 @@ _M64 = (1 << 64) - 1
 MAX_BODY = 2 << 20  # Dynamo's (axum's) default body limit; 8 MiB for the query routes
 MAX_QUERY_BODY = 8 << 20
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
-U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64; JSON above 2^64 fails anyway
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64: <= 2^64 - 1 in __post_init__
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+DpRank = Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)]
+MAX_REGISTRATIONS = 1024  # (instance, DP rank) pairs: each costs a relay thread
+MAX_MODELS = 256  # models in the index: a registration of a new model beyond this is refused
+
+
+def _check_u64(instance_id: int) -> None:
+    if instance_id > _M64:  # msgspec's ValidationError, naming the field's path
+        raise ValueError("Expected `int` <= 18446744073709551615 - at `$.instance_id`")
 
 
 class RegisterRequest(msgspec.Struct):
     instance_id: U64
     endpoint: str
     model_name: str
-    block_size: U32
+    block_size: BlockSize
     routing_group: str = "default"
     tenant_id: str = "default"  # accepted and ignored, as Dynamo does
-    dp_rank: U32 | None = None
+    dp_rank: DpRank | None = None
     replay_endpoint: str | None = None
     additional_salt: str | None = None  # accepted and ignored, as Dynamo does
+
+    def __post_init__(self) -> None:
+        _check_u64(self.instance_id)
 
 
 class UnregisterRequest(msgspec.Struct):
@@ -75,7 +88,10 @@ class UnregisterRequest(msgspec.Struct):
     model_name: str
     routing_group: str | None = None
     tenant_id: str | None = None
-    dp_rank: U32 | None = None
+    dp_rank: DpRank | None = None
+
+    def __post_init__(self) -> None:
+        _check_u64(self.instance_id)
 
 
 class QueryRequest(msgspec.Struct):
@@ -106,7 +122,11 @@ class _QueryRest(QueryRequest, kw_only=True):
 def _query_rest(rest: bytes) -> _QueryRest:
     # decoded, then converted, as the ordinary path does (a typed decoder would skip unknown members
     # without checking them: invalid UTF-8 or 1e999 there must still be a 400)
-    return msgspec.convert(msgspec.json.decode(rest), _QueryRest)
+    try:
+        raw = msgspec.json.decode(rest)
+    except RecursionError:
+        raise msgspec.DecodeError(MAX_DEPTH_ERROR) from None
+    return msgspec.convert(raw, _QueryRest)
 
 
 def zmq_endpoint_error(endpoint: str) -> str | None:
@@ -166,28 +186,52 @@ class DynamoRegistry:
     `listener.status`. `log` (index_service/registrations.py: the compacted registrations topic) keeps
     the registrations beyond this process: `publish(Registration)`, `remove(instance_id, dp_rank)`;
     every instance applies the topic's records (`apply_record`), and the instance named `owner` runs
-    the relays of the registrations it took."""
+    the relays of the registrations it took.
 
-    def __init__(self, start_relay=None, owner: str = "local", log=None):
+    What a caller may not do (checked in `register` only: the topic's records were checked when taken):
+    give an endpoint outside `allow` (index_service.guard.EndpointAllowList; 403, and no connection is
+    made), a name with a control character or too long (400), take over a replica another source feeds
+    (409: the endpoint registered under another key here or in `others` - the conductor's registry -,
+    or a replica of that name holding blocks in `store`'s index), or register more than
+    `max_registrations` pairs or a model beyond `max_models` in the index (409)."""
+
+    def __init__(self, start_relay=None, owner: str = "local", log=None,
+                 allow: EndpointAllowList | None = None, store: ShardStore | None = None,
+                 max_registrations: int = MAX_REGISTRATIONS, max_models: int = MAX_MODELS):
         self.start_relay = start_relay
         self.owner = owner
         self.log = log
+        self.allow = allow if allow is not None else EndpointAllowList()
+        self.store = store
+        self.others: list = []  # registries whose endpoints are taken too (`feeds(endpoint)`)
+        self.max_registrations = max_registrations
+        self.max_models = max_models
         self.workers: dict[int, Worker] = {}
         self.block_sizes: dict[tuple[str, str], int] = {}  # (model, routing group) -> block size
         self.lock = threading.Lock()
 
     # ---- registration ---------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> tuple[int, dict]:
+        names = (("model_name", req.model_name), ("routing_group", req.routing_group),
+                 ("tenant_id", req.tenant_id), ("endpoint", req.endpoint),
+                 ("replay_endpoint", req.replay_endpoint or "-"))
+        err = next((e for f, v in names if (e := name_error(f, v)) is not None), None)
+        if err is not None:
+            return 400, {"error": err}
         err = zmq_endpoint_error(req.endpoint)
         if err is None and req.replay_endpoint is not None:
             rerr = zmq_endpoint_error(req.replay_endpoint)
             err = f"invalid replay endpoint `{req.replay_endpoint}`: {rerr}" if rerr else None
         if err is not None:
             return 400, {"error": err}
+        err = self.allow.error("endpoint", req.endpoint) or (
+            self.allow.error("replay_endpoint", req.replay_endpoint) if req.replay_endpoint else None)
+        if err is not None:
+            return 403, {"error": err}
         reg = Registration(REGISTRATIONS_VERSION, req.instance_id, req.dp_rank or 0, req.model_name,
                            req.routing_group, req.block_size, req.endpoint, req.replay_endpoint, self.owner)
         with self.lock:
-            conflict = self._conflict(reg)
+            conflict = self._conflict(reg) or self._taken(reg)
             if conflict is not None:
                 return 409, {"error": conflict}
             listener = self._add(reg)
@@ -216,6 +260,39 @@ class DynamoRegistry:
         if bs != reg.block_size:
             return (f"block_size mismatch for model={key[0]} routing_group={key[1]}: "
                     f"existing={bs}, requested={reg.block_size}")
+        return None
+
+    def _taken(self, reg: Registration) -> str | None:
+        """Under the lock: why `reg` would take over a replica another source feeds, or go beyond the
+        bounds (None: it does not)."""
+        for iid, w in self.workers.items():
+            for rank, x in w.listeners.items():
+                if x.endpoint == reg.endpoint:
+                    return (f"endpoint {reg.endpoint} is registered already (instance {iid} dp_rank {rank}): "
+                            "unregister it first")
+        for other in self.others:
+            who = other.feeds(reg.endpoint)
+            if who is not None:
+                return f"endpoint {reg.endpoint} is fed already ({who})"
+        if self.store is not None and live_replica(self.store, reg.model_name, reg.endpoint):
+            return (f"endpoint: replica {reg.endpoint} of model {reg.model_name} is fed by another source "
+                    "(a relay publishing its events): a registration cannot take it over")
+        count = sum(len(w.listeners) for w in self.workers.values())
+        if count >= self.max_registrations:
+            return (f"at most {self.max_registrations} registrations (instance, dp_rank): "
+                    "unregister some first")
+        if self.store is not None and reg.model_name not in self.store.shards \
+                and len(self.store.shards) >= self.max_models:
+            return f"model_name: the index holds {len(self.store.shards)} models, at most {self.max_models}"
+        return None
+
+    def feeds(self, endpoint: str) -> str | None:
+        """Which registration here follows `endpoint` (None: none)."""
+        with self.lock:
+            for iid, w in self.workers.items():
+                for rank, x in w.listeners.items():
+                    if x.endpoint == endpoint:
+                        return f"Dynamo registration of instance {iid} dp_rank {rank}"
         return None
 
     def _add(self, reg: Registration) -> Listener:
@@ -270,12 +347,17 @@ class DynamoRegistry:
                 ranks = [req.dp_rank]
             else:
                 ranks = list(w.listeners)
-            gone = {rank: self._drop(iid, rank) for rank in ranks}
-        for rank, listener in gone.items():
+        if self.log is not None:  # the tombstones first: a registration not removed for good stays
+            try:
+                for rank in ranks:
+                    self.log.remove(iid, rank)
+            except Exception as e:  # noqa: BLE001 - nothing is removed: the caller retries
+                return 503, {"error": f"the unregistration could not be kept (registrations topic): {e}"}
+        with self.lock:
+            gone = {rank: x for rank in ranks if (x := self._drop(iid, rank)) is not None}
+        for listener in gone.values():
             if listener.stop is not None:  # this instance's relay (another's stops on the tombstone)
                 listener.stop()
-            if self.log is not None:
-                self.log.remove(iid, rank)
         log.info("event=dynamo_unregister instance=%d ranks=%s model=%s", iid, sorted(gone), w.model_name)
         return 200, {"status": "ok"}
 
@@ -369,6 +451,13 @@ class DynamoRegistry:
             if x.stop is not None:
                 x.stop(False)
                 x.stop = None
+
+
+def live_replica(store: ShardStore, model: str, replica: str) -> bool:
+    """The index holds blocks of `replica` (any DP rank) in `model`: some source feeds it."""
+    shard = store.shards.get(model)
+    return shard is not None and any(st.blocks > 0 for (r, _), st in list(shard.replicas.items())
+                                     if r == replica)
 
 
 # ---- the query --------------------------------------------------------------------------------------
@@ -505,6 +594,8 @@ def _decode_body(body: bytes, typ: type):
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         return _text(400, f"Failed to parse the request body as JSON: {e}")
+    except RecursionError:
+        return _text(400, f"Failed to parse the request body as JSON: {MAX_DEPTH_ERROR}")
     try:
         return msgspec.convert(raw, typ)
     except msgspec.ValidationError as e:

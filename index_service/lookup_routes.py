@@ -97,7 +97,7 @@ async def binary_lookup(ctx: ServiceContext, request: Request) -> Response:
         body = await ctx.read_body(request, ctx.max_binary_bytes, "binary body")
         shard, hashes, n = ctx.pipeline.binary_prompt(model, body, q.get("lora_name"), q.get("cache_salt"))
         top_k = q.get("top_k")
-        if top_k is not None and not top_k.isdigit():
+        if top_k is not None and not (top_k.isascii() and top_k.isdigit() and len(top_k) <= 9):
             raise Reject(422, f"query parameter 'top_k' must be a positive integer, got {top_k[:20]!r}")
         answer = await answer_lookup(ctx, shard, hashes, n, False, int(top_k) if top_k else None)
         return ctx.respond("binary", t0, shard.model, n, answer, len(hashes))

@@ -58,11 +58,8 @@ class RegistrationLog:
         self._write(registration_key(reg.instance_id, reg.dp_rank), encode_record(reg))
 
     def remove(self, instance_id: int, dp_rank: int) -> None:
-        try:
-            self._write(registration_key(instance_id, dp_rank), None)
-        except RuntimeError as e:  # the relay is stopped and retracted already: say so, loudly
-            log.error("event=registration_tombstone_failed instance=%d dp_rank=%d error=%s", instance_id,
-                      dp_rank, e)
+        """The tombstone, acknowledged (RuntimeError if not: the registration stays, the caller says so)."""
+        self._write(registration_key(instance_id, dp_rank), None)
 
     def publish_sglang_worker(self, w: SglangWorker) -> None:
         self._write(sglang_worker_key(w.model, w.worker_id), encode_record(w))
@@ -71,15 +68,18 @@ class RegistrationLog:
         self._write(conductor_key(f"{c.instance_id}|{c.tenant_id}|{c.dp_rank}"), encode_record(c))
 
     def remove_conductor(self, service_key: str) -> None:
-        try:
-            self._write(conductor_key(service_key), None)
-        except RuntimeError as e:  # the relay is stopped and retracted already: say so, loudly
-            log.error("event=registration_tombstone_failed conductor_service=%s error=%s", service_key, e)
+        """The tombstone, acknowledged (RuntimeError if not), as `remove`."""
+        self._write(conductor_key(service_key), None)
 
     def follow(self, apply, sglang_worker=None, conductor=None) -> RegistrationLog:
         """From the topic's start, in a thread: `apply(key, Registration | None)` for every Dynamo
         record, `sglang_worker(SglangWorker)` for every SGLang worker's address, `conductor(service key,
-        ConductorService | None)` for every conductor registration."""
+        ConductorService | None)` for every conductor registration.
+
+        The records written before the start are read first and applied as the compacted topic's view
+        (per key its last record; a key whose last record is a tombstone not at all), once caught up:
+        a registration removed before a restart never starts its relay again, not even for a moment
+        (the relay's start clears its replica)."""
         self._thread = threading.Thread(target=self._run, args=(apply, sglang_worker, conductor), daemon=True,
                                         name="registrations")
         self._thread.start()
@@ -87,6 +87,30 @@ class RegistrationLog:
 
     def _run(self, apply, sglang_worker, conductor) -> None:
         c = consumer(self.bootstrap, "registrations")
+
+        def one(key: bytes, value: bytes | None, offset: int) -> None:
+            try:
+                if key.startswith(SGLANG_KEY_PREFIX):
+                    if sglang_worker is not None and value is not None:
+                        sglang_worker(decode_sglang_worker(value))
+                elif key.startswith(CONDUCTOR_KEY_PREFIX):
+                    if conductor is not None:
+                        conductor(key[len(CONDUCTOR_KEY_PREFIX):].decode(),
+                                  decode_conductor_service(value) if value is not None else None)
+                else:
+                    apply(key, decode_registration(value) if value is not None else None)
+            except (ValueError, TypeError) as e:
+                log.warning("event=registration_unreadable offset=%d error=%s", offset, e)
+
+        backlog: dict[bytes, tuple[bytes | None, int]] = {}  # before caught up: key -> its last record
+
+        def catch_up() -> None:
+            for key, (value, offset) in backlog.items():
+                if value is not None:  # a removed registration is not taken up again
+                    one(key, value, offset)
+            backlog.clear()
+            self.caught_up.set()
+
         try:
             _low, high = c.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=30)
             c.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
@@ -99,23 +123,16 @@ class RegistrationLog:
                 if msg.error() is not None:
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         log.warning("event=registrations_error error=%s", msg.error())
+                    elif not self.caught_up.is_set():  # the end, short of `high` (compacted away)
+                        catch_up()
                     continue
-                try:
-                    key, value = msg.key(), msg.value()
-                    if key.startswith(SGLANG_KEY_PREFIX):
-                        if sglang_worker is not None and value is not None:
-                            sglang_worker(decode_sglang_worker(value))
-                    elif key.startswith(CONDUCTOR_KEY_PREFIX):
-                        if conductor is not None:
-                            conductor(key[len(CONDUCTOR_KEY_PREFIX):].decode(),
-                                      decode_conductor_service(value) if value is not None else None)
-                    else:
-                        value = msg.value()
-                        apply(msg.key(), decode_registration(value) if value is not None else None)
-                except (ValueError, TypeError) as e:
-                    log.warning("event=registration_unreadable offset=%d error=%s", msg.offset(), e)
+                if self.caught_up.is_set():
+                    one(msg.key(), msg.value(), msg.offset())
+                    continue
+                backlog.pop(msg.key(), None)  # kept in the order of each key's last record
+                backlog[msg.key()] = (msg.value(), msg.offset())
                 if msg.offset() + 1 >= high:
-                    self.caught_up.set()
+                    catch_up()
         except Exception as e:  # noqa: BLE001 - a follower that stops must say why
             log.error("event=registrations_follower_stopped error=%s", e)
         finally:

@@ -13,9 +13,14 @@ is the run of leading hashes it holds in any tier, stopping at the first it miss
   acknowledged is lost; SGLang's in-memory backend loses everything with its process). The worker's
   address is kept on the registrations topic (schemas/registrations.py): every instance knows it, and a
   restart does not forget it. Every batch is applied, as SGLang's indexer does (its `seq` is not a
-  fence): kvidx orders a worker's batches by the receiving instance's clock (the epoch, in ns, never
-  going back), so a bridge that moves to another instance goes on. A worker is fed either by a bridge
-  or by a kvidx relay under one replica name, not both (their orders differ).
+  fence): kvidx orders a worker's batches by the receiving instance's clock, the epoch clock every
+  writer shares (kvidx.core.shard.wall_epoch: milliseconds; batches of one millisecond counted in
+  `seq`, never going back), so a bridge that moves to another instance goes on. A worker is fed either
+  by a bridge or by a kvidx relay under one replica name, not both: a batch for a worker id whose
+  replica a relay feeds (it holds blocks, and no bridge fed it before) is refused with ALREADY_EXISTS
+  and changes nothing. `worker_address` must be within the endpoint allow-list (index_service.guard:
+  the router sends the worker's requests there; INVALID_ARGUMENT, the address kept is unchanged) and
+  worker ids are names (no control characters, at most 256 characters).
 - `MatchExternalKvPrefix{hashes, max_blocks}`: per worker, the leading hashes it holds (any tier), longest
   first; workers without an address are left out (the router could not route to them). A worker known
   only from kvidx's own relays has its replica name as its address: name such replicas by the router's
@@ -24,7 +29,9 @@ is the run of leading hashes it holds in any tier, stopping at the first it miss
 - `GetExternalKvHitCounts{hashes}`: how many `count_as_hit` matches found each hash (hashes never found
   are left out); counted in this process, like SGLang's in-memory backend.
 
-Checks and status codes are SGLang's (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with its texts). SGLang's
+Checks and status codes are SGLang's (INVALID_ARGUMENT, RESOURCE_EXHAUSTED with its texts); a
+message that is no protobuf of the method's request is INVALID_ARGUMENT, and at most
+MAX_CONCURRENT_RPCS calls run at once (more: RESOURCE_EXHAUSTED). SGLang's
 tiers map to kvidx's: HBM = GPU, DRAM = CPU, SSD = DISK (kvidx's shared tiers are not reported). A model
 split in replica groups: the prefix query asks the other groups' holders over HTTP (`POST
 /internal/sglang/{model}/match_prefix?local=1&groups=...`, index_service/fanout.py) and merges per worker
@@ -53,11 +60,14 @@ from fastapi.responses import Response
 from google.protobuf.message import DecodeError
 
 from index_service.auth import RPC_SCOPES, Credentials, rpc_scope_needed
+from index_service.dynamo_api import live_replica
 from index_service.fanout import LOCAL_ONLY, local_groups
+from index_service.guard import EndpointAllowList, name_error
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
 from index_service.wire import Reject
 from kvidx.core.hashing import sglang_key
+from kvidx.core.shard import MAX_EPOCH_SKEW_MS, wall_epoch
 from schemas.events import (
     SCHEMA_VERSION,
     TIER_IDS,
@@ -75,6 +85,8 @@ SERVICE = "kv_indexer.v1.KVIndexer"
 MAX_HASHES_PER_REQUEST = 16_384  # SGLang's protocol bounds (service.rs)
 MAX_ACTIONS_PER_BATCH = 256
 MAX_HIT_ENTRIES = 1 << 20  # hit counters kept (oldest first out)
+MAX_CONCURRENT_RPCS = 64  # calls in progress at once; more are refused (RESOURCE_EXHAUSTED)
+MAX_PEER_BODY = 4 << 20  # a peer's MatchExternalKvPrefixRequest (16,384 hashes of <= 20 digits + framing)
 TIERS = {pb.TIER_HBM: "GPU", pb.TIER_DRAM: "CPU", pb.TIER_SSD: "DISK"}
 SGLANG_TIERS = {name: tier for tier, name in TIERS.items()}
 
@@ -137,8 +149,10 @@ class SglangIndexer:
     address durably (RegistrationLog.publish_sglang_worker), or None."""
 
     def __init__(self, store: ShardStore, model: str, publish: Callable[[EventBatch], None] | None = None,
-                 keep_address: Callable[[SglangWorker], None] | None = None, count=None):
+                 keep_address: Callable[[SglangWorker], None] | None = None, count=None,
+                 allow: EndpointAllowList | None = None):
         self.store = store
+        self.allow = allow if allow is not None else EndpointAllowList()
         self.model = model
         self.publish = publish
         self.keep_address = keep_address
@@ -148,8 +162,8 @@ class SglangIndexer:
         self.addresses: dict[str, str] = {}  # worker id -> address (the registrations topic's)
         self.hits: OrderedDict[str, int] = OrderedDict()  # least recently matched first
         self.hits_lock = threading.Lock()
-        self.epochs: dict[str, int] = {}  # worker -> its last batch's epoch (ns)
-        self.lock = threading.Lock()  # a batch's epoch is its order: taken and produced under it
+        self.clock: dict[str, tuple[int, int]] = {}  # worker -> its last batch's (epoch ms, seq)
+        self.lock = threading.Lock()  # a batch's (epoch, seq) is its order: taken and produced under it
 
     # ---- queries ------------------------------------------------------------------------------------
     def _group(self):
@@ -241,12 +255,21 @@ class SglangIndexer:
     def apply(self, req: pb.ApplyExternalKvBatchRequest) -> pb.ApplyExternalKvBatchResponse:
         if not req.worker_id:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "worker_id must not be empty")
+        bad = name_error("worker_id", req.worker_id) or (
+            self.allow.error("worker_address", req.worker_address) if req.worker_address else None)
+        if bad is not None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, bad)
         check_actions(req.actions)
         if self.publish is None:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                           "this kvidx instance takes no feed (it has no events topic to publish to)")
         w = req.worker_id
-        if self.addresses.get(w) != req.worker_address:  # every batch sets it (empty: unroutable)
+        known = self.addresses.get(w)
+        if known is None and live_replica(self.store, self.model, w):
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS,
+                          f"worker_id {w!r}: replica {w} of model {self.model} is fed by a kvidx relay; a "
+                          "feed cannot take it over (name the bridge's worker differently)")
+        if known != req.worker_address:  # every batch sets it (empty: unroutable)
             if self.keep_address is not None:  # kept before the batch is acknowledged
                 try:
                     self.keep_address(SglangWorker(REGISTRATIONS_VERSION, self.model, w, req.worker_address))
@@ -257,13 +280,25 @@ class SglangIndexer:
             return pb.ApplyExternalKvBatchResponse()  # SGLang: a no-op that refreshes the address
         events = action_events(req.actions)
         with self.lock:  # only the order is taken here; the broker's acknowledgement is awaited outside
-            now_ns = time.time_ns()
-            epoch = self.epochs[w] = max(now_ns, self.epochs.get(w, 0) + 1)
-            wait = self.publish(EventBatch(SCHEMA_VERSION, self.model, w, 0, epoch, 0, now_ns / 1e9,
-                                           now_ns / 1e9, 0, events))
+            epoch, seq = self.clock[w] = self._next(w)
+            now = time.time()
+            wait = self.publish(EventBatch(SCHEMA_VERSION, self.model, w, 0, epoch, seq, now, now, 0, events))
         if callable(wait):  # a ShardStore's apply answers a bool: applied already
             wait()
         return pb.ApplyExternalKvBatchResponse()
+
+    def _next(self, w: str) -> tuple[int, int]:
+        """Under the lock: the (epoch, seq) of the worker's next batch: this millisecond's epoch (seq 0),
+        or its last epoch's next seq where the clock has not moved on (or went back). A worker this
+        process has not fed yet goes on from what the index applied of it (an epoch that is no
+        milliseconds, ahead of the clock, does not count)."""
+        now = wall_epoch()
+        last = self.clock.get(w)
+        if last is None:
+            shard = self.store.shards.get(self.model)
+            st = shard.replicas.get((w, 0)) if shard is not None else None
+            last = (st.epoch, st.seq) if st is not None and st.epoch <= now + MAX_EPOCH_SKEW_MS else (-1, -1)
+        return (now, 0) if now > last[0] else (last[0], last[1] + 1)
 
     def learn_address(self, w: SglangWorker) -> None:
         """A record of the registrations topic (any instance's)."""
@@ -276,6 +311,9 @@ def _handler(indexer: SglangIndexer, method: str, call, request_type):
     def handle(request, context: grpc.ServicerContext):
         code, message, reply = grpc.StatusCode.OK, "", None
         try:
+            if isinstance(request, _Undecodable):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the message is no {request_type.DESCRIPTOR.name}: {request.why}"[:300])
             reply = call(request)
         except Refused as e:
             code, message = e.code, str(e)
@@ -291,8 +329,21 @@ def _handler(indexer: SglangIndexer, method: str, call, request_type):
             context.abort(code, message)
         return reply
 
-    return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=request_type.FromString,
+    def deserialize(raw: bytes):
+        try:
+            return request_type.FromString(raw)
+        except (DecodeError, RecursionError, ValueError) as e:  # answered INVALID_ARGUMENT, not INTERNAL
+            return _Undecodable(str(e) or type(e).__name__)
+
+    return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=deserialize,
                                                response_serializer=lambda m: m.SerializeToString())
+
+
+class _Undecodable:
+    """A request that is no protobuf of its method's message (what the deserializer hands the handler)."""
+
+    def __init__(self, why: str):
+        self.why = why
 
 
 class RequireScope(grpc.ServerInterceptor):
@@ -329,10 +380,12 @@ def start_server(indexer: SglangIndexer, address: str, workers: int = 8,
         "GetExternalKvHitCounts": (indexer.hit_counts, pb.GetExternalKvHitCountsRequest),
     }
     handlers = {name: _handler(indexer, name, call, typ) for name, (call, typ) in methods.items()}
-    # SGLang's own bound on a message (16,384 hashes of up to 20 digits, with framing)
+    # SGLang's own bound on a message (16,384 hashes of up to 20 digits, with framing); at most
+    # MAX_CONCURRENT_RPCS such messages are taken in at once
     limit = 64 << 20
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-grpc"),
                          interceptors=[RequireScope(credentials, indexer.count)] if credentials else [],
+                         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                          options=[("grpc.max_receive_message_length", limit),
                                   ("grpc.max_send_message_length", limit),
                                   ("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
@@ -363,11 +416,29 @@ def add_sglang_peer_route(app: FastAPI, indexers: dict[str, SglangIndexer]) -> N
             return Response(status_code=404)
         try:
             only = local_groups(request.query_params) or LOCAL_ONLY  # a peer's question: never fanned out
-            req = pb.MatchExternalKvPrefixRequest.FromString(await request.body())
+            body = await read_capped(request, MAX_PEER_BODY)
+            if body is None:
+                return Response(f"body: more than {MAX_PEER_BODY} bytes".encode(), status_code=413,
+                                media_type="text/plain")
+            req = pb.MatchExternalKvPrefixRequest.FromString(body)
             reply = indexer.match_prefix(req, only)
-        except (Reject, Refused, DecodeError) as e:
-            return Response(str(e).encode(), status_code=422, media_type="text/plain")
+        except (Reject, Refused, DecodeError, RecursionError) as e:
+            return Response(f"invalid request: {e}".encode()[:500], status_code=422, media_type="text/plain")
         return Response(reply.SerializeToString(), media_type=PROTOBUF)
+
+
+async def read_capped(request: Request, limit: int) -> bytes | None:
+    """The body, or None where it is (or says it is) more than `limit` bytes: not read further."""
+    cl = request.headers.get("content-length", "")
+    if cl.isascii() and cl.isdigit() and int(cl) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def remote_prefix(fanout, model: str, loop: asyncio.AbstractEventLoop):

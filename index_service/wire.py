@@ -7,15 +7,21 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
+from index_service.guard import MAX_DEPTH_ERROR, MAX_DP_RANK, MAX_NAME, NAME_PATTERN
 from kvidx.core.maskmap import split_token_ids
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 MAX_TOP_K = 4096
+MAX_COUNT = (1 << 31) - 1  # tokens of one prompt, a TTL's seconds ...: more is no request a router makes
+# names that reach logs, metrics and topics: bounded, no control characters (index_service.guard)
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME, pattern=NAME_PATTERN)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)]
 
 # Token ids as packed little-endian uint32, converted in C (array range-checks every id).
 _U32_CODE = next(c for c in ("I", "L") if array(c).itemsize == 4)
@@ -28,41 +34,41 @@ class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
     # msgspec bounds cannot express u64).
     token_ids: list[int] | None = None
     block_hashes: list[int] | None = None
-    prompt_tokens: int | None = None
+    prompt_tokens: Count | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
-    top_k: int | None = None  # only the best k replicas (by resumable tokens; /v1/rank: by price)
+    top_k: Count | None = None  # only the best k replicas (by resumable tokens; /v1/rank: by price)
 
 
 class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
     """A routing decision: the prompt (as in a lookup), where it went, and what the index credited."""
-    request_id: str
-    model: str
-    replica: str
-    dp_rank: int = 0
-    credited_tokens: int = 0
-    ttl_s: float | None = None
-    router: str = ""
+    request_id: Name
+    model: Name
+    replica: Name
+    dp_rank: Rank = 0
+    credited_tokens: Count = 0
+    ttl_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] | None = None
+    router: Name = ""
     # the lookup answer's evicting_tokens for this replica (eviction foresight), for the audit
-    evicting_tokens: int = 0
+    evicting_tokens: Count = 0
     token_ids: list[int] | None = None
     block_hashes: list[int] | None = None
-    prompt_tokens: int | None = None
+    prompt_tokens: Count | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
 
 
 class UsageRequest(msgspec.Struct, forbid_unknown_fields=True):
     """What an engine reused for a routed request (vLLM: usage.prompt_tokens_details.cached_tokens)."""
-    request_id: str
-    model: str
-    replica: str
-    prompt_tokens: int
-    cached_tokens: int
-    dp_rank: int = 0
-    engine: str = ""
-    tier: str = ""
-    router: str = ""
+    request_id: Name
+    model: Name
+    replica: Name
+    prompt_tokens: Count
+    cached_tokens: Count
+    dp_rank: Rank = 0
+    engine: Name = ""
+    tier: Name = ""
+    router: Name = ""
 
 
 LOOKUP_DECODER = msgspec.json.Decoder(LookupRequest)
@@ -91,6 +97,8 @@ def decode(decoder: msgspec.json.Decoder, body: bytes):
         raise Reject(422, f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
         raise Reject(400, f"invalid JSON: {e}") from None
+    except RecursionError:
+        raise Reject(400, f"invalid JSON: {MAX_DEPTH_ERROR}") from None
 
 
 def read_lookup(body: bytes) -> LookupRequest:
@@ -112,7 +120,7 @@ def read_split(decode_rest: Callable[[bytes], Any], body: bytes):
     rest, packed = parts
     try:
         req = decode_rest(rest)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return None
     req.token_ids = packed
     return req

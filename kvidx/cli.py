@@ -370,6 +370,7 @@ def cmd_serve(args) -> int:
     sglang_addresses = _sglang_indexer_addresses(args.sglang_indexer, args.host, args.port)
     t = topic_names(args.topic_prefix)
     settings = _shard_settings(args)
+    allow = _allow_list(args, settings.config)
     from kvidx.core.groups import parse_groups
 
     groups = None
@@ -418,12 +419,14 @@ def cmd_serve(args) -> int:
     registrations = RegistrationLog(b, t["registrations"])
     relay_sink = KafkaSink(b, t["events"], t["dead_letters"], replica_group=settings.config.replica_group)
     starter = vllm_relay_starter(relay_sink, settings.block_size)
-    dynamo = DynamoRegistry(starter, owner=name, log=registrations)
+    dynamo = DynamoRegistry(starter, owner=name, log=registrations, allow=allow, store=store)
     # Mooncake conductor's msgpack API: vLLM engines, and Mooncake Store masters as their shared pools
     conductor = ConductorRegistry(starter, owner=name, log=registrations,
                                   start_pool_relay=mooncake_relay_starter(relay_sink, settings.block_size),
                                   set_pool=store.set_registered_pool,
-                                  replica_groups=lambda model: settings.config.model(model).replica_groups)
+                                  replica_groups=lambda model: settings.config.model(model).replica_groups,
+                                  allow=allow, store=store)
+    dynamo.others, conductor.others = [conductor], [dynamo]  # an endpoint is followed once
     app = create_app(store, max_tokens=args.max_tokens, credentials=credentials,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
                      fanout=fanout, lmcache_lookup=args.lmcache_lookup)
@@ -434,7 +437,7 @@ def cmd_serve(args) -> int:
     for model, address in sglang_addresses:
         indexer = SglangIndexer(store, model, feed.publish_acked, registrations.publish_sglang_worker,
                                 lambda method, code: app.state.metrics.lookups.labels(f"sglang_{method}",
-                                                                                      code).inc())
+                                                                                      code).inc(), allow)
         sglang.append(indexer)
         try:
             grpc_servers.append(start_server(indexer, address, credentials=credentials)[0])
@@ -473,6 +476,22 @@ def cmd_serve(args) -> int:
             p.close()
         actuators.close()
     return 0
+
+
+def _allow_list(args, config):
+    """The endpoints registrations and feeds may name (index_service.guard.EndpointAllowList):
+    --allow-endpoints, else the configuration's allow_endpoints, else the default; exits with one line
+    naming a bad entry."""
+    from index_service.guard import DEFAULT_ALLOW, EndpointAllowList
+
+    text = args.allow_endpoints if args.allow_endpoints is not None else (
+        ",".join(config.allow_endpoints) if config.allow_endpoints is not None else ",".join(DEFAULT_ALLOW))
+    try:
+        allow = EndpointAllowList.parse(text)
+    except ValueError as e:
+        sys.exit(f"error: --allow-endpoints: {e}")
+    logging.getLogger("kvidx.service").info("event=endpoint_allow_list entries=%s", allow.text or "(none)")
+    return allow
 
 
 def cmd_shadow(args) -> int:
@@ -719,6 +738,12 @@ def _add_serve(sub) -> None:
     s.add_argument("--fanout-timeout-ms", type=float, default=250.0,
                    help="how long a lookup waits for the instances holding other groups; those that do "
                         "not answer in time are named in the answer (missing_groups)")
+    s.add_argument("--allow-endpoints", metavar="CIDR|HOST,...",
+                   help="the only endpoints Dynamo's and the conductor's /register and SGLang's feed may "
+                        "name (the service connects to them, routers route to them): CIDRs and host "
+                        "patterns, e.g. 10.0.0.0/8,*.svc.cluster.local; `any` for all (default: "
+                        "allow_endpoints in --config, else loopback, the private ranges and localhost; "
+                        "host names only where a pattern names them)")
     s.set_defaults(func=cmd_serve)
 
 

@@ -3,6 +3,7 @@ and the topology of shared caches. Everything has a default: no file is needed t
 
 ```toml
 pending_ttl_s = 10.0                      # how long a routed prompt counts as cached unconfirmed
+allow_endpoints = ["10.0.0.0/8", "*.svc.cluster.local"]  # what /register may name (default: private)
 
 [default]                                 # every model without its own section
 index_block_size = 16
@@ -94,6 +95,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     models: dict[str, ModelConfig] = {}
     pools: dict[str, PoolConfig] = {}
     pending_ttl_s: float = 10.0
+    # the endpoints registrations and feeds may name (CIDRs, host patterns: index_service.guard);
+    # None: the default (loopback, private ranges); `kvidx serve --allow-endpoints` overrides
+    allow_endpoints: list[str] | None = None
 
     def model(self, name: str) -> ModelConfig:
         return self.models.get(name, self.default)

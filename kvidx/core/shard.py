@@ -1,4 +1,5 @@
-"""A per-model index shard: the fold of relay events and the lookup walk. Pure: no I/O.
+"""A per-model index shard: the fold of relay events and the lookup walk. Pure: no I/O (but the log
+line of a refused batch).
 
 Layout (memory is the budget): each (replica, DP rank) gets a slot number; per KV-cache group and
 tier, one mask map (kvidx.core.maskmap: compiled where built, else a dict) maps a canonical block hash
@@ -9,10 +10,18 @@ several replicas costs one entry. The fold hands each event's hashes to the map 
 
 Idempotence: a batch is applied only if its (epoch, seq) is newer than the slot's last applied one,
 so Kafka redeliveries change nothing.
+
+Epochs are one clock for every writer (`wall_epoch`: wall-clock milliseconds, a relay's at its start,
+the SGLang feed's per batch): a batch whose epoch is more than MAX_EPOCH_SKEW_MS ahead of this
+process's clock is refused (counted in `future_epochs`), and a slot's epoch that far ahead (written
+under another rule, e.g. nanoseconds) no longer orders it, so no writer can make a replica's real
+events stale for ever.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 
 import msgspec
@@ -31,6 +40,13 @@ _LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)
 _CPU = TIER_IDS["CPU"]
 _GPU = TIER_IDS["GPU"]
 _native = native_module()
+MAX_EPOCH_SKEW_MS = 300_000  # how far a writer's clock may run ahead of this one (Kerberos's 5 minutes)
+log = logging.getLogger("kvidx.shard")
+
+
+def wall_epoch() -> int:
+    """The epoch clock every writer stamps batches with: wall-clock milliseconds."""
+    return int(time.time() * 1000)
 
 
 class ReplicaState(msgspec.Struct):
@@ -109,6 +125,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.by_slot: list[ReplicaState | None] = []
         self.groups: dict[int, GroupIndex] = {}
         self.blocks_applied = 0
+        self.future_epochs = 0  # batches refused: their epoch ran ahead of the clock (MAX_EPOCH_SKEW_MS)
         self.snapshot_id = 0  # the last durable snapshot this shard was written as or rebuilt from
         self.events_offset = 0  # next offset of the events partition after what is folded in
         self.events_partition = -1  # the events partition the model's key maps to, once known
@@ -260,7 +277,17 @@ class ModelShard(ShardWalk, ShardSnapshot):
 
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery)."""
+        latest = wall_epoch() + MAX_EPOCH_SKEW_MS
+        if batch.epoch > latest:
+            self.future_epochs += 1
+            if self.future_epochs & (self.future_epochs - 1) == 0:  # 1, 2, 4 ...: loud, never a flood
+                log.warning("event=batch_refused reason=future_epoch model=%s replica=%r dp_rank=%d epoch=%d "
+                            "refused=%d", self.model, batch.replica[:200], batch.dp_rank, batch.epoch,
+                            self.future_epochs)
+            return False
         st = self.replicas.get((batch.replica, batch.dp_rank)) or self.replica(batch.replica, batch.dp_rank)
+        if st.epoch > latest:  # another clock's epoch (a feed's nanoseconds): it orders nothing
+            st.epoch, st.seq, st.part = -1, -1, 0
         fold = self._fold
         if fold is not None and not (self.pending.masks or self.pending.window_masks or self.foresight.active
                                      or self.foresight.slots or st.slot in self.host_orders):

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from index_service.guard import EndpointAllowList
 from index_service.sglang_indexer import SglangIndexer, start_server
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
@@ -29,6 +30,8 @@ from tests.helpers import sglang_matches as matches
 
 ROOT = Path(__file__).resolve().parents[3]
 # SGLang's published vectors (sgl-router kv_events::hash cross-language tests): chain of [10..80], page 2
+# the workers' addresses these tests use (http://a:30000 ...): host names, not in the default allow-list
+TEST_HOSTS = EndpointAllowList(["a", "b", "c", "10.0.0.0/8"])
 CHAIN = [str(h) for h in (978178666101069530, -895308556211281782, -8033692805846017938, 835415944263129316)]
 
 
@@ -37,7 +40,7 @@ def served():
     store = ShardStore(16)
     store.ready = True
     kept = []
-    indexer = SglangIndexer(store, "qwen", store.apply, kept.append)
+    indexer = SglangIndexer(store, "qwen", store.apply, kept.append, allow=TEST_HOSTS)
     server, port = start_server(indexer, "127.0.0.1:0", workers=2)
     client = Client(port)
     try:
@@ -220,7 +223,7 @@ class Reference:
 def test_feed_and_queries_follow_sglangs_semantics(batches, query):
     store = ShardStore(16)
     store.ready = True
-    indexer = SglangIndexer(store, "m", store.apply)
+    indexer = SglangIndexer(store, "m", store.apply, allow=EndpointAllowList(["any"]))
     ref = Reference()
     for worker, actions in batches:
         req = pb.ApplyExternalKvBatchRequest(worker_id=worker, worker_address=f"http://{worker}",
