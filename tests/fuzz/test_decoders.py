@@ -7,12 +7,18 @@ mutated at the byte level (truncate, flip, insert, splice a hostile msgpack head
 arrays, 4 GB strings, deep nesting) and at the structure level (a node replaced by a value of another
 type, wrong tags, huge ints, NaN, long lists), plus arbitrary msgpack values.
 
-Properties:
-- decode_payload raises only msgspec.DecodeError / ValidationError;
+Properties (each checked against a second reading of the same bytes: msgspec's untyped msgpack decode,
+the "tree"):
+- decode_payload raises only msgspec.DecodeError / ValidationError, and refuses exactly when the tree
+  refuses or is not a batch envelope ([ts: number, events: list, rank: int or nil]); what it accepts
+  agrees with the tree (ts, rank, one event per tree event, each event's kind and block hashes);
 - on_frame never raises: bad frames become DeadLetters, the relay keeps going (a valid frame after the
   bad ones is relayed), and every batch it emits encodes, decodes and folds into a shard;
 - decode_batch / decode_route raise only DecodeError / ValidationError / ValueError (what the worker,
-  the follower and the service catch), and what they accept folds without an exception;
+  the follower and the service catch); they refuse whatever the tree refuses, or whose version is not
+  the schema's; what they accept is the tree field by field, encodes back to bytes that decode to the
+  same value, and folds (a batch into a shard: its replica's seq is the batch's; a route into a store:
+  applied once, its repeat refused as a duplicate);
 - bounded: hostile length headers allocate little (tracemalloc) and an oversized frame is rejected
   before it is decoded.
 
@@ -35,12 +41,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvidx.core.shard import ModelShard
+from kvidx.engines.common import Unreadable
 from kvidx.engines.contract import MAX_PAYLOAD, Frame
 from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.engines.vllm.wire import decode_payload
-from schemas.events import EventBatch, decode_batch, encode_batch
-from schemas.routes import RouteDecision, decode_route, encode_route
+from kvidx.engines.vllm.wire import AllBlocksCleared, decode_payload
+from schemas.events import SCHEMA_VERSION, EventBatch, decode_batch, encode_batch
+from schemas.routes import ROUTES_VERSION, RouteDecision, decode_route, encode_route
 from tests.fuzz.mutations import (
     ENC_PLACEHOLDER,
     FAST,
@@ -98,11 +105,60 @@ def payloads() -> st.SearchStrategy[bytes]:
 
 # ---- engine frames ----------------------------------------------------------------------------
 
-def _check_payload(data: bytes) -> None:
+def _tree(data: bytes) -> tuple[bool, object]:
+    """The reference reading: msgspec's untyped decode (True, value), or (False, None) if it refuses."""
     try:
-        decode_payload(data)
+        return True, msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return False, None
+
+
+def _number(x: object) -> bool:
+    return type(x) in (int, float)
+
+
+def _same_float(a: float, b: object) -> bool:
+    """A float field against the tree's number (an int is read as the float nearest to it)."""
+    if type(b) is int:
+        return a == float(b)
+    return a == b or (math.isnan(a) and isinstance(b, float) and math.isnan(b))
+
+
+def _envelope(tree: object) -> bool:
+    """vLLM's batch envelope: [ts, events, data_parallel_rank] (the rank optional or nil)."""
+    return (isinstance(tree, list) and len(tree) in (2, 3) and _number(tree[0]) and isinstance(tree[1], list)
+            and (len(tree) == 2 or tree[2] is None or type(tree[2]) is int))
+
+
+def _event_kind_and_hashes(ev: object) -> tuple[object, object]:
+    """A tree event's tag and block hashes: {"type": ..., "block_hashes": ...} or [tag, hashes, ...]."""
+    if isinstance(ev, dict):
+        return ev.get("type"), ev.get("block_hashes")
+    if isinstance(ev, list) and ev:
+        return ev[0], ev[1] if len(ev) > 1 and ev[0] != "AllBlocksCleared" else None
+    return None, None
+
+
+def _check_payload(data: bytes) -> None:
+    ok, tree = _tree(data)
+    try:
+        b = decode_payload(data)
     except DECODE_ERRORS:
-        pass
+        assert not ok or not _envelope(tree), "a well-formed batch envelope was refused"
+        return
+    assert ok and _envelope(tree), "bytes that are not a batch envelope were accepted"
+    assert _same_float(b.ts, tree[0])
+    assert b.data_parallel_rank == (tree[2] if len(tree) == 3 else None)
+    assert len(b.events) == len(tree[1])
+    for ev, t in zip(b.events, tree[1], strict=True):
+        kind, hashes = _event_kind_and_hashes(t)
+        if isinstance(ev, Unreadable):
+            enc = msgspec.msgpack.encode  # (compared encoded: NaN != NaN)
+            assert enc(msgspec.msgpack.decode(ev.raw)) == enc(t)
+            continue
+        assert kind == type(ev).__name__
+        if not isinstance(ev, AllBlocksCleared):
+            assert ev.block_hashes == hashes
 
 
 def _valid_clear(seq: int) -> Frame:
@@ -230,24 +286,54 @@ def test_oversized_frame_rejected_before_decoding(monkeypatch):
 
 # ---- event batches and routes (what the worker, the follower and the service read) ------------
 
+def _agrees(value: object, tree: object) -> bool:
+    """A decoded value (as builtins: array-like structs are lists) against the tree: equal, floats
+    read from ints or NaN alike, an array-like struct's omitted trailing fields its defaults (and
+    trailing items the struct does not know ignored)."""
+    if isinstance(value, float):
+        return _same_float(value, tree)
+    if isinstance(value, list) and isinstance(tree, list):
+        return all(_agrees(v, t) for v, t in zip(value, tree, strict=False))
+    if isinstance(value, dict) and isinstance(tree, dict):
+        return value.keys() == tree.keys() and all(_agrees(value[k], tree[k]) for k in value)
+    return type(value) is type(tree) and value == tree
+
+
+def _round_trips(value: object, encode, decode) -> None:
+    again = decode(encode(value))
+    assert msgspec.msgpack.encode(again) == msgspec.msgpack.encode(value)  # (NaN != NaN: bytes compared)
+
+
 def _check_batch(data: bytes) -> None:
+    ok, tree = _tree(data)
     try:
         b = decode_batch(data)
     except READER_ERRORS:
         return
-    assert isinstance(b, EventBatch)
-    ModelShard("fuzz", INDEX_BS).apply(b, time.time())
+    assert ok and isinstance(tree, list) and tree[0] == SCHEMA_VERSION, "accepted what the tree refuses"
+    assert isinstance(b, EventBatch) and _agrees(msgspec.to_builtins(b), tree)
+    _round_trips(b, encode_batch, decode_batch)
+    shard = ModelShard("fuzz", INDEX_BS)
+    now = time.time()
+    if shard.apply(b, now):  # (False: an epoch from the future, or not after a new replica's start)
+        st = shard.replicas[(b.replica, b.dp_rank)]
+        assert (st.epoch, st.seq) == (b.epoch, b.seq)
+        assert not shard.apply(again := decode_batch(data), now), again  # a redelivery folds nothing
 
 
 def _check_route(data: bytes) -> None:
     from index_service.store import ShardStore
 
+    ok, tree = _tree(data)
     try:
         d = decode_route(data)
     except READER_ERRORS:
         return
+    assert ok and isinstance(tree, list) and tree[0] == ROUTES_VERSION, "accepted what the tree refuses"
+    assert _agrees(msgspec.to_builtins(d), tree)
+    _round_trips(d, encode_route, decode_route)
     store = ShardStore(INDEX_BS)
-    store.apply_route(d)
+    assert store.apply_route(d) and not store.apply_route(d)  # the repeat is a duplicate
     shard = store.shards[d.model]
     shard.lookup(d.block_hashes[:64], max(1, d.prompt_tokens) if d.prompt_tokens < 1 << 30 else 1 << 20,
                  time.time())
