@@ -151,7 +151,7 @@ class MooncakeMirror:
                 elif isinstance(ev, Removed):
                     self._removed(ev, out, i)
                 else:
-                    self._cleared(ev, out)
+                    self._cleared(ev, out, i)
             except MirrorError as e:  # raised before the event changed the pool's state
                 self.set_aside.append(SetAside(i, "stored", e.reason, str(e)))
         if self._learned:
@@ -350,7 +350,11 @@ class MooncakeMirror:
         engine.append(h)
         release(self.refs, entry[1], tier, GROUP, hashes)
 
-    def _cleared(self, ev: Cleared, out: list[Event]) -> None:
+    def _cleared(self, ev: Cleared, out: list[Event], at: int = 0) -> None:
+        if ev.backend_id and not any(k[3] == ev.backend_id for k in self.live) and \
+                not any(k[2] == ev.backend_id for k in self.parked):
+            self.set_aside.append(SetAside(at, "cleared", UNKNOWN_HASH, "a backend with nothing held"))
+            return
         if not ev.backend_id or (all(k[3] == ev.backend_id for k in self.live)
                                  and all(k[2] == ev.backend_id for k in self.parked)):
             engine_cache_reset(self, out)

@@ -312,11 +312,13 @@ def _unreadable(raw: bytes, detail: str):
     from kvidx.engines.common import read_unreadable
 
     u = read_unreadable(raw, detail, _KIND_OF_LEGACY, ("seq_hashes", "block_hashes"), ("event_type", "type"))
-    if u.hashes is not None:  # as the mirror keys objects: u64
-        try:
-            u.hashes = [parse_hash(h, signed_ok=True) for h in u.hashes]
-        except (msgspec.ValidationError, ValueError, TypeError):
-            u.hashes = None
+    try:  # the hashes as the mirror keys objects (u64), in any of the wire's spellings (parse_hash)
+        obj = msgspec.msgpack.decode(raw)
+        hashes = next(obj[f] for f in ("seq_hashes", "block_hashes") if isinstance(obj.get(f), list))
+        u.hashes = [parse_hash(h, signed_ok=True) for h in hashes]
+    except (msgspec.ValidationError, msgspec.DecodeError, StopIteration, AttributeError, ValueError,
+            TypeError, RecursionError):
+        u.hashes = None
     return u
 
 
