@@ -18,7 +18,7 @@ from kvidx.core import maskmap
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
 NATIVE = maskmap.lookup_json is not None
-if not NATIVE and os.environ.get("KVIDX_REQUIRE_NATIVE") == "1":
+if not NATIVE and os.environ.get("KVIDX_REQUIRE_NATIVE") == "1" and os.environ.get("KVIDX_NATIVE") != "0":
     raise ImportError("KVIDX_REQUIRE_NATIVE=1 but kvidx_native has no lookup_json")
 NOW = 1_700_000_100.25
 
