@@ -35,6 +35,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.responses import Response
@@ -118,6 +119,7 @@ class Entry:
 _NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: what a header carries as is
 MIN_TOKEN_CHARS = 16  # of a named token (a bare token of the old form is taken as it is)
+BARE = "(token)"  # the name of the old form's one token (no named entry can be called so)
 
 
 def parse_credentials(text: str, source: str = "credentials") -> tuple[Entry, ...]:
@@ -130,7 +132,7 @@ def parse_credentials(text: str, source: str = "credentials") -> tuple[Entry, ..
         token = lines[0][1][0]
         if not _TOKEN.fullmatch(token):
             raise CredentialsError(f"{source}: the token has characters a header cannot carry")
-        return (Entry("token", frozenset(SCOPES), f"Bearer {token}".encode()),)
+        return (Entry(BARE, frozenset(SCOPES), f"Bearer {token}".encode()),)
     entries, names, tokens = [], set(), set()
     for n, words in lines:
         where = f"{source} line {n}"
@@ -172,18 +174,30 @@ class Refusal:
                         media_type=JSON)
 
 
+def _signature(path: str) -> tuple | None:
+    """What changes when the file does: os.stat follows symlinks, so a Kubernetes Secret's swapped
+    ..data directory gives a new inode; None while the file is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class Credentials:
     """The tokens the service accepts (from a file, re-read when it changes, or fixed) and the one its
     fan-out sends to the other instances (the entry named `peer_name`, or the single bare token)."""
 
     RECHECK_S = 1.0
 
-    def __init__(self, entries: tuple[Entry, ...], path: str | None = None, peer_name: str = "peer"):
+    def __init__(self, entries: tuple[Entry, ...], path: str | None = None, peer_name: str = "peer",
+                 clock: Callable[[], float] = time.monotonic):
         self.entries = entries
         self.path = path
         self.peer_name = peer_name
-        self._signature = self._stat() if path else None
-        self._next_check = time.monotonic() + self.RECHECK_S
+        self.clock = clock
+        self._signature = _signature(path) if path else None
+        self._next_check = clock() + self.RECHECK_S
         self._reload_lock = threading.Lock()
 
     @classmethod
@@ -192,8 +206,10 @@ class Credentials:
         return cls(parse_credentials(token, "token"))
 
     @classmethod
-    def from_file(cls, path: str, peer_name: str = "peer") -> Credentials:
+    def from_file(cls, path: str, peer_name: str = "peer", clock: Callable[[], float] = time.monotonic
+                  ) -> Credentials:
         """Credentials read from `path`; CredentialsError (one line naming the file) if they cannot be."""
+        signature = _signature(path)  # before the read: a change while reading is read again
         try:
             with open(path) as f:
                 text = f.read()
@@ -201,23 +217,18 @@ class Credentials:
             raise CredentialsError(f"{path}: {e.strerror or e}") from None
         except UnicodeDecodeError:
             raise CredentialsError(f"{path}: not text") from None
-        return cls(parse_credentials(text, path), path, peer_name)
-
-    def _stat(self) -> tuple | None:
-        try:
-            st = os.stat(self.path)  # follows symlinks: a Secret's swapped ..data directory included
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+        credentials = cls(parse_credentials(text, path), path, peer_name, clock)
+        credentials._signature = signature
+        return credentials
 
     def refresh(self) -> None:
         """Re-read the file if it changed (at most one look a second, from any thread)."""
-        now = time.monotonic()
+        now = self.clock()
         if self.path is None or now < self._next_check or not self._reload_lock.acquire(blocking=False):
             return
         try:
             self._next_check = now + self.RECHECK_S
-            signature = self._stat()
+            signature = _signature(self.path)
             if signature is None or signature == self._signature:
                 return  # a file gone mid-swap: the tokens in force stay so until it is back
             self._signature = signature
@@ -226,10 +237,9 @@ class Credentials:
                     self.entries = parse_credentials(f.read(), self.path)
             except (OSError, UnicodeDecodeError, CredentialsError) as e:
                 log.error("%s", kv(event="credentials_reload_failed", path=self.path,
-                                   error=str(e)[:300], kept=",".join(e.name for e in self.entries)))
+                                   error=str(e)[:300], kept=",".join(self.names())))
                 return
-            log.info("%s", kv(event="credentials_reloaded", path=self.path,
-                              names=",".join(e.name for e in self.entries)))
+            log.info("%s", kv(event="credentials_reloaded", path=self.path, names=",".join(self.names())))
         finally:
             self._reload_lock.release()
 
@@ -260,7 +270,7 @@ class Credentials:
         self.refresh()
         entries = self.entries
         chosen = next((e for e in entries if e.name == self.peer_name), None)
-        if chosen is None and len(entries) == 1 and entries[0].name == "token":
+        if chosen is None and len(entries) == 1 and entries[0].name == BARE:
             chosen = entries[0]
         return None if chosen is None else chosen.expected.decode()[len("Bearer "):]
 
