@@ -359,7 +359,7 @@ def test_eagle_randomized_agreement_and_bad_pairs():
         fed = _feed(eng, relay, shard, fed)
     assert reused_total > 0 and relay.mirror.stats["removed"] > 100
     assert relay.mirror.stats["remove_unknown"] == 0
-    # pairs that do not chain, or a page mixing ints and pairs: dead letters, the relay goes on
+    # pairs that do not chain, or a page mixing ints and pairs: set aside alone, the relay goes on
     enc = msgspec.msgpack.Encoder()
     bad = [{"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
             "token_ids": [[1, 2], [3, 4]], "block_size": 2, "lora_id": None},
@@ -368,5 +368,6 @@ def test_eagle_randomized_agreement_and_bad_pairs():
     reasons = []
     for k, ev in enumerate(bad):
         out = relay.on_frame(Frame(b"kv", eng.next_seq + k, enc.encode([1.0, [ev], 0]), 1, "eagle"))
-        reasons += [d.reason for d in out.dead]
+        reasons += [d.reason for d in out.set_aside]
+        assert not out.dead and out.batches
     assert reasons == ["broken_bigram_chain", "bad_bigram"]

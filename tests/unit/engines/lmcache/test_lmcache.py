@@ -112,7 +112,7 @@ def test_gpu_and_lmcache_copies_are_separate_tiers():
     assert m.lmcache.live  # the LMCache copy stays
 
 
-def test_bad_lmcache_events_are_dead_lettered_and_the_relay_goes_on():
+def test_bad_lmcache_events_are_set_aside_and_the_relay_goes_on():
     r = VllmPublisherRelay("m", "r", 16, engine_version="0.32.0")
     hashes_mode = ew.BlockStored([5], None, [2**40 + i for i in range(65)], 64, None, "cpu", None)
     too_many = ew.BlockStored([5], None, T[:70], 64, None, "cpu", None)
@@ -120,9 +120,10 @@ def test_bad_lmcache_events_are_dead_lettered_and_the_relay_goes_on():
     reasons = []
     for i, ev in enumerate([hashes_mode, too_many, two]):
         out = r.on_frame(Frame(b"kv", i, ew.payload([ev]), i, "e"))
-        reasons += [d.reason for d in out.dead]
+        assert not out.dead and out.batches  # each bad event is set aside alone, its batch goes out
+        reasons += [d.reason for d in out.set_aside]
     # hash-mode token ids beyond uint32 fail the wire's token-id check already; below it, the mirror's
-    assert reasons == ["malformed_payload", "lmcache_token_count", "lmcache_hash_count"]
+    assert reasons == ["undecodable_event", "lmcache_token_count", "lmcache_hash_count"]
     m = VllmMirror(16)
     with pytest.raises(Exception) as ei:
         m.lmcache.stored([5], None, [-1] + T[:64], 64, None, [], 0.0)
