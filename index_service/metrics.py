@@ -24,12 +24,17 @@ Series:
 - kvidx_events_lost_total                   event batches the events topic's retention deleted before
                                             the snapshot this instance rebuilt from had folded them
 Per replica (model, replica, dp_rank; only replicas that sent events, so routes to unknown replicas do
-not add series), read from the shards at scrape:
+not add series; at most MAX_REPLICA_SERIES replicas, the freshest, the rest counted in
+kvidx_replica_series_omitted), read from the shards at scrape:
 - kvidx_replica_batches_applied_total       engine batches applied (rate = the replica's batches/s)
 - kvidx_replica_blocks                      live (block, tier, group) entries
 - kvidx_replica_event_age_seconds           age of the last applied engine batch (freshness)
 - kvidx_replica_apply_lag_seconds           engine time to applied here, of the last batch
 - kvidx_replica_seq_gaps_total              batches missing between applied ones
+- kvidx_replica_series_omitted              replicas left out of the per-replica series (over the cap)
+Label values: model and replica names come from the index (the engines' events, registrations and
+SGLang's feed: writers holding a token of scope write or admin when credentials are set, names checked
+by index_service.guard), never from a lookup's or a route's fields (unknown models count as "other").
 Replica groups held by other instances (index_service.fanout):
 - kvidx_fanout_seconds                      histogram of the wait for the other instances' answers
 - kvidx_fanout_partial_total                lookups answered without some groups (no live holder,
@@ -58,6 +63,7 @@ from index_service.store import ShardStore
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
 from kvidx.core.shard import NATIVE_FOLD
 
+MAX_REPLICA_SERIES = 2048  # replicas with per-replica series (five each): beyond, the stalest are left out
 FORMS = ("json", "binary", "rank", "routes", "lmcache")  # lmcache: LMCache's POST /lookup
 # Lookups take ~50 us (short prompt, binary) to a few ms (32k tokens as JSON on a loaded box).
 LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3,
@@ -133,6 +139,8 @@ class _StoreCollector:
 
 
     def _replicas(self, now: float):
+        """The per-replica series, of the MAX_REPLICA_SERIES replicas that applied a batch last (a
+        registration or feed of many replica names cannot make a scrape grow without bound)."""
         labels = ["model", "replica", "dp_rank"]
         batches = CounterMetricFamily("kvidx_replica_batches_applied", "Engine batches applied, per replica",
                                       labels=labels)
@@ -145,17 +153,21 @@ class _StoreCollector:
         gaps = CounterMetricFamily("kvidx_replica_seq_gaps", "Engine batches missing between applied ones",
                                    labels=labels)
         with self.store.lock:
-            for model, shard in sorted(self.store.shards.items()):
-                for st in shard.replicas.values():
-                    if not st.batches:
-                        continue
-                    key = [model, st.replica, str(st.dp_rank)]
-                    batches.add_metric(key, st.batches)
-                    blocks.add_metric(key, st.blocks)
-                    age.add_metric(key, max(0.0, now - st.engine_ts))
-                    lag.add_metric(key, max(0.0, st.applied_ts - st.engine_ts))
-                    gaps.add_metric(key, st.seq_gaps)
+            live = [(model, st) for model, shard in self.store.shards.items()
+                    for st in shard.replicas.values() if st.batches]
+            if len(live) > MAX_REPLICA_SERIES:
+                live.sort(key=lambda ms: -ms[1].applied_ts)
+            omitted = max(0, len(live) - MAX_REPLICA_SERIES)
+            for model, st in sorted(live[:MAX_REPLICA_SERIES], key=lambda ms: (ms[0], ms[1].replica)):
+                key = [model, st.replica, str(st.dp_rank)]
+                batches.add_metric(key, st.batches)
+                blocks.add_metric(key, st.blocks)
+                age.add_metric(key, max(0.0, now - st.engine_ts))
+                lag.add_metric(key, max(0.0, st.applied_ts - st.engine_ts))
+                gaps.add_metric(key, st.seq_gaps)
         yield from (batches, blocks, age, lag, gaps)
+        yield GaugeMetricFamily("kvidx_replica_series_omitted", "Replicas left out of the per-replica "
+                                "series (more than MAX_REPLICA_SERIES applied batches)", value=omitted)
 
 
 GC_BUCKETS = (1e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0)
