@@ -301,7 +301,7 @@ def test_conformance_fixture(case, host):
     assert {str(h): (0 if n.tier == "GPU" else 1) for h, n in mirror.nodes.items()} == engine["blocks"]
     assert _credits(d) == [{"i": r["i"], "cached_tokens": r["cached_tokens"], "credited": r["cached_tokens"]}
                            for r in reqs]
-    ag, shard, relay = run_shadow(d / "events.jsonl", d / "requests.jsonl", index_block_size=1, engine_block=B)
+    ag, _, _ = run_shadow(d / "events.jsonl", d / "requests.jsonl", index_block_size=1, engine_block=B)
     prompt = sum(len(r["prompt_token_ids"]) for r in reqs)
     reused = sum(r["cached_tokens"] for r in reqs)
     assert ag.summary() == {"requests": len(reqs), "prompt_tokens": prompt, "reused_tokens": reused,
