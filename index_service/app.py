@@ -81,7 +81,7 @@ def _telemetry() -> dict:
 def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None,
                credentials: Credentials | None = None, publish_usage=None, feedback=None,
                dynamo: DynamoRegistry | None = None, conductor: ConductorRegistry | None = None, fanout=None,
-               lmcache_lookup: str | None = None) -> FastAPI:
+               lmcache_lookup: str | None = None, probes_open: bool = True) -> FastAPI:
     """`credentials` (index_service.auth.Credentials): when set, every request but GET /healthz and
     /metrics must carry `Authorization: Bearer <token>` of a token with the path's scope (401 without or
     with a wrong one, 403 without the scope); `auth_token`: one token granting every scope.
@@ -93,7 +93,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     msgpack API on the same paths (index_service/conductor_api.py), told apart by the content type.
     `fanout` (index_service.fanout.Fanout): how an instance holding some replica groups asks for the
     others. `lmcache_lookup`: the model LMCache's controller lookup (POST /lookup) answers for
-    (index_service/lmcache_api.py)."""
+    (index_service/lmcache_api.py). `probes_open` False: /healthz and /metrics need a token too (they
+    are served open on an ops port: index_service.status_routes.ops_app)."""
     # /docs and /redoc with their JavaScript and CSS served by the service itself (fastapi-offline
     # ships them): the default pages load them from a CDN, which a cluster without internet lacks
     app = LookupApp.of(title="kvidx lookup service", version="1", telemetry=_telemetry())
@@ -127,6 +128,6 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     if conductor is not None:  # outside Dynamo's /query: its msgpack /query goes first
         app.add_middleware(ConductorPaths, store=store, registry=conductor, fanout=fanout, metrics=metrics)
     if credentials is not None:  # added last: outermost, so it guards every other route and middleware
-        app.add_middleware(RequireScope, credentials=credentials)
+        app.add_middleware(RequireScope, credentials=credentials, probes_open=probes_open)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))
     return app

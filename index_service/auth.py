@@ -9,7 +9,8 @@ Scopes (docs/operations.md, "Security"):
 - `admin`: what makes the service connect out, forget, or show the fleet (Dynamo's and the conductor's
   /register and /unregister, /dump, /workers, /services, /global_view) and the instances' internal
   routes (/internal/...).
-GET /healthz and /metrics stay open to probes and scrapers. A path not in `PATH_SCOPES` needs `admin`:
+GET /healthz and /metrics stay open to probes and scrapers (with `kvidx serve --ops-port` they are
+served open on that port, and need `read` on the API's). A path not in `PATH_SCOPES` needs `admin`:
 a route added without an entry is closed, not open (tests/security/test_auth_matrix.py lists them all).
 
 The credentials file (`kvidx serve --auth-token-file FILE`), one token a line, `#` comments:
@@ -280,17 +281,19 @@ class Credentials:
 
 class RequireScope:
     """ASGI middleware, outermost: every HTTP request needs a token with its path's scope
-    (`scope_needed`) before anything else of the app reads it. (The routers' lookups are taken before
-    the app's middleware and checked there: index_service.hot_path.HotPath.)"""
+    (`scope_needed`) before anything else of the app reads it; `probes_open` False: /healthz and
+    /metrics need `read` too (they are served open on an ops port). (The routers' lookups are taken
+    before the app's middleware and checked there: index_service.hot_path.HotPath.)"""
 
-    def __init__(self, app, credentials: Credentials):
+    def __init__(self, app, credentials: Credentials, probes_open: bool = True):
         self.app = app
         self.credentials = credentials
+        self.open_scope = None if probes_open else READ
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
-            needed = scope_needed(path)
+            needed = scope_needed(path) or self.open_scope
             if needed is not None:
                 header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
                 refused = self.credentials.refusal(header, needed, f"{scope['method']} {path}")

@@ -21,6 +21,7 @@ behaviour over real sockets. Without httptools (uvicorn's h11 protocol) `http_pr
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 
@@ -152,11 +153,31 @@ def server_config(app, host: str, port: int, **kwargs) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, http=http_protocol(app), **kwargs)
 
 
-def serve(app, host: str, port: int, **kwargs) -> None:
+def serve(app, host: str, port: int, ops: tuple[object, int] | None = None, **kwargs) -> None:
     """Serve the app until stopped. What exists by now (modules, the app, its routes) is frozen out of
     the garbage collector's full collections first: one over it stalls the event loop ~40 ms on this
     machine, which at 2,000 lookups/s was the service's p99 (index_service.follower freezes what its
     rebuild made, likewise). Requests leave no garbage cycles (tests/unit/index_service/
-    test_http_protocol.py), so collections are rare."""
+    test_http_protocol.py), so collections are rare. `ops`: (an app, its port) served beside, on the
+    same host and event loop (index_service.status_routes.ops_app: probes and scrapers), started and
+    stopped with the app."""
+    if ops is not None:
+        serve_beside(app, uvicorn.Server(uvicorn.Config(ops[0], host=host, port=ops[1], access_log=False,
+                                                        lifespan="off", log_level=kwargs.get("log_level"))))
     gc.freeze()
     uvicorn.Server(server_config(app, host, port, **kwargs)).run()
+
+
+def serve_beside(app, other: uvicorn.Server) -> None:
+    """Run `other` in `app`'s event loop from its start-up to its shutdown."""
+    running = []
+
+    async def start() -> None:
+        running.append(asyncio.create_task(other.serve()))
+
+    async def stop() -> None:
+        other.should_exit = True
+        await asyncio.gather(*running)
+
+    app.router.on_startup.append(start)
+    app.router.on_shutdown.append(stop)

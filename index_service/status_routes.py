@@ -1,6 +1,6 @@
 """The read-only routes: GET /healthz (readiness and whether tokens are required, open to probes),
 GET /v1/models (the models indexed, with a freshness summary) and GET /metrics (Prometheus text, open
-to scrapers)."""
+to scrapers; or, with `kvidx serve --ops-port`, on an app of their own there: `ops_app`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from index_service.context import ServiceContext, json_response
+from index_service.errors import one_error_shape
 from index_service.responses import errors, ok
 from kvidx.core.shard import ModelShard
 
@@ -69,3 +70,12 @@ def add_status_routes(app: FastAPI, ctx: ServiceContext, auth: tuple[int, ...]) 
         "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def ops_app(app: FastAPI) -> FastAPI:
+    """GET /healthz and /metrics of `app` (the same routes), alone: what an ops port serves, open, to
+    probes and scrapers, while the API's port asks a token for them too."""
+    ops = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    one_error_shape(ops)
+    ops.router.routes.extend(r for r in app.routes if getattr(r, "path", None) in ("/healthz", "/metrics"))
+    return ops

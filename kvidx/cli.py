@@ -351,6 +351,7 @@ def cmd_serve(args) -> int:
     from index_service.http_protocol import serve
     from index_service.registrations import RegistrationLog
     from index_service.sglang_indexer import SglangIndexer, add_sglang_peer_route, remote_prefix, start_server
+    from index_service.status_routes import ops_app
     from index_service.store import ShardStore
     from kvidx.engines.lmcache.actuator import HintActuators
     from kvidx.kafka.reach import resolve_bootstrap
@@ -367,6 +368,8 @@ def cmd_serve(args) -> int:
     credentials = _load_credentials(args)
     if _port_in_use(args.host, args.port):
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
+    if args.ops_port is not None and (args.ops_port == args.port or _port_in_use(args.host, args.ops_port)):
+        sys.exit(f"error: --ops-port {args.ops_port} is in use (or is --port): pass another port")
     sglang_addresses = _sglang_indexer_addresses(args.sglang_indexer, args.host, args.port)
     t = topic_names(args.topic_prefix)
     settings = _shard_settings(args)
@@ -429,7 +432,7 @@ def cmd_serve(args) -> int:
     dynamo.others, conductor.others = [conductor], [dynamo]  # an endpoint is followed once
     app = create_app(store, max_tokens=args.max_tokens, credentials=credentials,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
-                     fanout=fanout, lmcache_lookup=args.lmcache_lookup)
+                     fanout=fanout, lmcache_lookup=args.lmcache_lookup, probes_open=args.ops_port is None)
     # SGLang's external-indexer API (gRPC): its feed publishes to the events topic, batch by acked batch
     feed = KafkaSink(b, t["events"], t["dead_letters"], replica_group=settings.config.replica_group
                      ) if sglang_addresses else None
@@ -459,7 +462,8 @@ def cmd_serve(args) -> int:
     log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
     try:
-        serve(app, args.host, args.port, log_level="warning")
+        ops = (ops_app(app), args.ops_port) if args.ops_port is not None else None
+        serve(app, args.host, args.port, ops=ops, log_level="warning")
     finally:
         for server in grpc_servers:
             server.stop(2)
@@ -712,6 +716,9 @@ def _add_serve(sub) -> None:
                         "(read, write, admin). FILE: lines `name scope[,scope] token`, or one bare token "
                         "granting every scope; read again when it changes (docs/operations.md, Security). "
                         "Or set $KVIDX_API_TOKEN (one token, every scope). Without either every API is open")
+    s.add_argument("--ops-port", type=int, default=None, metavar="PORT",
+                   help="serve GET /healthz and /metrics open on this port (same --host) for probes and "
+                        "scrapers; on --port they then need a token of scope read too")
     s.add_argument("--peer-credential", default="peer", metavar="NAME",
                    help="the entry of --auth-token-file whose token this instance sends to the other "
                         "instances (--groups fan-out; needs read, and admin for SGLang's); a single bare "

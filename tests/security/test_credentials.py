@@ -294,3 +294,40 @@ def test_healthz_says_whether_auth_is_on():
         r = httpx.get(f"{url}/healthz")  # open without a token, like /metrics
         assert r.status_code == 200 and r.json()["auth"] == "on"
         assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_an_ops_port_serves_probes_open_and_the_api_port_asks_a_token():
+    """`kvidx serve --ops-port`: /healthz and /metrics open on their own port (served in the API's
+    event loop, started and stopped with it), and behind the token on the API's."""
+    import uvicorn
+
+    from index_service.http_protocol import serve_beside
+    from index_service.status_routes import ops_app
+
+    store = seeded_store()
+    app = create_app(store, credentials=Credentials(parse_credentials(f"router read {OLD}\n")),
+                     probes_open=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ops_port = s.getsockname()[1]
+    serve_beside(app, uvicorn.Server(uvicorn.Config(ops_app(app), host="127.0.0.1", port=ops_port,
+                                                    lifespan="off", log_level="warning")))
+    ops = f"http://127.0.0.1:{ops_port}"
+    with ServerThread(app) as url:
+        wait_for(lambda: _answers(f"{ops}/healthz"), timeout=30, what="the ops port")
+        health = httpx.get(f"{ops}/healthz")
+        assert health.status_code == 200 and health.json()["auth"] == "on"
+        assert b"kvidx_ready 1.0" in httpx.get(f"{ops}/metrics").content
+        missing = httpx.get(f"{ops}/v1/models")  # nothing else there
+        assert missing.status_code == 404 and "error" in missing.json()
+        for path in ("/healthz", "/metrics"):
+            assert httpx.get(f"{url}{path}").status_code == 401
+            assert httpx.get(f"{url}{path}", headers=bearer(OLD)).status_code == 200
+    assert not _answers(f"{ops}/healthz")  # stopped with the API
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
