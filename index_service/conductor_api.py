@@ -740,7 +740,7 @@ class ConductorPaths:
         if path in ("/register", "/unregister", "/query"):
             ctype = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), "")
             if scope["method"] == "POST" and is_msgpack(ctype):
-                body = await _read(receive, MAX_BODY if path == "/query" else MAX_REGISTER_BODY)
+                body = await _read(receive, scope, MAX_BODY if path == "/query" else MAX_REGISTER_BODY)
                 if body is None:
                     response = reply(413, {"error": "request body too large"})
                 elif path == "/query":
@@ -804,7 +804,11 @@ class ConductorPaths:
         return reply(200, self.registry.answer(self.store, q, parts))
 
 
-async def _read(receive, limit: int) -> bytes | None:
+async def _read(receive, scope, limit: int) -> bytes | None:
+    """The body, or None where it is (or says it is) more than `limit` bytes: not read further."""
+    cl = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+    if cl.isdigit() and int(cl) > limit:
+        return None
     chunks, size = [], 0
     while True:
         msg = await receive()

@@ -53,7 +53,7 @@ from schemas.registrations import REGISTRATIONS_VERSION, Registration
 log = logging.getLogger("kvidx.dynamo_api")
 
 _M64 = (1 << 64) - 1
-MAX_BODY = 2 << 20  # Dynamo's (axum's) default body limit; 8 MiB for the query routes
+MAX_BODY = 64 << 10  # a registration is small (axum's default limit is 2 MiB); 8 MiB for the query routes
 MAX_QUERY_BODY = 8 << 20
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64: <= 2^64 - 1 in __post_init__
@@ -575,12 +575,17 @@ async def _raw_body(request: Request, limit: int) -> bytes | Response:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
         return _text(415, "Expected request with `Content-Type: application/json`")
-    body = b""
+    too_large = _text(413, "Failed to buffer the request body: length limit exceeded")
+    cl = request.headers.get("content-length", "")
+    if cl.isascii() and cl.isdigit() and int(cl) > limit:
+        return too_large  # refused before a byte of it is read
+    chunks, size = [], 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            return _text(413, "Failed to buffer the request body: length limit exceeded")
-    return body
+        size += len(chunk)
+        if size > limit:
+            return too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _decode_body(body: bytes, typ: type):

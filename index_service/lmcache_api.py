@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from index_service.context import ServiceContext
+from index_service.guard import bounded
 from index_service.lookup_routes import answer_lookup
 from index_service.wire import Reject
 from kvidx.core.answers import LOOKUP_ANSWER_DECODER
@@ -80,7 +81,7 @@ def add_lmcache_routes(app: FastAPI, ctx: ServiceContext, model: str) -> None:
         try:
             body = await ctx.read_body(request, ctx.max_json_bytes, "JSON body")
             try:
-                req = _decoder.decode(body)
+                req = bounded(_decoder.decode, body)
             except msgspec.DecodeError as e:
                 raise Reject(422, f"a lookup is {{\"tokens\": [token ids]}}: {e}") from None
             if not req.tokens:

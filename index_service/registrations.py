@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Producer, TopicPartition
 
 from kvidx.kafka.config import client_config
 from kvidx.ops.kafkalog import consumer
@@ -31,6 +32,9 @@ from schemas.registrations import (
 )
 
 log = logging.getLogger("kvidx.registrations")
+# a topic just made: its partition's leader not elected yet
+_NOT_YET = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+            KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TIMED_OUT}
 
 
 class RegistrationLog:
@@ -112,7 +116,7 @@ class RegistrationLog:
             self.caught_up.set()
 
         try:
-            _low, high = c.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=30)
+            high = self._end(c)
             c.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
             if high <= 0:
                 self.caught_up.set()
@@ -137,6 +141,17 @@ class RegistrationLog:
             log.error("event=registrations_follower_stopped error=%s", e)
         finally:
             c.close()
+
+    def _end(self, c) -> int:
+        """The topic's end offset; a broker still electing the partition's leader (a topic just made)
+        is asked again, for up to a minute."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return c.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=30)[1]
+            except KafkaException as e:
+                if e.args[0].code() not in _NOT_YET or time.monotonic() > deadline or self._stop.wait(1.0):
+                    raise
 
     def close(self) -> None:
         self._stop.set()
