@@ -2,8 +2,8 @@
 
 Each mutation of scripts/mutations.toml (a file, an exact text that occurs once in it, its replacement,
 the builds it must be caught in, the tests that must catch it) is applied alone to a scratch copy of
-the repository (`git archive` of a commit, default HEAD: the work tree is never touched) and that
-mutation's tests are run there, in each of its builds:
+the repository (the work tree's files as they are, or `--rev`: `git archive` of a commit; the work
+tree itself is never touched) and that mutation's tests are run there, in each of its builds:
 
 - `python`: KVIDX_NATIVE=0, the pure-Python core;
 - `native`: the compiled core (KVIDX_REQUIRE_NATIVE=1). For a mutation of native/ (Rust), the mutated
@@ -85,13 +85,25 @@ def load(path: Path) -> list[Mutation]:
     return out
 
 
-def scratch_copy(rev: str, dest: Path) -> None:
-    """The tracked files of `rev` (git archive): no venv, no build output, no one's uncommitted work."""
-    tar = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True)
-    if tar.returncode:
-        raise Fail(f"git archive {rev}: {tar.stderr.decode().strip()}")
-    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
-        t.extractall(dest, filter="data")
+def scratch_copy(rev: str | None, dest: Path) -> None:
+    """The files of commit `rev` (git archive), or with None the work tree's files as they are (tracked
+    and untracked, not ignored: no venv, no build output)."""
+    if rev is not None:
+        tar = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True)
+        if tar.returncode:
+            raise Fail(f"git archive {rev}: {tar.stderr.decode().strip()}")
+        with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+            t.extractall(dest, filter="data")
+        return
+    ls = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                        capture_output=True)
+    if ls.returncode:
+        raise Fail(f"git ls-files: {ls.stderr.decode().strip()}")
+    for name in ls.stdout.decode().split("\0"):
+        src = ROOT / name
+        if name and src.is_file():  # (a tracked file deleted in the work tree is left out)
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
 
 
 def apply(copy: Path, m: Mutation) -> str:
@@ -164,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "scratch copy, run its tests in its builds, report the survivors.")
     ap.add_argument("-k", action="append", default=[], metavar="WORD",
                     help="only the mutations whose name contains WORD (repeatable)")
-    ap.add_argument("--rev", default="HEAD", help="the commit to mutate (default HEAD)")
+    ap.add_argument("--rev", default=None,
+                    help="the commit to mutate (default: the work tree as it is, uncommitted files included)")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--file", type=Path, default=LIST,
                     help="the mutation list (default scripts/mutations.toml)")
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _run(muts: list[Mutation], rev: str) -> int:
+def _run(muts: list[Mutation], rev: str | None) -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvidx-mutations-") as tmp:
         copy, overlay = Path(tmp) / "repo", Path(tmp) / "overlay"
