@@ -26,6 +26,7 @@ from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
 from kvidx.kafka.reach import message, wait_for_broker
+from kvidx.kafka.topics import KafkaAdminError
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC
 from schemas.hints import HintRecord
 from schemas.routes import RouteDecision, decode_route, encode_route
@@ -67,7 +68,7 @@ class KafkaFollower(Background):
         self._follow()
 
     def failed(self, e: BaseException) -> None:
-        if isinstance(e, SnapshotFormatError):  # refused, never misread: one line, and /healthz says why
+        if isinstance(e, SnapshotFormatError | KafkaAdminError):  # one line, and /healthz says why
             self.store.not_ready_reason = str(e)
             log.error("event=follower_stopped reason=%r", str(e))
         else:  # surfaced through /healthz

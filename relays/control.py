@@ -12,6 +12,7 @@ import msgspec
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from kvidx.kafka.config import client_config
+from kvidx.kafka.delivery import require_delivered
 from schemas.control import CONTROL_VERSION, ResyncRequest, decode_control, encode_control
 from streams.snapshots import watermarks
 
@@ -74,5 +75,4 @@ def send_resync(bootstrap: str, topic: str, model: str = "*", replica: str = "*"
     p = Producer({**client_config(), "bootstrap.servers": bootstrap})
     req = ResyncRequest(CONTROL_VERSION, model, replica, reason, time.time(), replica_groups)
     p.produce(topic, value=encode_control(req))
-    if p.flush(10):
-        raise RuntimeError(f"resync request not delivered to {topic}")
+    require_delivered(p, f"resync request on {topic}", bootstrap=bootstrap)

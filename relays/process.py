@@ -86,5 +86,9 @@ def run_live(s: LiveRelaySettings, make_core: Callable, sink: Sink, bootstrap: s
             r.close()
         for th in threads:
             th.join(5)
-        sink.flush()
+    drain = getattr(sink, "drain", None)
+    if drain is not None and (lost := drain(30.0)):
+        log.error("event=relay_stop_undelivered messages=%d hint=%r", lost,
+                  "the relay's next start clears and replays this replica")
+        return 1
     return 0

@@ -253,13 +253,16 @@ def create_app(bootstrap: str, data_dir: str | Path, *, app_id: str = "kvidx-wor
                dead_letter_topic: str = DEAD_LETTER_TOPIC, snapshot_interval: float = 2.0,
                settings: ShardSettings | None = None, metrics_port: int | None = None,
                metrics_host: str = "127.0.0.1", web_port: int = 6066, partitions: int = 4,
-               session_timeout: float = 30.0, status_interval: float = 30.0) -> tuple[faust.App, ShardWorker]:
+               session_timeout: float = 30.0, status_interval: float = 30.0,
+               replication_factor: int = 1) -> tuple[faust.App, ShardWorker]:
     """`session_timeout`: how long a dead worker keeps its partitions before the group gives them to
-    the others (they then rebuild the shards from the compacted topic and carry on)."""
+    the others (they then rebuild the shards from the compacted topic and carry on).
+    `replication_factor`: of the topics faust makes itself (its assignor's), as kvidx's own
+    (kvidx.kafka.topics.replication)."""
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", datadir=str(Path(data_dir) / "faust"),
         web_enabled=web_port > 0, web_bind="127.0.0.1", web_port=web_port or 6066,
-        topic_partitions=partitions,
+        topic_partitions=partitions, topic_replication_factor=replication_factor,
         consumer_auto_offset_reset="earliest", broker_credentials=faust_credentials(client_config()),
         broker_commit_every=100_000, broker_session_timeout=session_timeout,
         broker_heartbeat_interval=max(0.5, session_timeout / 10),

@@ -5,6 +5,7 @@ serve), which talk to an existing cluster."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,15 +20,15 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kafka {fetch,up,down,status,reset}``. Each leaf sets ``func(args) -> int`` (exit code)."""
+    """Register ``kafka {fetch,up,down,status,reset,topics}``. Each leaf sets ``func(args) -> int`` (exit code)."""
     p = subparsers.add_parser(
         "kafka",
-        help="run a local single-node Kafka broker (no Docker)",
+        help="run a local single-node Kafka broker (no Docker); show the topics' replication",
         description="Run a real single-node Kafka broker (KRaft) on 127.0.0.1 with java; the jars "
         "are fetched once with Maven into ~/.cache/kvidx (override: KVIDX_KAFKA_HOME). Its topics "
         "and messages survive `down`, crashes and reboots; only `reset` deletes them.",
     )
-    sub = p.add_subparsers(dest="kafka_cmd", metavar="{fetch,up,down,status,reset}", required=True)
+    sub = p.add_subparsers(dest="kafka_cmd", metavar="{fetch,up,down,status,reset,topics}", required=True)
     sp = sub.add_parser("fetch", help="fetch the Kafka jars with Maven (once; cached)",
                         description="Download Apache Kafka's jars from Maven Central into the cache "
                         "(~/.cache/kvidx, or $KVIDX_KAFKA_HOME) and print where they are.")
@@ -77,4 +78,39 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     state_arg(sp)
     sp.add_argument("--yes", action="store_true", help="delete without asking")
     sp.set_defaults(func=_command("_cmd_reset"))
+    sp = sub.add_parser(
+        "topics",
+        help="show each kvidx topic's replication against what the deployment asks",
+        description="List the deployment's topics on any cluster (not only a local one): partitions, "
+        "replicas, replicas in sync now and min.insync.replicas, against the replication kvidx creates "
+        "topics with ($KVIDX_TOPIC_REPLICATION / --replication-factor, else the cluster's default; "
+        "never 1 on 2+ brokers). Exit 0 if every topic has what is asked, 1 if one has fewer "
+        "(Kafka does not add replicas to an existing topic: kafka-reassign-partitions does).",
+    )
+    sp.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
+    sp.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
+                    help="prefix of the deployment's topic names")
+    sp.add_argument("--replication-factor", type=int, default=None, metavar="N",
+                    help="the replicas asked (default: $KVIDX_TOPIC_REPLICATION, else the cluster's)")
+    sp.add_argument("--min-insync-replicas", type=int, default=None, metavar="N",
+                    help="the min.insync.replicas asked (default: $KVIDX_MIN_INSYNC_REPLICAS, else the "
+                    "cluster's; at least 2 with 3+ replicas)")
+    sp.set_defaults(func=_show_topics)
     return p
+
+
+def _show_topics(args: argparse.Namespace) -> int:
+    from kvidx.kafka.reach import require_broker, resolve_bootstrap
+    from kvidx.kafka.topics import topic_report
+
+    bootstrap = resolve_bootstrap(args.bootstrap)
+    require_broker(bootstrap)
+    repl, rows = topic_report(bootstrap, args.topic_prefix)
+    isr = repl.min_insync if repl.min_insync is not None else "the cluster's"
+    print(f"cluster: {repl.brokers} broker(s); asked: {repl.factor} replicas, min.insync.replicas {isr}")
+    print(f"{'topic':<40} {'partitions':>10} {'replicas':>8} {'in sync':>7} {'min.isr':>7}  status")
+    for r in rows:
+        status = {True: "ok", False: f"UNDER-REPLICATED (asked {r['asked']})", None: "missing"}[r["ok"]]
+        print(f"{r['topic']:<40} {r['partitions']:>10} {r['replicas']:>8} {r['in_sync']:>7} "
+              f"{r['min_insync'] if r['min_insync'] is not None else '-':>7}  {status}")
+    return 1 if any(r["ok"] is False for r in rows) else 0

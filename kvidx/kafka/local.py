@@ -271,11 +271,19 @@ def random_cluster_id() -> str:
             return s
 
 
-def server_properties(data_dir: Path, port: int, controller_port: int) -> str:
+def server_properties(data_dir: Path, port: int, controller_port: int, node_id: int = 1,
+                      voters: str | None = None, cluster_size: int = 1) -> str:
+    """One KRaft broker+controller. Alone (`voters` None): a standalone quorum, every internal topic
+    with one replica. One node of a cluster of `cluster_size` (kvidx.kafka.cluster): the static
+    `voters` quorum and a production cluster's replication defaults (3 replicas, 2 in sync)."""
+    replicas = min(3, cluster_size)
+    min_isr = str(2 if replicas >= 3 else 1)
+    quorum = ({"controller.quorum.voters": voters} if voters
+              else {"controller.quorum.bootstrap.servers": f"127.0.0.1:{controller_port}"})
     props = {
         "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.bootstrap.servers": f"127.0.0.1:{controller_port}",
+        "node.id": str(node_id),
+        **quorum,
         "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
         "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
         "controller.listener.names": "CONTROLLER",
@@ -283,16 +291,16 @@ def server_properties(data_dir: Path, port: int, controller_port: int) -> str:
         "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
         "log.dirs": str(data_dir / "kraft-logs"),
         "num.partitions": "4",
-        "default.replication.factor": "1",
-        "min.insync.replicas": "1",
+        "default.replication.factor": str(replicas),
+        "min.insync.replicas": min_isr,
         "auto.create.topics.enable": "true",
-        "offsets.topic.replication.factor": "1",
+        "offsets.topic.replication.factor": str(replicas),
         "offsets.topic.num.partitions": "4",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.replication.factor": str(replicas),
+        "transaction.state.log.min.isr": min_isr,
         "transaction.state.log.num.partitions": "4",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
+        "share.coordinator.state.topic.replication.factor": str(replicas),
+        "share.coordinator.state.topic.min.isr": min_isr,
         "share.coordinator.state.topic.num.partitions": "1",
         "group.initial.rebalance.delay.ms": "0",
         "group.min.session.timeout.ms": "500",  # tests fail workers over in seconds
@@ -454,9 +462,16 @@ class LocalKafka:
     ``stop()`` terminates it (SIGTERM, SIGKILL after 20 s). The data dir is left in place.
     """
 
-    def __init__(self, log: Log = _default_log, start_timeout: float = 60.0) -> None:
+    def __init__(self, log: Log = _default_log, start_timeout: float = 60.0, node_id: int = 1,
+                 voters: str | None = None, cluster_size: int = 1, cluster_id: str | None = None) -> None:
+        """`node_id`, `voters`, `cluster_size`, `cluster_id`: one node of a local cluster
+        (kvidx.kafka.cluster.LocalKafkaCluster); the defaults make a standalone broker."""
         self.log = log
         self.start_timeout = start_timeout
+        self.node_id = node_id
+        self.voters = voters
+        self.cluster_size = cluster_size
+        self.cluster_id = cluster_id
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
         self.port: int | None = None
@@ -465,11 +480,15 @@ class LocalKafka:
         self.data_dir: Path | None = None
         self.log_file: Path | None = None
         self._log_offsets: dict[Path, int] = {}
+        self._t0 = 0.0
 
     def start(
-        self, data_dir: str | os.PathLike, port: int | None = None, controller_port: int | None = None
+        self, data_dir: str | os.PathLike, port: int | None = None, controller_port: int | None = None,
+        wait: bool = True,
     ) -> str:
-        """Start on ``data_dir``, return "127.0.0.1:<port>"; a port left None gets a free one."""
+        """Start on ``data_dir``, return "127.0.0.1:<port>"; a port left None gets a free one. Without
+        `wait`, return once the JVM is spawned (a cluster's nodes serve only once a quorum is up:
+        `wait_serving()` each after starting all)."""
         if self.proc is not None and self.proc.poll() is None:
             raise KafkaError(f"already running (pid {self.proc.pid})")
         t0 = time.monotonic()
@@ -482,14 +501,15 @@ class LocalKafka:
         self.bootstrap = f"127.0.0.1:{self.port}"
         props = data / "server.properties"
         # Rewritten on every start: the ports may differ, and config changes in code apply.
-        props.write_text(server_properties(data, self.port, self.controller_port))
+        props.write_text(server_properties(data, self.port, self.controller_port, self.node_id,
+                                           self.voters, self.cluster_size))
         self.log_file = data / "kafka.out"
         if is_formatted(data):
             # Formatting again would fail (or, forced, lose the cluster id): start on the data as is.
             self.log(f"starting on the existing data in {data / 'kraft-logs'} (topics and messages kept)")
         else:
             self._format(java, libs, props)
-        self._spawn(t0)
+        self._spawn(t0, wait)
         return self.bootstrap
 
     def _format(self, java: str, libs: Path, props: Path) -> None:
@@ -506,9 +526,10 @@ class LocalKafka:
                 str(libs / "*"),
                 "kafka.tools.StorageTool",
                 "format",
-                "--standalone",
+                # a static quorum (voters) needs no initial controllers; a lone node is its own
+                *([] if self.voters else ["--standalone"]),
                 "-t",
-                random_cluster_id(),
+                self.cluster_id or random_cluster_id(),
                 "-c",
                 str(props),
             ],
@@ -533,7 +554,7 @@ class LocalKafka:
         self._spawn(time.monotonic())
         return self.bootstrap
 
-    def _spawn(self, t0: float) -> None:
+    def _spawn(self, t0: float, wait: bool = True) -> None:
         assert self.data_dir is not None and self.log_file is not None
         cp = str(ensure_jars(self.log) / "*")
         sysprops = [f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", f"-Dkafka.logs.dir={self.data_dir}"]
@@ -552,6 +573,13 @@ class LocalKafka:
                 close_fds=True,
             )
         self.pid = self.proc.pid
+        self._t0 = t0
+        if wait:
+            self.wait_serving()
+
+    def wait_serving(self) -> None:
+        """Return once the broker serves (raise KafkaError, with its logs' tails, if it cannot)."""
+        t0 = self._t0
         try:
             self._wait_serving(t0)
         except BaseException:

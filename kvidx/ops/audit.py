@@ -35,6 +35,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvidx.kafka.delivery import flush_until
 from kvidx.ops.hint_audit import audit_hints
 from kvidx.ops.kafkalog import add_kafka_args, bootstrap_of, iso, parse_time, read_range
 from kvidx.shadow import Agreement
@@ -324,8 +325,9 @@ class UsagePublisher:
             self.errors += 1
             log.error("event=usage_delivery_failed error=%s", err)
 
-    def close(self) -> None:
-        self.producer.flush(10)
+    def close(self, deadline_s: float = 30.0) -> None:
+        if lost := flush_until(self.producer, deadline_s, "usage reports"):
+            log.error("event=usage_undelivered_at_close waiting=%d", lost)
 
 
 # ---- CLI -------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from kvidx.core.groups import shard_key
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config
+from kvidx.kafka.delivery import require_delivered
 from kvidx.kafka.topics import EVENTS_RETENTION_MS, create_topics, partition_for
 from kvidx.ops.kafkalog import (
     Progress,
@@ -162,13 +163,12 @@ def checkpoint(bootstrap: str, names: dict[str, str], models: list[str] | None =
         for i, chunk in enumerate(chunks):
             producer.produce(data_topic, key=model.encode(), value=chunk, partition=0,
                              on_delivery=lambda err, msg, i=i, cb=delivered: cb(err, msg, i))
-        if producer.flush(30) or errors or any(o is None for o in offsets):
-            raise RuntimeError(f"history checkpoint of {model} not acknowledged: {errors[:3]}")
+        require_delivered(producer, f"chunk(s) of {model}'s history checkpoint", refused=len(errors),
+                          bootstrap=bootstrap)
         cp = Checkpoint(model, shard.events_partition, shard.events_offset, list(offsets),
                         sum(len(g.any) for g in shard.groups.values()), time.time(), shard.snapshot_id)
         producer.produce(index_topic, key=model.encode(), value=msgspec.msgpack.encode(cp), partition=0)
-        if producer.flush(30):
-            raise RuntimeError(f"history manifest of {model} not acknowledged")
+        require_delivered(producer, f"manifest of {model}'s history checkpoint", bootstrap=bootstrap)
         written.append(cp)
         log.info("event=history_checkpoint model=%s partition=%d offset=%d chunks=%d", model,
                  cp.events_partition, cp.events_offset, len(chunks))
