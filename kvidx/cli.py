@@ -121,8 +121,7 @@ def cmd_relay(args) -> int:
         from relays.run import play_recording
         n = play_recording(args.play, args.model, sink, args.index_block_size, args.replica, args.dp_rank,
                            relay_factory=factory)
-        print(json.dumps({"played_frames": n, "delivery_errors": sink.errors}))
-        return 0 if sink.errors == 0 else 1
+        return _played(sink, {"played_frames": n}, args.deliver_timeout)
     from relays.process import LiveRelaySettings, run_live
 
     settings = LiveRelaySettings(
@@ -133,6 +132,19 @@ def cmd_relay(args) -> int:
                     t["control"], stop)
 
 
+def _played(sink, summary: dict, deadline_s: float) -> int:
+    """A played recording's summary; exit 1, naming the count, unless Kafka took every message."""
+    undelivered = sink.drain(deadline_s)
+    print(json.dumps({**summary, "delivered": sink.delivered, "undelivered": undelivered,
+                      "delivery_errors": sink.errors}))
+    if undelivered:
+        print(f"error: {undelivered} of {sink.delivered + undelivered} messages (event batches and dead "
+              f"letters) were not delivered to Kafka at {sink.bootstrap} within {deadline_s:g} s: "
+              "play the recording again once the cluster is healthy", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _relay_http(adapter, args, sink, stop) -> int:
     """An engine relayed by polling its HTTP API (TensorRT-LLM's POST /kv_cache_events), or a
     recording of polls."""
@@ -141,9 +153,7 @@ def _relay_http(adapter, args, sink, stop) -> int:
     opts = _relay_options(args)
     if args.play:
         n = poller.play(adapter, args.play, args.model, sink, args.index_block_size, args.replica, opts)
-        sink.flush()
-        print(json.dumps({"played_polls": n, "delivery_errors": sink.errors}))
-        return 0 if sink.errors == 0 else 1
+        return _played(sink, {"played_polls": n}, args.deliver_timeout)
     try:
         poller.run(adapter, args.url, args.model, sink, args.index_block_size, opts, args.record, stop,
                    status_every_s=args.status_interval)
@@ -191,6 +201,8 @@ def _shard_settings(args):
 
 
 EX_CONFIG = 78  # sysexits.h: a configuration error; the supervisor stops instead of restarting
+EX_TEMPFAIL = 75  # sysexits.h: try again later (the data dir's lock is held): the supervisor waits
+SUPERVISOR_PID = "KVIDX_SUPERVISOR_PID"
 
 
 def _supervise(what: str) -> int:
@@ -203,7 +215,7 @@ def _supervise(what: str) -> int:
     import time
 
     log = logging.getLogger("kvidx.supervisor")
-    env = dict(os.environ, KVIDX_SUPERVISED="1")
+    env = dict(os.environ, KVIDX_SUPERVISED="1", **{SUPERVISOR_PID: str(os.getpid())})
     stopping = threading.Event()
     child: subprocess.Popen | None = None
 
@@ -234,7 +246,12 @@ def _supervise(what: str) -> int:
             return 2
         if time.monotonic() - started > 60:
             backoff = 1.0
-        log.warning("event=child_exited what=%s code=%s restart_in_s=%.1f", what, code, backoff)
+        if code == EX_TEMPFAIL:  # e.g. the data dir still locked by a worker that is stopping
+            log.warning("event=waiting what=%s reason=%r retry_in_s=%.1f", what,
+                        "the data dir is locked (see the line above)", backoff)
+            backoff = min(backoff, 5.0)
+        else:
+            log.warning("event=child_exited what=%s code=%s restart_in_s=%.1f", what, code, backoff)
         if stopping.wait(backoff):  # a SIGTERM during the back-off ends it at once
             return 0
         backoff = min(backoff * 2, 30.0)
@@ -279,23 +296,30 @@ def cmd_worker(args) -> int:
 
     log = logging.getLogger("kvidx.streams")
     stop = _stop_on_sigterm()
+    if os.environ.get(SUPERVISOR_PID):
+        _stop_without_supervisor(int(os.environ[SUPERVISOR_PID]), log)
     log.info("event=worker_start kafka=%s data_dir=%s", b, args.data_dir)
     if not wait_for_broker(b, log, stop):
         return 0
     t = topic_names(args.topic_prefix)
-    ensure_topics(b, t)
+    repl = ensure_topics(b, t)
     try:
         app, worker = create_app(
             b, args.data_dir, app_id=args.topic_prefix + "kvidx-worker", events_topic=t["events"],
             snapshot_topic=t["snapshots"], dead_letter_topic=t["dead_letters"],
             snapshot_interval=args.snapshot_interval, settings=_shard_settings(args),
             metrics_port=args.metrics_port, metrics_host=args.metrics_host, web_port=args.web_port,
-            session_timeout=args.session_timeout)
+            session_timeout=args.session_timeout, replication_factor=repl.factor if repl else 1)
     except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exceptions
         text = str(e).lower()
         if "lock" in text:
-            _config_error(f"--data-dir {args.data_dir} is in use by another worker (its RocksDB LOCK is "
-                          "held): give each worker its own --data-dir")
+            holder = _lock_holder(str(e))
+            msg = (f"--data-dir {args.data_dir} is in use by another worker{holder} (its RocksDB LOCK is "
+                   "held): give each worker its own --data-dir")
+            if os.environ.get("KVIDX_SUPERVISED"):  # the supervisor waits for the lock to free
+                print(f"error: {msg}; waiting for it to be released", file=sys.stderr, flush=True)
+                sys.exit(EX_TEMPFAIL)
+            _config_error(msg)
         if "address already in use" in text:
             _config_error(f"--metrics-port {args.metrics_port} is in use: pass another port")
         raise
@@ -303,6 +327,45 @@ def cmd_worker(args) -> int:
     log.info("event=worker_waiting_for topic=%s group=%s", t["events"], args.topic_prefix + "kvidx-worker")
     faust.Worker(app, loglevel=args.log_level.lower()).execute_from_commandline()
     return 0
+
+
+def _lock_holder(error: str) -> str:
+    """" (pid N)" of the process holding the RocksDB LOCK named in `error` (Linux /proc/locks), or ""."""
+    import re
+
+    m = re.search(r"(/\S+/LOCK)\b", error)
+    if not m:
+        return ""
+    try:
+        inode = os.stat(m.group(1)).st_ino
+        with open("/proc/locks") as f:
+            for line in f:  # "1: POSIX  ADVISORY  WRITE 4242 08:01:1234567 0 EOF"
+                fields = line.split()
+                if len(fields) > 5 and fields[5].rsplit(":", 1)[-1] == str(inode):
+                    return f" (pid {fields[4]})"
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
+def _stop_without_supervisor(supervisor: int, log: logging.Logger, grace_s: float = 10.0) -> None:
+    """In the supervised worker: once its supervisor is gone (killed with -9: Linux's parent-death
+    signal has already asked faust to stop), make sure the worker is gone within `grace_s`, even
+    if faust's shutdown waits on something; its partitions then go to the other workers once the
+    group's session times out, and its events after the last snapshot are redelivered to them."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == supervisor:
+            time.sleep(0.5)
+        log.warning("event=supervisor_gone action=stop grace_s=%g", grace_s)
+        os.kill(os.getpid(), signal.SIGTERM)  # where there is no parent-death signal
+        time.sleep(grace_s)
+        log.error("event=stop_timeout action=kill grace_s=%g", grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="supervisor-watch").start()
 
 
 def _stop_on_sigterm():
@@ -547,12 +610,29 @@ def cmd_demo(args) -> int:
         return 130
 
 
+def _replication_args(sp) -> None:
+    sp.add_argument("--replication-factor", type=_positive, default=None, metavar="N",
+                    help="replicas of every topic this command creates (default: "
+                         "$KVIDX_TOPIC_REPLICATION, else the cluster's default.replication.factor; "
+                         "never 1 on a cluster of 2+ brokers)")
+    sp.add_argument("--min-insync-replicas", type=_positive, default=None, metavar="N",
+                    help="min.insync.replicas of the topics it creates (default: "
+                         "$KVIDX_MIN_INSYNC_REPLICAS, else the cluster's; at least 2 with 3+ replicas)")
+
+
+def _positive(raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a positive count")
+    return int(raw)
+
+
 def _common(sp, kafka=True, shards=True):
     """Options every folding or Kafka command shares."""
     if kafka:
         sp.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)")
         sp.add_argument("--topic-prefix", default=os.environ.get("KVIDX_TOPIC_PREFIX", ""),
                         help="prefix of every topic name (several deployments on one cluster)")
+        _replication_args(sp)
     sp.add_argument("--index-block-size", type=int, default=None, metavar="N",
                     help="tokens per canonical index block, for tuning: it must divide every engine's "
                          "block size (SGLang pages may be smaller: partial-block keys credit them to the "
@@ -605,6 +685,10 @@ def _add_relay(sub, engine_names) -> None:
                         "with --replica); one index entry more per page")
     r.add_argument("--record", help="also append every raw engine message to this frames.jsonl")
     r.add_argument("--play", help="publish a recording (frames.jsonl) instead of a live socket")
+    r.add_argument("--deliver-timeout", type=float, default=120.0, metavar="S",
+                   help="with --play: how long to wait for Kafka to acknowledge every batch (through a "
+                        "leader's or the controller's failover) before exiting 1 with the count not "
+                        "delivered")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
     r.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics server")
     r.add_argument("--config", help="deployment configuration (.toml/.json): the model's KV-cache groups "
@@ -848,7 +932,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.kafka_config:
         from kvidx.kafka.config import load_file
         load_file(args.kafka_config)
-    return args.func(args) or 0
+    from kvidx.kafka.topics import MIN_INSYNC_ENV, REPLICATION_ENV, KafkaAdminError
+
+    for env, value in ((REPLICATION_ENV, getattr(args, "replication_factor", None)),
+                       (MIN_INSYNC_ENV, getattr(args, "min_insync_replicas", None))):
+        if value is not None:
+            os.environ[env] = str(value)
+    from kvidx.kafka.delivery import NotDelivered
+
+    try:
+        return args.func(args) or 0
+    except (KafkaAdminError, NotDelivered) as e:  # the cluster did not answer in time: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
