@@ -124,3 +124,31 @@ def test_lints_and_renders_what_the_values_say(values, tmp_path):
 def test_refuses_values_that_cannot_work(change, message, tmp_path):
     r = helm("template", "kv", values={**FOUR, **change}, tmp=tmp_path)
     assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+def test_credentials_secret_and_ops_port(tmp_path):
+    """service.credentialsSecret mounts the Secret as a directory (its updates reach the pod: no subPath)
+    and passes --auth-token-file; service.opsPort moves the probe and Prometheus to the open ops port."""
+    service = {**FOUR["service"], "credentialsSecret": "kvidx-credentials", "opsPort": 9090}
+    values = {**FOUR, "service": service}
+    lint = helm("lint", values=values, tmp=tmp_path)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    services = [d for d in render(values, tmp_path) if d["kind"] == "Deployment"
+                and d["metadata"]["labels"]["app.kubernetes.io/component"] == "service"]
+    assert len(services) == 2
+    for d in services:
+        spec = d["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        path = _arg(c["args"], "--auth-token-file")
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "credentials"]
+        assert "subPath" not in mount and path == mount["mountPath"] + "/credentials"
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "credentials"]
+        assert volume["secret"]["secretName"] == "kvidx-credentials"
+        assert _arg(c["args"], "--ops-port") == "9090"
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8181, "ops": 9090}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "ops"}
+        assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9090"
+    plain = [d for d in render(FOUR, tmp_path) if d["kind"] == "Deployment"
+             and d["metadata"]["labels"]["app.kubernetes.io/component"] == "service"][0]
+    (c,) = plain["spec"]["template"]["spec"]["containers"]
+    assert c["args"][0] == "serve" and "--auth-token-file" not in c["args"] and "--ops-port" not in c["args"]
