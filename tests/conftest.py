@@ -8,6 +8,9 @@
   jars); its conftest.py marks every test there `kafka` and holds the broker fixtures.
 - tests/fuzz/: mutation and schema fuzzing (fast by default; the long runs are marked `slow`).
 - tests/load/: the bounded load test (marked `load`).
+- tests/security/: the adversarial suite (the auth matrix over every route and RPC, credentials and
+  rotation, hijacks, oversize and deep inputs); no broker (`kvidx serve` itself, with credentials, is
+  run by tests/integration/test_serve_auth.py).
 
 Helpers shared by several test modules live in tests/helpers.py (and tests/commands.py,
 tests/integration/helpers.py, tests/fuzz/mutations.py), imported by absolute name; test modules
