@@ -14,8 +14,8 @@ from pathlib import Path
 
 from kvidx.kafka.local import LocalKafka, Log, _default_log, free_ports, random_cluster_id
 
-_LEADER = re.compile(r"Completed transition to Leader\(localVoterNode=VoterNode\(voterKey=ReplicaKey\(id=(\d+),"
-                     r".*?, epoch=(\d+),")
+_LEADER = re.compile(r"Completed transition to Leader\(localVoterNode=VoterNode\("
+                     r"voterKey=ReplicaKey\(id=(\d+),.*?, epoch=(\d+),")
 
 
 class LocalKafkaCluster:

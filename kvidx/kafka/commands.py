@@ -20,7 +20,8 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kafka {fetch,up,down,status,reset,topics}``. Each leaf sets ``func(args) -> int`` (exit code)."""
+    """Register ``kafka {fetch,up,down,status,reset,topics}``. Each leaf sets ``func(args) -> int`` (exit
+    code)."""
     p = subparsers.add_parser(
         "kafka",
         help="run a local single-node Kafka broker (no Docker); show the topics' replication",
