@@ -102,8 +102,8 @@ def test_a_topic_with_fewer_replicas_is_reported(cluster, caplog, monkeypatch):
                and "replicas=1 asked=3" in r.getMessage() for r in caplog.records)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "kvidx.cli", "kafka", "topics", "--bootstrap",
-                          cluster.bootstrap, "--topic-prefix", names["prefix"]], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env=env)
+                          cluster.bootstrap, "--topic-prefix", names["prefix"]], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1, out.stdout + out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith(names["events"]))
     assert "UNDER-REPLICATED (asked 3)" in line, out.stdout
