@@ -92,9 +92,11 @@ def decode_event(raw: bytes, set_aside: list[FoldSetAside] | None = None) -> Eve
         return decode_batch(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         error = e
+    except RecursionError:
+        raise Undecodable("nested too deeply") from None
     try:
         twin = _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError):
         raise Undecodable(str(error)[:300]) from None
     if twin.v != SCHEMA_VERSION:
         raise Undecodable(f"unsupported schema version {twin.v} (this reader knows {SCHEMA_VERSION})")

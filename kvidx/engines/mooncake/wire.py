@@ -335,9 +335,17 @@ def decode_payload(payload: bytes) -> Batch:
     """Decode one payload frame. Raises msgspec errors on a bad batch envelope (the relay's dead
     letters); an event that does not decode stays in its place as a common.Unreadable."""
     try:
+        return _decode_payload(payload)
+    except RecursionError:  # msgspec's depth limit: a malformed frame, not a crash
+        raise msgspec.DecodeError("nested too deeply") from None
+
+
+def _decode_payload(payload: bytes) -> Batch:
+    try:
         b = _dec.decode(payload)
     except msgspec.ValidationError as first:
         try:
+            msgspec.msgpack.decode(payload)  # msgpack throughout (raw events are not read yet)
             b = _dec_raw.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise first from None

@@ -193,6 +193,13 @@ def decode_payload(payload: bytes, encoding: str = "map") -> Batch:
     on a bad batch envelope, VersionMismatch when the batch is the other encoding; an event that does
     not decode stays in its place as a common.Unreadable (the batch's other events are read)."""
     try:
+        return _decode_payload(payload, encoding)
+    except RecursionError:  # msgspec's depth limit: a malformed frame, not a crash
+        raise msgspec.DecodeError("nested too deeply") from None
+
+
+def _decode_payload(payload: bytes, encoding: str) -> Batch:
+    try:
         return _norm(_dec[encoding].decode(payload))
     except msgspec.ValidationError as first:
         other = "positional" if encoding == "map" else "map"
@@ -204,6 +211,7 @@ def decode_payload(payload: bytes, encoding: str = "map") -> Batch:
             raise VersionMismatch(f"version_mismatch: payload is {other}-encoded, "
                                   f"the pinned version sends {encoding}") from None
         try:
+            msgspec.msgpack.decode(payload)  # msgpack throughout (raw events are not read yet)
             rb = _dec_raw.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise first from None

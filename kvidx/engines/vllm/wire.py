@@ -203,6 +203,14 @@ def decode_payload(payload: bytes) -> Batch:
     """Decode one payload frame, map-encoded or positional. Raises msgspec errors when the batch
     envelope is bad; events that do not decode are kept in their place as common.Unreadable."""
     try:
+        # msgpack throughout (the typed decoders skip unknown keys unread: invalid UTF-8 there is a
+        # bad payload too), and [ts, events, rank] with nothing after the rank
+        tree = msgspec.msgpack.decode(payload)
+    except RecursionError:
+        raise msgspec.DecodeError("nested too deeply") from None
+    if isinstance(tree, list) and len(tree) > 3:
+        raise msgspec.ValidationError(f"a batch is [ts, events, rank], not {len(tree)} elements")
+    try:
         b = _dec_map.decode(payload)
         return Batch(b.ts, b.events, b.data_parallel_rank)
     except msgspec.ValidationError as map_error:
@@ -214,6 +222,8 @@ def decode_payload(payload: bytes) -> Batch:
             rb = _dec_raw.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise map_error from None
+        except RecursionError:
+            raise msgspec.DecodeError("nested too deeply") from None
         return Batch(rb.ts, [_decode_event(r) for r in rb.events], rb.data_parallel_rank)
     except RecursionError:  # msgspec's depth limit (extra_keys are Any): a malformed frame, not a crash
         raise msgspec.DecodeError("nested too deeply") from None
