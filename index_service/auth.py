@@ -275,6 +275,13 @@ class Credentials:
             chosen = entries[0]
         return None if chosen is None else chosen.expected.decode()[len("Bearer "):]
 
+    def peer_lacks(self, scopes: list[str]) -> list[str]:
+        """Of `scopes`, those this instance's own token (`peer_token`) does not hold (all without one)."""
+        token = self.peer_token()
+        if token is None:
+            return list(scopes)
+        return [s for s in scopes if self.refusal(f"Bearer {token}", s, "") is not None]
+
     def names(self) -> list[str]:
         return [e.name for e in self.entries]
 

@@ -464,9 +464,13 @@ def cmd_serve(args) -> int:
     # where the others reach this instance: a wildcard address is no address for them
     host = socket.getfqdn() if args.host in ("0.0.0.0", "::", "") else args.host
     announcer = Announcer(directory, b, t["instances"], args.url or f"http://{host}:{args.port}", groups)
-    if groups is not None and credentials is not None and credentials.peer_token() is None:
-        sys.exit(f"error: --groups: the fan-out to the other instances needs a token of its own: add an "
-                 f"entry named {args.peer_credential!r} (scopes read,admin) to --auth-token-file")
+    # the fan-out's own token: read for lookups and queries, admin for SGLang's /internal/ prefix queries
+    lacking = credentials.peer_lacks(["read", *(["admin"] if sglang_addresses else [])]
+                                     ) if groups is not None and credentials is not None else []
+    if lacking:
+        sys.exit(f"error: --groups: the fan-out to the other instances needs a token of its own with scope "
+                 f"{','.join(lacking)}: give the entry named {args.peer_credential!r} in --auth-token-file "
+                 f"those scopes")
     peer_token = credentials.peer_token if credentials is not None else None
     fanout = Fanout(directory, args.fanout_timeout_ms / 1000, peer_token) if groups is not None else None
     feedback: list[FeedbackFollower] = []

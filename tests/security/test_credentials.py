@@ -331,3 +331,27 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_the_peer_token_needs_its_scopes():
+    creds = Credentials(parse_credentials(f"router read {OLD}\npeer read {NEW}\n"))
+    assert creds.peer_lacks([READ]) == [] and creds.peer_lacks([READ, ADMIN]) == [ADMIN]
+    assert Credentials(parse_credentials(f"router read {OLD}\n")).peer_lacks([READ]) == [READ]
+    assert Credentials.from_token("s3cret").peer_lacks([READ, ADMIN]) == []
+
+
+@pytest.mark.parametrize("text, says", [
+    (f"router read {OLD}\n", "needs a token of its own with scope read: give the entry named 'peer'"),
+    (f"router read {OLD}\npeer write {NEW}\n", "with scope read:"),
+    (f"router read {OLD}\nrouter2 reed {NEW}\n", "line 2: unknown scope 'reed'"),
+])
+def test_serve_refuses_credentials_it_cannot_work_with_in_one_line(tmp_path, text, says):
+    from tests.commands import DEAD, run
+
+    path = tmp_path / "creds"
+    path.write_text(text)
+    out = run(["serve", "--bootstrap", DEAD, "--port", "18941", "--groups", "0",
+               "--auth-token-file", str(path)])
+    errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error:") and says in errors[0], out
+    assert OLD not in out and NEW not in out
