@@ -229,7 +229,8 @@ def _run(muts: list[Mutation], rev: str | None) -> int:
                 (copy / m.file).write_text(original)
             print(f"{m.name}: {', '.join(verdicts)} ({time.monotonic() - t:.0f} s)", flush=True)
     named = ": " + ", ".join(survivors) if survivors else ""
-    print(f"{len(muts)} mutations, {len(survivors)} survivors{named} ({time.monotonic() - t0:.0f} s)")
+    print(f"{len(muts)} mutations, {len(survivors)} survivors (mutation x build){named} "
+          f"({time.monotonic() - t0:.0f} s)")
     return 1 if survivors else 0
 
 

@@ -632,3 +632,21 @@ def test_split_token_ids_a_fault_at_every_byte(native, reader, sep):
                 checked += 1
     assert checked > 500  # valid arrays too, not only refusals
 
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_walk_known_depths(wide):
+    """The walk by hand, in this build's MaskMap and the reference: slot -> leading hashes held, a slot
+    holding the whole prompt at its length (slot 70: masks wider than one 64-bit word)."""
+    hs = [21, 22, 23, 24]
+    held = {0: 4, 5: 1, 3: 2, **({70: 3} if wide else {})}
+    for impl in (maskmap.MaskMap, PyMaskMap):
+        m = impl()
+        for slot, n in held.items():
+            m.store(hs[:n], slot)
+        m.store([99], 9)  # off the prompt
+        assert dict(m.walk(hs)) == held, impl
+        assert dict(m.walk(hs[:2])) == {0: 2, 5: 1, 3: 2, **({70: 2} if wide else {})}, impl
+        # any run of hashes walks alike: from 22, slot 3 holds one (it lacks 23), slots 0 and 70 two
+        assert dict(m.walk([22, 23])) == {0: 2, 3: 1, **({70: 2} if wide else {})}, impl
+        assert dict(m.walk([99, 21])) == {9: 1} and dict(m.walk([7])) == {} and dict(m.walk([])) == {}, impl
