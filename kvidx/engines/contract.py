@@ -13,8 +13,8 @@ Events are decoded and placed one by one: an event that cannot be decoded or pla
 its own (`RelayOutput.set_aside`: a dead letter with the event's position in its batch and its kind;
 kvidx.engines.common.SetAside), the batch's other events are folded in order, and setting it aside
 never credits more (the rule per event kind: kvidx.engines.common.place_unreadable, docs/engines.md).
-A payload whose batch envelope cannot be read at all is a dead letter, and since any of its events
-may have been a removal, the replica is cleared with it (ReplicaCleared "undecodable_batch").
+A payload whose batch envelope cannot be read at all is a dead letter as a whole (its sequence number
+is consumed: not a gap); nothing of it can be placed, and the replica is left as it was.
 
 `SequencedRelay` is the engine-neutral part, free of sockets and brokers: frames in, versioned event
 batches out. Per publisher (one engine replica or one DP rank): decode the payload, check the sequence
@@ -142,7 +142,6 @@ class SequencedRelay:
         if len(frame.payload) > MAX_PAYLOAD:
             self._skip(frame)
             out.dead.append(DeadLetter("oversized", f"{len(frame.payload)} bytes", frame))
-            self._unreadable_batch(frame, out)
             return out
         if self.wrong_engine_reason is None and self.counters["frames"] <= SNIFF_FRAMES:
             self.wrong_engine_reason = wrong_engine(frame.payload, self.engine)
@@ -155,14 +154,12 @@ class SequencedRelay:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._skip(frame)
             out.dead.append(DeadLetter("malformed_payload", str(e)[:300], frame))
-            self._unreadable_batch(frame, out)
             return out
         try:
             events = self.mirror.apply(batch.events, now=batch.ts)
         except MirrorError as e:  # a mirror places events one by one: this is a bug's safety net
             self._skip(frame)
             out.dead.append(DeadLetter(e.reason, str(e)[:300], frame))
-            self._unreadable_batch(frame, out)
             return out
         self.next_seq = frame.seq + 1
         if batch.data_parallel_rank is not None:
@@ -172,14 +169,6 @@ class SequencedRelay:
             out.set_aside += set_aside_letters(aside, batch.events, frame, self.set_aside)
         out.batches.append(self._wrap(events, frame.seq, frame, batch.ts))
         return out
-
-    def _unreadable_batch(self, frame: Frame, out: RelayOutput) -> None:
-        """A batch none of whose events can be read may have removed anything: the replica is cleared
-        (the next batches rebuild it), in the batch's place in the sequence. Another engine's stream
-        is not this case (nothing of it was ever indexed)."""
-        if getattr(self.mirror, "holds", self.mirror.live_blocks)():
-            self.mirror.clear()
-            out.batches.append(self._wrap([ReplicaCleared("undecodable_batch")], frame.seq, frame, 0.0))
 
     def decode(self, payload: bytes):
         """The engine batch in a payload: `.ts`, `.events`, `.data_parallel_rank`."""

@@ -517,9 +517,6 @@ class VllmMirror:
             if gone:
                 self._removed(BlockRemoved(gone, tier, group), out)
 
-    def holds(self) -> bool:
-        return bool(self.live or self.lmcache.live)
-
     def _remember(self, eh: EngineHash, sub: tuple[int, ...], depth: int) -> None:
         memo = self.memo
         if memo.pop(eh, None) is None and len(memo) >= self.memo_limit:

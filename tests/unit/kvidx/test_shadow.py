@@ -139,12 +139,9 @@ def test_relay_malformed_payload_dead_letter_then_next_frame_applies(bad):
     r = VllmPublisherRelay("m", "rep", 16, epoch=0)
     r.on_frame(block_frame(0, 0))
     out = r.on_frame(frame(1, None, payload=bad))
-    assert out.gap is None
+    assert out.batches == [] and out.gap is None
     (d,) = out.dead
     assert d.reason == "malformed_payload" and d.frame.seq == 1
-    # none of its events can be read: any could have been a removal, so the replica is cleared
-    assert kinds(out) == [["ReplicaCleared"]] and out.batches[0].events[0].reason == "undecodable_batch"
-    assert r.mirror.live_blocks() == 0
     out = r.on_frame(block_frame(2, 1))
     assert out.gap is None and out.dead == []
     assert out.batches[0].seq == 2 and out.batches[0].events[0].hashes == [H[1]]
