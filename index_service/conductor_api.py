@@ -311,10 +311,11 @@ class ConductorRegistry:
         if len(self.services) >= self.max_registrations:
             raise Invalid(f"at most {self.max_registrations} registrations: unregister some first",
                           "limit", status=409)
-        if self.store is not None and svc.model not in self.store.shards \
-                and len(self.store.shards) >= self.max_models:
-            raise Invalid(f"the index holds {len(self.store.shards)} models, at most {self.max_models}",
-                          "limit", "modelname", status=409)
+        models = set(self.store.shards if self.store is not None else ()) | {
+            s.model for s in self.services.values()}  # indexed, or registered (no events yet)
+        if svc.model not in models and len(models) >= self.max_models:
+            raise Invalid(f"the index holds {len(models)} models, at most {self.max_models}", "limit",
+                          "modelname", status=409)
 
     def feeds(self, endpoint: str) -> str | None:
         """Which registration here follows `endpoint` (None: none)."""

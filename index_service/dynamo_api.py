@@ -281,9 +281,10 @@ class DynamoRegistry:
         if count >= self.max_registrations:
             return (f"at most {self.max_registrations} registrations (instance, dp_rank): "
                     "unregister some first")
-        if self.store is not None and reg.model_name not in self.store.shards \
-                and len(self.store.shards) >= self.max_models:
-            return f"model_name: the index holds {len(self.store.shards)} models, at most {self.max_models}"
+        models = set(self.store.shards if self.store is not None else ()) | {
+            w.model_name for w in self.workers.values()}  # indexed, or registered (no events yet)
+        if reg.model_name not in models and len(models) >= self.max_models:
+            return f"model_name: the index holds {len(models)} models, at most {self.max_models}"
         return None
 
     def feeds(self, endpoint: str) -> str | None:

@@ -59,7 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from google.protobuf.message import DecodeError
 
-from index_service.auth import RPC_SCOPES, Credentials, rpc_scope_needed
+from index_service.auth import RPC_SCOPES, Credentials, TlsFiles, rpc_scope_needed
 from index_service.dynamo_api import live_replica
 from index_service.fanout import LOCAL_ONLY, local_groups
 from index_service.guard import EndpointAllowList, name_error
@@ -86,6 +86,7 @@ MAX_HASHES_PER_REQUEST = 16_384  # SGLang's protocol bounds (service.rs)
 MAX_ACTIONS_PER_BATCH = 256
 MAX_HIT_ENTRIES = 1 << 20  # hit counters kept (oldest first out)
 MAX_CONCURRENT_RPCS = 64  # calls in progress at once; more are refused (RESOURCE_EXHAUSTED)
+MAX_WORKERS = 4096  # workers a model's feed may name (each is a replica of the index, in /metrics too)
 MAX_PEER_BODY = 4 << 20  # a peer's MatchExternalKvPrefixRequest (16,384 hashes of <= 20 digits + framing)
 TIERS = {pb.TIER_HBM: "GPU", pb.TIER_DRAM: "CPU", pb.TIER_SSD: "DISK"}
 SGLANG_TIERS = {name: tier for tier, name in TIERS.items()}
@@ -265,6 +266,9 @@ class SglangIndexer:
                           "this kvidx instance takes no feed (it has no events topic to publish to)")
         w = req.worker_id
         known = self.addresses.get(w)
+        if known is None and len(self.addresses) >= MAX_WORKERS:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"worker_id {w!r}: model {self.model} is fed for {MAX_WORKERS} workers already")
         if known is None and live_replica(self.store, self.model, w):
             raise Refused(grpc.StatusCode.ALREADY_EXISTS,
                           f"worker_id {w!r}: replica {w} of model {self.model} is fed by a kvidx relay; a "
@@ -370,9 +374,11 @@ class RequireScope(grpc.ServerInterceptor):
 
 
 def start_server(indexer: SglangIndexer, address: str, workers: int = 8,
-                 credentials: Credentials | None = None) -> tuple[grpc.Server, int]:
+                 credentials: Credentials | None = None, tls: TlsFiles | None = None
+                 ) -> tuple[grpc.Server, int]:
     """Serve `indexer` on `address` ("host:port"; port 0 picks one). Returns (server, bound port).
-    `credentials`: the tokens every call must carry (RequireScope); None: open."""
+    `credentials`: the tokens every call must carry (RequireScope); None: open. `tls`: TLS (mTLS with
+    its CA) instead of plaintext."""
     methods = {
         "ApplyExternalKvBatch": (indexer.apply, pb.ApplyExternalKvBatchRequest),
         "MatchExternalKv": (indexer.match, pb.MatchExternalKvRequest),
@@ -390,7 +396,10 @@ def start_server(indexer: SglangIndexer, address: str, workers: int = 8,
                                   ("grpc.max_send_message_length", limit),
                                   ("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        port = server.add_secure_port(address, tls.grpc_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address} for SGLang's indexer API")
     server.start()

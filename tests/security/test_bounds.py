@@ -501,3 +501,36 @@ def test_fuzz_sglang_protobuf(grpc_service, method, raw, structured, worker, add
     except grpc.RpcError as e:
         assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (method, raw[:80],
                                                                                       e.details())
+
+
+# ---- created objects: bounded ------------------------------------------------------------------------
+def test_registrations_workers_and_models_are_bounded(monkeypatch):
+    """Every registration costs a relay thread and may bring a model (and its metrics): capped, 409 naming
+    the cap; a feed's workers likewise (RESOURCE_EXHAUSTED). The threads go with their unregistration
+    (tests/security/test_hijack.py::test_one_registration_per_endpoint_across_both_apis)."""
+    from index_service import sglang_indexer
+    from index_service.conductor_api import Invalid
+    from index_service.dynamo_api import RegisterRequest
+
+    store = seeded_store()
+    dynamo = DynamoRegistry(store=store, max_registrations=2, max_models=len(store.shards) + 1)
+    assert dynamo.register(RegisterRequest(1, "tcp://127.0.0.1:1", "new-model", 16))[0] == 201
+    status, body = dynamo.register(RegisterRequest(2, "tcp://127.0.0.1:2", "another-model", 16))
+    assert status == 409 and "model_name" in body["error"], body  # the index may hold one model more only
+    assert dynamo.register(RegisterRequest(2, "tcp://127.0.0.1:2", "new-model", 16))[0] == 201
+    status, body = dynamo.register(RegisterRequest(3, "tcp://127.0.0.1:3", "new-model", 16))
+    assert status == 409 and "at most 2 registrations" in body["error"], body
+    conductor = ConductorRegistry(store=store, max_registrations=1)
+    assert conductor.register(_conductor_reg(endpoint="tcp://127.0.0.1:4", modelname=MODEL))[0] == 200
+    with pytest.raises(Invalid) as e:
+        conductor.register(_conductor_reg(endpoint="tcp://127.0.0.1:5", modelname=MODEL, instance_id="b"))
+    assert e.value.status == 409 and "at most 1 registrations" in e.value.body["error"]
+
+    monkeypatch.setattr(sglang_indexer, "MAX_WORKERS", 3)
+    indexer = SglangIndexer(store, MODEL, store.apply)
+    for i in range(3):
+        indexer.apply(pb.ApplyExternalKvBatchRequest(worker_id=f"w{i}", worker_address="http://10.0.0.1:1"))
+    with pytest.raises(sglang_indexer.Refused) as e:
+        indexer.apply(pb.ApplyExternalKvBatchRequest(worker_id="w3", worker_address="http://10.0.0.1:1"))
+    assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "worker_id" in str(e.value)
+    indexer.apply(pb.ApplyExternalKvBatchRequest(worker_id="w1", worker_address="http://10.0.0.1:1"))  # known
