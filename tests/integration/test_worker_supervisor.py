@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,13 +54,28 @@ def feed(bootstrap: str, topics: dict) -> None:
     sink.close()
 
 
+def keep_feeding(bootstrap: str, topics: dict, stop: threading.Event) -> None:
+    """The recording again and again, as new replicas each time, until `stop`."""
+    sink = KafkaSink(bootstrap, topics["events"], topics["dead_letters"])
+    i = 0
+    while not stop.is_set():
+        play_recording(LLAMA / "frames.jsonl", "tiny", sink, BS, replica=f"stream-{i}")
+        i += 1
+    sink.close()
+
+
 def test_a_worker_whose_supervisor_is_killed_stops(kafka_bootstrap, topics, tmp_path):
+    """Killed while events stream in (folded, not yet acknowledged: faust's shutdown waited for them)."""
     feed(kafka_bootstrap, topics)
     log = tmp_path / "worker.log"
     sup = worker(kafka_bootstrap, topics["prefix"], tmp_path / "w", log)
+    streaming = threading.Event()
+    feeder = threading.Thread(target=keep_feeding, args=(kafka_bootstrap, topics, streaming), daemon=True)
     try:
         wait_snapshots(kafka_bootstrap, topics["snapshots"], {"tiny": BATCHES}, sup, log)
         (child,) = children(sup.pid)
+        feeder.start()
+        time.sleep(3)  # the worker folds the stream
         sup.send_signal(signal.SIGKILL)
         sup.wait()
         deadline = time.monotonic() + 30  # faust's graceful stop, or the child's own kill at 10 s
@@ -70,6 +86,9 @@ def test_a_worker_whose_supervisor_is_killed_stops(kafka_bootstrap, topics, tmp_
             os.kill(child, signal.SIGKILL)
         assert not alive, f"the worker outlived its supervisor by 30 s:\n{log.read_text()[-3000:]}"
     finally:
+        streaming.set()
+        if feeder.is_alive():
+            feeder.join(30)
         stop_workers(sup)
 
     # its successor on the same data dir starts at once (the lock went with the child)
