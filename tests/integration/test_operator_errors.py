@@ -1,6 +1,7 @@
 """Operator errors that need a broker: the worker supervisor's configuration errors (a RocksDB another
 worker holds: it waits; a web port in use: it stops) and a relay at a dead engine saying what it waits
-for. The broker-free cases (unreachable broker, missing input files, SIGTERM) are in tests/unit/kvidx/test_operator_errors.py."""
+for. The broker-free cases (unreachable broker, missing input files, SIGTERM) are in
+tests/unit/kvidx/test_operator_errors.py."""
 
 
 import pytest
