@@ -34,6 +34,7 @@ import hmac
 import logging
 import os
 import re
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -319,3 +320,56 @@ def log_auth_state(credentials: Credentials | None, apis: list[str]) -> None:
     else:
         log.info("%s", kv(event="auth_enabled", apis=",".join(apis), path=credentials.path or "",
                           names=",".join(credentials.names())))
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """`kvidx serve --tls-cert/--tls-key [--tls-client-ca]`: the certificate the HTTP API and SGLang's gRPC
+    API serve TLS with; `ca`: callers must present a certificate it signed (mTLS), and the fan-out
+    checks the other instances' against it (presenting this certificate to them). Read at start-up: a
+    new certificate needs a restart."""
+    cert: str
+    key: str
+    ca: str | None = None
+
+    def check(self) -> None:
+        """CredentialsError (one line naming the file) if the files cannot be used."""
+        for path in (self.cert, self.key, *([self.ca] if self.ca else [])):
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise CredentialsError(f"{path}: {e.strerror or e}") from None
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)
+        except (ssl.SSLError, ValueError) as e:
+            raise CredentialsError(f"{self.cert} / {self.key}: not a certificate and its key ({e})") from None
+        if self.ca:
+            try:
+                ssl.create_default_context(cafile=self.ca)
+            except ssl.SSLError as e:
+                raise CredentialsError(f"{self.ca}: not a CA certificate ({e})") from None
+
+    def uvicorn_options(self) -> dict:
+        options = {"ssl_certfile": self.cert, "ssl_keyfile": self.key}
+        if self.ca:
+            options.update(ssl_ca_certs=self.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return options
+
+    def grpc_credentials(self):
+        import grpc
+
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_server_credentials([(read(self.key), read(self.cert))],
+                                           root_certificates=read(self.ca) if self.ca else None,
+                                           require_client_auth=self.ca is not None)
+
+    def client_context(self) -> ssl.SSLContext:
+        """The fan-out's: peers verified against `ca` (the system's CAs without one), this certificate
+        presented to them."""
+        ctx = ssl.create_default_context(cafile=self.ca)
+        ctx.load_cert_chain(self.cert, self.key)
+        return ctx

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -85,8 +86,8 @@ class PeerDirectory:
         self.peers: dict[str, Peer] = {}
 
     def add_static(self, url: str, groups: frozenset[int] | None) -> None:
-        if not url.startswith("http://"):
-            raise ValueError("a peer is given as http://host:port")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("a peer is given as http://host:port (https:// with --tls-cert)")
         self.peers[url] = Peer(url, url.rstrip("/"), groups, 0.0, static=True)
 
     def announced(self, a: Announcement) -> None:
@@ -128,13 +129,17 @@ class Http1Pool:
     """Keep-alive HTTP/1.1 connections to one peer, for the one request shape fan-out sends (a POST with
     a JSON body; the answer framed by Content-Length, as the service sends it). A general client
     (httpx) cost ~1 ms of CPU per request here, more than the lookup it carries. `auth()`: the
-    Authorization header line each request carries (b"" for none), asked per request (tokens rotate)."""
+    Authorization header line each request carries (b"" for none), asked per request (tokens rotate).
+    An https:// peer is reached over TLS with `tls` (index_service.auth.TlsFiles.client_context; the
+    system's CAs without one)."""
 
-    def __init__(self, url: str, headers: bytes, auth: Callable[[], bytes] = bytes):
+    def __init__(self, url: str, headers: bytes, auth: Callable[[], bytes] = bytes,
+                 tls: ssl.SSLContext | None = None):
         u = urlsplit(url)
-        if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"peer URL {url!r}: fan-out speaks plain http://host:port")
-        self.host, self.port = u.hostname, u.port or 80
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"peer URL {url!r}: fan-out speaks http://host:port or https://host:port")
+        self.host, self.port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+        self.tls = (tls or ssl.create_default_context()) if u.scheme == "https" else None
         self.headers = headers
         self.auth = auth
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -146,7 +151,7 @@ class Http1Pool:
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 if getattr(e, "partial", b""):  # it had started answering: not a stale connection
                     raise
-        return await self._post(await asyncio.open_connection(self.host, self.port), path, body)
+        return await self._post(await asyncio.open_connection(self.host, self.port, ssl=self.tls), path, body)
 
     async def _post(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], path: str, body: bytes
                     ) -> tuple[int, bytes]:
@@ -181,11 +186,12 @@ class Fanout:
     """The remote half of a lookup over replica groups (see the module docstring)."""
 
     def __init__(self, directory: PeerDirectory, timeout_s: float = 0.25,
-                 auth_token: str | Callable[[], str | None] | None = None):
+                 auth_token: str | Callable[[], str | None] | None = None, tls: ssl.SSLContext | None = None):
         """`auth_token`: the token sent to the peers, or what gives it per request (e.g.
-        Credentials.peer_token)."""
+        Credentials.peer_token); `tls`: how https:// peers are reached (Http1Pool)."""
         self.directory = directory
         self.timeout_s = timeout_s
+        self.tls = tls
         self._token = auth_token if callable(auth_token) else (lambda: auth_token)
         # (peer URL, content type) -> its connections (in the serving loop)
         self._pools: dict[tuple[str, str], Http1Pool] = {}
@@ -233,7 +239,7 @@ class Fanout:
         pool = self._pools.get((peer.url, content_type))
         if pool is None:
             headers = b"Content-Type: %s\r\n" % content_type.encode()
-            pool = self._pools[(peer.url, content_type)] = Http1Pool(peer.url, headers, self._auth)
+            pool = self._pools[(peer.url, content_type)] = Http1Pool(peer.url, headers, self._auth, self.tls)
         try:
             status, data = await asyncio.wait_for(
                 pool.post(f"{path}?local=1&groups={','.join(map(str, groups))}", body), timeout_s)

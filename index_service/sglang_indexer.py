@@ -59,7 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from google.protobuf.message import DecodeError
 
-from index_service.auth import RPC_SCOPES, Credentials, rpc_scope_needed
+from index_service.auth import RPC_SCOPES, Credentials, TlsFiles, rpc_scope_needed
 from index_service.dynamo_api import live_replica
 from index_service.fanout import LOCAL_ONLY, local_groups
 from index_service.guard import EndpointAllowList, name_error
@@ -374,9 +374,11 @@ class RequireScope(grpc.ServerInterceptor):
 
 
 def start_server(indexer: SglangIndexer, address: str, workers: int = 8,
-                 credentials: Credentials | None = None) -> tuple[grpc.Server, int]:
+                 credentials: Credentials | None = None, tls: TlsFiles | None = None
+                 ) -> tuple[grpc.Server, int]:
     """Serve `indexer` on `address` ("host:port"; port 0 picks one). Returns (server, bound port).
-    `credentials`: the tokens every call must carry (RequireScope); None: open."""
+    `credentials`: the tokens every call must carry (RequireScope); None: open. `tls`: TLS (mTLS with
+    its CA) instead of plaintext."""
     methods = {
         "ApplyExternalKvBatch": (indexer.apply, pb.ApplyExternalKvBatchRequest),
         "MatchExternalKv": (indexer.match, pb.MatchExternalKvRequest),
@@ -394,7 +396,10 @@ def start_server(indexer: SglangIndexer, address: str, workers: int = 8,
                                   ("grpc.max_send_message_length", limit),
                                   ("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        port = server.add_secure_port(address, tls.grpc_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address} for SGLang's indexer API")
     server.start()

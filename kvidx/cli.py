@@ -403,6 +403,23 @@ def _load_credentials(args):
     return Credentials.from_token(token) if token else None
 
 
+def _tls_files(args):
+    """--tls-cert, --tls-key, --tls-client-ca as index_service.auth.TlsFiles (None without a certificate);
+    exits with one line if they cannot be used."""
+    from index_service.auth import CredentialsError, TlsFiles
+
+    if not (args.tls_cert or args.tls_key or args.tls_client_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        sys.exit("error: --tls-cert and --tls-key go together (--tls-client-ca needs them too)")
+    tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
+    try:
+        tls.check()
+    except CredentialsError as e:
+        sys.exit(f"error: --tls-cert/--tls-key/--tls-client-ca: {e}")
+    return tls
+
+
 def cmd_serve(args) -> int:
     import socket
 
@@ -429,6 +446,7 @@ def cmd_serve(args) -> int:
     log = logging.getLogger("kvidx.service")
     b = resolve_bootstrap(args.bootstrap)
     credentials = _load_credentials(args)
+    tls = _tls_files(args)
     if _port_in_use(args.host, args.port):
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
     if args.ops_port is not None and (args.ops_port == args.port or _port_in_use(args.host, args.ops_port)):
@@ -463,7 +481,8 @@ def cmd_serve(args) -> int:
     # every instance says which groups it holds; one that holds only some asks the others
     # where the others reach this instance: a wildcard address is no address for them
     host = socket.getfqdn() if args.host in ("0.0.0.0", "::", "") else args.host
-    announcer = Announcer(directory, b, t["instances"], args.url or f"http://{host}:{args.port}", groups)
+    scheme = "https" if tls is not None else "http"
+    announcer = Announcer(directory, b, t["instances"], args.url or f"{scheme}://{host}:{args.port}", groups)
     # the fan-out's own token: read for lookups and queries, admin for SGLang's /internal/ prefix queries
     lacking = credentials.peer_lacks(["read", *(["admin"] if sglang_addresses else [])]
                                      ) if groups is not None and credentials is not None else []
@@ -472,7 +491,8 @@ def cmd_serve(args) -> int:
                  f"{','.join(lacking)}: give the entry named {args.peer_credential!r} in --auth-token-file "
                  f"those scopes")
     peer_token = credentials.peer_token if credentials is not None else None
-    fanout = Fanout(directory, args.fanout_timeout_ms / 1000, peer_token) if groups is not None else None
+    fanout = Fanout(directory, args.fanout_timeout_ms / 1000, peer_token,
+                    tls.client_context() if tls is not None else None) if groups is not None else None
     feedback: list[FeedbackFollower] = []
 
     def prepare() -> None:  # once the broker answers: the topics, the feedback follower, the registrations
@@ -510,7 +530,7 @@ def cmd_serve(args) -> int:
                                                                                       code).inc(), allow)
         sglang.append(indexer)
         try:
-            grpc_servers.append(start_server(indexer, address, credentials=credentials)[0])
+            grpc_servers.append(start_server(indexer, address, credentials=credentials, tls=tls)[0])
         except (OSError, RuntimeError) as e:
             sys.exit(f"error: --sglang-indexer {model}={address}: {e}")
     if sglang:  # a split model's other groups: asked of their holders' --sglang-indexer, over HTTP
@@ -526,11 +546,12 @@ def cmd_serve(args) -> int:
             *(["sglang-grpc"] if sglang else [])]
     log_auth_state(credentials, apis)
     follower.start()
-    log.info("event=serving url=http://%s:%d kafka=%s ready=%r", args.host, args.port, b,
+    log.info("event=serving url=%s://%s:%d kafka=%s ready=%r", scheme, args.host, args.port, b,
              "GET /healthz answers 200 once the shards are rebuilt (503 with the reason until then)")
     try:
         ops = (ops_app(app), args.ops_port) if args.ops_port is not None else None
-        serve(app, args.host, args.port, ops=ops, log_level="warning")
+        serve(app, args.host, args.port, ops=ops, log_level="warning",
+              **(tls.uvicorn_options() if tls is not None else {}))
     finally:
         for server in grpc_servers:
             server.stop(2)
@@ -807,6 +828,13 @@ def _add_serve(sub) -> None:
     s.add_argument("--ops-port", type=int, default=None, metavar="PORT",
                    help="serve GET /healthz and /metrics open on this port (same --host) for probes and "
                         "scrapers; on --port they then need a token of scope read too")
+    s.add_argument("--tls-cert", metavar="FILE",
+                   help="serve the HTTP API and SGLang's gRPC API over TLS with this certificate (PEM; with "
+                        "--tls-key); the instance announces https://. --ops-port stays plain")
+    s.add_argument("--tls-key", metavar="FILE", help="the private key of --tls-cert (PEM)")
+    s.add_argument("--tls-client-ca", metavar="FILE",
+                   help="mTLS: callers (and the other instances) must present a certificate this CA signed; "
+                        "the fan-out checks the other instances' against it and presents --tls-cert")
     s.add_argument("--peer-credential", default="peer", metavar="NAME",
                    help="the entry of --auth-token-file whose token this instance sends to the other "
                         "instances (--groups fan-out; needs read, and admin for SGLang's); a single bare "

@@ -199,3 +199,29 @@ def sglang_action(kind, tier, hashes=()):
 
 def sglang_matches(resp) -> list[tuple[str, int, str]]:
     return [(m.worker_id, m.matched_prefix_blocks, m.worker_address) for m in resp.matches]
+
+
+def make_pki(d: Path) -> Path:
+    """Test certificates made by openssl in `d`: ca (the deployment's CA), server (127.0.0.1 and
+    localhost, for serving and as a client), client (a router's), and stranger (a client certificate
+    signed by another CA, other-ca). Each as NAME.crt and NAME.key."""
+    import subprocess
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    def signed(name: str, ca: str, extensions: str) -> None:
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN={name}")
+        (d / f"{name}.ext").write_text(extensions)
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
+                "-CAcreateserial", "-days", "2", "-out", f"{name}.crt", "-extfile", f"{name}.ext")
+
+    for ca in ("ca", "other-ca"):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.crt",
+                "-days", "2", "-subj", f"/CN=test {ca}")
+    signed("server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                           "extendedKeyUsage=serverAuth,clientAuth\n")
+    signed("client", "ca", "extendedKeyUsage=clientAuth\n")
+    signed("stranger", "other-ca", "extendedKeyUsage=clientAuth\n")
+    return d

@@ -145,3 +145,52 @@ def test_serve_without_credentials_says_so(kafka_bootstrap, topics, tmp_path):
         _stop(proc, log)
     lines = [ln for ln in log.read_text().splitlines() if "event=auth_disabled" in ln]
     assert len(lines) == 1 and "WARNING" in lines[0] and "apis=kvidx,dynamo,conductor" in lines[0], lines
+
+
+def test_serve_over_mtls(kafka_bootstrap, topics, tmp_path):
+    """--tls-cert/--tls-key/--tls-client-ca: the HTTP API and SGLang's gRPC API over mTLS (and the token
+    still checked inside), the ops port plain for probes."""
+    import shutil
+    import ssl
+
+    from tests.helpers import make_pki
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl binary to make the test's certificates")
+    pki = make_pki(tmp_path)
+    port, ops_port, grpc_port = _free_ports(3)
+    creds = tmp_path / "credentials"
+    creds.write_text(f"router read {READ_T}\n")
+    log = tmp_path / "serve.log"
+    proc = _serve(kafka_bootstrap, topics, log, "--port", str(port), "--ops-port", str(ops_port),
+                  "--auth-token-file", str(creds), "--sglang-indexer", f"tiny={grpc_port}",
+                  "--tls-cert", str(pki / "server.crt"), "--tls-key", str(pki / "server.key"),
+                  "--tls-client-ca", str(pki / "ca.crt"))
+    try:
+        wait_for(lambda: _up(f"http://127.0.0.1:{ops_port}"), timeout=60, what="kvidx serve ready")
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        ctx.load_cert_chain(str(pki / "client.crt"), str(pki / "client.key"))
+        lookup = {"model": "tiny", "token_ids": list(range(64))}
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=ctx, timeout=10) as c:
+            assert c.post("/v1/lookup", json=lookup).status_code == 401  # mTLS, and the token too
+            r = c.post("/v1/lookup", json=lookup, headers={"Authorization": f"Bearer {READ_T}"})
+            assert r.status_code not in (401, 403), r.text
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}", timeout=10,
+                          verify=ssl.create_default_context(cafile=str(pki / "ca.crt"))) as c, \
+                pytest.raises(httpx.HTTPError):
+            c.post("/v1/lookup", json=lookup, headers={"Authorization": f"Bearer {READ_T}"})  # no certificate
+        channel_creds = grpc.ssl_channel_credentials((pki / "ca.crt").read_bytes(),
+                                                     (pki / "client.key").read_bytes(),
+                                                     (pki / "client.crt").read_bytes())
+        with grpc.secure_channel(f"localhost:{grpc_port}", channel_creds) as channel:
+            call = channel.unary_unary(f"/{SERVICE}/MatchExternalKvPrefix",
+                                       request_serializer=lambda m: m.SerializeToString(),
+                                       response_deserializer=lambda raw: raw)
+            call(pb.MatchExternalKvPrefixRequest(hashes=["1"]), timeout=10,
+                 metadata=[("authorization", f"Bearer {READ_T}")])
+            with pytest.raises(grpc.RpcError) as refused:
+                call(pb.MatchExternalKvPrefixRequest(hashes=["1"]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        _stop(proc, log)
+    assert f"url=https://127.0.0.1:{port}" in log.read_text()
