@@ -500,6 +500,9 @@ class ConductorRegistry:
                     raise Invalid("model must be a string", "invalid_type", k)
                 if not v:
                     raise Invalid("model must not be empty", "invalid_value", k)
+                bad = name_error(k, v)
+                if bad is not None:  # it is logged where a fan-out misses a group
+                    raise Invalid(bad, "invalid_value", k)
                 model = v
             elif k == "block_size":
                 if not _int(v) or v > _I64:

@@ -534,3 +534,11 @@ def test_registrations_workers_and_models_are_bounded(monkeypatch):
         indexer.apply(pb.ApplyExternalKvBatchRequest(worker_id="w3", worker_address="http://10.0.0.1:1"))
     assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "worker_id" in str(e.value)
     indexer.apply(pb.ApplyExternalKvBatchRequest(worker_id="w1", worker_address="http://10.0.0.1:1"))  # known
+
+
+def test_conductor_query_model_name_checked(service):
+    _app, _url, c, watch = service
+    body = _mp({"model": f"m\n{FORGED}", "block_size": 16, "token_ids": [1]})
+    r = send(c, "POST", "/query", "msgpack", body)
+    assert r.status_code == 400 and msgspec.msgpack.decode(r.content)["field"] == "model"
+    assert watch.bad() == []
