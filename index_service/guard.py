@@ -5,8 +5,9 @@ block sizes and counts, and decoding with the nesting depth bounded.
 
 The allow-list (`kvidx serve --allow-endpoints`, or `allow_endpoints` in --config): comma-separated
 CIDRs (`10.0.0.0/8`, `fd00::/8`, a bare address) and host-name patterns (`*.svc.cluster.local`,
-`vllm-0`; `*` matches within a label run, fnmatch-style, case-insensitive). `ipc://` endpoints are this
-machine's: allowed where loopback is. `any` allows everything (an operator's explicit choice).
+`vllm-0`; fnmatch-style, case-insensitive: `*` matches any characters, dots included). `ipc://`
+endpoints are this machine's: allowed where loopback is. `any` allows everything (an operator's
+explicit choice).
 The default, DEFAULT_ALLOW: loopback and the private ranges (RFC 1918, IPv6 unique-local) and the
 host `localhost`; host names are never resolved to decide (a name that resolves somewhere private is
 still refused unless a pattern names it), and link-local (169.254.0.0/16: cloud metadata services) and

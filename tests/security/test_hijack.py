@@ -269,3 +269,43 @@ def test_registration_outside_the_allow_list_makes_no_connection():
         control.stop_all()
         refused.close()
         allowed.close()
+
+
+@pytest.mark.parametrize("entries,endpoint,allowed", [
+    ("", "tcp://127.0.0.1:5557", True),  # the default
+    ("", "tcp://10.2.3.4:5557", True),
+    ("", "tcp://[::1]:5557", True),
+    ("", "tcp://[::ffff:8.8.8.8]:5557", False),  # a v4-mapped public address
+    ("", "tcp://169.254.169.254:80", False),
+    ("", "tcp://vllm-0:5557", False),  # a host name no pattern names
+    ("", "tcp://localhost:5557", True),
+    ("", "ipc:///tmp/vllm.sock", True),  # this machine's: allowed where loopback is
+    ("", "inproc://x", False),
+    ("", "http://10.0.0.1:8000/v1", True),
+    ("10.0.0.0/8,*.svc.cluster.local", "tcp://vllm-0.vllm.ns.svc.cluster.local:5557", True),
+    ("10.0.0.0/8,*.svc.cluster.local", "tcp://evil.svc.cluster.local.attacker.com:5557", False),
+    ("10.0.0.0/8,*.svc.cluster.local", "tcp://127.0.0.1:5557", False),
+    ("10.0.0.0/8,*.svc.cluster.local", "ipc:///tmp/vllm.sock", False),
+    ("any", "tcp://8.8.8.8:5557", True),
+])
+def test_allow_list(entries, endpoint, allowed):
+    allow = EndpointAllowList.parse(entries) if entries else EndpointAllowList()
+    assert (allow.error("endpoint", endpoint) is None) is allowed, allow.error("endpoint", endpoint)
+
+
+def test_allow_list_from_flag_config_or_default(tmp_path):
+    from types import SimpleNamespace
+
+    from index_service.guard import DEFAULT_ALLOW
+    from kvidx.cli import _allow_list
+    from kvidx.config import load_config
+
+    config = tmp_path / "c.toml"
+    config.write_text('allow_endpoints = ["10.9.0.0/16"]\n')
+    default = _allow_list(SimpleNamespace(allow_endpoints=None), load_config(None))
+    assert default.text == ",".join(DEFAULT_ALLOW)
+    assert _allow_list(SimpleNamespace(allow_endpoints=None), load_config(config)).text == "10.9.0.0/16"
+    assert _allow_list(SimpleNamespace(allow_endpoints="any"), load_config(config)).any
+    with pytest.raises(SystemExit) as e:
+        _allow_list(SimpleNamespace(allow_endpoints="10.0.0.0/8,http://x/y"), load_config(None))
+    assert "'http://x/y' is neither a CIDR nor a host pattern" in str(e.value)
