@@ -407,6 +407,12 @@ class ConductorRegistry:
         = its endpoint, its objects placed through the context's vLLM engines' own streams: key feeds)."""
         self._sync_pools(svc.context)
         listener = svc.listener
+        refused = self.allow.error("endpoint", svc.endpoint) or (
+            self.allow.error("replay_endpoint", svc.replay_endpoint) if svc.replay_endpoint else None)
+        if refused is not None:  # taken before the allow-list was narrowed: kept, never connected to
+            listener.status, listener.last_error = "failed", refused[:300]
+            log.warning("event=conductor_listener_refused key=%s error=%s", svc.key, listener.last_error)
+            return
         try:
             if svc.type == "Mooncake" and self.start_pool_relay is not None:
                 listener.stop = self.start_pool_relay(svc.model, svc.endpoint, svc.endpoint, listener,

@@ -318,6 +318,13 @@ class DynamoRegistry:
         """The relay of a registration this instance owns."""
         if reg.owner != self.owner or listener.stop is not None:
             return
+        refused = self.allow.error("endpoint", reg.endpoint) or (
+            self.allow.error("replay_endpoint", reg.replay_endpoint) if reg.replay_endpoint else None)
+        if refused is not None:  # taken before the allow-list was narrowed: kept, never connected to
+            listener.status, listener.last_error = "failed", refused[:300]
+            log.warning("event=dynamo_listener_refused instance=%d dp_rank=%d error=%s", reg.instance_id,
+                        reg.dp_rank, listener.last_error)
+            return
         if self.start_relay is None:
             listener.status = "active"
             return

@@ -309,3 +309,29 @@ def test_allow_list_from_flag_config_or_default(tmp_path):
     with pytest.raises(SystemExit) as e:
         _allow_list(SimpleNamespace(allow_endpoints="10.0.0.0/8,http://x/y"), load_config(None))
     assert "'http://x/y' is neither a CIDR nor a host pattern" in str(e.value)
+
+
+def test_a_kept_registration_outside_a_narrowed_allow_list_is_not_connected_to():
+    """Registrations read back from the registrations topic (taken before the allow-list was narrowed)
+    are listed as failed, naming the allow-list, and their endpoints are never connected to."""
+    from index_service.conductor_api import Service
+    from schemas.registrations import REGISTRATIONS_VERSION, Registration
+    from schemas.registrations import registration_key as key
+
+    refused = _listener()
+    ep = f"tcp://127.0.0.1:{refused.getsockname()[1]}"
+    started = []
+    allow = EndpointAllowList.parse("10.0.0.0/8")
+    dynamo = DynamoRegistry(lambda *a: started.append(a), owner="a", allow=allow)
+    conductor = ConductorRegistry(lambda *a: started.append(a), owner="a", allow=allow)
+    try:
+        dynamo.apply_record(key(4, 0), Registration(REGISTRATIONS_VERSION, 4, 0, "m", "default", 16, ep, None,
+                                                     "a"))
+        svc = Service(ep, "", "vLLM", "m", "", "default", "c", 16, 0, None, {}, "a").record()
+        conductor.apply_record("c|default|0", svc)
+        info = dynamo.worker_infos(None, None)[0]["listeners"]["0"]
+        assert info["status"] == "failed" and "allow-list" in info["last_error"], info
+        assert conductor.services["c|default|0"].listener.status == "failed"
+        assert started == [] and select.select([refused], [], [], 0)[0] == []
+    finally:
+        refused.close()
