@@ -28,10 +28,12 @@ the request's content type, as the conductor itself refuses anything but msgpack
 - `GET /services`, `GET /global_view`: the registrations and the contexts (tenant, model, LoRA, block
   size), with each context's hash profile and its root digest (kvidx.core.vllm_hashing).
 
-Differences, by design: kvidx keys blocks canonically (kvidx.core.hashing) and re-hashes the engine's
-tokens, so the hash profile is checked and reported but not needed to match; the cpu phase also counts
-blocks vLLM's own CPU offloading reports (the conductor reads only GPU events from vLLM), and host
-memory includes shared pools;
+Differences, by design: kvidx refuses more (ConductorRegistry: endpoints outside the allow-list, 403;
+a takeover of a replica another source feeds, 409; block sizes above 65,536 and names with control
+characters, index_service.guard); kvidx keys blocks canonically (kvidx.core.hashing) and re-hashes
+the engine's tokens, so the hash profile is checked and reported but not needed to match; the cpu
+phase also counts blocks vLLM's own CPU offloading reports (the conductor reads only GPU events from
+vLLM), and host memory includes shared pools;
 `prefix_count` is the model's distinct indexed blocks. Registrations are kept on the compacted
 registrations topic (as Dynamo's): every instance knows them, the one that took a registration runs its
 relay and takes it up again after a restart (the conductor keeps them in its process only).

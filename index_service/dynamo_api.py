@@ -5,7 +5,9 @@ points at kvidx unchanged.
 - `POST /register {instance_id, endpoint, model_name, block_size, dp_rank?, replay_endpoint?,
   routing_group?}` (201 `{"status":"ok"}`): kvidx starts a relay for that engine's vLLM ZMQ publisher
   (its replay endpoint fills gaps), publishing to the events topic like every `kvidx relay`; the
-  replica is named after its endpoint. The same checks and 400/409 messages as Dynamo's.
+  replica is named after its endpoint. The same checks and 400/409 messages as Dynamo's, and kvidx's
+  own (DynamoRegistry: the endpoint allow-list, 403; no takeover of a replica another source feeds,
+  409; names and bounds, index_service.guard).
 - `POST /unregister` (200, 404): stops the relay and retracts the replica (a ReplicaCleared).
 - `GET /workers[?model_name=&routing_group=]`: the registrations, in Dynamo's WorkerInfo shape.
 - `POST /query {token_ids, model_name, routing_group?, lora_name?, cache_salt?}`: Dynamo's
