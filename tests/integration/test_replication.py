@@ -91,6 +91,34 @@ def test_topics_take_the_clusters_replication(cluster):
         assert topic_settings(cluster.bootstrap, topic) == ({3}, 2), topic
 
 
+def test_a_workers_topics_and_fausts_take_it_too(cluster, tmp_path):
+    """`kvidx worker` on the cluster: its topics and the ones faust makes itself (its assignor's) all
+    have 3 replicas, as `kvidx kafka topics` reports."""
+    from kvidx.kafka.topics import topic_report
+
+    names = fresh_names()
+    log = tmp_path / "worker.log"
+    w = subprocess.Popen([sys.executable, "-m", "kvidx.cli", "worker", "--bootstrap", cluster.bootstrap,
+                          "--topic-prefix", names["prefix"], "--data-dir", str(tmp_path / "w"),
+                          "--web-port", "0", "--no-supervise"], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(log, "w"),
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert w.poll() is None, log.read_text()[-3000:]
+            repl, rows = topic_report(cluster.bootstrap, names["prefix"])
+            faust = [r for r in rows if r["topic"].startswith(names["prefix"] + "kvidx-worker")]
+            if faust and all(r["ok"] for r in rows):
+                break
+            assert time.monotonic() < deadline, (rows, log.read_text()[-3000:])
+            time.sleep(1)
+    finally:
+        w.terminate()
+        w.wait(60)
+    assert {r["replicas"] for r in rows} == {3} and {r["min_insync"] for r in rows} == {2}, rows
+
+
 def test_a_topic_with_fewer_replicas_is_reported(cluster, caplog, monkeypatch):
     names = fresh_names()
     monkeypatch.setenv("KVIDX_TOPIC_REPLICATION", "1")  # an operator's earlier deployment
