@@ -88,6 +88,10 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
         dead = sum(len(getattr(s, "dead", ())) for s in sinks)
         say(f"dead letters: {dead}; blocks indexed: "
             f"{sum(len(g.any) for g in store.shards[MODEL].groups.values()) if MODEL in store.shards else 0}")
+        undelivered = sum(s.drain(30.0) for s in sinks if hasattr(s, "drain"))
+        if undelivered:  # the run above is not what the engines published: say so, and fail
+            print(f"error: {undelivered} event batches were not delivered to Kafka", file=sys.stderr)
+            return 1
         if keep_serving:
             say(f"serving lookups on {base} until Ctrl-C")
             try:
