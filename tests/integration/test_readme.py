@@ -42,6 +42,25 @@ def test_the_first_two_commands_are_setup_plus_demo_and_what_ci_runs():
     assert p.returncode == 0, out[-3000:]
     assert '"recall": 1.0' in out and "Traceback" not in out, out[-3000:]
     assert "warning" not in out.lower(), out[-3000:]  # a successful run is quiet
+    # setup says what each step is as it goes, and README's copy of the demo's output is what it printed
+    assert "[setup] 1/4 " in out and "[setup] 3/4 " in out, out[:3000]
+    for line in readme_demo_lines():
+        assert line in out.splitlines(), f"README shows {line!r}; the demo printed:\n{out[-3000:]}"
+
+
+def readme_demo_lines() -> list[str]:
+    """The demo's output as README shows it (its ```text block after "What the demo shows"), the
+    wrapped lines joined back."""
+    text = (ROOT / "README.md").read_text().split("## What the demo shows", 1)[1]
+    block = re.search(r"^```text\n(.*?)^```", text, re.S | re.M)
+    assert block, "README's demo section has no ```text block"
+    lines: list[str] = []
+    for ln in block.group(1).splitlines():
+        if ln.startswith("[demo]"):
+            lines.append(ln)
+        else:
+            lines[-1] += " " + ln.strip()
+    return lines
 
 
 def other_blocks():
