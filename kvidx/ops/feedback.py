@@ -41,6 +41,7 @@ from confluent_kafka import OFFSET_BEGINNING, Producer, TopicPartition
 from kvidx.core.answers import ReplicaAnswer
 from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
+from kvidx.kafka.delivery import require_delivered
 from kvidx.kafka.topics import create_topics
 from kvidx.ops.kafkalog import add_kafka_args, bootstrap_of, consumer, partitions, topic_prefix
 from schemas.routes import RouteDecision
@@ -209,10 +210,11 @@ class FeedbackFollower(FeedbackTable, Background):
 
 def publish_factors(bootstrap: str, topic: str, factors: list[CreditFactor]) -> None:
     p = Producer({**client_config(), "bootstrap.servers": bootstrap, "enable.idempotence": True})
+    refused: list[str] = []
     for f in factors:
-        p.produce(topic, key=_key(*f.key), value=msgspec.msgpack.encode(f))
-    if p.flush(30):
-        raise RuntimeError(f"credit factors to {topic} not acknowledged")
+        p.produce(topic, key=_key(*f.key), value=msgspec.msgpack.encode(f),
+                  on_delivery=lambda err, _msg: err is not None and refused.append(str(err)))
+    require_delivered(p, f"credit factor(s) on {topic}", refused=len(refused), bootstrap=bootstrap)
 
 
 def read_factors(bootstrap: str, topic: str) -> dict[tuple[str, str, int, int], CreditFactor]:
