@@ -78,6 +78,20 @@ def read_unreadable(raw: bytes, detail: str, kinds: dict[str, str], hash_fields:
                       hashes if ok else None, detail[:300])
 
 
+def per_event(raws: list, decode) -> list:
+    """`decode(raw)` of each raw event of a batch that did not decode as a whole, once per distinct
+    event (a hostile batch of a million copies of one bad value costs one decoding)."""
+    seen: dict[bytes, object] = {}
+    out = []
+    for r in raws:
+        key = r if type(r) is bytes else bytes(r)
+        ev = seen.get(key)
+        if ev is None:
+            ev = seen[key] = decode(r)
+        out.append(ev)
+    return out
+
+
 def place_unreadable(mirror, ev: Unreadable, position: int, out: list[Event]) -> SetAside:
     """The conservative rule for an event that did not decode: a store is not indexed; a clear
     clears; a removal (or an update, or an event of a kind this adapter does not know) whose hashes

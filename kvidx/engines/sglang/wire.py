@@ -215,7 +215,9 @@ def _decode_payload(payload: bytes, encoding: str) -> Batch:
             rb = _dec_raw.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise first from None
-        return Batch(rb.ts, [_decode_event(r, encoding) for r in rb.events], rb.attn_dp_rank)
+        from kvidx.engines.common import per_event
+
+        return Batch(rb.ts, per_event(rb.events, lambda r: _decode_event(r, encoding)), rb.attn_dp_rank)
 
 
 def u64(h: int) -> int:

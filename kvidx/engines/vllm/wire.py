@@ -158,15 +158,16 @@ _dec_map = msgspec.msgpack.Decoder(_Batch)
 _dec_pos = msgspec.msgpack.Decoder(_BatchPos)
 
 
-class _RawBatch(msgspec.Struct, array_like=True):
-    """The batch envelope with its events left undecoded: read one by one when the batch as a whole
+class _LooseBatch(msgspec.Struct, array_like=True):
+    """The batch envelope with its events read untyped: read one by one when the batch as a whole
     does not decode (one bad event costs that event only)."""
     ts: float
-    events: list[msgspec.Raw]
+    events: list
     data_parallel_rank: int | None = None
 
 
-_dec_raw = msgspec.msgpack.Decoder(_RawBatch)
+_dec_loose = msgspec.msgpack.Decoder(_LooseBatch)
+_encode = msgspec.msgpack.Encoder().encode
 _dec_event = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
 _dec_event_pos = msgspec.msgpack.Decoder(_BlockStoredPos | _BlockRemovedPos | _AllBlocksClearedPos)
 EVENT_KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
@@ -185,8 +186,9 @@ def _from_positional(b: _BatchPos) -> Batch:
     return Batch(b.ts, [_from_positional_event(e) for e in b.events], b.data_parallel_rank)
 
 
-def _decode_event(raw: msgspec.Raw):
-    """One event of a batch that did not decode as a whole: the event, or an Unreadable."""
+def _decode_event(raw: bytes):
+    """One event (its msgpack bytes) of a batch that did not decode as a whole: the event, or an
+    Unreadable."""
     from kvidx.engines.common import read_unreadable
 
     try:
@@ -196,7 +198,7 @@ def _decode_event(raw: msgspec.Raw):
     try:
         return _from_positional_event(_dec_event_pos.decode(raw))
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-        return read_unreadable(bytes(raw), str(error) or "nested too deeply", EVENT_KINDS)
+        return read_unreadable(raw, str(error) or "nested too deeply", EVENT_KINDS)
 
 
 def decode_payload(payload: bytes) -> Batch:
@@ -219,12 +221,16 @@ def decode_payload(payload: bytes) -> Batch:
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
             pass
         try:
-            rb = _dec_raw.decode(payload)
+            rb = _dec_loose.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError):
             raise map_error from None
         except RecursionError:
             raise msgspec.DecodeError("nested too deeply") from None
-        return Batch(rb.ts, [_decode_event(r) for r in rb.events], rb.data_parallel_rank)
+        from kvidx.engines.common import per_event
+
+        # each event read again from its own bytes (msgpack re-encodes what it decoded untyped exactly)
+        raws = [_encode(e) for e in rb.events]
+        return Batch(rb.ts, per_event(raws, _decode_event), rb.data_parallel_rank)
     except RecursionError:  # msgspec's depth limit (extra_keys are Any): a malformed frame, not a crash
         raise msgspec.DecodeError("nested too deeply") from None
 
