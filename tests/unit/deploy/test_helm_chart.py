@@ -62,7 +62,7 @@ def helm_binary(pytestconfig):
 
 FOUR = {
     "kafka": {"bootstrap": "my-cluster-kafka-bootstrap.kafka:9092", "partitions": 8,
-              "topicPrefix": "prod."},
+              "topicPrefix": "prod.", "replicationFactor": 3, "minInsyncReplicas": 2},
     "config": {"models": [{"name": "llama-3-70b", "replicaGroups": 4},
                           {"name": "small", "replicaGroups": 1}]},
     "worker": {"replicas": 2},
@@ -122,6 +122,9 @@ def test_lints_and_renders_what_the_values_say(values, tmp_path):
         (c,) = d["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["KVIDX_TOPIC_PARTITIONS"] == partitions
+        for key, var in (("replicationFactor", "KVIDX_TOPIC_REPLICATION"),
+                         ("minInsyncReplicas", "KVIDX_MIN_INSYNC_REPLICAS")):  # unset: the cluster's
+            assert env.get(var) == (str(want["kafka"][key]) if want["kafka"].get(key) else None)
         assert env["KAFKA_BOOTSTRAP_SERVERS"] == want["kafka"]["bootstrap"]
         assert "--config" in c["args"] and _arg(c["args"], "--config") == "/etc/kvidx/kvidx.toml"
         annotations = d["spec"]["template"]["metadata"]["annotations"]

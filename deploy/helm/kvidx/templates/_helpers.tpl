@@ -61,6 +61,14 @@ and the service sets together hold every group. */}}
   value: {{ .Values.kafka.topicPrefix | quote }}
 - name: KVIDX_TOPIC_PARTITIONS
   value: {{ .Values.kafka.partitions | quote }}
+{{- if .Values.kafka.replicationFactor }}
+- name: KVIDX_TOPIC_REPLICATION
+  value: {{ .Values.kafka.replicationFactor | quote }}
+{{- end }}
+{{- if .Values.kafka.minInsyncReplicas }}
+- name: KVIDX_MIN_INSYNC_REPLICAS
+  value: {{ .Values.kafka.minInsyncReplicas | quote }}
+{{- end }}
 {{- if .Values.kafka.clientConfig }}
 - name: KVIDX_KAFKA_CONFIG
   value: /etc/kvidx/kafka-client.json
