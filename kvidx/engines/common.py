@@ -108,7 +108,8 @@ def place_unreadable(mirror, ev: Unreadable, position: int, out: list[Event]) ->
     else:
         mirror.clear()
         mirror.stats["cleared"] = mirror.stats.get("cleared", 0) + 1
-        out.append(ReplicaCleared("unplaceable_event"))
+        if not (out and out[-1] == ReplicaCleared("unplaceable_event")):  # one clear for a run of them
+            out.append(ReplicaCleared("unplaceable_event"))
         action = "cleared"
     return SetAside(position, ev.kind, UNDECODABLE, ev.detail, action, ev.raw)
 
