@@ -463,3 +463,18 @@ def test_a_removal_that_cannot_be_placed_never_leaves_its_blocks_credited(name, 
     assert len(hashes) > 10 and control.agreement.credited_tokens > 0
     assert removed.agreement.credited_tokens == 0, removed.agreement.summary()
     assert sum(removed.set_aside.values()) >= 1 and removed.dead_letters == control.dead_letters
+
+
+def test_the_issues_scenario_and_the_shadow_report(tmp_path):
+    """vLLM 0.32's llama_c4 with a tokenless CPU BlockStored of an unknown hash (vLLM 0.34's
+    simple_kv_offload lazy shape) appended to every third batch: `kvidx shadow` credits what the clean
+    recording does, and its report counts the events (not batches) set aside and why."""
+    from kvidx.shadow import run_shadow_engine
+
+    case = vllm_case("llama_c4")
+    n = inject_frames(case.recording, tmp_path / "inj.jsonl", lambda rng: [vllm_events(rng, 32)[1]])
+    clean, _ = run_shadow_engine("vllm", case.recording, case.requests)
+    res, _ = run_shadow_engine("vllm", tmp_path / "inj.jsonl", case.requests)
+    assert n >= 40 and res.agreement.summary() == clean.agreement.summary()
+    assert res.dead_letters == 0 and res.extra["set_aside_events"] == n
+    assert res.extra["set_aside"] == {"unknown_hash/stored": n} and clean.extra["set_aside_events"] == 0
