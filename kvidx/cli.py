@@ -717,7 +717,7 @@ def _add_relay(sub, engine_names) -> None:
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
     r.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics server")
     r.add_argument("--config", help="deployment configuration (.toml/.json): the model's KV-cache groups "
-                   "where its engine's events do not name them; see kvidx/config.py")
+                   "where its engine's events do not name them; every key: docs/config.md")
     r.add_argument("--resync-blocks-per-s", type=float, default=50_000,
                    help="pace of a mirror replay (asked with `kvidx resync` or SIGUSR1)")
     r.add_argument("--resync-jitter", type=float, default=5.0, metavar="S",
@@ -760,7 +760,7 @@ def _add_worker(sub) -> None:
     _common(w)
     w.add_argument("--data-dir", default="var/worker", help="RocksDB and faust state")
     w.add_argument("--config", help="deployment configuration (.toml or .json), the same file `serve` "
-                   "reads: per-model index block size, eviction kinds, pools; see kvidx/config.py")
+                   "reads: per-model index block size, eviction kinds, pools; every key: docs/config.md")
     w.add_argument("--snapshot-interval", type=float, default=2.0, help="seconds between shard snapshots")
     w.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
     w.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics server")
@@ -841,7 +841,7 @@ def _add_serve(sub) -> None:
                         "token is sent as is")
     s.add_argument("--max-tokens", type=int, default=1_000_000, help="largest prompt a lookup accepts")
     s.add_argument("--config", help="deployment configuration (.toml or .json): per-model block size, "
-                   "prices, pools, replica groups; see kvidx/config.py")
+                   "prices, pools, replica groups; every key: docs/config.md")
     s.add_argument("--groups", metavar="G,G...", help="hold only these replica groups of every model "
                    "(models split with replica_groups in --config; default: all): lookups ask the instances "
                    "holding the others (docs/scaling.md)")
@@ -889,7 +889,7 @@ def _add_shadow(sub, engine_names) -> None:
                     help="record each request as a routing decision (pending credit for S seconds), as "
                          "routers do with POST /v1/routes; 0: the index alone")
     sh.add_argument("--config", help="deployment configuration (.toml/.json): its [pools] credit a shared "
-                    "cache's blocks to the replicas reading it (a Mooncake Store pool)")
+                    "cache's blocks to the replicas reading it (a Mooncake Store pool); docs/config.md")
     sh.set_defaults(func=cmd_shadow)
 
 
@@ -923,6 +923,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvidx.ops.audit import add_cli as add_audit_cli
     from kvidx.ops.feedback import add_cli as add_feedback_cli
     from kvidx.ops.replay import add_cli as add_replay_cli
+    from kvidx.ready import add_cli as add_wait_ready_cli
     from kvidx.simulate import add_cli as add_simulate_cli
     add_cli(sub)
     add_simulate_cli(sub)
@@ -935,6 +936,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_shadow(sub, engine_names)
     _add_demo(sub)
+    add_wait_ready_cli(sub)
     return finish(p)  # one help formatter and the common options on every subcommand
 
 

@@ -1,5 +1,7 @@
 """Deployment configuration (`--config FILE`, JSON or TOML): per-model settings, the price model,
 and the topology of shared caches. Everything has a default: no file is needed to start.
+Every key with its type, default and meaning: docs/config.md (tested against the structs below by
+reference_rows()); an example setting every key: docs/kvidx.example.toml.
 
 ```toml
 pending_ttl_s = 10.0                      # how long a routed prompt counts as cached unconfirmed
@@ -33,7 +35,9 @@ A load rate of 0 means free (the tier is where the engine computes from: GPU).
 
 from __future__ import annotations
 
+import json
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +48,7 @@ from kvidx.core.price import PriceConfig
 from kvidx.core.shard import ModelShard
 
 __all__ = ["Config", "GroupConfig", "ModelConfig", "PoolConfig", "PriceConfig", "ShardSettings",
-           "load_config"]
+           "load_config", "reference_rows"]
 
 
 class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -191,3 +195,51 @@ class ShardSettings:
 
     def new_shard(self, model: str) -> ModelShard:
         return self.configure(ModelShard(model, self.block_size(model)))
+
+
+# The reference (docs/config.md, checked against this by tests/unit/kvidx/test_config.py): every key a
+# configuration file can set, with its type and default, walked from the structs above.
+_PLACEHOLDERS = {("models",): "<model>", ("pools",): "<pool>", ("groups",): "<group>"}
+
+
+def _type_name(t) -> str:
+    if isinstance(t, type) and issubclass(t, msgspec.Struct):
+        return "table"
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if args:  # a union: X | None
+        return " or ".join("none" if a is type(None) else _type_name(a) for a in args)
+    return "none" if t is type(None) else t.__name__
+
+
+def _default_text(f) -> str:
+    if f.default is not msgspec.NODEFAULT:
+        value = f.default
+    elif f.default_factory is not msgspec.NODEFAULT:
+        value = f.default_factory()
+    else:
+        return "required"
+    if isinstance(value, msgspec.Struct):
+        return "(its keys' defaults)"
+    return "none" if value is None else json.dumps(msgspec.to_builtins(value))
+
+
+def reference_rows(struct: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, type, default) for every key of a configuration file, dotted as TOML writes them, with
+    <model>, <pool>, <group> for the names a file chooses; a model's keys once, under `default`
+    (every `models.<model>` section takes the same keys)."""
+    rows = []
+    for f in msgspec.structs.fields(struct):
+        key = prefix + f.encode_name
+        t = f.type
+        rows.append((key, _type_name(t), _default_text(f)))
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            rows += reference_rows(t, key + ".")
+        elif f.name == "models":
+            continue  # the same keys as `default`
+        else:
+            value = typing.get_args(t)[1] if typing.get_origin(t) is dict else None
+            if isinstance(value, type) and issubclass(value, msgspec.Struct):
+                rows += reference_rows(value, f"{key}.{_PLACEHOLDERS[(f.name,)]}.")
+    return rows

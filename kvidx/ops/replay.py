@@ -614,7 +614,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--index-block-size", type=int, default=None, metavar="N",
                    help="for a replay without a checkpoint (default: the model's in --config, else 16)")
-    p.add_argument("--config", help="deployment configuration (per-model block size, eviction kinds)")
+    p.add_argument("--config", help="deployment configuration (per-model block size, eviction kinds; "
+                   "docs/config.md)")
     p.add_argument("--no-checkpoints", action="store_true", help="fold from the oldest retained event")
     p.add_argument("--no-pending", action="store_true", help="leave routing decisions (pending credit) out")
     p.add_argument("--routes-lookback", type=float, default=600.0, metavar="S",

@@ -6,6 +6,7 @@ import kvidx.config  # noqa: E402
 from index_service.store import ShardStore
 from kvidx.config import load_config
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from tests.helpers import ROOT
 
 EXAMPLE = open(kvidx.config.__file__).read().split("```toml")[1].split("```")[0]
 
@@ -59,3 +60,74 @@ def test_bad_hints_settings_are_refused_at_load(tmp_path, hints, says):
     path.write_text(f"[models.llama.hints]\n{hints}\n")
     with pytest.raises(SystemExit, match=says):
         load_config(path)
+
+
+REFERENCE = ROOT / "docs" / "config.md"
+EXAMPLE_FILE = ROOT / "docs" / "kvidx.example.toml"
+
+
+def documented_rows() -> dict[str, tuple[str, str, str]]:
+    """docs/config.md's table: key -> (type, default, meaning)."""
+    rows = {}
+    for line in REFERENCE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (cells[1], cells[2], cells[3])
+    return rows
+
+
+def test_the_reference_documents_every_key_with_its_type_and_default():
+    from kvidx.config import reference_rows
+
+    documented = documented_rows()
+    for key, type_name, default in reference_rows():
+        row = f"| `{key}` | {type_name} | {default} | (meaning) |"
+        assert key in documented, f"docs/config.md has no row for {key!r}: {row}"
+        assert documented[key][:2] == (type_name, default), (key, documented[key][:2], (type_name, default))
+        assert documented[key][2], f"docs/config.md: {key!r} has no meaning"
+    stale = set(documented) - {key for key, _, _ in reference_rows()}
+    assert not stale, f"docs/config.md documents keys kvidx/config.py does not have: {sorted(stale)}"
+
+
+def _flat_keys(table: dict, prefix: str = "") -> set[str]:
+    """The example's keys as the reference writes them: a model's under `default`, chosen names as
+    <pool>, <group>."""
+    keys = set()
+    for name, value in table.items():
+        if prefix == "models.":
+            key = "default"  # a model's section takes the keys of `default`
+        elif prefix == "pools.":
+            key = "pools.<pool>"
+        elif prefix.endswith(".groups."):
+            key = prefix + "<group>"
+        else:
+            key = prefix + name
+        keys.add(key)
+        if isinstance(value, dict) and not key.endswith(("load_tokens_per_s", "replica_placement",
+                                                         "lmcache_instances")):
+            keys |= _flat_keys(value, key + ".")
+    return keys
+
+
+def test_the_example_file_sets_every_key_and_loads_as_config_does():
+    import tomllib
+
+    from kvidx.config import reference_rows
+
+    cfg = load_config(EXAMPLE_FILE)  # what every command's --config calls
+    assert cfg.model("llama-3-70b").replica_groups == 4
+    assert cfg.model("llama-3-70b").hints.lmcache_controller == "tcp://lmcache-controller:8300"
+    assert cfg.model("gemma-2-27b").group_kinds()[0] == ("sliding_window", 4096)
+    assert cfg.pools["rack-7-lmcache"].tier == "NODE_SHARED"
+    keys = _flat_keys(tomllib.loads(EXAMPLE_FILE.read_text()))
+    missing = [key for key, _, _ in reference_rows() if key not in keys]
+    assert not missing, f"docs/kvidx.example.toml does not show: {missing}"
+
+
+@pytest.mark.parametrize("command", ["serve", "worker", "relay"])
+def test_help_points_to_the_reference(command, capsys):
+    from kvidx.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    assert "docs/config.md" in " ".join(capsys.readouterr().out.split())
