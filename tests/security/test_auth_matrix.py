@@ -263,6 +263,8 @@ def test_calls_without_the_scope_change_nothing():
                           headers={**headers, "Content-Type": MSGPACK}).status_code in (401, 403)
             assert c.post("/unregister", json={"instance_id": 7, "model_name": SEEDED_MODEL},
                           headers=headers).status_code in (401, 403)
+            assert c.post("/unregister", content=msgspec.msgpack.encode({"instance_id": "engine-x"}),
+                          headers={**headers, "Content-Type": MSGPACK}).status_code in (401, 403)
             code, _ = _rpc(svc.grpc_port, "ApplyExternalKvBatch", clear, token)
             assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
         assert svc.started == [] and svc.published == []
