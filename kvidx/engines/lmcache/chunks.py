@@ -253,6 +253,14 @@ class LmcacheChunks:
         self.stats["lmcache_evicted"] += 1
         self._drop(lk, out)
 
+    def evict_location(self, location: str, out: list[Event]) -> None:
+        """Evict every chunk of a location's tier (what an eviction that names no readable key could
+        have referred to)."""
+        tier = location_tier(location, self.cfg.location_tiers)
+        for lk in [k for k in self.live if k[1] == tier]:
+            self.stats["lmcache_evicted"] += 1
+            self._drop(lk, out)
+
     def clear(self) -> None:
         self.live.clear()
         self.tier_blocks.clear()

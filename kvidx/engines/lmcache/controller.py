@@ -46,10 +46,11 @@ class _Msg(msgspec.Struct):
     key: int | str | None = None
     location: str = ""
     seq_num: int = 0
-    operations: list[_Op] | None = None
+    operations: list[msgspec.Raw] | None = None  # _Op each, read one by one
 
 
 _dec = msgspec.msgpack.Decoder(_Msg)
+_dec_op = msgspec.msgpack.Decoder(_Op)
 
 
 @dataclass
@@ -60,6 +61,35 @@ class KvOp:
     key: int
     location: str
     seq_num: int
+
+
+@dataclass
+class BadOp:
+    """An operation of a BatchedKVOperationMsg that cannot be placed (the message's other operations
+    are): its position, kind ("stored" for an admit, "removed" for an evict, "other"), its key if it
+    could be read, why, and its own bytes."""
+    position: int
+    kind: str
+    key: int | None
+    location: str
+    reason: str
+    detail: str
+    raw: bytes
+
+
+def _bad_op(i: int, raw: bytes, location: str, reason: str, detail: str) -> BadOp:
+    try:
+        obj = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        obj = None
+    obj = obj if isinstance(obj, dict) else {}
+    kind = {"admit": "stored", "evict": "removed"}.get(obj.get("op_type"), "other") \
+        if isinstance(obj.get("op_type"), str) else "other"
+    try:
+        key = parse_key(obj["key"]) if isinstance(obj.get("key"), int | str) else None
+    except ControllerMessageError:
+        key = None
+    return BadOp(i, kind, key, location, reason, detail[:300], raw)
 
 
 class ControllerMessageError(ValueError):
@@ -83,9 +113,10 @@ def parse_key(key: int | str) -> int:
     return v & 0xFFFF_FFFF_FFFF_FFFF
 
 
-def decode_controller(payload: bytes) -> list[KvOp]:
-    """Admit/evict operations of one controller message ([] for messages that are not about chunks).
-    Raises msgspec errors or ControllerMessageError."""
+def decode_controller(payload: bytes) -> list[KvOp | BadOp]:
+    """Admit/evict operations of one controller message ([] for messages that are not about chunks);
+    an operation of a batched message that cannot be read is a BadOp in its place. Raises msgspec
+    errors or ControllerMessageError for the message itself."""
     try:
         m = _dec.decode(payload)
     except RecursionError:  # msgspec's depth limit on deeply nested values: malformed, not a crash
@@ -95,10 +126,16 @@ def decode_controller(payload: bytes) -> list[KvOp]:
     if m.type == "BatchedKVOperationMsg":
         if m.operations is None:
             raise ControllerMessageError("missing_field", "BatchedKVOperationMsg without operations")
-        ops = []
-        for op in m.operations:
+        ops: list[KvOp | BadOp] = []
+        for i, raw in enumerate(m.operations):
+            try:
+                op = _dec_op.decode(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+                ops.append(_bad_op(i, bytes(raw), m.location, "undecodable_event", str(e) or "nested"))
+                continue
             if op.op_type not in ("admit", "evict"):
-                raise ControllerMessageError("unknown_op", f"op_type {op.op_type!r}")
+                ops.append(_bad_op(i, bytes(raw), m.location, "unknown_op", f"op_type {op.op_type!r}"))
+                continue
             ops.append(KvOp(op.op_type == "admit", m.instance_id, m.worker_id, parse_key(op.key), m.location,
                             op.seq_num))
         return ops
@@ -145,6 +182,9 @@ class LmcacheControllerRelay:
         lm = self.core.mirror.lmcache
         now = recv_ns / 1e9
         for op in ops:
+            if isinstance(op, BadOp):  # set aside alone, never crediting more (docs/engines.md)
+                out.set_aside.append(self._set_aside(op, lm, events, frame))
+                continue
             if op.seq_num > 0:
                 k = (op.instance_id, op.worker_id)
                 if op.seq_num <= self.last_seq.get(k, 0):
@@ -165,3 +205,19 @@ class LmcacheControllerRelay:
                 seq=c.next_seq - 1 if c.next_seq is not None else -1, engine_ts=now, relay_ts=now,
                 block_size=c.mirror.block_size, events=events, part=c.resync_part))
         return out
+
+    def _set_aside(self, op: BadOp, lm, events: list, frame: Frame) -> DeadLetter:
+        """An admit is not applied; an evict (or an operation of another kind) of a readable key evicts
+        that key; one whose key cannot be read evicts every chunk of its location."""
+        if op.kind == "stored":
+            action = "skipped"
+        elif op.key is not None:
+            lm.evict(op.key, op.location, events)
+            action = "dropped"
+        else:
+            lm.evict_location(op.location, events)
+            action = "dropped_location"
+        key = (op.reason, op.kind)
+        self.core.set_aside[key] = self.core.set_aside.get(key, 0) + 1
+        f = Frame(frame.topic, frame.seq, op.raw, frame.recv_ns, frame.endpoint, frame.src)
+        return DeadLetter(op.reason, f"{action}: {op.detail}"[:300], f, op.position, op.kind)

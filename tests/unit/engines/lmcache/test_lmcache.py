@@ -175,6 +175,34 @@ def test_controller_admit_evict_move_blocks_between_tiers():
     assert ctl.on_message(ew._enc.encode({"type": "RegisterMsg", "instance_id": "i"})).batches == []
 
 
+def test_a_batched_controller_message_sets_a_bad_operation_aside_alone():
+    """One operation of a BatchedKVOperationMsg that cannot be read costs that operation only: the
+    others are applied; an unreadable admit is skipped, an evict of another kind with a readable key
+    evicts it, one whose key cannot be read evicts every chunk of its location (never credits more)."""
+    core = VllmPublisherRelay("m", "r", 16, engine_version="0.32.0",
+                              lmcache=LmcacheConfig(evictions_reported=True))
+    core.on_frame(Frame(b"kv", 0, ew.payload(ew.lmcache_store_call(T[:128], 64, 0, ew.lmcache_hash)), 0, "e"))
+    ctl = LmcacheControllerRelay(core)
+    k0, k1 = ew.lmcache_hash(T[:64]), ew.lmcache_hash(T[:128])
+
+    def batched(ops: list) -> bytes:
+        return ew._enc.encode({"type": "BatchedKVOperationMsg", "instance_id": "inst", "worker_id": 1,
+                               "location": "LocalDiskBackend", "operations": ops})
+
+    out = ctl.on_message(batched([{"op_type": "admit", "key": k0, "seq_num": 1},
+                                  {"op_type": "admit", "key": "??", "seq_num": 2},
+                                  {"op_type": "admit", "key": k1, "seq_num": 3}]), 10)
+    assert not out.dead and [(d.reason, d.event, d.position) for d in out.set_aside] == [
+        ("undecodable_event", "stored", 1)]
+    assert stored(out.batches[0].events, "DISK") == H[:8]  # both good admits applied
+    out = ctl.on_message(batched([{"op_type": "teleport", "key": k1, "seq_num": 4}]), 11)
+    assert [(d.reason, d.event) for d in out.set_aside] == [("unknown_op", "other")]
+    assert removed(out.batches[0].events, "DISK") == H[4:8]  # it may have moved k1 away: dropped
+    out = ctl.on_message(batched([{"op_type": "evict", "key": [1], "seq_num": 5}]), 12)
+    assert removed(out.batches[0].events, "DISK") == H[:4]  # which chunk? every chunk of the location
+    assert core.set_aside[("undecodable_event", "removed")] == 1
+
+
 def test_mark_upper_bound():
     def answer(resumable: int) -> ReplicaAnswer:
         return ReplicaAnswer("r", 0, 96, [Tier("GPU", 64), Tier("CPU", 32)], resumable, 96, [], 0, 0,
