@@ -85,16 +85,22 @@ def test_a_hints_record_of_another_version_is_refused():
         decode_hint(encode_hint(sent[0]))
 
 
-def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic():
+def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic(monkeypatch):
     """hints.sessions on: each recorded decision feeds the model's session tracker; a recurring session
     on a replica with a long queue gets a placement to the idle one, and a silent session, eviction advice
-    (its own blocks, never the shared system prompt)."""
+    (its own blocks, never the shared system prompt). The service's clock is the test's: the decisions
+    are 10 ms apart and the silence 0.5 s, whatever the machine's load."""
+    import types
+
+    import index_service.query as query_mod
     store = ShardStore(16, config=Config(default=ModelConfig(hints=HintsConfig(sessions=True))))
     sent = []
     store.publish_hint = sent.append
     system = P[:32]
     turn1, other = system + P[32:80], system + list(range(7000, 7050))
     now = time.time()
+    clock = [now]
+    monkeypatch.setattr(query_mod, "time", types.SimpleNamespace(time=lambda: clock[0]))
     for rep in ("busy", "idle"):
         store.apply(EventBatch(SCHEMA_VERSION, MODEL, rep, 0, 1, 0, now, now, 16, []))
     app = create_app(store)
@@ -102,6 +108,7 @@ def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic():
     app.state.pipeline.trackers[MODEL] = SessionTracker(16, idle_s=0.3, min_idle_s=0.3)
     with ServerThread(app) as base, httpx.Client(base_url=base) as c:
         def route(rid: str, replica: str, tokens: list[int]) -> None:
+            clock[0] += 0.01
             r = c.post("/v1/routes", json={"request_id": rid, "model": MODEL, "replica": replica,
                                            "token_ids": tokens, "ttl_s": 60})
             assert r.status_code == 202 and "prefetch" not in r.json()
@@ -113,7 +120,7 @@ def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic():
         placements = [h for h in sent if h.kind == "placement"]
         assert [(h.replica, h.target, h.request_id) for h in placements] == [("busy", "idle", "a2")]
         assert placements[0].block_hashes == hashes(turn1 + P[80:96]) and placements[0].benefit_s > 1.0
-        time.sleep(0.5)
+        clock[0] += 0.5
         route("x", "idle", list(range(20_000, 20_040)))  # any decision: the tracker looks at the silent
     advice = {(h.replica, tuple(h.block_hashes)): h.action for h in sent if h.kind == "eviction"}
     # each with its benefit (room for active sessions) and expected cost (reload if it comes back), in s
