@@ -368,12 +368,39 @@ def measure_feedback(requests: int = 3000, **kw) -> dict:
     return out
 
 
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f} %"
+
+
+def feedback_table(result: dict) -> str:
+    """measure_feedback's result for a person: the fleet's over-credit, precision and reuse, and the
+    lying replica's share of the traffic, with and without feedback, before and after the cap."""
+    capped = result["liar_capped_after_requests"]
+    cap = f"capped (factor {result['liar_factor']}) after {capped} requests" if capped else "never capped"
+    head = (f"feedback on a simulated fleet, {result['requests']} requests: replica {result['liar']} drops "
+            f"its state without telling; {cap}")
+    rows = [("run", "requests", "over-credit", "precision", "reuse rate", f"{result['liar']}'s traffic")]
+    for label in ("with_feedback", "without_feedback"):
+        for phase in ("before_cap", "after_cap"):
+            r = result[label][phase]
+            fleet = r["fleet"]
+            rows.append((f"{label.replace('_', ' ')}, {phase.replace('_', ' ')}", str(fleet["requests"]),
+                         _percent(fleet["over_credit"]), _percent(fleet["precision"]),
+                         _percent(fleet["reuse_rate"]), _percent(r["liar_traffic_share"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
+    return "\n".join([head, "", *lines, "", "(over-credit: tokens credited but not reused, per token reused; "
+                       "--json: every figure)"])
+
+
 # ---- CLI -------------------------------------------------------------------------------------------
 def cmd_feedback(args) -> int:
     from schemas.events import topic_names
 
     if args.simulate:
-        print(json.dumps(measure_feedback(args.simulate), indent=None if args.json else 1))
+        result = measure_feedback(args.simulate)
+        print(json.dumps(result) if args.json else feedback_table(result))
         return 0
     b = bootstrap_of(args)
     names = topic_names(args.topic_prefix)
@@ -409,5 +436,6 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true", help="compute and print, do not publish")
     p.add_argument("--simulate", type=int, metavar="N", help="no Kafka: measure the feedback on a simulated "
                    "fleet with one replica that silently drops its state, N requests")
-    p.add_argument("--json", action="store_true", help="print JSON objects")
+    p.add_argument("--json", action="store_true", help="print JSON objects (with --simulate: every figure, "
+                   "where the default is a short table)")
     p.set_defaults(func=cmd_feedback)

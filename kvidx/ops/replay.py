@@ -357,6 +357,15 @@ def _ts_before(c, topic: str, p: int, off: int, starts: dict[int, int]) -> float
     return None
 
 
+def _exact_since(ts: float | None) -> str:
+    """How far back a replay of this topic is exact, for a person (_earliest_exact's value)."""
+    if ts == 0.0:
+        return "a replay is exact back to the topic's first event"
+    if ts is None:
+        return "a replay is exact for no earlier time: retention dropped events no retained checkpoint holds"
+    return f"a replay is exact back to {iso(ts)}"
+
+
 def _earliest_exact(c, topic: str, cps: list[Checkpoint], lows: dict[int, int]) -> float | None:
     """The oldest moment a replay is exact for: the topic's first event if it was never truncated,
     else the oldest retained checkpoint's (its events offset's time)."""
@@ -563,8 +572,8 @@ def cmd_replay(args) -> int:
         return 0
     s = out["replay"]
     print(f"{args.model} at {s['at_iso']}: {s['batches_folded']} batches folded from the {s['start']} "
-          f"in {s['seconds']} s ({'exact' if s['exact'] else 'NOT exact'}; exact back to "
-          f"{s['earliest_exact_iso'] or 'unknown'})")
+          f"in {s['seconds']} s ({'exact' if s['exact'] else 'NOT exact'}; "
+          f"{_exact_since(r.earliest_exact_ts)})")
     for w in s["warnings"]:
         print(f"warning: {w}")
     for x in out["replicas"]:

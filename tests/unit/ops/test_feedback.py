@@ -9,6 +9,7 @@ from kvidx.ops.feedback import (
     CreditFactor,
     FeedbackTable,
     compute_factors,
+    feedback_table,
     measure_feedback,
 )
 from schemas.routes import ROUTES_VERSION, RouteDecision
@@ -64,3 +65,11 @@ def test_feedback_measured_on_a_simulated_lying_replica():
     assert on["fleet"]["over_credit"] < 0.005 < 0.05 < off["fleet"]["over_credit"]
     assert on["liar_traffic_share"] < 0.01 < 0.05 < off["liar_traffic_share"]
     assert on["fleet"]["reuse_rate"] > off["fleet"]["reuse_rate"] + 0.03
+    # what `kvidx feedback --simulate` prints (JSON behind --json): a short table of the same figures
+    table = feedback_table(r).splitlines()
+    assert len(table) <= 10 and table[0].startswith("feedback on a simulated fleet, 2000 requests")
+    row = next(ln for ln in table if ln.startswith("without feedback, after cap"))
+    cells = [c.strip() for c in row.split("  ") if c.strip()]
+    assert cells == ["without feedback, after cap", str(off["fleet"]["requests"]),
+                     f"{100 * off['fleet']['over_credit']:.2f} %", f"{100 * off['fleet']['precision']:.2f} %",
+                     f"{100 * off['fleet']['reuse_rate']:.2f} %", f"{100 * off['liar_traffic_share']:.2f} %"]
