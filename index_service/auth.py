@@ -26,6 +26,9 @@ scope. The file is read again when it changes (checked at most once a second, by
 mtime after symlinks: a Kubernetes Secret's atomic swap included), so tokens rotate without a restart;
 a file that does not parse is refused with one line in the log and the previous tokens stay in force.
 Tokens are compared in constant time, against every entry. Names, never tokens, are logged.
+
+`TlsFiles`: the certificate, key and client CA of `kvidx serve --tls-cert/--tls-key/--tls-client-ca`
+(TLS, or mTLS with the CA, on the HTTP and gRPC APIs and the fan-out between instances).
 """
 
 from __future__ import annotations
