@@ -7,6 +7,10 @@ a few milliseconds after the relay published it. Several instances fed this way 
 
 Routing decisions (the routes topic) are followed too, from a few minutes back: a prompt routed
 through any instance counts as pending credit on every instance.
+
+Ready (`/healthz` 200) means caught up: the snapshots applied and every message that was in the events
+topic (from the snapshots' offsets) and in the routes topic (from the look-back) when the follower
+started, folded; the end offsets are taken once, at start.
 """
 
 from __future__ import annotations
@@ -116,18 +120,23 @@ class KafkaFollower(Background):
                       "auto.offset.reset": "earliest", "topic.metadata.refresh.interval.ms": 5000})
         try:
             parts = self._partitions(c)
-            ends = {}
+            ends: dict[tuple[str, int], int] = {}  # (topic, partition) -> its end offset at start
             for p in parts:
                 lo, hi = watermarks(c, self.events_topic, p)
                 if p in starts and starts[p] < lo:
                     starts[p] = lo  # from the oldest event kept, not the end
                     self._check_retention(p, folded[p], lo)
                 if hi > max(lo, starts.get(p, 0)):
-                    ends[p] = hi
+                    ends[(self.events_topic, p)] = hi
             assignment = [TopicPartition(self.events_topic, p, starts.get(p, OFFSET_BEGINNING))
                           for p in parts]
             if self.routes_topic:
-                assignment += self._routes_start(c)
+                routes = self._routes_start(c)
+                for tp in routes:  # offset -1: no decision in the look-back
+                    lo, hi = watermarks(c, tp.topic, tp.partition)
+                    if tp.offset >= 0 and hi > max(lo, tp.offset):
+                        ends[(tp.topic, tp.partition)] = hi
+                assignment += routes
             c.assign(assignment)
             if not ends:
                 self._ready(t0)
@@ -156,14 +165,15 @@ class KafkaFollower(Background):
                         continue
                     if msg.topic() == self.routes_topic:
                         self._route(msg.value())
-                        continue
-                    key, held = msg.key(), self.store.groups
-                    if held is not None and key and key_group(key.decode(errors="replace")) not in held:
-                        self.store.skipped_batches += 1  # a group held elsewhere: not even decoded
-                    elif not self.store.fold(msg.value(), msg.partition(), msg.offset()):
-                        self.undecodable += 1  # the worker dead-letters it; a replica only skips
-                    if ends and msg.offset() + 1 >= ends.get(msg.partition(), 0):
-                        ends.pop(msg.partition(), None)
+                    else:
+                        key, held = msg.key(), self.store.groups
+                        if held is not None and key and key_group(key.decode(errors="replace")) not in held:
+                            self.store.skipped_batches += 1  # a group held elsewhere: not even decoded
+                        elif not self.store.fold(msg.value(), msg.partition(), msg.offset()):
+                            self.undecodable += 1  # the worker dead-letters it; a replica only skips
+                    where = (msg.topic(), msg.partition())
+                    if ends and msg.offset() + 1 >= ends.get(where, 0):
+                        ends.pop(where, None)
                         if not ends:
                             self._ready(t0)
         finally:
@@ -183,12 +193,12 @@ class KafkaFollower(Background):
                   "miss them until their relays resync (kvidx resync --model MODEL)",
                   self.events_topic, partition, low - lost, low, models, lost)
 
-    def _passed(self, c: Consumer, ends: dict[int, int]) -> bool:
+    def _passed(self, c: Consumer, ends: dict[tuple[str, int], int]) -> bool:
         """Drop from `ends` the partitions the consumer is positioned at or past the end of (retention
         can delete the last message before it is read); True when none is left."""
-        for tp in c.position([TopicPartition(self.events_topic, p) for p in ends]):
-            if tp.offset >= ends[tp.partition]:
-                ends.pop(tp.partition)
+        for tp in c.position([TopicPartition(t, p) for t, p in ends]):
+            if tp.offset >= ends[(tp.topic, tp.partition)]:
+                ends.pop((tp.topic, tp.partition))
         return not ends
 
     def _lag(self, c: Consumer, parts: list[int]) -> int:

@@ -72,6 +72,8 @@ class ModelInfo(msgspec.Struct):
     # partial reuse); lookups by token ids credit them to the token, by block hashes they cannot
     tail_keys: int
     freshness: ModelFreshness
+    # a model split in replica groups, some held by other instances: those (a lookup here asks them)
+    missing_groups: list[int] | None = None
 
 
 class Models(msgspec.Struct):

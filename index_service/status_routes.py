@@ -57,13 +57,19 @@ def add_status_routes(app: FastAPI, ctx: ServiceContext, auth: tuple[int, ...]) 
     @app.get("/v1/models", response_class=Response, responses={**ok("Models", "the models indexed"),
                                                                  **errors(*auth)})
     async def models() -> Response:
+        """Every model a lookup answers for: the shards held here, and the models split in replica
+        groups some of which other instances hold (a lookup asks them), with no event here yet."""
         now = time.time()
         out = []
         with store.lock:  # stats iterate the shards' dicts: not while a batch is folded
-            for model, shard in sorted(store.shards.items()):
-                out.append({"model": model, "block_size": shard.block_size,
-                            "lookahead_tokens": shard.lookahead, **shard.stats(),
-                            "freshness": freshness(shard, now)})
+            names = set(store.shards) | {m for m in store.config.models if store.holds_part_of(m)}
+            for model in sorted(names):
+                shard = store.shards.get(model) or store.settings.new_shard(model)
+                info = {"model": model, "block_size": shard.block_size, "lookahead_tokens": shard.lookahead,
+                        **shard.stats(), "freshness": freshness(shard, now)}
+                if store.holds_part_of(model):
+                    info["missing_groups"] = store.missing_groups(model)  # a lookup asks their holders
+                out.append(info)
         return json_response({"models": out})
 
     @app.get("/metrics", response_class=Response, responses={200: {

@@ -333,6 +333,23 @@ def test_healthz_not_ready():
     assert resp.json()["ready"] is False and resp.json()["status"] == "not_ready"
 
 
+def test_models_lists_every_model_a_lookup_answers_for():
+    """A partial instance (groups 0-1 of a model split in 4) with no event of it yet: a lookup answers
+    (the other groups' holders are asked), so /v1/models lists the model, saying which groups are
+    elsewhere; a model nobody configured is neither answered nor listed."""
+    from kvidx.config import Config, ModelConfig
+
+    store = ShardStore(16, config=Config(models={"split": ModelConfig(replica_groups=4)}), groups={0, 1})
+    store.ready = True
+    with ServerThread(create_app(store)) as url:
+        listed = {m["model"]: m for m in httpx.get(f"{url}/v1/models").json()["models"]}
+        for model in ("split", "other"):
+            lookup = httpx.post(f"{url}/v1/lookup", json={"model": model, "token_ids": list(range(40))})
+            assert (lookup.status_code == 200) == (model in listed), (model, lookup.text, listed)
+    assert listed["split"]["missing_groups"] == [2, 3] and listed["split"]["replicas"] == 0
+    assert "split" not in store.shards  # listing made no shard
+
+
 def test_events_lost_to_retention_show_in_healthz_and_metrics():
     store = ShardStore()
     store.ready, store.events_lost = True, 7  # the follower's count (tests/integration/test_retention_gap.py)
