@@ -20,10 +20,11 @@ from typing import Any
 import msgspec
 
 from kvidx.core.hashing import tail_key as _tail_key
-from schemas.events import Event, ReplicaCleared
+from schemas.events import TIERS, Event, ReplicaCleared
 
-# the tiers a mirror indexes engine blocks in; a medium mapping elsewhere is unknown (set aside)
-KNOWN_TIERS = frozenset({"GPU", "CPU", "DISK"})
+# the tiers the index knows (a node-shared pool's relay publishes as NODE_SHARED or POOL); a medium
+# mapping elsewhere is unknown (set aside)
+KNOWN_TIERS = frozenset(TIERS)
 # the bounded values of the set-aside counters' `event` label
 EVENT_KINDS = ("stored", "removed", "cleared", "updated", "created", "other")
 # the bounded values of their `reason` label besides MirrorError reasons (code literals)
