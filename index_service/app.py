@@ -62,6 +62,7 @@ from index_service.context import ServiceContext, kv, log
 from index_service.dynamo_api import DynamoRegistry, add_dynamo_routes
 from index_service.errors import one_error_shape
 from index_service.hot_path import DynamoQueryPath, HotPath, LookupApp
+from index_service.limits import DEFAULT_RATES, Buckets, RateLimits
 from index_service.lmcache_api import add_lmcache_routes
 from index_service.lookup_routes import add_binary_lookup, add_json_lookup
 from index_service.metrics import ServiceMetrics
@@ -82,7 +83,8 @@ def _telemetry() -> dict:
 def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: str | None = None,
                credentials: Credentials | None = None, publish_usage=None, feedback=None,
                dynamo: DynamoRegistry | None = None, conductor: ConductorRegistry | None = None, fanout=None,
-               lmcache_lookup: str | None = None, probes_open: bool = True) -> FastAPI:
+               lmcache_lookup: str | None = None, probes_open: bool = True,
+               rate_limits: dict[str, float] | None = None) -> FastAPI:
     """`credentials` (index_service.auth.Credentials): when set, every request but GET /healthz and
     /metrics must carry `Authorization: Bearer <token>` of a token with the path's scope (401 without or
     with a wrong one, 403 without the scope); `auth_token`: one token granting every scope.
@@ -95,7 +97,9 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     `fanout` (index_service.fanout.Fanout): how an instance holding some replica groups asks for the
     others. `lmcache_lookup`: the model LMCache's controller lookup (POST /lookup) answers for
     (index_service/lmcache_api.py). `probes_open` False: /healthz and /metrics need a token too (they
-    are served open on an ops port: index_service.status_routes.ops_app)."""
+    are served open on an ops port: index_service.status_routes.ops_app). `rate_limits`: requests a
+    second per client on the `write` and `admin` routes (index_service.limits; default DEFAULT_RATES,
+    0 for a scope: unlimited)."""
     # /docs and /redoc with their JavaScript and CSS served by the service itself (fastapi-offline
     # ships them): the default pages load them from a CDN, which a cluster without internet lacks
     app = LookupApp.of(title="kvidx lookup service", version="1", telemetry=_telemetry())
@@ -128,6 +132,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         app.add_middleware(DynamoQueryPath, ctx=ctx, dynamo=dynamo)  # its /query, past the router
     if conductor is not None:  # outside Dynamo's /query: its msgpack /query goes first
         app.add_middleware(ConductorPaths, store=store, registry=conductor, fanout=fanout, metrics=metrics)
+    app.add_middleware(RateLimits, buckets=Buckets(DEFAULT_RATES if rate_limits is None else rate_limits),
+                       credentials=credentials, refused=metrics.rate_limited)
     if credentials is not None:  # added last: outermost, so it guards every other route and middleware
         app.add_middleware(RequireScope, credentials=credentials, probes_open=probes_open)
     log.info("%s", kv(event="lookup_service_created", models=len(store.shards), max_tokens=max_tokens))

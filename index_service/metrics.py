@@ -39,6 +39,9 @@ Replica groups held by other instances (index_service.fanout):
 - kvidx_fanout_seconds                      histogram of the wait for the other instances' answers
 - kvidx_fanout_partial_total                lookups answered without some groups (no live holder,
                                             an error or the timeout: the answer says `partial`)
+Abuse:
+- kvidx_rate_limited_total{scope}           write and admin requests refused (429) past a client's
+                                            budget (index_service.limits; scope: write or admin)
 Agreement (live; the offline audit joins request by request):
 - kvidx_routes_credited_tokens_total{model} tokens the index credited on the replicas routed to
 - kvidx_usage_prompt_tokens_total{model}    prompt tokens of the engine usage reports (POST /v1/usage)
@@ -248,6 +251,9 @@ class ServiceMetrics:
                                         registry=self.registry)
         self.fanout_partial = Counter("kvidx_fanout_partial", "Lookups answered without some replica groups",
                                       registry=self.registry)
+        self.rate_limited = Counter("kvidx_rate_limited", "Requests refused (429) by the per-client rate "
+                                    "limits of the write and admin routes, by scope", ["scope"],
+                                    registry=self.registry)
         self.store = store
         self.registry.register(_StoreCollector(store))
         self._latency = {f: self.latency.labels(form=f) for f in FORMS}

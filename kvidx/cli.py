@@ -519,7 +519,8 @@ def cmd_serve(args) -> int:
     dynamo.others, conductor.others = [conductor], [dynamo]  # an endpoint is followed once
     app = create_app(store, max_tokens=args.max_tokens, credentials=credentials,
                      publish_usage=UsagePublisher(b, t["usage"]), dynamo=dynamo, conductor=conductor,
-                     fanout=fanout, lmcache_lookup=args.lmcache_lookup, probes_open=args.ops_port is None)
+                     fanout=fanout, lmcache_lookup=args.lmcache_lookup, probes_open=args.ops_port is None,
+                     rate_limits={"write": args.write_rate_limit, "admin": args.admin_rate_limit})
     # SGLang's external-indexer API (gRPC): its feed publishes to the events topic, batch by acked batch
     feed = KafkaSink(b, t["events"], t["dead_letters"], replica_group=settings.config.replica_group
                      ) if sglang_addresses else None
@@ -643,6 +644,16 @@ def _replication_args(sp) -> None:
     sp.add_argument("--min-insync-replicas", type=_positive, default=None, metavar="N",
                     help="min.insync.replicas of the topics it creates (default: "
                          "$KVIDX_MIN_INSYNC_REPLICAS, else the cluster's; at least 2 with 3+ replicas)")
+
+
+def _rate(raw: str) -> float:
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = -1.0
+    if not rate >= 0 or rate == float("inf"):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a rate (requests a second, 0 for no limit)")
+    return rate
 
 
 def _positive(raw: str) -> int:
@@ -867,6 +878,12 @@ def _add_serve(sub) -> None:
                         "patterns, e.g. 10.0.0.0/8,*.svc.cluster.local; `any` for all (default: "
                         "allow_endpoints in --config, else loopback, the private ranges and localhost; "
                         "host names only where a pattern names them)")
+    from index_service.limits import DEFAULT_RATES
+    for scope, what in (("write", "routes, usage reports"), ("admin", "register, unregister, dump")):
+        s.add_argument(f"--{scope}-rate-limit", type=_rate, default=DEFAULT_RATES[scope], metavar="N",
+                       help=f"requests a second each client (a token's name, else an address) may make to "
+                            f"the {scope!r} routes ({what}); bursts of 2N; past it: 429 with Retry-After; "
+                            "0: no limit (default: %(default)g)")
     s.set_defaults(func=cmd_serve)
 
 
