@@ -155,3 +155,56 @@ def test_docs_are_served_offline(url):
             assert r.status_code == 200 and len(r.content) > 1000, a
         redoc = c.get("/redoc")
         assert redoc.status_code == 200 and "cdn." not in redoc.text
+
+
+def _every_api_app():
+    """A service serving every API kvidx serve can: its own, Dynamo's, the conductor's (middleware),
+    LMCache's lookup and the instances' SGLang route."""
+    from index_service.conductor_api import ConductorRegistry
+    from index_service.dynamo_api import DynamoRegistry
+    from index_service.sglang_indexer import SglangIndexer, add_sglang_peer_route
+    from relays.managed import vllm_relay_starter
+    from relays.sinks import StoreSink
+
+    store = _store()
+    starter = vllm_relay_starter(StoreSink(store), lambda model: 16)
+    app = create_app(store, dynamo=DynamoRegistry(starter), conductor=ConductorRegistry(starter),
+                     lmcache_lookup=MODEL)
+    add_sglang_peer_route(app, {MODEL: SglangIndexer(store, MODEL, store.apply)})
+    return app
+
+
+def test_the_document_describes_every_route_the_service_serves():
+    """Every (method, path) the app answers, FastAPI's routes, the hot path's and the middleware's
+    (enumerated from the app, not listed here), is in /openapi.json; a path two APIs share names both
+    bodies."""
+    from index_service.openapi import served_routes, undocumented_routes
+
+    app = _every_api_app()
+    served = served_routes(app)
+    # the enumeration reaches the middleware's and the hot path's routes
+    assert {("GET", "/global_view"), ("POST", "/query"), ("POST", "/v1/lookup"), ("POST", "/lookup"),
+            ("POST", "/internal/sglang/{model}/match_prefix")} <= set(served)
+    assert served[("POST", "/query")] == {"dynamo", "conductor"}
+    assert undocumented_routes(app) == []
+    with ServerThread(app) as u:
+        spec = httpx.get(f"{u}/openapi.json").json()
+    for method, path in served:
+        assert method.lower() in spec["paths"].get(path, {}), (method, path)
+    query = spec["paths"]["/query"]["post"]
+    assert set(query["requestBody"]["content"]) == {"application/json", "application/msgpack"}
+    assert "Dynamo" in query["summary"] and "conductor" in query["summary"]
+
+
+def test_a_route_left_out_of_the_document_is_named():
+    from fastapi import Request
+
+    from index_service.openapi import undocumented_routes
+
+    app = create_app(_store())
+
+    @app.post("/v1/secret", include_in_schema=False)
+    async def secret(request: Request) -> dict:
+        return {}
+
+    assert undocumented_routes(app) == [("POST", "/v1/secret")]
