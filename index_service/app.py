@@ -61,8 +61,9 @@ from index_service.conductor_api import ConductorPaths, ConductorRegistry
 from index_service.context import ServiceContext, kv, log
 from index_service.dynamo_api import DynamoRegistry, add_dynamo_routes
 from index_service.errors import one_error_shape
+from index_service.guard import DEFAULT_RATES
 from index_service.hot_path import DynamoQueryPath, HotPath, LookupApp
-from index_service.limits import DEFAULT_RATES, Buckets, RateLimits
+from index_service.limits import Buckets, RateLimits
 from index_service.lmcache_api import add_lmcache_routes
 from index_service.lookup_routes import add_binary_lookup, add_json_lookup
 from index_service.metrics import ServiceMetrics

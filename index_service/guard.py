@@ -31,6 +31,9 @@ MAX_NAME = 256  # a model, replica, endpoint, worker id, tenant ...: longer is r
 MAX_BLOCK_SIZE = 1 << 16  # tokens per block: engines use 16 .. 1,024; Dynamo's and the conductor's too
 MAX_DP_RANK = (1 << 16) - 1
 MAX_DEPTH_ERROR = "nested too deeply"
+# requests a second each client may make to the write and admin routes (index_service.limits), and
+# `kvidx serve`'s defaults for them; 0: no limit
+DEFAULT_RATES = {"write": 20_000.0, "admin": 20.0}
 # control characters (C0, DEL, C1) and Unicode line/paragraph separators: a name with one could forge a
 # log line or a metric line
 _BAD_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")

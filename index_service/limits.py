@@ -18,11 +18,10 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from index_service.auth import ADMIN, WRITE, Credentials, scope_needed
+from index_service.auth import Credentials, scope_needed
 from index_service.context import json_response
 
 MAX_CLIENTS = 10_000
-DEFAULT_RATES = {WRITE: 20_000.0, ADMIN: 20.0}  # requests a second per client; 0: unlimited
 
 class Buckets:
     """Token buckets per (scope, client); `take` returns 0 when a request may go on, else how many

@@ -878,7 +878,7 @@ def _add_serve(sub) -> None:
                         "patterns, e.g. 10.0.0.0/8,*.svc.cluster.local; `any` for all (default: "
                         "allow_endpoints in --config, else loopback, the private ranges and localhost; "
                         "host names only where a pattern names them)")
-    from index_service.limits import DEFAULT_RATES
+    from index_service.guard import DEFAULT_RATES
     for scope, what in (("write", "routes, usage reports"), ("admin", "register, unregister, dump")):
         s.add_argument(f"--{scope}-rate-limit", type=_rate, default=DEFAULT_RATES[scope], metavar="N",
                        help=f"requests a second each client (a token's name, else an address) may make to "
