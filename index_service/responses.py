@@ -57,6 +57,9 @@ class ModelFreshness(msgspec.Struct):
     apply_lag_ms_max: float | None
     seq_gaps: int
     duplicates: int
+    # the clock the ages start on: the events' own times, the engine's (a recording: its recorded
+    # times, so its ages are the recording's age, not staleness)
+    age_clock: str = "engine"
 
 
 class ModelInfo(msgspec.Struct):

@@ -38,11 +38,16 @@ class Price(msgspec.Struct):
 
 
 class Freshness(msgspec.Struct):
+    """The replica's last applied event. Its ages are measured from the event's own timestamp, on the
+    engine's clock (or its relay's, for engines whose events carry none), to this service's: a skew
+    between the clocks is in them, and a played recording keeps its recorded times, so its ages are the
+    recording's age, not the index's staleness (consumer lag and /healthz say that: docs/routers.md)."""
     last_event_age_ms: float | None  # None: no engine event applied yet
     apply_lag_ms: float | None
     epoch: int
     seq: int
     seq_gaps: int
+    age_clock: str = "engine"  # the clock the ages above start on (every answer says so)
 
 
 class ReplicaAnswer(msgspec.Struct, omit_defaults=True):

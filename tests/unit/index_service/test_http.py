@@ -117,7 +117,8 @@ def test_json_lookup_equals_in_process(world, requests_log):
         assert got["block_size"] == INDEX_BS
         assert _core(got["replicas"]) == _core(want)
         assert set(got["replicas"][0]["freshness"]) == {"last_event_age_ms", "apply_lag_ms", "epoch",
-                                                       "seq", "seq_gaps"}
+                                                       "seq", "seq_gaps", "age_clock"}
+        assert got["replicas"][0]["freshness"]["age_clock"] == "engine"
         hit += got["replicas"][0]["cached_tokens"] > 0
     assert hit >= 3  # the comparison covered real hits, not only misses
 
@@ -323,6 +324,7 @@ def test_healthz_and_models(world):
     assert tiny["blocks_applied"] == stats["blocks_applied"]
     assert tiny["freshness"]["replicas_never_applied"] == 0
     assert tiny["freshness"]["last_event_age_ms_max"] > 0
+    assert tiny["freshness"]["age_clock"] == "engine"
     assert models[SYNTH]["replicas"] == 2 and models[SYNTH]["block_size"] == SYNTH_BS
 
 
