@@ -42,9 +42,22 @@ def trace_reqs():
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Markers follow folders: the folder says which run a test belongs to, so a test marked `kafka`
-    outside tests/integration/ is an error (move it there; its conftest.py marks it)."""
+    outside tests/integration/ is an error (move it there; its conftest.py marks it). Then the order."""
     stray = [item.nodeid for item in items
              if item.get_closest_marker("kafka") and not Path(str(item.path)).is_relative_to(INTEGRATION)]
     if stray:
         raise pytest.UsageError("tests that need a broker belong in tests/integration/ (which marks them "
                                 "`kafka`): " + ", ".join(stray))
+    # then the suites in SUITE_ORDER: the fast ones first, so that a run shows progress (and the common
+    # failures) within a minute instead of after the broker tests; stable within a suite
+    items.sort(key=lambda item: suite_rank(Path(str(item.path))))
+
+
+SUITE_ORDER = ("unit", "security", "fuzz", "integration", "load")
+
+
+def suite_rank(path: Path) -> int:
+    tests = ROOT / "tests"
+    parts = path.relative_to(tests).parts if path.is_relative_to(tests) else ()
+    return SUITE_ORDER.index(parts[0]) if parts and parts[0] in SUITE_ORDER else len(SUITE_ORDER)
+

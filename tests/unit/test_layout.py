@@ -86,3 +86,13 @@ print("kvidx.kafka.local" in sys.modules)
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "False"
+
+
+def test_fast_suites_run_first():
+    """tests/conftest.py orders a run unit, security, fuzz, integration: progress shows within a minute,
+    whatever order the folders are named or given in."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/integration/test_readiness.py", "tests/fuzz", "tests/unit/test_layout.py"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
+    suites = [line.split("/")[1] for line in out.splitlines() if "::" in line]
+    assert suites and suites == sorted(suites, key=["unit", "fuzz", "integration"].index), out[-2000:]
