@@ -35,12 +35,17 @@ class LocalKafkaCluster:
         self.nodes: dict[int, LocalKafka] = {}
         self.bootstrap = ""
 
-    def start(self, data_dir: str | os.PathLike) -> str:
+    def start(self, data_dir: str | os.PathLike, ports: list[int] | None = None) -> str:
+        """Format (or restart on their data) and start the nodes in `data_dir`/node<i>; `ports`: the
+        broker ports then the controller ports to use (default: free ones). Returns the bootstrap list
+        once every node serves."""
         data = Path(data_dir).resolve()
-        ports = free_ports(2 * self.size)
+        ports = ports or free_ports(2 * self.size)
         broker_ports, controller_ports = ports[:self.size], ports[self.size:]
+        # a static quorum: its voters are read from the configuration at every start, so a restart on
+        # other ports is fine as long as every node gets the same list
         voters = ",".join(f"{i + 1}@127.0.0.1:{p}" for i, p in enumerate(controller_ports))
-        cluster_id = random_cluster_id()
+        cluster_id = random_cluster_id()  # used only by nodes not formatted yet
         for i in range(self.size):
             node = LocalKafka(self.log, self.start_timeout, node_id=i + 1, voters=voters,
                               cluster_size=self.size, cluster_id=cluster_id)
@@ -137,3 +142,59 @@ class LocalKafkaCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ---- a detached cluster managed through a state dir (`kvidx kafka up --brokers N`) ---------------
+
+
+def nodes_in(data: Path) -> int:
+    """Nodes of the cluster whose data is in `data` (0: none there)."""
+    return sum(1 for _ in data.glob("node*/kraft-logs/meta.properties"))
+
+
+def running_pids(st: dict) -> list[int]:
+    """The pids of the state's nodes that still run (checked as Kafka brokers on their own data)."""
+    from kvidx.kafka.local import _is_broker_pid
+
+    return [n["pid"] for n in st.get("nodes", []) if isinstance(n.get("pid"), int)
+            and _is_broker_pid(n["pid"], Path(n["data_dir"]) / "server.properties")]
+
+
+def up_cluster(data: Path, size: int, st: dict | None, log: Log) -> dict:
+    """Start the cluster on `data` (formatting it the first time), on its previous ports if all are
+    free (else on new ones, said in one line), detached; returns the state to record."""
+    from kvidx.kafka.local import kafka_version, port_free
+
+    old = [n["port"] for n in (st or {}).get("nodes", [])] + \
+        [n["controller_port"] for n in (st or {}).get("nodes", [])]
+    ports = old if len(old) == 2 * size and all(port_free(p) for p in old) else None
+    if old and ports is None:
+        log("the previous ports are not all free: the cluster moves to new ones (clients need the new "
+            "KAFKA_BOOTSTRAP_SERVERS)")
+    cluster = LocalKafkaCluster(size, log=log)
+    bootstrap = cluster.start(data, ports)
+    nodes = [{"node_id": i, "pid": n.pid, "port": n.port, "controller_port": n.controller_port,
+              "data_dir": str(n.data_dir)} for i, n in cluster.nodes.items()]
+    for n in cluster.nodes.values():
+        n.detach()
+    return {"brokers": size, "bootstrap": bootstrap, "nodes": nodes, "pid": None, "data_dir": str(data),
+            "log": str(data / "node1" / "server.log"), "version": kafka_version(), "started_at": time.time()}
+
+
+def stop_cluster(st: dict, log: Log, timeout: float = 20.0) -> bool:
+    """SIGTERM every running node at once, SIGKILL what is left after `timeout`; True if any ran."""
+    from kvidx.kafka.local import _pid_alive
+
+    pids = running_pids(st)
+    for pid in pids:
+        log(f"stopping pid {pid} ...")
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in pids:
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    return bool(pids)
+

@@ -53,6 +53,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "its topics and messages, on its previous ports if they are free.",
     )
     state_arg(sp)
+    sp.add_argument("--brokers", type=_brokers, default=None, metavar="N",
+                    help="a cluster of N KRaft nodes (each a broker and a voter of the controller quorum, "
+                    "its own ports and data dir; topics get 3 replicas and min.insync.replicas 2 by "
+                    "default): the way production runs Kafka (default: as many as the state dir holds, "
+                    "1 for a new one)")
     sp.set_defaults(func=_command("_cmd_up"))
     sp = sub.add_parser(
         "down",
@@ -98,6 +103,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "cluster's; at least 2 with 3+ replicas)")
     sp.set_defaults(func=_show_topics)
     return p
+
+
+def _brokers(raw: str) -> int:
+    if not raw.isdigit() or not 1 <= int(raw) <= 9:
+        raise argparse.ArgumentTypeError(f"{raw!r}: give a broker count from 1 to 9")
+    return int(raw)
 
 
 def _show_topics(args: argparse.Namespace) -> int:

@@ -448,6 +448,17 @@ def _serving(bootstrap: str, timeout: float) -> bool:
     return bool(md.brokers)
 
 
+def _brokers_listed(bootstrap: str, timeout: float) -> int:
+    """How many brokers the cluster's metadata lists (0: no answer)."""
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        md = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}).list_topics(timeout=timeout)
+    except Exception:  # noqa: BLE001 - KafkaException: no answer in time
+        return 0
+    return len(md.brokers)
+
+
 def _port_open(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
@@ -688,23 +699,36 @@ def _running_pid(state_dir: Path, st: dict | None) -> int | None:
     return st["pid"] if _is_broker_pid(st["pid"], props) else None
 
 
-def up(state_dir: str | os.PathLike | None = None, log: Log = _default_log) -> dict:
-    """Start a detached broker whose data lives in ``<state_dir>/data``; idempotent.
+def up(state_dir: str | os.PathLike | None = None, log: Log = _default_log,
+       brokers: int | None = None) -> dict:
+    """Start a detached broker whose data lives in ``<state_dir>/data``; idempotent. With `brokers`
+    > 1, a cluster of that many KRaft nodes (kvidx.kafka.cluster: a controller quorum of them all,
+    topics with 3 replicas and min.insync.replicas 2 by default), in ``<state_dir>/data/node<i>``; None:
+    as many as the state dir already holds (one for a new one).
 
     A broker that stopped or died restarts on its data (topics and messages kept) and on its previous
     ports if they are free; a taken port is replaced by a free one and logged in one line.
     Returns the state dict also written to ``<state_dir>/kafka.json``:
     ``{"pid", "bootstrap", "port", "controller_port", "data_dir", "log", "version", "started_at"}``.
     """
+    from kvidx.kafka.cluster import nodes_in
+
     sd = _state_dir(state_dir)
     _java()  # fail in one line before anything else happens
     with _locked(sd):
         st = _read_state(sd)
+        data = sd / DATA_SUBDIR
+        have = nodes_in(data) or (1 if is_formatted(data) else 0)
+        size = brokers or (st or {}).get("brokers") or have or 1
+        if have and size != have:
+            raise KafkaError(f"{data} holds the data of {have} broker(s), not {size}: pass --brokers {have}, "
+                             "another --state-dir, or `kvidx kafka reset` it first")
+        if size > 1:
+            return _up_cluster(sd, data, size, st, log)
         if _running_pid(sd, st):
             assert st is not None
             log(f"already running at {st['bootstrap']} (pid {st['pid']}, data {st['data_dir']})")
             return st
-        data = sd / DATA_SUBDIR
         old_port, old_ctl = _listener_ports(data / "server.properties")
         if st:  # kafka.json is what clients were told; server.properties is the fallback
             old_port, old_ctl = st.get("port") or old_port, st.get("controller_port") or old_ctl
@@ -735,8 +759,31 @@ def up(state_dir: str | os.PathLike | None = None, log: Log = _default_log) -> d
         return st
 
 
+def _up_cluster(sd: Path, data: Path, size: int, st: dict | None, log: Log) -> dict:
+    from kvidx.kafka.cluster import running_pids, stop_cluster, up_cluster
+
+    if st and st.get("brokers") == size:
+        running = running_pids(st)
+        if len(running) == size:
+            log(f"already running at {st['bootstrap']} ({size} brokers, pids "
+                f"{', '.join(map(str, running))}, data {data})")
+            return st
+        if running:  # some nodes died: restart the whole cluster on its data, on the same ports
+            stop_cluster(st, log)
+    st = up_cluster(data, size, st, log)
+    _write_state(sd, st)
+    return st
+
+
 def _stop(sd: Path, st: dict | None, log: Log) -> bool:
     """Stop the state's broker if it runs and record it as stopped; True if it was running."""
+    if st and st.get("brokers", 1) > 1:
+        from kvidx.kafka.cluster import stop_cluster
+
+        stopped = stop_cluster(st, log)
+        nodes = [{**n, "pid": None} for n in st["nodes"]]
+        _write_state(sd, {**st, "nodes": nodes, "stopped_at": time.time()})
+        return stopped
     pid = _running_pid(sd, st)
     if pid:
         log(f"stopping pid {pid} ...")
@@ -789,8 +836,14 @@ def status(state_dir: str | os.PathLike | None = None) -> dict:
     no state or its broker is not running."""
     sd = _state_dir(state_dir)
     st = _read_state(sd) or {}
-    running = _running_pid(sd, st) is not None
-    serving = running and _port_open(st["port"]) and _serving(st["bootstrap"], timeout=3.0)
+    if st.get("brokers", 1) > 1:
+        from kvidx.kafka.cluster import running_pids
+
+        running = len(running_pids(st)) == st["brokers"]
+        serving = running and _brokers_listed(st["bootstrap"], timeout=3.0) == st["brokers"]
+    else:
+        running = _running_pid(sd, st) is not None
+        serving = running and _port_open(st["port"]) and _serving(st["bootstrap"], timeout=3.0)
     return {**st, "state_dir": str(sd), "has_data": (sd / DATA_SUBDIR).exists(),
             "running": running, "serving": serving}
 
@@ -826,9 +879,10 @@ def _cli(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
 
 @_cli
 def _cmd_up(args: argparse.Namespace) -> int:
-    st = up(args.state_dir)
+    st = up(args.state_dir, brokers=args.brokers)
     # shell-ready: a comment, then the export (`eval "$(kvidx kafka up)"` sets the variable)
-    print(f"# kafka serving at {st['bootstrap']}")
+    what = f"{st['brokers']} brokers" if st.get("brokers", 1) > 1 else "kafka"
+    print(f"# {what} serving at {st['bootstrap']}")
     print(f"export KAFKA_BOOTSTRAP_SERVERS={st['bootstrap']}")
     return 0
 
@@ -877,6 +931,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"kafka: not running ({where}: no broker there)")
         return 1
     state = "serving" if st["serving"] else "running, NOT serving"
-    print(f"# kafka: {state} at {st['bootstrap']} (pid {st['pid']}, data {st['data_dir']})")
+    pids = ", ".join(str(n["pid"]) for n in st["nodes"]) if st.get("brokers", 1) > 1 else st["pid"]
+    print(f"# kafka: {state} at {st['bootstrap']} (pid {pids}, data {st['data_dir']})")
     print(f"export KAFKA_BOOTSTRAP_SERVERS={st['bootstrap']}")
     return 0 if st["serving"] else 2

@@ -179,6 +179,48 @@ def test_up_after_sigkill_keeps_port_topics_and_messages(tmp_path, cleanup):
     assert topic_config(bootstrap, "snapshots", "cleanup.policy") == "compact"
 
 
+def test_a_three_broker_cluster_up_restart_down(tmp_path, cleanup):
+    """`kvidx kafka up --brokers 3`: three brokers in the metadata, kvidx's topics at 3 replicas and
+    min.insync.replicas 2; a node killed with -9 comes back with `up` (same addresses, messages kept);
+    a different broker count on the same data is refused in one line; `down` stops every node."""
+    from confluent_kafka.admin import AdminClient
+
+    from kvidx.kafka.topics import ensure_topics
+    from schemas.events import topic_names as deployment
+
+    d = tmp_path / "state"
+    cleanup.append(d)
+    lines = ok(kvidx_kafka("up", "--brokers", "3", "--state-dir", str(d), timeout=240)).stdout.splitlines()
+    bootstrap = lines[0].removeprefix("# 3 brokers serving at ")
+    assert lines[1] == f"export KAFKA_BOOTSTRAP_SERVERS={bootstrap}" and bootstrap.count(",") == 2
+    md = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}).list_topics(timeout=20)
+    assert len(md.brokers) == 3
+    names = deployment("c.")
+    ensure_topics(bootstrap, names)
+    md = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}).list_topics(timeout=20)
+    for topic in names.values():
+        assert {len(p.replicas) for p in md.topics[topic].partitions.values()} == {3}, topic
+        assert topic_config(bootstrap, topic, "min.insync.replicas") == "2", topic
+    sent = produce(bootstrap, names["events"])
+
+    pids = [n["pid"] for n in state_of(d)["nodes"]]
+    os.kill(pids[1], signal.SIGKILL)
+    wait_gone(pids[1])
+    assert kvidx_kafka("status", "--state-dir", str(d)).returncode == 1
+    again = ok(kvidx_kafka("up", "--state-dir", str(d), timeout=240)).stdout.splitlines()[0]
+    assert again == f"# 3 brokers serving at {bootstrap}"
+    assert sorted(read_all(bootstrap, names["events"])) == sorted(sent)
+    res = kvidx_kafka("up", "--brokers", "1", "--state-dir", str(d))
+    assert res.returncode == 1 and res.stderr.startswith("error: "), res.stderr
+    assert "--brokers 3" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+    pids = [n["pid"] for n in state_of(d)["nodes"]]
+    ok(kvidx_kafka("down", "--state-dir", str(d), timeout=60))
+    for pid in pids:
+        wait_gone(pid)
+    assert kvidx_kafka("status", "--state-dir", str(d)).returncode == 1
+
+
 def test_status_and_down_from_another_directory_keep_data(tmp_path, cleanup):
     env = {"KVIDX_STATE_DIR": str(tmp_path / "st")}
     kafka_dir = tmp_path / "st" / "kafka"
