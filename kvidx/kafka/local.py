@@ -13,7 +13,8 @@ Python API::
 
 CLI (registered into ``kvidx`` by :func:`add_cli`)::
 
-    kvidx kafka up [--state-dir DIR]     # start detached (or restart on its data), write DIR/kafka.json
+    kvidx kafka up [--state-dir DIR] [--brokers N]   # start detached (or restart on its data), write
+                                                     # DIR/kafka.json; N > 1: a cluster (cluster.py)
     kvidx kafka status [--state-dir DIR]
     kvidx kafka down [--state-dir DIR]   # stop; topics and messages are kept for the next `up`
     kvidx kafka reset [--state-dir DIR] [--yes]   # stop and delete all topics and messages
@@ -839,7 +840,8 @@ def status(state_dir: str | os.PathLike | None = None) -> dict:
     if st.get("brokers", 1) > 1:
         from kvidx.kafka.cluster import running_pids
 
-        running = len(running_pids(st)) == st["brokers"]
+        st = {**st, "nodes_running": len(running_pids(st))}
+        running = st["nodes_running"] == st["brokers"]
         serving = running and _brokers_listed(st["bootstrap"], timeout=3.0) == st["brokers"]
     else:
         running = _running_pid(sd, st) is not None
@@ -925,7 +927,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     st = status(args.state_dir)
     if not st["running"]:
         where = f"state dir {st['state_dir']}"
-        if st["has_data"]:
+        if st.get("nodes_running"):
+            print(f"kafka: {st['nodes_running']} of {st['brokers']} brokers running ({where}; "
+                  "`kvidx kafka up` restarts the others)")
+        elif st["has_data"]:
             print(f"kafka: not running ({where}; data kept, `kvidx kafka up` restarts it)")
         else:
             print(f"kafka: not running ({where}: no broker there)")
