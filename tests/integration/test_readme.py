@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,12 @@ from tests.helpers import ROOT
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 
 
+def bash_blocks_of(text: str) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+
+
 def bash_blocks(path: Path) -> list[str]:
-    return re.findall(r"^```bash\n(.*?)^```", path.read_text(), re.S | re.M)
+    return bash_blocks_of(path.read_text())
 
 
 def commands(block: str) -> list[str]:
@@ -71,11 +76,10 @@ def other_blocks():
             yield pytest.param(block, id=f"{doc.relative_to(ROOT)}#{i}")
 
 
-@pytest.mark.kafka
-@pytest.mark.parametrize("block", list(other_blocks()))
-def test_every_other_bash_block_runs_as_written(block, tmp_path):
-    # a checkout of its own (the repo's venv, fixtures and scripts), a broker state of its own: the
-    # block's `kvidx kafka up` starts a private broker and nothing touches the developer's
+def run_block(block: str, tmp_path: Path) -> tuple[int, str]:
+    """The block run with `bash -euo pipefail` in a checkout of its own (the repo's venv, fixtures and
+    scripts) with a broker state of its own: the block's `kvidx kafka up` starts a private broker and
+    nothing touches the developer's. Its exit code and output."""
     for name in (".venv", "tests", "scripts", "bench", "ops", "kvidx", "docs"):
         if (ROOT / name).exists():
             (tmp_path / name).symlink_to(ROOT / name)
@@ -94,5 +98,49 @@ def test_every_other_bash_block_runs_as_written(block, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)  # background jobs the block left
         subprocess.run([sys.executable, "-m", "kvidx.cli", "kafka", "down"], cwd=tmp_path, env=env,
                        capture_output=True, timeout=60)
-    assert proc.returncode == 0, out[-3000:]
+    return proc.returncode, out
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("block", list(other_blocks()))
+def test_every_other_bash_block_runs_as_written(block, tmp_path):
+    code, out = run_block(block, tmp_path)
+    assert code == 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def walkthrough() -> str:
+    """README's "Running it for real" block."""
+    section = (ROOT / "README.md").read_text().split("## Running it for real", 1)[1]
+    return bash_blocks_of(section)[0]
+
+
+@pytest.mark.kafka
+def test_the_walkthrough_stops_when_the_worker_cannot_start(tmp_path):
+    """Another process holds the worker's web port (faust's, 6066): the worker exits at start-up, and
+    the block stops at the worker's readiness check with the worker's own message, before the relay,
+    the service or any lookup runs."""
+    block = walkthrough()
+    port = 6066
+    assert "kvidx worker" in block and "--web-port" not in block  # the worker binds the default port
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", port))
+    except OSError:
+        holder.close()
+        holder = None  # something else holds it already: the same situation
+    try:
+        if holder is not None:
+            holder.listen()
+        code, out = run_block(block, tmp_path)
+    finally:
+        if holder is not None:
+            holder.close()
+    assert code != 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith("error: ")]
+    assert lines, out[-3000:]
+    # wait-ready's one line: which process, and its log's last line, the worker's message
+    assert "exited before http://127.0.0.1:9464/metrics answered" in lines[-1], out[-3000:]
+    assert f"var/worker.log's last line: error: port {port} is in use" in lines[-1], out[-3000:]
+    assert "[relay]" not in out and '"models"' not in out, out[-3000:]  # nothing after it ran
