@@ -1,0 +1,81 @@
+"""The chaos campaign's pure parts (bench/chaos.py): the seeded fault schedule and the recovery time it
+reports. The campaign itself runs in tests/integration/test_chaos.py."""
+
+import importlib.util
+import sys
+
+from tests.helpers import ROOT
+
+_spec = importlib.util.spec_from_file_location("chaos", ROOT / "bench" / "chaos.py")
+chaos = importlib.util.module_from_spec(_spec)
+sys.modules["chaos"] = chaos  # its dataclasses look their module up
+_spec.loader.exec_module(chaos)
+
+RELAYS = ["chaos-a-e0", "chaos-a-e1", "chaos-b-e0", "chaos-b-e1"]
+WORKERS = ["worker-0", "worker-1"]
+INSTANCES = ["serve-0", "serve-1"]
+
+
+def schedule(seed, seconds):
+    return chaos.plan(seed, seconds, RELAYS, WORKERS, INSTANCES)
+
+
+def brokers_of(f):
+    return [k for k in [f.kind, *(p.kind for p in f.parts)] if k in chaos.BROKER_KINDS]
+
+
+def test_the_schedule_is_the_seeds():
+    assert [f.describe() for f in schedule(7, 600)] == [f.describe() for f in schedule(7, 600)]
+    assert [f.describe() for f in schedule(7, 600)] != [f.describe() for f in schedule(8, 600)]
+
+
+def test_one_broker_fault_at_a_time_with_time_to_catch_up():
+    for seed in range(20):
+        busy_until = -1.0
+        for f in schedule(seed, 1800):
+            if brokers_of(f):
+                assert len(brokers_of(f)) == 1, f.describe()
+                assert f.at >= busy_until, (seed, f.describe())
+                busy_until = f.at + f.hold_s + 20
+            for p in [f, *f.parts]:
+                if p.kind == "broker_stop":
+                    assert 5 <= p.hold_s <= 60
+
+
+def test_the_ci_campaign_meets_every_injected_kind():
+    """tests/integration/test_chaos.py runs 3 minutes of seed 3: every kind the campaign injects."""
+    kinds = {f.kind for f in schedule(3, 180)}
+    assert kinds == set(chaos.INJECTED)
+    assert all(f.at < 150 for f in schedule(3, 180))  # 30 s of the run left to heal
+
+
+def test_an_hour_has_at_least_200_faults():
+    assert len(schedule(1, 3600)) >= 200
+
+
+def answers(*pairs):
+    return [(t, exact, False) for t, exact in pairs]
+
+
+def times(a):
+    return [t for t, _, _ in a]
+
+
+def test_recovery_is_from_the_fault_to_a_streak_of_exact_answers_after_it_ended():
+    a = answers((0, True), (1, False), (2, False), (3, True), (4, True), (5, True), (6, True), (7, True))
+    # the fault at 0.5 ended at 2.5; the streak starts at 3
+    assert chaos._recovery(a, times(a), 0.5, 2.5) == 2.5
+    # an inexact answer inside the streak pushes it later
+    b = answers((0, True), (1, False), (3, True), (4, False), (5, True), (6, True), (7, True), (8, True),
+                (9, True))
+    assert chaos._recovery(b, times(b), 0.5, 2.5) == 4.5
+
+
+def test_a_fault_no_answer_noticed_recovers_in_no_time():
+    a = answers(*[(t, True) for t in range(10)])
+    assert chaos._recovery(a, times(a), 0.5, 3.5) == 0.0
+
+
+def test_a_fault_never_healed_counts_to_the_last_answer():
+    a = answers((0, True), (1, False), (2, True), (3, False), (4, False))
+    assert chaos._recovery(a, times(a), 0.5, 1.5) == 3.5
