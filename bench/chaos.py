@@ -32,9 +32,10 @@ events topic folded offline (kvidx.ops.replay) and the compacted snapshots alone
 Output: per fault kind its count, recovery time p50/p99 (from the fault to the first of 5 exact
 answers in a row after the fault ended; 0 where no answer in between was inexact), blind lookups
 while it lasted; totals; RSS drift of every process in MB per hour (a line fitted to its samples of
-the current incarnation, from its 60th second: a short run's figure is mostly warm-up, a JVM's heap
-filling up to its -Xmx); with --json the last line is one JSON object (issue 39's interface). Exit 1
-on any lost event, answer beyond its lag or blind lookup, with the seed and schedule printed.
+the current incarnation, from its 60th second or all of them if it was restarted late: a short run's
+figure is mostly warm-up, a JVM's heap filling up to its -Xmx); with --json the last line is one JSON
+object (issue 39's interface). Exit 1 on any lost event, answer beyond its lag or blind lookup, with
+the seed and schedule printed.
 """
 
 from __future__ import annotations
@@ -386,7 +387,9 @@ class Campaign:
         order = list(self.clients)
         self.rng.shuffle(order)
         answer, t_send, t_recv, blind = None, 0.0, 0.0, False
+        used = order[0]  # the instance the router writes its decision to: the one that answered
         for name in order:
+            used = name
             t_send = time.time()
             try:
                 answer = self.clients[name].lookup(model, token_ids=prompt)
@@ -412,7 +415,7 @@ class Campaign:
         if self.rng.random() < 0.2:
             best = self.rng.choice(replicas)
         rid = f"chaos-{self.seed}-{n}"
-        client = self.clients[order[0]]
+        client = self.clients[used]
         try:
             client.route(rid, model, best, token_ids=prompt, credited_tokens=by.get(best, 0), ttl_s=5)
         except KvidxError:
@@ -525,7 +528,8 @@ class Campaign:
         for name, samples in sorted(self.rss.items()):
             last = samples[-1][0]
             pts = [(t, mb) for inc, t, mb in samples if inc == last]
-            pts = [(t, mb) for t, mb in pts if t - pts[0][0] >= 60]  # past the start-up (JVM heaps)
+            warm = [(t, mb) for t, mb in pts if t - pts[0][0] >= 60]  # past the start-up (JVM heaps)
+            pts = warm if len(warm) >= 3 else pts  # restarted late in the run: all it has
             if len(pts) < 3 or pts[-1][0] - pts[0][0] < 10:
                 continue
             t, mb = np.array(pts).T

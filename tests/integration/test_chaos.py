@@ -34,4 +34,4 @@ def test_three_minutes_of_chaos_lose_nothing():
     assert r["lookups"] >= MINUTES * 60 * 5, shown  # the load ran (20/s asked; 2 busy cores)
     assert set(r["final_differences"]) == {"live-serve-0", "live-serve-1", "snapshots", "events_fold",
                                            "fresh_follower"}, shown
-    assert {"worker-0", "worker-1", "serve-0", "serve-1", "broker-1"} <= set(r["rss_drift_mb_per_h"]), shown
+    assert "chaos" in r["rss_drift_mb_per_h"] and len(r["rss_drift_mb_per_h"]) >= 8, shown  # of 12
