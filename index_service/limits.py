@@ -16,6 +16,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import msgspec
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from index_service.auth import Credentials, scope_needed
@@ -85,9 +87,12 @@ class RateLimits:
                     if self.refused is not None:
                         self.refused.labels(needed).inc()
                     rate = self.buckets.rates[needed]
-                    refusal = json_response(
-                        {"error": f"rate limit: {scope['method']} {scope['path']} (scope {needed!r}) allows "
-                                  f"{rate:g} requests a second per client; retry in {wait:.2f} s"}, 429)
+                    error = {"error": f"rate limit: {scope['method']} {scope['path']} (scope {needed!r}) "
+                                      f"allows {rate:g} requests a second per client; retry in {wait:.2f} s"}
+                    # in the caller's encoding: the conductor's msgpack clients read msgpack errors
+                    ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+                    refusal = (Response(msgspec.msgpack.encode(error), 429, media_type="application/msgpack")
+                               if b"msgpack" in ctype else json_response(error, 429))
                     refusal.headers["retry-after"] = str(max(1, math.ceil(wait)))
                     await refusal(scope, receive, send)
                     return

@@ -95,8 +95,10 @@ DEEP_IN_FIELD = {"json": b'{"model_name": ' + b"[" * 1000 + b"]" * 1000 + b"}",
 
 
 def build_app(store, conductor=None, dynamo=None):
+    # no rate limits: every request here must reach the handler whose bounds it tests
+    # (tests/security/test_rate_limits.py tests the limits)
     app = create_app(store, max_tokens=MAX_TOKENS, dynamo=dynamo or DynamoRegistry(),
-                     conductor=conductor or ConductorRegistry(), lmcache_lookup=MODEL)
+                     conductor=conductor or ConductorRegistry(), lmcache_lookup=MODEL, rate_limits={})
     add_sglang_peer_route(app, {MODEL: SglangIndexer(store, MODEL)})
     return app
 

@@ -77,3 +77,19 @@ def test_without_credentials_a_client_is_its_address():
     app = create_app(seeded_store(), publish_usage=lambda u: None, rate_limits={WRITE: 0.2})
     with ServerThread(app) as base, httpx.Client(base_url=base, timeout=10) as c:
         assert [c.post("/v1/usage", json=USAGE).status_code for _ in range(2)] == [202, 429]
+
+
+def test_a_msgpack_caller_gets_its_429_in_msgpack():
+    """The conductor's clients speak msgpack: their refusal is msgpack too, like its other errors."""
+    import msgspec
+
+    from index_service.conductor_api import ConductorRegistry
+
+    app = create_app(seeded_store(), conductor=ConductorRegistry(), rate_limits={ADMIN: 0.2})
+    with ServerThread(app) as base, httpx.Client(base_url=base, timeout=10) as c:
+        body = msgspec.msgpack.encode({"endpoint": "tcp://127.0.0.1:1", "type": "vllm"})
+        answers = [c.post("/unregister", content=body, headers={"content-type": "application/msgpack"})
+                   for _ in range(2)]
+        assert answers[1].status_code == 429, [a.status_code for a in answers]
+        assert "rate limit" in msgspec.msgpack.decode(answers[1].content)["error"]
+
