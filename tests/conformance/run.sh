@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Conformance kit: record an engine release's own KV-event streams and print kvidx's agreement.
+#
+#   bash tests/conformance/run.sh vllm 0.34.0 [scenario ...]
+#
+# Makes (or reuses) a throwaway venv /tmp/kvidx-conformance/vllm-<release>/venv holding the
+# release installed with --no-deps plus only what the imported modules need, runs
+# tests/conformance/vllm/make_recordings.py in it (vLLM's own scheduler, KV-cache manager, KV
+# connector and event publisher; no GPU, no weights), writes the recordings to
+# tests/fixtures/vllm-<major.minor>/<scenario>/ (override with OUT=dir), then runs
+# `kvidx shadow` on each and prints one agreement line per scenario.
+#
+# Environment: OUT (recordings folder), VENV (engine venv), SHADOW_VERSION (the
+# --engine-version given to kvidx shadow; default: the release), PYTHON (python for the venv).
+# Never run by CI: the recordings it writes are committed.
+set -euo pipefail
+
+engine="${1:?usage: run.sh vllm RELEASE [scenario ...]}"
+release="${2:?usage: run.sh vllm RELEASE [scenario ...]}"
+shift 2
+if [[ "$engine" != "vllm" ]]; then
+    echo "run.sh: engine '$engine' has no conformance generator yet (only: vllm)" >&2
+    exit 2
+fi
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+minor="$(echo "$release" | cut -d. -f1,2)"
+out="${OUT:-$repo/tests/fixtures/vllm-$minor}"
+venv="${VENV:-/tmp/kvidx-conformance/vllm-$release/venv}"
+py="${PYTHON:-python3}"
+
+if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import vllm, torch" 2>/dev/null; then
+    echo "run.sh: step 1/3: engine venv $venv (vllm==$release --no-deps + its imports; ~3.5 GB, several minutes)"
+    "$py" -m venv "$venv"
+    "$venv/bin/pip" install -q --no-deps "vllm==$release"
+    # torch as the release pins it, with the CUDA runtime libraries it links against (PyPI has
+    # no CPU build of torch: libtorch_cuda.so must load even though no GPU is used).
+    torch_pin="$("$venv/bin/python" - <<'EOF'
+import importlib.metadata as m
+print(next(r.split(";")[0].replace(" ", "") for r in m.requires("vllm") if r.startswith("torch=")))
+EOF
+)"
+    "$venv/bin/pip" install -q "$torch_pin" "setuptools>=77,<81"
+    # the modules' other imports, at the release's own pins
+    "$venv/bin/python" - "$here/vllm/requirements.txt" > "$venv/../requirements.pinned.txt" <<'PY'
+import importlib.metadata as m, re, sys
+want = {l.split("#")[0].strip().lower().replace("_", "-") for l in open(sys.argv[1])} - {""}
+pins = {}
+for r in m.requires("vllm"):
+    name = re.split(r"[ <>=!~;\[]", r, maxsplit=1)[0].lower().replace("_", "-")
+    if name in want and "extra ==" not in r:
+        pins.setdefault(name, r)
+for name in sorted(want):
+    print(pins.get(name, name))
+PY
+    "$venv/bin/pip" install -q -r "$venv/../requirements.pinned.txt"
+else
+    echo "run.sh: step 1/3: reusing engine venv $venv"
+fi
+"$venv/bin/python" -c "import vllm; assert vllm.__version__ == '$release', vllm.__version__" || {
+    echo "run.sh: $venv holds another vLLM release; remove it or set VENV" >&2; exit 2; }
+
+echo "run.sh: step 2/3: recordings -> $out"
+mkdir -p "$out"
+"$venv/bin/python" "$here/vllm/make_recordings.py" --out "$out" ${1:+--scenario "$@"}
+
+echo "run.sh: step 3/3: kvidx shadow on each recording"
+kvidx="$repo/.venv/bin/kvidx"
+sv="${SHADOW_VERSION:-$release}"
+printf '%-34s %8s %8s %9s %11s\n' scenario requests exact recall over-credit
+for d in "$out"/*/; do
+    [[ -f "$d/frames.jsonl" && -f "$d/requests.jsonl" ]] || continue
+    name="$(basename "$d")"
+    if ! res="$("$kvidx" --log-level ERROR shadow --engine vllm --engine-version "$sv" \
+            --recording "$d/frames.jsonl" --requests "$d/requests.jsonl" --json 2>&1)"; then
+        printf '%-34s %s\n' "$name" "shadow refused: $(echo "$res" | tail -1)"
+        continue
+    fi
+    echo "$res" | "$repo/.venv/bin/python" -c '
+import json, sys
+r = json.loads(sys.stdin.read().strip().splitlines()[-1])
+print(f"{sys.argv[1]:<34} {r[\"requests\"]:>8} {r[\"exact_requests\"]:>8} {r[\"recall\"]:>9.4f} {r[\"over_credit\"]:>11.4f}")
+' "$name"
+done
