@@ -15,8 +15,9 @@ What runs (every part a real process, on 127.0.0.1):
 Faults, from the seed: `relay_kill`, `worker_kill`, `instance_kill` (kill -9, restarted 1-3 s later),
 `leader_kill` (the broker leading a model's events partition, restarted 5-15 s later),
 `controller_kill` (the active controller, likewise), `broker_stop` (SIGSTOP of a random broker for
-5-60 s, then SIGCONT) and `double` (two of these at once, at most one of them a broker). Not yet
-injected: `disk_full` and `follower_stall` (always reported with count 0).
+5-60 s, then SIGCONT), `disk_full` (a worker's data dir, its own tmpfs, filled to the last byte for
+10-30 s: needs root to mount; left out otherwise) and `double` (two of these at once, at most one of
+them a broker). Not yet injected: `follower_stall` (always reported with count 0).
 
 The checker. The engines are the ground truth: after every request the simulator's cached blocks are
 recorded with the time. For every replica in an answer, `cached_tokens` must not exceed what the engine
@@ -68,9 +69,11 @@ from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, workload_request
 KINDS = ("relay_kill", "worker_kill", "instance_kill", "leader_kill", "controller_kill", "broker_stop",
          "disk_full", "follower_stall", "double")
 INJECTED = ("relay_kill", "worker_kill", "instance_kill", "leader_kill", "controller_kill", "broker_stop",
-            "double")
+            "disk_full", "double")
 BROKER_KINDS = ("leader_kill", "controller_kill", "broker_stop")
-SINGLE = ("relay_kill", "worker_kill", "instance_kill", "leader_kill", "controller_kill", "broker_stop")
+SINGLE = ("relay_kill", "worker_kill", "instance_kill", "leader_kill", "controller_kill", "broker_stop",
+          "disk_full")
+WORKER_DISK_MB = 256  # each worker's data dir is a tmpfs of this size (disk_full fills it)
 MODELS = ("chaos-a", "chaos-b")
 ENGINES_PER_MODEL = 2
 ENGINE_BLOCK = 32
@@ -101,8 +104,16 @@ class Proc:
         self.name, self.args, self.log = name, args, log
         self.proc: subprocess.Popen | None = None
         self.incarnation = 0
+        self.lock = threading.Lock()  # two faults on one process (a kill during a full disk)
 
     def start(self) -> None:
+        """Start it, unless it runs."""
+        with self.lock:
+            if self.proc is not None and self.proc.poll() is None:
+                return
+            self._spawn()
+
+    def _spawn(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen([sys.executable, "-m", "kvidx.cli", *self.args], cwd=ROOT, env=env,
                                      stdout=open(self.log, "a"), stderr=subprocess.STDOUT,
@@ -110,9 +121,10 @@ class Proc:
         self.incarnation += 1
 
     def kill9(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        with self.lock:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -197,6 +209,7 @@ class Fault:
     start: float = 0.0  # wall clock, when injected
     end: float = 0.0  # wall clock, when the last restart / resume was issued
     error: str | None = None
+    note: str | None = None
 
     def describe(self) -> dict:
         d = {"kind": self.kind, "at_s": round(self.at, 1), "hold_s": round(self.hold_s, 1),
@@ -205,11 +218,13 @@ class Fault:
             d["parts"] = [p.describe() for p in self.parts]
         if self.error:
             d["error"] = self.error
+        if self.note:
+            d["note"] = self.note
         return d
 
 
 def plan(seed: int, seconds: float, relays: list[str], workers: list[str], instances: list[str],
-         gap: tuple[float, float] = (6.0, 12.0)) -> list[Fault]:
+         gap: tuple[float, float] = (6.0, 12.0), kinds: tuple[str, ...] = INJECTED) -> list[Fault]:
     """The faults of a run, all drawn from the seed; at most one broker down or hung at a time, and
     20 s after a broker fault ends before the next (the restarted broker rejoins the ISR)."""
     rng = random.Random(seed)
@@ -227,6 +242,8 @@ def plan(seed: int, seconds: float, relays: list[str], workers: list[str], insta
                 rng.uniform(5, 15)
         elif kind == "broker_stop":
             f.targets, f.hold_s = [f"broker-{rng.randint(1, 3)}"], rng.uniform(5, 60)
+        elif kind == "disk_full":
+            f.targets, f.hold_s = [rng.choice(workers)], rng.uniform(10, 30)
         return f
 
     faults: list[Fault] = []
@@ -234,7 +251,7 @@ def plan(seed: int, seconds: float, relays: list[str], workers: list[str], insta
     t, broker_free = 10.0, 0.0
     while t < seconds - 30:
         if not deck:
-            deck = rng.sample(INJECTED, len(INJECTED))
+            deck = rng.sample(kinds, len(kinds))
         busy = t < broker_free  # a broker is still down or catching up: no broker fault now
         pick = next((k for k in deck if not busy or (k not in BROKER_KINDS and k != "double")), None)
         if pick is None:
@@ -242,7 +259,7 @@ def plan(seed: int, seconds: float, relays: list[str], workers: list[str], insta
         else:
             deck.remove(pick)
         if pick == "double":
-            a, b = rng.sample(SINGLE, 2)
+            a, b = rng.sample([k for k in SINGLE if k in kinds], 2)
             if a in BROKER_KINDS and b in BROKER_KINDS:
                 b = rng.choice(("relay_kill", "worker_kill", "instance_kill"))
             f = Fault("double", t, parts=[one(a), one(b)])
@@ -266,6 +283,8 @@ class Campaign:
         self.rng = random.Random(args.seed ^ 0x5EED)
         self.tmp = Path(tempfile.mkdtemp(prefix="kvidx-chaos-"))
         self.procs: dict[str, Proc] = {}
+        self.disks: dict[str, Path] = {}  # worker -> its tmpfs data dir
+        self.injectable: tuple[str, ...] = INJECTED
         self.cluster = None
         self.engines: dict[str, SimVllmEngine] = {}
         self.model_of: dict[str, str] = {}
@@ -307,6 +326,7 @@ class Campaign:
                     "relay", *common, "--model", model, "--replica", replica, "--endpoint", e.endpoint,
                     "--replay-endpoint", e.replay_endpoint, "--metrics-port", str(free_port())],
                     self.tmp / f"relay-{replica}.log")
+        self._mount_disks()
         for i in range(2):
             self.procs[f"worker-{i}"] = Proc(f"worker-{i}", [
                 "worker", *common, "--data-dir", str(self.tmp / f"worker-{i}"), "--snapshot-interval", "1",
@@ -450,23 +470,34 @@ class Campaign:
 
     # -- faults
     def fault_loop(self, t0: float) -> None:
+        """Each fault at its time, in its own thread (a full disk lasts while other faults come)."""
+        running = []
         for f in self.faults:
             wait = t0 + f.at - time.monotonic()
             if self.stop_load.wait(max(0.0, wait)):
-                return
-            if f.kind == "double":
-                f.start = time.time()
-                threads = [threading.Thread(target=self._inject, args=(p,)) for p in f.parts]
-                for th in threads:
-                    th.start()
-                for th in threads:
-                    th.join()
-                f.end = max(p.end for p in f.parts)
-                f.targets = [t for p in f.parts for t in p.targets]
-                f.error = "; ".join(p.error for p in f.parts if p.error) or None
-            else:
-                self._inject(f)
-            say(f"fault {f.kind} {f.targets} held {f.hold_s:.1f} s" + (f" ({f.error})" if f.error else ""))
+                break
+            th = threading.Thread(target=self._run_fault, args=(f,), daemon=True, name=f"fault-{f.kind}")
+            th.start()
+            running.append(th)
+        for th in running:
+            th.join()
+
+    def _run_fault(self, f: Fault) -> None:
+        if f.kind == "double":
+            f.start = time.time()
+            threads = [threading.Thread(target=self._inject, args=(p,)) for p in f.parts]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            f.end = max(p.end for p in f.parts)
+            f.targets = [t for p in f.parts for t in p.targets]
+            f.error = "; ".join(p.error for p in f.parts if p.error) or None
+            f.note = "; ".join(p.note for p in f.parts if p.note) or None
+        else:
+            self._inject(f)
+        say(f"fault {f.kind} {f.targets} held {f.hold_s:.1f} s" + (f" ({f.error})" if f.error else "")
+            + (f" [{f.note}]" if f.note else ""))
 
     def _inject(self, f: Fault) -> None:
         f.start = time.time()
@@ -488,9 +519,53 @@ class Campaign:
                 self.cluster.pause(node)
                 time.sleep(f.hold_s)
                 self.cluster.resume(node)
+            elif f.kind == "disk_full":
+                self._disk_full(f)
         except Exception as e:  # noqa: BLE001 - recorded with the fault, the campaign goes on
             f.error = f"{type(e).__name__}: {e}"
         f.end = time.time()
+
+    def _disk_full(self, f: Fault) -> None:
+        """Fill the worker's data dir (its own tmpfs) to the last byte, hold, free it; a worker that
+        exited on the full disk is restarted then (it runs unsupervised here)."""
+        filler = self.disks[f.targets[0]] / "filler"
+        chunk = b"\0" * (1 << 20)
+        with open(filler, "wb", buffering=0) as out:
+            try:
+                while True:
+                    out.write(chunk)
+            except OSError:
+                pass
+            try:
+                while True:  # the last bytes
+                    out.write(b"\0" * 4096)
+            except OSError:
+                pass
+        time.sleep(f.hold_s)
+        filler.unlink()
+        p = self.procs[f.targets[0]]
+        if p.pid is None:
+            f.note = f"{p.name} exited on the full disk (code {p.proc.returncode}); restarted"
+            p.start()
+
+    def _mount_disks(self) -> None:
+        """Each worker's data dir on its own tmpfs (disk_full fills it): root only; else no disk_full."""
+        self.disks: dict[str, Path] = {}
+        for i in range(2):
+            d = self.tmp / f"worker-{i}"
+            d.mkdir()
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={WORKER_DISK_MB}m", "tmpfs", str(d)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                say(f"no disk_full: cannot mount a tmpfs ({(r.stderr or r.stdout).strip()[:200]})")
+                self._umount_disks()
+                return
+            self.disks[f"worker-{i}"] = d
+
+    def _umount_disks(self) -> None:
+        for d in self.disks.values():
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+        self.disks = {}
 
     def _proc_name(self, f: Fault) -> str:
         t = f.targets[0]
@@ -612,8 +687,10 @@ class Campaign:
     # -- the run
     def run(self) -> dict:
         seconds = self.args.minutes * 60
+        kinds = INJECTED if self.disks else tuple(k for k in INJECTED if k != "disk_full")
         self.faults = plan(self.seed, seconds, list(self.engines), ["worker-0", "worker-1"],
-                           ["serve-0", "serve-1"])
+                           ["serve-0", "serve-1"], kinds=kinds)
+        self.injectable = kinds
         say(f"{len(self.faults)} faults planned over {seconds:.0f} s at {self.args.rate} lookups/s")
         t0 = time.monotonic()
         threads = [threading.Thread(target=self.fault_loop, args=(t0,), daemon=True, name="faults"),
@@ -654,6 +731,8 @@ class Campaign:
             "exact_fraction": round(sum(1 for _, e, _ in self.answers if e) / max(1, len(self.answers)), 4),
             "final_differences": final,
             "blind_by_kind": {k: v for k, v in blind_by.items() if v},
+            "injectable": list(self.injectable),
+            "notes": [f"{f.kind} at {f.at:.0f} s: {f.note}" for f in self.faults if f.note],
         }
         return out
 
@@ -667,6 +746,7 @@ class Campaign:
             e.close()
         if self.cluster is not None:
             self.cluster.stop()
+        self._umount_disks()
         if not self.args.keep:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -717,12 +797,15 @@ def print_table(r: dict) -> None:
     for k in KINDS:
         rec = r["recovery_s"].get(k)
         p50, p99 = (f"{rec['p50']:.2f}", f"{rec['p99']:.2f}") if rec else ("-", "-")
-        note = "" if k in INJECTED else "  (not injected yet)"
+        note = ("" if k in r["injectable"] else "  (not injected here)" if k in INJECTED
+                else "  (not injected yet)")
         print(f"{k:16} {r['faults'][k]:5d} {p50:>15} {p99:>8} {r['blind_by_kind'].get(k, 0):6d}{note}")
     print(f"lookups {r['lookups']} (unanswered {r['unanswered']}, exact {r['exact_fraction']:.2%}, "
           f"a replica missing {r['missing_replica']}; routes/usage not taken {r['write_errors']}); "
           f"acked_lost {r['acked_lost']} {r['final_differences']}; beyond_lag {r['beyond_lag']}; "
           f"blind_lookups {r['blind_lookups']}")
+    for n in r["notes"]:
+        print(f"note: {n}")
     print("rss drift MB/h: " + ", ".join(f"{k} {v:+.1f}" for k, v in r["rss_drift_mb_per_h"].items()))
 
 

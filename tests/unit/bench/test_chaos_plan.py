@@ -29,6 +29,12 @@ def test_the_schedule_is_the_seeds():
     assert [f.describe() for f in schedule(7, 600)] != [f.describe() for f in schedule(8, 600)]
 
 
+def test_without_a_mount_no_disk_full():
+    kinds = tuple(k for k in chaos.INJECTED if k != "disk_full")
+    for f in chaos.plan(3, 1800, RELAYS, WORKERS, INSTANCES, kinds=kinds):
+        assert "disk_full" not in [f.kind, *(p.kind for p in f.parts)]
+
+
 def test_one_broker_fault_at_a_time_with_time_to_catch_up():
     for seed in range(20):
         busy_until = -1.0
