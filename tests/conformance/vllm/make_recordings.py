@@ -106,7 +106,7 @@ def model_config_json(kind: str) -> dict[str, Any]:
         return dict(COMMON, architectures=["LlamaForCausalLM"], model_type="llama",
                     num_hidden_layers=2, rope_theta=10000.0)
     if kind == "eagle_draft":
-        return dict(COMMON, architectures=["LlamaForCausalLMEagle"], model_type="llama",
+        return dict(COMMON, architectures=["EagleLlamaForCausalLM"], model_type="llama",
                     num_hidden_layers=1, rope_theta=10000.0)
     if kind == "gemma2":
         return dict(COMMON, architectures=["Gemma2ForCausalLM"], model_type="gemma2",
@@ -297,7 +297,7 @@ def engine_config(s: Scenario, models: Path, port: int) -> Any:
     args: dict[str, Any] = dict(
         model=str(write_model(s.model, models)), skip_tokenizer_init=True, load_format="dummy",
         enforce_eager=True, enable_prefix_caching=True, num_gpu_blocks_override=s.num_gpu_blocks,
-        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048,
+        max_model_len=512, max_num_seqs=8, max_num_batched_tokens=2048,
         async_scheduling=False,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=f"tcp://*:{port}", topic="kv"),
