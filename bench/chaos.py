@@ -30,13 +30,13 @@ a sample of the served prompts, with: every live instance, a fresh follower (sna
 events topic folded offline (kvidx.ops.replay) and the compacted snapshots alone; every differing
 (source, prompt, replica) is an acknowledged event lost (`acked_lost`).
 
-Output: per fault kind its count, recovery time p50/p99 (from the fault to the first of 5 exact
-answers in a row after the fault ended; 0 where no answer in between was inexact), blind lookups
-while it lasted; totals; RSS drift of every process in MB per hour (a line fitted to its samples of
-the current incarnation, from its 60th second or all of them if it was restarted late: a short run's
-figure is mostly warm-up, a JVM's heap filling up to its -Xmx); with --json the last line is one JSON
-object (issue 39's interface). Exit 1 on any lost event, answer beyond its lag or blind lookup, with
-the seed and schedule printed.
+Output: per fault kind its count, recovery time p50/p99 (from the fault until every service instance
+has answered 5 times in a row exactly after the fault ended; 0 where no answer in between was
+inexact), blind lookups while it lasted; totals; RSS drift of every process in MB per hour (a line
+fitted to its samples of the current incarnation, from its 60th second or all of them if it was
+restarted late: a short run's figure is mostly warm-up, a JVM's heap filling up to its -Xmx); with
+--json the last line is one JSON object (issue 39's interface). Exit 1 on any lost event, answer
+beyond its lag or blind lookup, with the seed and schedule printed.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -198,6 +199,13 @@ class Truth:
         return self.credits(replica, hashes, time.time(), time.time())[-1]
 
 
+class Answer(NamedTuple):
+    t: float  # when it came (a blind one: when the 404 came)
+    exact: bool
+    blind: bool
+    instance: str
+
+
 # ---- the fault schedule --------------------------------------------------------------------------
 @dataclass
 class Fault:
@@ -290,7 +298,7 @@ class Campaign:
         self.model_of: dict[str, str] = {}
         self.faults: list[Fault] = []
         self.rss: dict[str, list[tuple[int, float, float]]] = {}  # name -> (incarnation, t, MB)
-        self.answers: list[tuple[float, bool, bool]] = []  # (t, exact, blind)
+        self.answers: list[Answer] = []
         self.beyond: list[str] = []
         self.lookups = 0
         self.unanswered = 0
@@ -424,11 +432,12 @@ class Campaign:
         self.lookups += 1
         if blind:
             self.blind += 1
-            self.answers.append((time.time(), False, True))
+            self.answers.append(Answer(time.time(), False, True, used))
         elif answer is None:
             self.unanswered += 1
         else:
-            self.answers.append((t_recv, self._check(answer, replicas, hashes, t_send, t_recv), False))
+            self.answers.append(Answer(t_recv, self._check(answer, replicas, hashes, t_send, t_recv), False,
+                                       used))
         # route to the longest prefix (a random replica one time in five: the caches churn)
         by = {a.replica: a.cached_tokens for a in answer.replicas} if answer is not None else {}
         best = max(replicas, key=lambda r: (by.get(r, 0), self.rng.random()))
@@ -704,16 +713,16 @@ class Campaign:
         return self.report(final)
 
     def report(self, final: dict[str, int]) -> dict:
-        times = [t for t, _, _ in self.answers]
+        times = [a.t for a in self.answers]
         kinds: dict[str, list[float]] = {k: [] for k in KINDS}
         blind_by: dict[str, int] = dict.fromkeys(KINDS, 0)
         for f in self.faults:
             if not f.start:
                 continue
-            rec = _recovery(self.answers, times, f.start, f.end)
+            rec = _recovery(self.answers, times, f.start, f.end, list(self.clients))
             kinds[f.kind].append(rec)
             lo, hi = bisect.bisect_left(times, f.start), bisect.bisect_right(times, f.end + rec)
-            blind_by[f.kind] += sum(1 for _, _, b in self.answers[lo:hi] if b)
+            blind_by[f.kind] += sum(1 for a in self.answers[lo:hi] if a.blind)
         out = {
             "faults": {k: len(v) for k, v in kinds.items()},
             "recovery_s": {k: {"p50": round(float(np.percentile(v, 50)), 2),
@@ -728,7 +737,7 @@ class Campaign:
             "unanswered": self.unanswered,
             "missing_replica": self.missing_replica,
             "write_errors": self.write_errors,
-            "exact_fraction": round(sum(1 for _, e, _ in self.answers if e) / max(1, len(self.answers)), 4),
+            "exact_fraction": round(sum(1 for a in self.answers if a.exact) / max(1, len(self.answers)), 4),
             "final_differences": final,
             "blind_by_kind": {k: v for k, v in blind_by.items() if v},
             "injectable": list(self.injectable),
@@ -761,25 +770,27 @@ def _distinct(prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def _recovery(answers: list[tuple[float, bool, bool]], times: list[float], start: float, end: float) -> float:
-    """Seconds from a fault to the first of STREAK exact answers in a row after it ended (0 if every
-    answer from the fault until that streak was exact)."""
+def _recovery(answers: list[Answer], times: list[float], start: float, end: float,
+              instances: list[str]) -> float:
+    """Seconds from a fault to the moment every instance has given STREAK exact answers in a row after
+    the fault ended (its streak's first answer, the latest of them); 0 if every answer from the fault
+    until then was exact. A blind answer is an inexact one."""
     i = bisect.bisect_left(times, start)
     j = bisect.bisect_left(times, end)
-    dirty = any(not e for _, e, _ in answers[i:j])
-    run = 0
-    for k in range(j, len(answers)):
-        if answers[k][1]:
-            run += 1
-            if run == STREAK:
-                first = k - STREAK + 1
-                if not dirty:
-                    return 0.0
-                return max(0.0, answers[first][0] - start)
+    dirty = any(not a.exact for a in answers[i:j])
+    run = dict.fromkeys(instances, 0)
+    began = dict.fromkeys(instances, 0.0)
+    for a in answers[j:]:
+        if a.exact:
+            run[a.instance] += 1
+            if run[a.instance] == 1:
+                began[a.instance] = a.t
+            if all(n >= STREAK for n in run.values()):
+                return round(max(0.0, max(began.values()) - start), 2) if dirty else 0.0
         else:
-            dirty, run = True, 0
+            dirty, run[a.instance] = True, 0
     # not healed by the end of the run: the time to the last answer (the report says which faults)
-    return round(answers[-1][0] - start, 2) if dirty and answers[i:] else 0.0
+    return round(answers[-1].t - start, 2) if dirty and answers[i:] else 0.0
 
 
 def _rss_mb(pid: int) -> float | None:

@@ -59,29 +59,49 @@ def test_an_hour_has_at_least_200_faults():
     assert len(schedule(1, 3600)) >= 200
 
 
-def answers(*pairs):
-    return [(t, exact, False) for t, exact in pairs]
+def answers(*rows):
+    """(t, exact) rows, or (t, exact, instance); a 404 is (t, "blind", instance)."""
+    out = []
+    for t, exact, *inst in rows:
+        out.append(chaos.Answer(t, exact is True, exact == "blind", inst[0] if inst else "serve-0"))
+    return out
 
 
 def times(a):
-    return [t for t, _, _ in a]
+    return [x.t for x in a]
+
+
+def recovery(a, start, end, instances=("serve-0",)):
+    return chaos._recovery(a, times(a), start, end, list(instances))
 
 
 def test_recovery_is_from_the_fault_to_a_streak_of_exact_answers_after_it_ended():
     a = answers((0, True), (1, False), (2, False), (3, True), (4, True), (5, True), (6, True), (7, True))
     # the fault at 0.5 ended at 2.5; the streak starts at 3
-    assert chaos._recovery(a, times(a), 0.5, 2.5) == 2.5
+    assert recovery(a, 0.5, 2.5) == 2.5
     # an inexact answer inside the streak pushes it later
     b = answers((0, True), (1, False), (3, True), (4, False), (5, True), (6, True), (7, True), (8, True),
                 (9, True))
-    assert chaos._recovery(b, times(b), 0.5, 2.5) == 4.5
+    assert recovery(b, 0.5, 2.5) == 4.5
+
+
+def test_every_instance_must_answer_exactly_again():
+    """One instance answers exactly while the other still answers 404 (rebuilding): not healed until
+    the other's streak."""
+    rows = [(0, True, "serve-0"), (1, "blind", "serve-1")]
+    rows += [(2 + k, True, "serve-0") for k in range(6)]
+    rows += [(8, "blind", "serve-1"), (9, True, "serve-1")]
+    rows += [(10 + k, True, "serve-1") for k in range(4)]
+    a = answers(*rows)
+    assert recovery(a, 0.5, 1.5, ("serve-0", "serve-1")) == 8.5
+    assert sum(x.blind for x in a) == 2
 
 
 def test_a_fault_no_answer_noticed_recovers_in_no_time():
     a = answers(*[(t, True) for t in range(10)])
-    assert chaos._recovery(a, times(a), 0.5, 3.5) == 0.0
+    assert recovery(a, 0.5, 3.5) == 0.0
 
 
 def test_a_fault_never_healed_counts_to_the_last_answer():
     a = answers((0, True), (1, False), (2, True), (3, False), (4, False))
-    assert chaos._recovery(a, times(a), 0.5, 1.5) == 3.5
+    assert recovery(a, 0.5, 1.5) == 3.5
