@@ -85,12 +85,12 @@ SCENARIOS = {s.name: s for s in [
              spec={"method": "eagle", "num_speculative_tokens": 2}),
     Scenario("gemma2_swa", "gemma2", 128,
              "gemma2: 4 layers alternating sliding window 32 and full attention"),
-    Scenario("qwen3next_offload", "qwen3next", 64,
+    Scenario("qwen3next_offload", "qwen3next", 24,
              "Qwen3-Next-like gated delta-net + attention hybrid + OffloadingConnector",
-             block_size=None, offload_blocks=192),
-    Scenario("qwen3next_mtp_offload_selfdesc", "qwen3next", 64,
+             block_size=None, offload_blocks=96),
+    Scenario("qwen3next_mtp_offload_selfdesc", "qwen3next", 24,
              "Qwen3-Next-like hybrid + MTP + OffloadingConnector, self_describing_kv_events",
-             block_size=None, offload_blocks=192, self_describing=True,
+             block_size=None, offload_blocks=96, self_describing=True,
              spec={"method": "mtp", "num_speculative_tokens": 1}),
 ]}
 
@@ -525,6 +525,8 @@ def describe(s: Scenario, vc: Any, sched: Any, cfg: Any, block: int, hash_block:
                         "block_size": g.kv_cache_spec.block_size,
                         "layers": len(g.layer_names)} for g in cfg.kv_cache_groups],
             "prefix_caching_hash_algo": vc.cache_config.prefix_caching_hash_algo,
+            "mamba_cache_mode": vc.cache_config.mamba_cache_mode,
+            "mamba_block_size": vc.cache_config.mamba_block_size,
             "num_hash_lookahead_tokens": vc.num_hash_lookahead_tokens,
             "speculative": s.spec,
             "kv_connector": ktc.kv_connector if ktc else None,
@@ -643,8 +645,14 @@ def main() -> None:
         use_cuda_platform()
     else:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-        # CpuPlatform asks for triton-cpu, which only its model runner (not run here) uses
+        # CpuPlatform asks for triton-cpu, which only its model runner (not run here) uses. The
+        # model modules are imported first, while vLLM still sees no Triton (their kernels'
+        # decorators then stay placeholders).
+        import importlib
+
         import vllm.triton_utils
+        for m in ("llama", "llama_eagle", "gemma2", "qwen3_next", "qwen3_next_mtp"):
+            importlib.import_module(f"vllm.model_executor.models.{m}")
         vllm.triton_utils.HAS_TRITON = True
     for name in a.scenario or list(SCENARIOS):
         record_scenario(SCENARIOS[name], Path(a.out), a.port)
