@@ -105,3 +105,29 @@ def test_a_fault_no_answer_noticed_recovers_in_no_time():
 def test_a_fault_never_healed_counts_to_the_last_answer():
     a = answers((0, True), (1, False), (2, True), (3, False), (4, False))
     assert recovery(a, 0.5, 1.5) == 3.5
+
+
+def test_the_truth_is_what_the_engine_held_in_the_window():
+    """The checker's ground truth: an engine's cached prefix of a prompt, in index blocks, in every
+    state it was in during a window (and the answer a lookup must not exceed)."""
+    import time
+
+    from kvidx.core.hashing import prompt_hashes
+    from kvidx.sim.vllm_engine import SimVllmEngine
+
+    e = SimVllmEngine(num_blocks=4, block_size=chaos.ENGINE_BLOCK, endpoint="tcp://127.0.0.1:*")
+    try:
+        truth = chaos.Truth({"r": e})
+        first = list(range(100))  # 3 engine blocks of KV (100 prompt + 5 output - 1 tokens)
+        t0 = time.time()
+        truth.serve("r", first, [1, 2, 3, 4, 5])
+        hashes = prompt_hashes(first, chaos.INDEX_BLOCK)
+        assert truth.now("r", hashes) == 96  # 3 engine blocks = 6 index blocks of the 6 the prompt has
+        assert truth.credits("r", hashes, t0 - 10, t0 - 5) == [0]  # before: nothing cached
+        t1 = time.time()
+        other = list(range(1000, 1100))
+        truth.serve("r", other, [1])  # 4 blocks in all: the first prompt's blocks are evicted
+        assert truth.now("r", hashes) < 96
+        assert max(truth.credits("r", hashes, t1 - 0.001, time.time())) == 96  # within the lag: allowed
+    finally:
+        e.close()
