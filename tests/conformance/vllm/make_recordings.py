@@ -57,6 +57,7 @@ class Scenario:
     self_describing: bool = False
     spec: dict[str, Any] | None = None   # speculative decoding
     accept_p: float = 0.7
+    salts: bool = False              # a cache salt per conversation (two tenants and none)
     extra_args: dict[str, Any] = field(default_factory=dict)
     convs: int = 40
     turns: int = 4
@@ -88,6 +89,13 @@ SCENARIOS = {s.name: s for s in [
     Scenario("qwen3next_offload", "qwen3next", 24,
              "Qwen3-Next-like gated delta-net + attention hybrid + OffloadingConnector",
              block_size=None, offload_blocks=96),
+    Scenario("qwen3next_mtp_offload", "qwen3next", 24,
+             "Qwen3-Next-like hybrid + MTP + OffloadingConnector, placeholder offload events",
+             block_size=None, offload_blocks=96,
+             spec={"method": "mtp", "num_speculative_tokens": 1}),
+    Scenario("cache_salt", "llama", 96,
+             "llama, prefix caching, each job's requests under cache salt 'tenant-a', "
+             "'tenant-b' or none", salts=True),
     Scenario("qwen3next_mtp_offload_selfdesc", "qwen3next", 24,
              "Qwen3-Next-like hybrid + MTP + OffloadingConnector, self_describing_kv_events",
              block_size=None, offload_blocks=96, self_describing=True,
@@ -559,8 +567,10 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
         n_req += 1
         sp = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True, temperature=0.0)
         req = Request(request_id=rid, prompt_token_ids=list(job["prompt"]), sampling_params=sp,
-                      pooling_params=None, arrival_time=time.time(), block_hasher=hasher)
+                      pooling_params=None, arrival_time=time.time(), block_hasher=hasher,
+                      cache_salt=job["salt"])
         job["t_send"] = time.time()
+        job["req"] = req
         sched.add_request(req)
         slots[rid] = job
 
@@ -582,7 +592,8 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
 
     while True:
         while len(slots) < s.concurrency and next_job < len(jobs):
-            job = {"job": jobs[next_job], "turn": 0}
+            salt = ("tenant-a", "tenant-b", None)[next_job % 3] if s.salts else None
+            job = {"job": jobs[next_job], "turn": 0, "salt": salt}
             next_job += 1
             start_turn(job)
         if not sched.has_requests():
@@ -616,19 +627,16 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
                     "cached_tokens_by_tier": {
                         "GPU": st.num_local_cached_tokens if st else 0,
                         "CPU": st.num_external_cached_tokens if st else 0},
-                    "num_preemptions": sched_preemptions(sched, o.request_id, job),
+                    "num_preemptions": job["req"].num_preemptions,
                     "output_token_ids": job["gen"], "completion_tokens": len(job["gen"]),
                 })
+                if s.salts:
+                    records[-1]["cache_salt"] = job["salt"]
                 job["out"] = job.pop("gen")
                 job["turn"] += 1
                 if not start_turn(job):
                     pass
     return records
-
-
-def sched_preemptions(sched: Any, rid: str, job: dict[str, Any]) -> int:
-    st = job.get("stats")
-    return 0 if st is not None else 1
 
 
 def main() -> None:
