@@ -11,7 +11,8 @@
 # `kvidx shadow` on each and prints one agreement line per scenario.
 #
 # Environment: OUT (recordings folder), VENV (engine venv), SHADOW_VERSION (the
-# --engine-version given to kvidx shadow; default: the release), PYTHON (python for the venv).
+# --engine-version given to kvidx shadow; default: the release), PYTHON (python for the venv),
+# SHADOW_ONLY=1 (no venv, no recording: step 3 alone, on the recordings already there).
 # Never run by CI: the recordings it writes are committed.
 set -euo pipefail
 
@@ -29,7 +30,9 @@ out="${OUT:-$repo/tests/fixtures/vllm-$minor}"
 venv="${VENV:-/tmp/kvidx-conformance/vllm-$release/venv}"
 py="${PYTHON:-python3}"
 
-if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import vllm, torch" 2>/dev/null; then
+if [[ "${SHADOW_ONLY:-0}" == 1 ]]; then
+    echo "run.sh: SHADOW_ONLY=1: step 3 alone, on the recordings in $out"
+elif [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import vllm, torch" 2>/dev/null; then
     echo "run.sh: step 1/3: engine venv $venv (vllm==$release --no-deps + its imports; ~3.5 GB, several minutes)"
     "$py" -m venv "$venv"
     "$venv/bin/pip" install -q --no-deps "vllm==$release"
@@ -57,12 +60,13 @@ PY
 else
     echo "run.sh: step 1/3: reusing engine venv $venv"
 fi
-"$venv/bin/python" -c "import vllm; assert vllm.__version__ == '$release', vllm.__version__" || {
-    echo "run.sh: $venv holds another vLLM release; remove it or set VENV" >&2; exit 2; }
-
-echo "run.sh: step 2/3: recordings -> $out"
-mkdir -p "$out"
-"$venv/bin/python" "$here/vllm/make_recordings.py" --out "$out" ${1:+--scenario "$@"}
+if [[ "${SHADOW_ONLY:-0}" != 1 ]]; then
+    "$venv/bin/python" -c "import vllm; assert vllm.__version__ == '$release', vllm.__version__" || {
+        echo "run.sh: $venv holds another vLLM release; remove it or set VENV" >&2; exit 2; }
+    echo "run.sh: step 2/3: recordings -> $out"
+    mkdir -p "$out"
+    "$venv/bin/python" "$here/vllm/make_recordings.py" --out "$out" ${1:+--scenario "$@"}
+fi
 
 echo "run.sh: step 3/3: kvidx shadow on each recording"
 kvidx="$repo/.venv/bin/kvidx"
@@ -79,6 +83,7 @@ for d in "$out"/*/; do
     echo "$res" | "$repo/.venv/bin/python" -c '
 import json, sys
 r = json.loads(sys.stdin.read().strip().splitlines()[-1])
-print(f"{sys.argv[1]:<34} {r[\"requests\"]:>8} {r[\"exact_requests\"]:>8} {r[\"recall\"]:>9.4f} {r[\"over_credit\"]:>11.4f}")
+cols = (r["requests"], r["exact_requests"], r["recall"], r["over_credit"])
+print("%-34s %8d %8d %9.4f %11.4f" % ((sys.argv[1],) + cols))
 ' "$name"
 done
