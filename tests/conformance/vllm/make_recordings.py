@@ -457,8 +457,6 @@ def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="kvidx-conf-"))
     try:
         vc = engine_config(s, tmp, port)
-        if s.offload_blocks:
-            pass
         sched_cfg, block, hash_block = kv_cache_config(vc, s)
         if s.offload_blocks:
             page = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
@@ -634,8 +632,7 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
                     records[-1]["cache_salt"] = job["salt"]
                 job["out"] = job.pop("gen")
                 job["turn"] += 1
-                if not start_turn(job):
-                    pass
+                start_turn(job)   # the conversation's next turn, if it has one
     return records
 
 
