@@ -63,7 +63,12 @@ class QueryPipeline:
         return shard
 
     def unknown_model(self, model: str) -> NoReturn:
-        """Reject(404) naming the models this instance knows."""
+        """Reject(404) naming the models this instance knows; Reject(503) while it is still rebuilding
+        its shards (a 404 then would tell a router that nothing is cached anywhere, and it would route
+        blind: found by bench/chaos.py, an instance restarted during a broker's outage)."""
+        if not self.store.ready:
+            raise Reject(503, f"not ready: {self.store.not_ready_reason or 'the shards are being rebuilt'} "
+                              "(ask another instance, or again shortly)")
         known = sorted(self.store.shards)
         listed = ", ".join(repr(m) for m in known[:MAX_MODELS_LISTED]) or "none"
         more = f" (and {len(known) - MAX_MODELS_LISTED} more)" if len(known) > MAX_MODELS_LISTED else ""

@@ -335,6 +335,24 @@ def test_healthz_not_ready():
     assert resp.json()["ready"] is False and resp.json()["status"] == "not_ready"
 
 
+def test_a_model_not_known_yet_is_503_while_rebuilding_and_404_once_ready():
+    """While the shards are rebuilt, a model the instance does not hold yet may be on its way: 503
+    (retry, or ask another instance), never the 404 that tells a router nothing is cached anywhere
+    (bench/chaos.py caught restarted instances answering 404 and routers routing blind)."""
+    store = ShardStore()
+    store.not_ready_reason = "rebuilding the shards from the snapshot topic and the events topic"
+    route = {"request_id": "r", "model": "m", "replica": "x", "token_ids": [1, 2]}
+    with ServerThread(create_app(store)) as url, httpx.Client(base_url=url) as c:
+        answers = [c.post("/v1/lookup", json={"model": "m", "token_ids": [1, 2, 3]}),
+                   c.post("/v1/lookup/binary", params={"model": "m"}, content=struct.pack("<2I", 1, 2)),
+                   c.post("/v1/routes", json=route)]
+        assert [a.status_code for a in answers] == [503] * 3, [a.text for a in answers]
+        assert all("not ready: rebuilding the shards" in a.json()["error"] for a in answers)
+        store.ready = True
+        after = c.post("/v1/lookup", json={"model": "m", "token_ids": [1, 2, 3]})
+        assert after.status_code == 404 and "unknown model 'm'" in after.json()["error"], after.text
+
+
 def test_models_lists_every_model_a_lookup_answers_for():
     """A partial instance (groups 0-1 of a model split in 4) with no event of it yet: a lookup answers
     (the other groups' holders are asked), so /v1/models lists the model, saying which groups are
