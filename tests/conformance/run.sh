@@ -35,7 +35,7 @@ if [[ "${SHADOW_ONLY:-0}" == 1 ]]; then
 elif [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import vllm, torch" 2>/dev/null; then
     echo "run.sh: step 1/3: engine venv $venv (vllm==$release --no-deps + its imports; ~3.5 GB, several minutes)"
     "$py" -m venv "$venv"
-    "$venv/bin/pip" install -q --no-deps "vllm==$release"
+    "$venv/bin/pip" install -q --no-warn-conflicts --no-deps "vllm==$release"
     # torch as the release pins it, with the CUDA runtime libraries it links against (PyPI has
     # no CPU build of torch: libtorch_cuda.so must load even though no GPU is used).
     torch_pin="$("$venv/bin/python" - <<'EOF'
@@ -43,7 +43,7 @@ import importlib.metadata as m
 print(next(r.split(";")[0].replace(" ", "") for r in m.requires("vllm") if r.startswith("torch=")))
 EOF
 )"
-    "$venv/bin/pip" install -q "$torch_pin" "setuptools>=77,<81"
+    "$venv/bin/pip" install -q --no-warn-conflicts "$torch_pin" "setuptools>=77,<81"
     # the modules' other imports, at the release's own pins
     "$venv/bin/python" - "$here/vllm/requirements.txt" > "$venv/../requirements.pinned.txt" <<'PY'
 import importlib.metadata as m, re, sys
@@ -56,7 +56,7 @@ for r in m.requires("vllm"):
 for name in sorted(want):
     print(pins.get(name, name))
 PY
-    "$venv/bin/pip" install -q -r "$venv/../requirements.pinned.txt"
+    "$venv/bin/pip" install -q --no-warn-conflicts -r "$venv/../requirements.pinned.txt"
 else
     echo "run.sh: step 1/3: reusing engine venv $venv"
 fi

@@ -646,6 +646,11 @@ def main() -> None:
                     help="cpu: vLLM's own CpuPlatform (VLLM_TARGET_DEVICE=cpu); cuda: its CUDA "
                          "platform with an H100 stand-in for the device queries")
     a = ap.parse_args()
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        # the same frames on every run: vLLM iterates sets of request ids and hashes, whose order
+        # follows the interpreter's string-hash seed (NONE_HASH does not: the seed is taken out of
+        # the environment again before init_none_hash, which would read it)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": "0"})
     if a.platform == "cuda":
         use_cuda_platform()
     else:
