@@ -46,6 +46,8 @@ class RegistrationLog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.caught_up = threading.Event()  # set once every record written before the start is applied
+        self._echoes: dict[bytes, int] = {}  # per key, this instance's writes not read back yet
+        self._echo_lock = threading.Lock()
 
     def _write(self, key: bytes, value: bytes | None, timeout_s: float = 10.0) -> None:
         errors: list[str] = []
@@ -53,10 +55,26 @@ class RegistrationLog:
         def delivered(err, _msg) -> None:
             if err is not None:
                 errors.append(str(err))
+                self._stale_echo(key)  # never written: no echo will come
 
+        with self._echo_lock:
+            self._echoes[key] = self._echoes.get(key, 0) + 1
         self.producer.produce(self.topic, key=key, value=value, on_delivery=delivered)
         if self.producer.flush(timeout_s) or errors:
             raise RuntimeError(errors[0] if errors else f"not acknowledged within {timeout_s:.0f} s")
+
+    def _stale_echo(self, key: bytes) -> bool:
+        """Whether a record of `key` just read is this instance's own, superseded by a newer write of
+        its own still to be read back: applying it would undo that write for a moment (a registration
+        removed right after it was made started its relay again, clearing the replica, until the
+        tombstone was read)."""
+        with self._echo_lock:
+            n = self._echoes.get(key, 0)
+            if n <= 1:
+                self._echoes.pop(key, None)
+                return False
+            self._echoes[key] = n - 1
+            return True
 
     def publish(self, reg: Registration) -> None:
         self._write(registration_key(reg.instance_id, reg.dp_rank), encode_record(reg))
@@ -130,11 +148,14 @@ class RegistrationLog:
                     elif not self.caught_up.is_set():  # the end, short of `high` (compacted away)
                         catch_up()
                     continue
+                stale = self._stale_echo(msg.key())
                 if self.caught_up.is_set():
-                    one(msg.key(), msg.value(), msg.offset())
+                    if not stale:
+                        one(msg.key(), msg.value(), msg.offset())
                     continue
-                backlog.pop(msg.key(), None)  # kept in the order of each key's last record
-                backlog[msg.key()] = (msg.value(), msg.offset())
+                if not stale:
+                    backlog.pop(msg.key(), None)  # kept in the order of each key's last record
+                    backlog[msg.key()] = (msg.value(), msg.offset())
                 if msg.offset() + 1 >= high:
                     catch_up()
         except Exception as e:  # noqa: BLE001 - a follower that stops must say why

@@ -39,7 +39,10 @@ def test_unregistered_registration_stays_removed_across_a_restart(kafka_bootstra
         starts.append(replica)
         return starter(model, replica, *rest)
 
-    engine = SimVllmEngine(num_blocks=40, block_size=B, endpoint="tcp://127.0.0.1:*")
+    # with a replay endpoint: batches published before the relay's subscription took effect (ZMQ's
+    # slow joiner) are replayed, as they are in production
+    engine = SimVllmEngine(num_blocks=40, block_size=B, endpoint="tcp://127.0.0.1:*",
+                           replay_endpoint="tcp://127.0.0.1:*")
     other = SimVllmEngine(num_blocks=40, block_size=B, endpoint="tcp://127.0.0.1:*")
     log1 = RegistrationLog(kafka_bootstrap, topic)
     reg1 = DynamoRegistry(counted, owner="a", log=log1)
@@ -55,7 +58,8 @@ def test_unregistered_registration_stays_removed_across_a_restart(kafka_bootstra
         assert conductor1.unregister(msgspec.msgpack.encode({"instance_id": "c1", "dp_rank": 0}))[0] == 200
         log1.close()
         # the operator's own relay feeds the engine's replica now
-        stop = starter("m", engine.endpoint, 0, engine.endpoint, None, Listener(engine.endpoint, None), B)
+        stop = starter("m", engine.endpoint, 0, engine.endpoint, engine.replay_endpoint,
+                       Listener(engine.endpoint, engine.replay_endpoint), B)
         wait_for(lambda: store.shards["m"].replicas[(engine.endpoint, 0)].epoch > 0, what="the relay's start")
         for prompt, output in workload_requests(3, 10, systems=1, sys_len=(64, 96)):
             engine.serve(prompt, output)
