@@ -24,9 +24,10 @@ Both answer 200:
                    "seq", "seq_gaps"}}, ...]}   (ModelShard.lookup: best resumable first)
     and errors as {"error": "what is wrong, naming the field"}:
     400 invalid JSON / binary body not a multiple of 4 bytes; 404 unknown model (the message lists
-    known ones; 503 instead while the instance is still rebuilding its shards); 413 more than max_tokens tokens (or a body too large to hold them); 422 a field
-    missing, of the wrong type or out of range (token ids must be 0..2^32-1), an empty prompt, both
-    or neither of token_ids and block_hashes; with credentials, 401 without a token or with a wrong
+    known ones; 503 instead while the instance is still rebuilding its shards); 413 more than
+    max_tokens tokens (or a body too large to hold them); 422 a field missing, of the wrong type or
+    out of range (token ids must be 0..2^32-1), an empty prompt, both or neither of token_ids and
+    block_hashes; with credentials, 401 without a token or with a wrong
     one and 403 with a token lacking the scope (`read` here), both naming the scope needed.
 GET /healthz     200 {"status": "ok", "ready": true, "models": n, "batches_applied": n, "auth": "on"|"off"};
                  503 (status "not_ready") until the store was rebuilt. Open, like /metrics; every other
