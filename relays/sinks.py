@@ -58,6 +58,7 @@ class KafkaSink:
         self.errors = 0  # messages refused or timed out (event batches and dead letters)
         self.batch_errors = 0  # of which event batches
         self.delivered = 0
+        self.handed = 0  # messages handed to the producer (event batches and dead letters)
         # told (model, replica, dp_rank) of every event batch Kafka did not take: a live relay then
         # replays its mirror (relays.run.Relay), so a lost batch costs a resync, never a wrong index
         self.on_undelivered: list[Callable[[str, str, int], None]] = []
@@ -101,8 +102,10 @@ class KafkaSink:
         """Wait until Kafka acknowledged or refused every message handed over, up to `deadline_s`
         (through a leader's or the controller's failover), saying every few seconds how many wait;
         returns how many were not delivered: refused, plus still waiting (lost if the process exits)."""
-        waiting = flush_until(self.producer, deadline_s, "event batches") if self.producer is not None else 0
-        return waiting + self.errors
+        if self.producer is not None:
+            flush_until(self.producer, deadline_s, "event batches")
+        # counted from the callbacks, not the producer's queue (which holds its own requests too)
+        return self.handed - self.delivered
 
     def waiting(self) -> int:
         """Messages handed to the producer and not yet acknowledged by the broker."""
@@ -144,6 +147,7 @@ class KafkaSink:
             try:
                 self.producer.produce(topic, value=value, key=key, headers=headers,
                                       on_delivery=on_delivery, **where)
+                self.handed += 1
                 break
             except BufferError:  # local queue full: let librdkafka drain, never drop
                 self.producer.poll(0.05)
