@@ -10,15 +10,31 @@ its log's last line as soon as PID is gone, or after --timeout seconds (with the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvidx.kafka.local import _pid_alive  # a live process, a zombie counted as gone
-
 __all__ = ["add_cli", "wait_ready"]
+
+
+def _running(pid: int) -> bool:
+    """PID exists and is not a zombie (a child its shell has not reaped yet is gone all the same)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+    except OSError:  # no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in ("Z", "X")
 
 
 def _last_line(log: Path | None) -> str:
@@ -49,11 +65,11 @@ def wait_ready(url: str, pid: int | None, log: Path | None, timeout_s: float,
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     while True:
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not _running(pid):
             return f"{who} exited before {url} answered{_where(log)}"
         status, body = _answer(url, timeout_s=min(5.0, max(0.5, deadline - time.monotonic())))
         if status == 200:
-            if pid is None or _pid_alive(pid):  # not another process answering on its port
+            if pid is None or _running(pid):  # not another process answering on its port
                 return None
             return f"{who} exited before {url} answered{_where(log)}"
         last = f"{status} {body.strip()[:120]}" if status is not None else body
