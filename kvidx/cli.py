@@ -38,7 +38,31 @@ def _relay_options(args):
         extra = {}
     groups = load_config(getattr(args, "config", None)).model(args.model).group_kinds()
     return RelayOptions(engine_version=args.engine_version, group_kinds=groups,
-                        engine_block_size=args.block_size, extra=extra)
+                        engine_block_size=args.block_size, extra=extra,
+                        allow_unchecked_version=getattr(args, "allow_unchecked_engine_version", False))
+
+
+def _unchecked_engine_version(args, log: logging.Logger) -> None:
+    """--allow-unchecked-engine-version: only where a conformance kit checks releases (vLLM); an
+    unpinned release runs read as the nearest pinned one, said once at start-up (and, for a relay,
+    on /metrics as kvidx_relay_engine_version_unchecked)."""
+    if not getattr(args, "allow_unchecked_engine_version", False):
+        return
+    if args.engine != "vllm":
+        sys.exit(f"error: --allow-unchecked-engine-version is for --engine vllm (the conformance kit checks "
+                 f"vLLM releases), not {args.engine}")
+    from kvidx.engines.vllm.adapter import DEFAULT_VERSION
+    from kvidx.engines.vllm.wire import is_checked, read_as
+
+    version = args.engine_version or DEFAULT_VERSION
+    if is_checked(version) or read_as(version) is None:
+        return
+    log.warning("event=engine_version_unchecked engine=vllm version=%s read_as=%s: this kvidx was not "
+                "checked against it; run `bash tests/conformance/run.sh vllm %s` to check it", version,
+                read_as(version), version)
+    if args.command == "relay":
+        from relays.run import UNCHECKED_VERSION
+        UNCHECKED_VERSION.labels("vllm", version, read_as(version)).set(1)
 
 
 def _relay_factory(args):
@@ -86,6 +110,7 @@ def cmd_relay(args) -> int:
     from kvidx import engines
 
     adapter = engines.get(args.engine)
+    _unchecked_engine_version(args, log)
     factory = None
     if adapter.make_relay is not None:
         try:
@@ -605,9 +630,12 @@ def cmd_shadow(args) -> int:
         if adapter.shadow_defaults.get("needs_pools") and not pools:
             raise InputError(f"{args.engine}'s blocks live in a shared pool: pass --config with a "
                              "[pools.\"<the publisher's endpoint>\"] section naming the replicas reading it")
+        _unchecked_engine_version(args, logging.getLogger("kvidx.shadow"))
         result, _ = run_shadow_engine(args.engine, args.recording, args.requests,
                                       index_block_size=args.index_block_size,
-                                      options=engines.RelayOptions(engine_version=args.engine_version),
+                                      options=engines.RelayOptions(
+                                          engine_version=args.engine_version,
+                                          allow_unchecked_version=args.allow_unchecked_engine_version),
                                       unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
                                       pending_ttl=args.pending_ttl, pools=pools)
     except (InputError, ValueError) as e:  # ValueError: an engine version its adapter was not checked with
@@ -634,6 +662,13 @@ def cmd_demo(args) -> int:
     except KeyboardInterrupt:
         print("[demo] stopped", file=sys.stderr)
         return 130
+
+
+def _unchecked_arg(sp) -> None:
+    sp.add_argument("--allow-unchecked-engine-version", action="store_true",
+                    help="vllm: run a release kvidx was not checked against, read as the nearest checked "
+                         "one, with a warning at start-up (and kvidx_relay_engine_version_unchecked on "
+                         "/metrics); check it instead with tests/conformance/run.sh (docs/engines.md)")
 
 
 def _replication_args(sp) -> None:
@@ -697,6 +732,7 @@ def _add_relay(sub, engine_names) -> None:
                    new="--engine-block-size")
     r.add_argument("--engine-version", help="the engine's release (checked against the versions the "
                    "adapter was verified with; default: the newest checked)")
+    _unchecked_arg(r)
     r.add_argument("--model", required=True, help="model name the events belong to (Kafka key)")
     r.add_argument("--endpoint", help="engine event endpoint, e.g. tcp://127.0.0.1:5557")
     r.add_argument("--replay-endpoint", help="engine replay endpoint, e.g. tcp://127.0.0.1:5558")
@@ -899,6 +935,7 @@ def _add_shadow(sub, engine_names) -> None:
                          "blocks (SGLang pages below the index block, TensorRT-LLM partial reuse) are "
                          "credited to the token with the default index block size")
     sh.add_argument("--engine-version", help="the engine's release (default: the newest checked)")
+    _unchecked_arg(sh)
     sh.add_argument("--recording", required=True, help="frames.jsonl")
     sh.add_argument("--requests", required=True, help="requests.jsonl")
     sh.add_argument("--json", action="store_true", help="print one JSON object")

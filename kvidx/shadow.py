@@ -19,7 +19,7 @@ from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions, ShadowResult, set_aside_counts
 from kvidx.engines import get as get_engine
 from kvidx.engines.contract import Frame, PublisherRelays, SequencedRelay
-from kvidx.engines.recording import read_frames
+from kvidx.engines.recording import read_frames, split_at_lookups
 from schemas.events import EventBatch
 
 
@@ -109,13 +109,13 @@ def replay_requests(batches: Iterable[tuple[int, Callable[[], list[EventBatch]]]
                     fold: Callable[[int, EventBatch], None]) -> Iterator[dict]:
     """The shadow loop, once for every engine: the requests that succeeded, in send order, each
     yielded once every engine message received (recv_ns) at or before its send time went through
-    its relay and the relay's batches were folded."""
+    its relay and the relay's batches were folded (or at its `t_ns`, when it has one)."""
     it = iter(batches)
     nxt = next(it, None)
     for r in requests:
         if r.get("status", 200) != 200:
             continue
-        t_ns = int(r["t_send"] * 1e9)
+        t_ns = r["t_ns"] if "t_ns" in r else int(r["t_send"] * 1e9)
         while nxt is not None and nxt[0] <= t_ns:
             for b in nxt[1]():
                 fold(nxt[0], b)
@@ -137,7 +137,8 @@ def shadow_batches(batches, requests: list[dict], shard: ModelShard, pending_ttl
         hashes = prompt_hashes(tokens, bs, r.get("lora"), r.get("cache_salt"), lookahead=shard.lookahead,
                                tails=True)
         to = replica if replica is not None else r.get("replica")
-        credited = shard.credited(hashes, len(tokens), to, r.get("dp_rank"), now=r["t_send"])
+        now = r["t_ns"] / 1e9 if "t_ns" in r else r["t_send"]
+        credited = shard.credited(hashes, len(tokens), to, r.get("dp_rank"), now=now)
         if pending_ttl > 0 and r.get("replica", "") is not None:  # an explicit null: not routed
             shard.add_pending(to or batches.default_replica(), r.get("dp_rank") or 0, hashes, len(tokens),
                               credited, r["t_send"] + pending_ttl)
@@ -164,6 +165,9 @@ def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, 
                 shard.replica(r["replica"], r.get("dp_rank") or 0)
     agreement = shadow_batches(batches, reqs, shard, pending_ttl, adapter.shadow_defaults.get("replica"))
     extra = batches.extra()
+    if adapter.recording == "frames" and any(r.get("lookup_at") for r in reqs):
+        extra["at_lookup"] = at_lookup_agreement(adapter, recording, reqs, model, index_block_size, options,
+                                                 unreported_eviction_kinds).summary()
     if adapter.shadow_extra is not None:
         extra.update(adapter.shadow_extra(recording, reqs, model, index_block_size, options))
     # events (not batches) set aside, and why: the rest of their batches was folded
@@ -171,6 +175,22 @@ def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, 
     extra["set_aside_events"] = sum(aside.values())
     extra["set_aside"] = {f"{reason}/{kind}": n for (reason, kind), n in sorted(aside.items())}
     return ShadowResult(agreement, batches.dead_letters(), extra, batches.relays, aside), shard
+
+
+def at_lookup_agreement(adapter, recording: str | Path, reqs: list[dict], model: str, index_block_size: int,
+                        options: RelayOptions, unreported_eviction_kinds: tuple[str, ...]) -> Agreement:
+    """The agreement with each request credited where the engine looked it up (a conformance-kit
+    recording's `lookup_at`): after exactly the events the engine had queued by then, those of its
+    own step before the lookup included. What is left apart from the send-time figures is the
+    index's reading of the events; what the send-time figures add is timing: blocks another request
+    stored or evicted in the step that scheduled this one, after the request was sent (no index
+    holds those yet when a router asks)."""
+    frames, at = split_at_lookups(read_frames(recording), [tuple(r["lookup_at"]) for r in reqs
+                                                           if r.get("lookup_at")])
+    timed = sorted(({**r, "t_ns": at[tuple(r["lookup_at"])]} for r in reqs if r.get("lookup_at")),
+                   key=lambda r: r["t_ns"])
+    shard = ModelShard(model, index_block_size, unreported_eviction_kinds)
+    return shadow_batches(adapter.replay(frames, model, index_block_size, options), timed, shard)
 
 
 def shadow(frames: Iterable[Frame], requests: list[dict], model: str = "model",

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from kvidx.engines.contract import Frame, RelayOutput
 from kvidx.engines.recording import Recorder, read_frames
@@ -24,6 +24,10 @@ BATCHES = Counter("kvidx_relay_batches_total", "Event batches published", ["repl
 BLOCKS = Counter("kvidx_relay_blocks_total", "Block events published", ["replica", "kind"])
 DEAD = Counter("kvidx_relay_dead_letters_total", "Malformed engine messages, by reason",
                ["replica", "reason"])
+UNCHECKED_VERSION = Gauge("kvidx_relay_engine_version_unchecked",
+                          "1: the engine's release was not checked by this kvidx and is read as another "
+                          "(--allow-unchecked-engine-version)",
+                          ["engine", "version", "read_as"])
 GAPS = Counter("kvidx_relay_gaps_total", "Sequence gaps, by outcome", ["replica", "outcome"])
 # label values are bounded: registered engine names, reasons and event kinds named in the code
 SET_ASIDE = Counter("kvidx_relay_set_aside_events_total",

@@ -19,6 +19,7 @@ from schemas.events import EventBatch
 class RelayOptions:
     """What a relay needs to know about its engine beyond model, replica and index block size."""
     engine_version: str | None = None  # None: the adapter's newest checked release
+    allow_unchecked_version: bool = False  # --allow-unchecked-engine-version: read as the nearest checked
     # KV-cache groups the engine's events leave unnamed (from --config)
     group_kinds: dict[int, tuple[str, int | None]] = field(default_factory=dict)
     engine_block_size: int | None = None  # engines whose events do not carry it (TensorRT-LLM polls)

@@ -68,3 +68,52 @@ def request_steps(frames: Iterable[Frame], requests: list[dict]) -> Iterator[tup
             k += 1
         yield frames[j:k], r
         j = k
+
+
+def split_at_lookups(frames: Iterable[Frame], cuts: Iterable[tuple[int, int]]
+                     ) -> tuple[list[Frame], dict[tuple[int, int], int]]:
+    """The frames of one publisher with each message cut where a request's prefix lookup fell, and
+    per cut the receive time (ns) by which exactly the events before it have arrived.
+
+    A cut `(seq, k)` (the conformance kit's `lookup_at`) is the message `seq` the engine's step
+    published and the number of its events the engine had queued when it looked the request up.
+    Messages are msgpack arrays `[ts, events, ...]` (vLLM's and SGLang's EventBatch); a cut message
+    becomes consecutive messages of its parts, later sequence numbers shifted to follow on, each
+    part 1 ns before the next so a replay stopping at a cut's time folds its events and no more."""
+    import msgspec
+
+    frames = sorted(frames, key=lambda f: f.recv_ns)
+    if len({(f.endpoint, f.src) for f in frames}) > 1:
+        raise ValueError("lookup cuts need a recording of one publisher")
+    by_seq: dict[int, set[int]] = {}
+    for seq, k in cuts:
+        by_seq.setdefault(seq, set()).add(k)
+    out: list[Frame] = []
+    at: dict[tuple[int, int], int] = {}
+    shift = 0
+    for f in frames:
+        ks = by_seq.pop(f.seq, set())
+        for seq in [s for s in by_seq if s < f.seq]:  # steps that published nothing: before this one
+            for k in by_seq.pop(seq):
+                at[(seq, k)] = f.recv_ns - len(ks) - 2
+        batch = msgspec.msgpack.decode(f.payload)
+        n = len(batch[1])
+        if ks and max(ks) > n:
+            raise ValueError(f"lookup cut ({f.seq}, {max(ks)}): message {f.seq} has {n} events")
+        bounds = sorted({k for k in ks if 0 < k < n}) + [n]
+        start = 0
+        for j, end in enumerate(bounds):
+            payload = f.payload if len(bounds) == 1 else msgspec.msgpack.encode(
+                [batch[0], batch[1][start:end], *batch[2:]])
+            recv = f.recv_ns - (len(bounds) - 1 - j)
+            out.append(Frame(f.topic, f.seq + shift + j, payload, recv, f.endpoint, f.src))
+            for k in ks:
+                if k == end or (k == 0 and j == 0):
+                    at[(f.seq, k)] = recv - 1 if k == 0 else recv
+            start = end
+        shift += len(bounds) - 1
+    last = out[-1].recv_ns if out else 0
+    for seq, ks in by_seq.items():  # after the last message
+        for k in ks:
+            at[(seq, k)] = last + 1
+    return out, at

@@ -1,20 +1,23 @@
 """vLLM (vllm/distributed/kv_events.py): KV events on a ZMQ PUB socket with a ROUTER replay endpoint;
-0.32-0.33 tagged maps (0.33: lookahead block hashing) and the older positional arrays; data
-parallelism on port + rank."""
+0.32-0.34 tagged maps (0.33: lookahead block hashing; 0.34: offload-tier state checkpoints) and the
+older positional arrays; data parallelism on port + rank."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from kvidx.engines import EngineAdapter, RelayOptions
 from kvidx.engines.vllm.wire import ENGINE_VERSIONS
 
-DEFAULT_VERSION = "0.33.0"  # the newest release the adapter was checked against (reads 0.32 streams too)
+DEFAULT_VERSION = "0.34.0"  # the newest release the adapter was checked against (reads 0.32-0.33 streams too)
 
 
 def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None, opts: RelayOptions):
     from kvidx.engines.vllm.relay import VllmPublisherRelay
 
     return VllmPublisherRelay(model, replica, index_block_size, dp_rank, group_kinds=opts.group_kinds or None,
-                              engine_version=opts.engine_version or DEFAULT_VERSION, **opts.extra)
+                              engine_version=opts.engine_version or DEFAULT_VERSION,
+                              allow_unchecked_version=opts.allow_unchecked_version, **opts.extra)
 
 
 def replay(recording, model: str, index_block_size: int, opts: RelayOptions):
@@ -22,14 +25,16 @@ def replay(recording, model: str, index_block_size: int, opts: RelayOptions):
     from kvidx.engines.recording import read_frames
     from kvidx.engines.vllm.relay import VllmPublisherRelay
 
-    return zmq_replay(read_frames(recording), lambda ep: VllmPublisherRelay(
+    frames = read_frames(recording) if isinstance(recording, (str, Path)) else recording  # or frames
+    return zmq_replay(frames, lambda ep: VllmPublisherRelay(
         model, ep, index_block_size, epoch=0, group_kinds=opts.group_kinds or None,
-        engine_version=opts.engine_version or DEFAULT_VERSION, **opts.extra))
+        engine_version=opts.engine_version or DEFAULT_VERSION,
+        allow_unchecked_version=opts.allow_unchecked_version, **opts.extra))
 
 
 ADAPTER = EngineAdapter(
-    name="vllm", summary="vLLM 0.32-0.33 (tagged maps; 0.33 lookahead hashing) and older (positional) KV "
+    name="vllm", summary="vLLM 0.32-0.34 (tagged maps; 0.33+ lookahead hashing) and older (positional) KV "
                          "events over ZMQ",
     versions=tuple(f"{v}.x" for v in ENGINE_VERSIONS), default_version=DEFAULT_VERSION,
     recording="frames", live="zmq", make_relay=make_relay, replay=replay,
-    conformance=("vllm-0.32", "vllm-0.33", "vllm-variants"), sim="vllm")
+    conformance=("vllm-0.32", "vllm-0.33", "vllm-0.34", "vllm-variants"), sim="vllm")

@@ -403,7 +403,8 @@ class VllmMirror:
         la = ev.lookahead_token_ids
         if not self.accepts_lookahead:
             raise MirrorError("wrong_engine", "BlockStored carries lookahead_token_ids (vLLM >= 0.33 with "
-                                              "EAGLE/MTP): run the relay with --engine-version 0.33.0")
+                                              "EAGLE/MTP): run the relay with --engine-version 0.33.0 "
+                                              "or later")
         n_la = len(la[0]) if la else 0
         if len(la) != nb or any(len(x) != n_la for x in la) or n_la == 0:
             raise MirrorError("bad_lookahead", f"{len(la)} lookahead token lists of lengths "

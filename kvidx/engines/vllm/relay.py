@@ -13,11 +13,13 @@ class VllmPublisherRelay(SequencedRelay):
 
     def __init__(self, model: str, replica: str, index_block_size: int, dp_rank: int | None = None,
                  epoch: int | None = None, group_kinds: dict[int, tuple[str, int | None]] | None = None,
-                 engine_version: str | None = None, **mirror_options):
+                 engine_version: str | None = None, allow_unchecked_version: bool = False, **mirror_options):
         """`engine_version`: the engine's vLLM release, checked against the pinned ones at start-up
-        (kvidx.engines.vllm.wire.check_engine_version raises UnsupportedEngineVersion); `mirror_options`
-        go to VllmMirror (cpu_chunk_blocks, lmcache)."""
-        spec = check_engine_version(engine_version) if engine_version is not None else None
+        (kvidx.engines.vllm.wire.check_engine_version raises UnsupportedEngineVersion; with
+        `allow_unchecked_version` an unpinned release is read as the nearest pinned one);
+        `mirror_options` go to VllmMirror (cpu_chunk_blocks, lmcache)."""
+        spec = (check_engine_version(engine_version, allow_unchecked_version)
+                if engine_version is not None else None)
         self.engine_version = engine_version
         self.mirror = VllmMirror(index_block_size, group_kinds=group_kinds,
                                  lookahead=spec is None or spec.lookahead, **mirror_options)

@@ -15,7 +15,6 @@ from typing import Annotated, Any
 
 import msgspec
 
-SUPPORTED_VERSIONS = ("0.8", "0.32", "0.33")  # positional (<= 0.25) and tagged-map (>= 0.26) encodings
 EngineHash = int | bytes
 
 
@@ -43,6 +42,16 @@ ENGINE_VERSIONS: dict[str, VllmVersion] = {
     # hasher in tests/fixtures/vllm-0.33/
     "0.33": VllmVersion("map", "pair", "vllm 0.33.0 source; fixtures from its own structs and hasher",
                         lookahead=True),
+    # read in the vllm 0.34.0 wheel: kv_events.py (BlockStored/BlockRemoved gain `locality`
+    # LOCAL/REMOTE, `ownership` (a secondary offloading tier's id) and BlockStored `session_id`,
+    # all defaulted), the offloading connector's events.py (CPU/STORAGE-tier stores: one event per
+    # offloaded chunk, a placeholder of hash and group by default, with tokens, parent, kind and
+    # lookahead tokens under `self_describing_kv_events`; state-space groups' checkpoints from the
+    # CPU tier), kv_cache_manager.py (lookahead hashing kept with connectors declaring
+    # supports_lookahead_block_hashes); recordings of its own scheduler, KV-cache manager,
+    # OffloadingConnector and ZmqEventPublisher in tests/fixtures/vllm-0.34/ (the conformance kit)
+    "0.34": VllmVersion("map", "pair", "vllm 0.34.0 source; recordings of its own scheduler and connector "
+                        "(tests/conformance)", lookahead=True),
     # the positional encoding the relay has decoded since the foundation issue
     # (tests/unit/engines/vllm/test_wire.py);
     # those releases had no extra_keys field in BlockStored (any extra keys are kept as opaque strings)
@@ -54,23 +63,56 @@ class UnsupportedEngineVersion(ValueError):
     pass
 
 
-def check_engine_version(version: str | None) -> VllmVersion:
+def _release(key: str) -> tuple[int, int]:
+    major, minor = key.split(".")
+    return int(major), int(minor)
+
+
+def read_as(version: str | None) -> str | None:
+    """The pinned release whose rules an unchecked vLLM release is read with: the newest pinned one
+    not newer than it, in its encoding era (tagged maps from 0.26 on); None if `version` is not a
+    release number."""
+    parts = (version or "").strip().lstrip("v").split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        return None
+    want = (int(parts[0]), int(parts[1]))
+    era = [k for k in ENGINE_VERSIONS if (_release(k) >= (0, 26)) == (want >= (0, 26))]
+    older = [k for k in era if _release(k) <= want]
+    return max(older, key=_release) if older else min(era, key=_release)
+
+
+def check_engine_version(version: str | None, allow_unchecked: bool = False) -> VllmVersion:
     """The pinned adapter rules for a vLLM release ("0.32.0" -> the "0.32" entry). Raises
-    UnsupportedEngineVersion naming the supported releases for anything else."""
+    UnsupportedEngineVersion for anything else, naming the checked releases, where to see what the
+    release changed and the conformance kit's command; with `allow_unchecked` (the operator's
+    --allow-unchecked-engine-version) a release number that is not pinned is read with the rules of
+    `read_as` (the caller warns)."""
+    checked = ", ".join(f"{k}.x" for k in ENGINE_VERSIONS)
     if not version:
-        raise UnsupportedEngineVersion("no vLLM version given (--engine-version); supported: "
-                                       + ", ".join(f"{v}.x" for v in ENGINE_VERSIONS))
+        raise UnsupportedEngineVersion(f"no vLLM version given (--engine-version); checked: {checked}")
     v = version.strip().lstrip("v")
-    parts = v.split(".")
-    key = ".".join(parts[:2])
-    spec = ENGINE_VERSIONS.get(key)
-    if spec is None or len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
-        raise UnsupportedEngineVersion(
-            f"vLLM {version!r} is not a version this relay was checked against (supported: "
-            + ", ".join(f"{k}.x" for k in ENGINE_VERSIONS)
-            + "); its KV-event format may differ: check vllm/distributed/kv_events.py of that release, "
-            "add it to kvidx/engines/vllm/wire.py ENGINE_VERSIONS with a fixture, or run a supported release")
-    return spec
+    base = read_as(version)
+    if base is not None and base == _minor(version):
+        return ENGINE_VERSIONS[base]
+    if allow_unchecked and base is not None:
+        return ENGINE_VERSIONS[base]
+    newest = max(ENGINE_VERSIONS, key=_release)
+    raise UnsupportedEngineVersion(
+        f"vLLM {version!r} was not checked by this kvidx (checked: {checked}): what its KV events changed "
+        f"is the diff of vllm/distributed/kv_events.py from v{newest}.0 to v{v}; check it with "
+        f"`bash tests/conformance/run.sh vllm {v}` (docs/engines.md), or run it read as "
+        f"{base or newest} with --allow-unchecked-engine-version (warned at start-up and on /metrics)")
+
+
+def is_checked(version: str | None) -> bool:
+    """Whether a release is pinned (else it runs only read as another, with the operator's flag)."""
+    return read_as(version) is not None and read_as(version) == _minor(version)
+
+
+def _minor(version: str | None) -> str:
+    return ".".join((version or "").strip().lstrip("v").split(".")[:2])
+
+
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]  # hashed as uint32: others are malformed
 
 

@@ -551,13 +551,27 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
     """Up to `concurrency` jobs at a time; a conversation's next turn is sent when its previous
     turn finishes, carrying that turn's output tokens."""
     from vllm import SamplingParams
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     jobs = workload(s)
     slots: dict[str, dict[str, Any]] = {}
     records: list[dict[str, Any]] = []
     n_req = 0
     next_job = 0
+
+    # Where each request's prefix lookup fell in the event stream: [the seq of the batch its step
+    # publishes, how many of that batch's events the block pool had queued at the lookup]. A request
+    # scheduled in the same step as another one sees the blocks that step stored or evicted before
+    # its own lookup, events no index can hold at send time; `kvidx shadow` folds exactly the events
+    # before the lookup to tell the index's reading from that timing. The wrapper only observes.
+    looked: dict[str, list[int]] = {}
+    pool = sched.kv_cache_manager.block_pool
+    local_hit = sched._get_local_prefix_cache_hit
+
+    def traced_local_hit(request: Any, *args: Any, **kwargs: Any) -> Any:
+        looked[request.request_id] = [published[0], len(pool.kv_event_queue)]
+        return local_hit(request, *args, **kwargs)
+    sched._get_local_prefix_cache_hit = traced_local_hit
 
     def submit(job: dict[str, Any]) -> None:
         nonlocal n_req
@@ -569,6 +583,7 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
                       cache_salt=job["salt"])
         job["t_send"] = time.time()
         job["req"] = req
+        job.pop("lookup_at", None)  # a conversation's job dict carries its previous turn's
         sched.add_request(req)
         slots[rid] = job
 
@@ -597,6 +612,9 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
         if not sched.has_requests():
             break
         out = sched.schedule()
+        for rid, job in slots.items():  # the lookup that placed the request (not one it was skipped after)
+            if "lookup_at" not in job and rid in looked and job["req"].status != RequestStatus.WAITING:
+                job["lookup_at"] = looked[rid]
         mro = runner.execute(out)
         outputs = sched.update_from_output(out, mro)
         if runner.k and out.total_num_scheduled_tokens > 0:
@@ -626,6 +644,7 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
                         "GPU": st.num_local_cached_tokens if st else 0,
                         "CPU": st.num_external_cached_tokens if st else 0},
                     "num_preemptions": job["req"].num_preemptions,
+                    "lookup_at": job.get("lookup_at"),
                     "output_token_ids": job["gen"], "completion_tokens": len(job["gen"]),
                 })
                 if s.salts:

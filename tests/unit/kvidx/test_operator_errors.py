@@ -142,3 +142,36 @@ def test_relay_options_of_other_engines_carry_no_sglang_option():
     engines.get("mooncake").make_relay("m", "pool", 16, None, opts)  # no TypeError
     assert _relay_options(Namespace(**{**vars(args), "engine": "sglang", "sglang_router_keys": True})
                           ).extra == {"router_keys": True}
+
+
+def test_an_unchecked_vllm_release_is_refused_in_one_line_or_run_with_a_warning():
+    out = run(["relay", "--model", "m", "--engine-version", "0.35.0", "--play", FRAMES, "--bootstrap", DEAD])
+    assert out.startswith("error: vLLM '0.35.0' was not checked") and len(out.strip().splitlines()) == 1, out
+    assert "tests/conformance/run.sh vllm 0.35.0" in out and "--allow-unchecked-engine-version" in out
+    # with the flag it goes on (to the broker here), said once, read as the newest checked release
+    out = run(["relay", "--model", "m", "--engine-version", "0.35.0", "--allow-unchecked-engine-version",
+               "--play", FRAMES, "--bootstrap", DEAD])
+    assert "event=engine_version_unchecked engine=vllm version=0.35.0 read_as=0.34" in out, out
+    assert f"cannot reach Kafka at {DEAD}" in out
+    out = run(["relay", "--engine", "sglang", "--model", "m", "--allow-unchecked-engine-version",
+               "--endpoint", "tcp://127.0.0.1:5557", "--bootstrap", DEAD])
+    assert out.startswith("error: --allow-unchecked-engine-version is for --engine vllm"), out
+
+
+def test_an_unchecked_release_shows_on_the_relays_metrics():
+    import logging
+    from argparse import Namespace
+
+    from prometheus_client import REGISTRY
+
+    from kvidx.cli import _unchecked_engine_version
+
+    args = Namespace(command="relay", engine="vllm", engine_version="0.36.1",
+                     allow_unchecked_engine_version=True)
+    _unchecked_engine_version(args, logging.getLogger("test"))
+    assert REGISTRY.get_sample_value("kvidx_relay_engine_version_unchecked",
+                                     {"engine": "vllm", "version": "0.36.1", "read_as": "0.34"}) == 1
+    args.engine_version = "0.34.0"  # a checked release: nothing said
+    _unchecked_engine_version(args, logging.getLogger("test"))
+    assert REGISTRY.get_sample_value("kvidx_relay_engine_version_unchecked",
+                                     {"engine": "vllm", "version": "0.34.0", "read_as": "0.34"}) is None

@@ -47,10 +47,21 @@ def test_version_check_pinned_and_clear_error():
     assert check_engine_version("0.32.0").encoding == "map"
     assert check_engine_version("v0.32.3").mm_extra_keys == "pair"
     assert check_engine_version("0.8.5").encoding == "positional"
-    for bad in ("0.34.0", "1.0", "nightly", "", None, "0"):
+    for bad in ("0.35.0", "1.0", "nightly", "", None, "0"):
         with pytest.raises(UnsupportedEngineVersion) as ei:
             check_engine_version(bad)
-        assert "0.32" in str(ei.value) and "0.33" in str(ei.value)
+        assert "0.32" in str(ei.value) and "0.34" in str(ei.value)
+    # one message: what changed and how to check it, and the documented way to run it anyway
+    with pytest.raises(UnsupportedEngineVersion) as ei:
+        check_engine_version("0.35.0")
+    msg = str(ei.value)
+    assert "kv_events.py from v0.34.0 to v0.35.0" in msg and "tests/conformance/run.sh vllm 0.35.0" in msg
+    assert "--allow-unchecked-engine-version" in msg and "\n" not in msg
+    assert check_engine_version("0.35.0", allow_unchecked=True) is check_engine_version("0.34.1")
+    assert check_engine_version("0.29.0", allow_unchecked=True).encoding == "map"
+    assert check_engine_version("0.20.0", allow_unchecked=True).encoding == "positional"
+    with pytest.raises(UnsupportedEngineVersion):
+        check_engine_version("nightly", allow_unchecked=True)
     with pytest.raises(UnsupportedEngineVersion):
         VllmPublisherRelay("m", "r", 16, engine_version="0.40.1")
     assert VllmPublisherRelay("m", "r", 16, engine_version="0.32.0").engine_version == "0.32.0"

@@ -1,0 +1,67 @@
+"""vLLM 0.34 conformance: recordings made by vLLM 0.34.0's own scheduler, KV-cache manager,
+OffloadingConnector and ZmqEventPublisher (tests/conformance, tests/fixtures/vllm-0.34/README.md).
+With the relay's defaults (0.34.0), the index fed exactly the events the engine had queued when it
+looked each request up credits exactly what the engine reused, on every scenario: hybrid
+state-space models with their checkpoints from the CPU tier (placeholder and self-describing
+events), lookahead tokens in CPU-tier stores, sliding windows, cache salts. At send time the
+figures are those a router sees: short or long only by blocks another request stored or evicted in
+the step that scheduled this one."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvidx.engines import get as get_engine
+from kvidx.engines.contract import Frame
+from kvidx.engines.recording import split_at_lookups
+from kvidx.engines.vllm.wire import check_engine_version
+from kvidx.shadow import run_shadow_engine
+from tests.helpers import ROOT
+
+FIXTURES = ROOT / "tests" / "fixtures" / "vllm-0.34"
+SCENARIOS = sorted(p.name for p in FIXTURES.iterdir() if (p / "frames.jsonl").exists())
+
+
+def test_every_kit_scenario_is_here():
+    assert {"plain", "eagle", "cpu_offload", "cpu_offload_selfdesc", "eagle_cpu_offload", "gemma2_swa",
+            "qwen3next_offload", "qwen3next_mtp_offload", "qwen3next_mtp_offload_selfdesc",
+            "cache_salt"} <= set(SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_exact_at_the_engines_lookup_with_defaults(scenario):
+    d = FIXTURES / scenario
+    res, _ = run_shadow_engine("vllm", d / "frames.jsonl", d / "requests.jsonl")
+    assert res.dead_letters == 0 and res.extra["set_aside_events"] == 0, res.extra
+    at = res.extra["at_lookup"]
+    assert at["requests"] == 200 and at["reused_tokens"] > 0
+    assert at["exact_requests"] == at["requests"] and at["recall"] == 1.0 and at["over_credit"] == 0.0, at
+    # at send: the same stream, only the timing of same-step stores and evictions apart
+    s = res.agreement.summary()
+    assert s["recall"] >= 0.98 and s["over_credit"] <= 0.015, s
+
+
+def test_0_34_is_the_default_and_accepted():
+    assert get_engine("vllm").default_version == "0.34.0"
+    assert check_engine_version("0.34.0").lookahead
+    assert "0.34.x" in get_engine("vllm").versions
+
+
+def _frame(seq: int, n: int, t: int) -> Frame:
+    events = [{"type": "BlockRemoved", "block_hashes": [seq * 100 + i], "medium": "GPU"} for i in range(n)]
+    return Frame(b"kv", seq, msgspec.msgpack.encode([1.5, events, 0]), t, "ep")
+
+
+def test_split_at_lookups_cuts_messages_where_the_engine_looked():
+    frames = [_frame(0, 3, 1000), _frame(1, 2, 2000), _frame(3, 1, 4000)]  # seq 2: a step with no events
+    out, at = split_at_lookups(frames, [(0, 0), (0, 1), (0, 1), (0, 3), (1, 1), (2, 0), (4, 0)])
+    assert [f.seq for f in out] == [0, 1, 2, 3, 5]  # message 0 in two parts, 1 in two, gap 2->4 kept
+    parts = [msgspec.msgpack.decode(f.payload) for f in out]
+    assert [len(p[1]) for p in parts] == [1, 2, 1, 1, 1]
+    assert all(p[0] == 1.5 and p[2] == 0 for p in parts)
+    assert [f.recv_ns for f in out] == [999, 1000, 1999, 2000, 4000]
+    assert at[(0, 0)] < 999 and at[(0, 1)] == 999 and at[(0, 3)] == 1000 and at[(1, 1)] == 1999
+    assert 2000 < at[(2, 0)] < 4000 and at[(4, 0)] > 4000
+    with pytest.raises(ValueError, match="has 2 events"):
+        split_at_lookups(frames, [(1, 5)])
