@@ -54,10 +54,13 @@ class Scenario:
     about: str
     block_size: int | None = 16
     offload_blocks: int = 0          # CPU tier size in GPU blocks (0: no offloading)
+    connector: str = "offloading"    # with offload_blocks: "offloading" (OffloadingConnector) or
+    #                                  "simple" / "simple_lazy" (SimpleCPUOffloadConnector, eager / lazy)
     self_describing: bool = False
     spec: dict[str, Any] | None = None   # speculative decoding
     accept_p: float = 0.7
     salts: bool = False              # a cache salt per conversation (two tenants and none)
+    loras: bool = False              # a LoRA adapter per conversation (two adapters and the base)
     extra_args: dict[str, Any] = field(default_factory=dict)
     convs: int = 40
     turns: int = 4
@@ -96,6 +99,16 @@ SCENARIOS = {s.name: s for s in [
     Scenario("cache_salt", "llama", 96,
              "llama, prefix caching, each job's requests under cache salt 'tenant-a', "
              "'tenant-b' or none", salts=True),
+    Scenario("simple_offload", "llama", 40,
+             "llama + SimpleCPUOffloadConnector (40 GPU blocks, a CPU tier of 192), eager: every "
+             "computed block copied to host memory", offload_blocks=192, connector="simple"),
+    Scenario("simple_offload_lazy", "llama", 40,
+             "llama + SimpleCPUOffloadConnector, lazy: blocks copied only from the GPU's eviction end, "
+             "which then evicts the copied ones first", offload_blocks=192, connector="simple_lazy"),
+    Scenario("lora", "llama", 96,
+             "llama, prefix caching, each job's requests under LoRA adapter 'sql' (id 1), 'chat' "
+             "(id 2) or the base model", loras=True,
+             extra_args={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}),
     Scenario("qwen3next_mtp_offload_selfdesc", "qwen3next", 24,
              "Qwen3-Next-like hybrid + MTP + OffloadingConnector, self_describing_kv_events",
              block_size=None, offload_blocks=96, self_describing=True,
@@ -318,9 +331,12 @@ def engine_config(s: Scenario, models: Path, port: int) -> Any:
         if spec["method"] == "eagle":
             spec["model"] = str(write_model("eagle_draft", models))
         args["speculative_config"] = spec
-    if s.offload_blocks:
+    if s.offload_blocks and s.connector == "offloading":
         args["kv_offloading_size"] = 1.0      # GiB: set to offload_blocks below
         args["kv_offloading_backend"] = "native"
+    elif s.offload_blocks:
+        args["kv_transfer_config"] = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                                      "kv_connector_extra_config": {"lazy_offload": s.connector == "simple_lazy"}}
     args.update(s.extra_args)
     return EngineArgs(**args).create_engine_config()
 
@@ -385,6 +401,8 @@ class Runner:
         meta = out.kv_connector_metadata
         if meta is None:
             return None
+        if self.s.connector != "offloading":
+            return self.simple_connector_output(meta)
         done = OffloadingWorkerMetadata()
         recving: set[str] = set()
         for job_id in list(self.pending_stores):   # stores issued last step finish now
@@ -403,12 +421,31 @@ class Runner:
         return KVConnectorOutput(finished_recving=recving or None,
                                  kv_connector_worker_meta=done)
 
+    def simple_connector_output(self, meta: Any) -> Any:
+        """SimpleCPUOffloadConnector's worker side (simple_kv_offload/worker.py get_finished and
+        build_connector_worker_meta): a store event issued in one step completes in the next, a
+        load completes in the step that issued it, no data moved."""
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import INVALID_JOB_ID, SimpleCPUOffloadWorkerMetadata
+
+        done = dict.fromkeys(self.pending_stores, 1)
+        self.pending_stores = {}
+        if meta.store_event != INVALID_JOB_ID:
+            self.pending_stores[meta.store_event] = True
+        recving = set(meta.load_event_to_reqs.get(meta.load_event, ())) \
+            if meta.load_event != INVALID_JOB_ID else set()
+        return KVConnectorOutput(finished_recving=recving or None,
+                                 kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(done) if done else None)
+
     def execute(self, out: Any) -> Any:
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
         kvc = self.connector_output(out)
         if out.total_num_scheduled_tokens == 0:
-            if kvc is None or kvc.is_empty() and not kvc.kv_connector_worker_meta.completed_jobs:
+            worker_meta = kvc.kv_connector_worker_meta if kvc is not None else None
+            if kvc is None or kvc.is_empty() and not (worker_meta and (
+                    getattr(worker_meta, "completed_jobs", None)
+                    or getattr(worker_meta, "completed_store_events", None))):
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], kv_connector_output=kvc)
         req_ids, sampled = [], []
@@ -551,6 +588,7 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
     """Up to `concurrency` jobs at a time; a conversation's next turn is sent when its previous
     turn finishes, carrying that turn's output tokens."""
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request, RequestStatus
 
     jobs = workload(s)
@@ -580,7 +618,7 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
         sp = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True, temperature=0.0)
         req = Request(request_id=rid, prompt_token_ids=list(job["prompt"]), sampling_params=sp,
                       pooling_params=None, arrival_time=time.time(), block_hasher=hasher,
-                      cache_salt=job["salt"])
+                      cache_salt=job["salt"], lora_request=job["lora"])
         job["t_send"] = time.time()
         job["req"] = req
         job.pop("lookup_at", None)  # a conversation's job dict carries its previous turn's
@@ -606,7 +644,9 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
     while True:
         while len(slots) < s.concurrency and next_job < len(jobs):
             salt = ("tenant-a", "tenant-b", None)[next_job % 3] if s.salts else None
-            job = {"job": jobs[next_job], "turn": 0, "salt": salt}
+            lora = (LoRARequest("sql", 1, "/nonexistent/sql"), LoRARequest("chat", 2, "/nonexistent/chat"),
+                    None)[next_job % 3] if s.loras else None  # the scheduler never loads the weights
+            job = {"job": jobs[next_job], "turn": 0, "salt": salt, "lora": lora}
             next_job += 1
             start_turn(job)
         if not sched.has_requests():
@@ -649,6 +689,8 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
                 })
                 if s.salts:
                     records[-1]["cache_salt"] = job["salt"]
+                if s.loras:
+                    records[-1]["lora"] = job["lora"].lora_name if job["lora"] else None
                 job["out"] = job.pop("gen")
                 job["turn"] += 1
                 start_turn(job)   # the conversation's next turn, if it has one
