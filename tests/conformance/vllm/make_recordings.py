@@ -335,8 +335,9 @@ def engine_config(s: Scenario, models: Path, port: int) -> Any:
         args["kv_offloading_size"] = 1.0      # GiB: set to offload_blocks below
         args["kv_offloading_backend"] = "native"
     elif s.offload_blocks:
+        lazy = s.connector == "simple_lazy"
         args["kv_transfer_config"] = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
-                                      "kv_connector_extra_config": {"lazy_offload": s.connector == "simple_lazy"}}
+                                      "kv_connector_extra_config": {"lazy_offload": lazy}}
     args.update(s.extra_args)
     return EngineArgs(**args).create_engine_config()
 
@@ -434,8 +435,8 @@ class Runner:
             self.pending_stores[meta.store_event] = True
         recving = set(meta.load_event_to_reqs.get(meta.load_event, ())) \
             if meta.load_event != INVALID_JOB_ID else set()
-        return KVConnectorOutput(finished_recving=recving or None,
-                                 kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(done) if done else None)
+        worker_meta = SimpleCPUOffloadWorkerMetadata(done) if done else None
+        return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)
 
     def execute(self, out: Any) -> Any:
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
