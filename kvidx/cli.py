@@ -25,7 +25,8 @@ def _relay_options(args):
     from kvidx.engines import RelayOptions
     from kvidx.engines.lmcache.chunks import LmcacheConfig
 
-    extra: dict = {"cpu_chunk_blocks": args.cpu_chunk_blocks}
+    extra: dict = {"cpu_chunk_blocks": args.cpu_chunk_blocks,
+                   "full_reports": getattr(args, "kv_cache_report_mode", "incremental") == "full"}
     if args.engine in ("vllm", "lmcache"):  # LMCache rides on vLLM's publisher
         # with the controller's admit/evict messages, LMCache's evictions are known: no TTL, no bound
         extra["lmcache"] = (LmcacheConfig(ttl_s=None, evictions_reported=True)
@@ -743,6 +744,10 @@ def _add_relay(sub, engine_names) -> None:
                    help="vLLM data parallelism: relay every rank's publisher (endpoint port + rank)")
     r.add_argument("--cpu-chunk-blocks", type=int, default=1,
                    help="vLLM offloading connector: engine blocks per offloaded chunk (CPU events)")
+    r.add_argument("--kv-cache-report-mode", choices=("incremental", "full"), default="incremental",
+                   help="vllm: 'full' where requests may ask vLLM to re-announce every prefix hit "
+                        "(sampling extra_args kv_cache_report_mode=full): a single-group model's chain "
+                        "re-stored from the root is then not a second copy")
     r.add_argument("--lmcache-ttl", type=float, default=300.0, metavar="S",
                    help="LMCache chunks re-published through vLLM (no evictions published) age out after "
                         "S seconds (0: never)")

@@ -139,6 +139,11 @@ class EventBatch(msgspec.Struct, array_like=True):
     # freeing that block and its subtree): a hit whose own loads free the rest of it is cut there.
     # 0: no such tier. Readers before this field credit the whole held prefix
     host_tier_blocks: int = 0
+    # 1: the engine resumes from the prefix its fastest tier holds, then loads one contiguous run from
+    # its lower tiers (vLLM: the local hit, then the KV connector's hit from there): a block only the
+    # fastest tier holds, after one it would have to load, is not reused. 0: every tier's blocks count
+    # in prompt order (TensorRT-LLM onboards block by block). Readers before this field credit both
+    external_after_local: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

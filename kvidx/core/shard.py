@@ -75,6 +75,7 @@ class ReplicaState(msgspec.Struct):
     router_keys: int = msgspec.field(default=0, name="dynamo_keys")
     group: int = 0  # the replica group its events come in (EventBatch.replica_group; kvidx.core.groups)
     host_tier: int = 0  # EventBatch.host_tier_blocks: loading a host block frees the host's oldest
+    external_after_local: int = 0  # EventBatch.external_after_local, once seen (a sticky engine trait)
 
 
 class GroupIndex:
@@ -323,6 +324,8 @@ class ModelShard(ShardWalk, ShardSnapshot):
         st.epoch, st.seq, st.part = epoch, seq, batch.part
         st.group = batch.replica_group
         st.recompute = batch.recompute_tokens
+        if batch.external_after_local > st.external_after_local:
+            st.external_after_local = batch.external_after_local
         if batch.lookahead_tokens != st.lookahead:
             st.lookahead = batch.lookahead_tokens
             self._lookahead_changed()

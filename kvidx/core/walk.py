@@ -77,11 +77,44 @@ class ShardWalk:
                 out[slot] = cut
         return out if out is not None else hits
 
+    def local_first_cut(self, hashes: list[int], hits: dict[int, int]) -> dict[int, int]:
+        """`hits` with each replica whose engine resumes from its GPU prefix and then loads one
+        contiguous run from its lower tiers (EventBatch.external_after_local: vLLM's scheduler takes
+        its local hit, then the KV connector's from there) cut before the first block, after a block
+        the GPU lacks, that no lower tier holds: a GPU-only block there is not reused. Not with pools
+        (their readers' loads are credited as before)."""
+        g = self._lookup_group(None)
+        gpu_id = TIER_IDS["GPU"]
+        if g is None or len(g.tiers) < 2 or gpu_id not in g.tiers or self.pool_readers:
+            return hits
+        slots = [st.slot for st in self.by_slot
+                 if st is not None and st.external_after_local and hits.get(st.slot)]
+        if not slots:
+            return hits
+        top = max(hits[s] for s in slots)
+        local = g.tiers[gpu_id].walk(hashes[:top])  # slot -> its GPU prefix
+        cands = [(s, local.get(s, 0)) for s in slots if local.get(s, 0) < hits[s]]
+        if not cands:
+            return hits
+        start = min(a for _, a in cands)
+        lower = [0] * (top - start)  # per block from `start`: the slots a lower tier holds it for
+        for tid, m in g.tiers.items():
+            if tid != gpu_id:
+                for i, mask in enumerate(m.masks(hashes[start:top])):
+                    lower[i] |= mask
+        out = dict(hits)
+        for s, a in cands:
+            bit, end = 1 << s, a
+            while end < hits[s] and lower[end - start] & bit:
+                end += 1
+            out[s] = end
+        return out
+
     def _loadable(self, hashes: list[int], hits: dict[int, int]) -> tuple[dict[int, int], dict[int, int]]:
-        """(the hits the engines' own host loads leave (onboard_cut), the partial blocks after them:
-        a cut hit has none)."""
+        """(the hits the engines' own loads leave (local_first_cut, onboard_cut), the partial blocks
+        after them: a cut hit has none)."""
         tails = self.tail_hits(hashes, hits)
-        loadable = self.onboard_cut(hashes, hits)
+        loadable = self.onboard_cut(hashes, self.local_first_cut(hashes, hits))
         if loadable is not hits and tails:
             tails = {s: t for s, t in tails.items() if loadable.get(s, 0) == hits.get(s, 0)}
         return loadable, tails

@@ -196,9 +196,13 @@ class SequencedRelay:
             dp_rank=self.dp_rank or 0, epoch=self.epoch, seq=seq,
             engine_ts=engine_ts or frame.recv_ns / 1e9, relay_ts=frame.recv_ns / 1e9,
             block_size=self.mirror.block_size, events=events,
-            recompute_tokens=getattr(self.mirror, "recompute_tokens", 1),
-            lookahead_tokens=getattr(self.mirror, "lookahead_tokens", 0),
-            copies_removed=getattr(self.mirror, "copies_removed", None) or {})
+            copies_removed=getattr(self.mirror, "copies_removed", None) or {}, **self._resume_rules())
+
+    def _resume_rules(self) -> dict:
+        """How the engine resumes (EventBatch fields), on its live batches and mirror replays alike."""
+        return {"recompute_tokens": getattr(self.mirror, "recompute_tokens", 1),
+                "lookahead_tokens": getattr(self.mirror, "lookahead_tokens", 0),
+                "external_after_local": getattr(self.mirror, "external_after_local", 0)}
 
     def resync(self, max_blocks: int = 4096) -> Iterator[EventBatch]:
         """Replay the mirror (when the index lost this replica's state): a ReplicaCleared, then the
@@ -233,7 +237,7 @@ class SequencedRelay:
                              dp_rank=self.dp_rank or 0, epoch=self.epoch,
                              seq=self.next_seq - 1 if self.next_seq is not None else -1,
                              engine_ts=now, relay_ts=now, block_size=self.mirror.block_size,
-                             events=events, part=self.resync_part)
+                             events=events, part=self.resync_part, **self._resume_rules())
 
 
 class PublisherRelays:

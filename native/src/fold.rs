@@ -36,8 +36,9 @@ unsafe fn flag(p: *mut ffi::PyObject) -> Option<bool> {
 }
 
 // field indices, in the order of the names given to Layout::of
-const B_NAMES: [&str; 11] = ["epoch", "seq", "part", "events", "host_tier_blocks", "lookahead_tokens",
-                             "replica_group", "recompute_tokens", "block_size", "engine_ts", "relay_ts"];
+const B_NAMES: [&str; 12] = ["epoch", "seq", "part", "events", "host_tier_blocks", "lookahead_tokens",
+                             "replica_group", "recompute_tokens", "block_size", "engine_ts", "relay_ts",
+                             "external_after_local"];
 const B_EPOCH: usize = 0;
 const B_SEQ: usize = 1;
 const B_PART: usize = 2;
@@ -49,10 +50,11 @@ const B_RECOMPUTE: usize = 7;
 const B_BLOCK_SIZE: usize = 8;
 const B_ENGINE_TS: usize = 9;
 const B_RELAY_TS: usize = 10;
+const B_EXTERNAL_AFTER_LOCAL: usize = 11;
 
-const S_NAMES: [&str; 18] = ["slot", "epoch", "seq", "part", "duplicates", "seq_gaps", "host_tier", "lookahead",
+const S_NAMES: [&str; 19] = ["slot", "epoch", "seq", "part", "duplicates", "seq_gaps", "host_tier", "lookahead",
                              "blocks", "group_blocks", "unit", "group", "recompute", "block_size", "engine_ts",
-                             "relay_ts", "applied_ts", "batches"];
+                             "relay_ts", "applied_ts", "batches", "external_after_local"];
 const S_SLOT: usize = 0;
 const S_EPOCH: usize = 1;
 const S_SEQ: usize = 2;
@@ -71,6 +73,7 @@ const S_ENGINE_TS: usize = 14;
 const S_RELAY_TS: usize = 15;
 const S_APPLIED_TS: usize = 16;
 const S_BATCHES: usize = 17;
+const S_EXTERNAL_AFTER_LOCAL: usize = 18;
 
 // BlocksStored and BlocksRemoved share these first five; BlocksStored adds the last two
 const E_NAMES: [&str; 7] = ["tier", "group", "hashes", "tail", "router_keys", "copy", "block_size"];
@@ -233,6 +236,11 @@ impl Folder {
         };
         if !same(B_HOST_TIER, S_HOST_TIER) || !same(B_LOOKAHEAD, S_LOOKAHEAD) || !exact_float(now.as_ptr()) {
             return Ok(None);
+        }
+        // a trait the replica has not shown yet is set by the Python fold (it is sticky: never unset)
+        match (b_.int(b, B_EXTERNAL_AFTER_LOCAL), r_.int(s, S_EXTERNAL_AFTER_LOCAL)) {
+            (Some(x), Some(y)) if x <= y => {}
+            _ => return Ok(None),
         }
         let ints = [B_EPOCH, B_SEQ, B_PART, B_GROUP, B_RECOMPUTE];
         let floats = [B_ENGINE_TS, B_RELAY_TS];

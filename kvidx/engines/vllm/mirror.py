@@ -8,10 +8,12 @@ It turns the engine's events into canonical index events by vLLM's rules (vllm/v
   it can chain the next blocks and match later removals (engine hashes are content hashes, so the
   memo stays valid after eviction);
 - a group can hold two physical copies of one hash (the recomputed last block of a fully cached
-  prompt; whole chains in hybrid models): copies are counted and a block is retracted only when its
-  last copy goes. A re-announcement (kv_cache_report_mode "full": vLLM re-lists the blocks a request
-  reused, from the root, parent null) is not a copy and does not count. It can be told apart:
-  in a single-group model, any chain re-stored from the root; in a hybrid model, vLLM re-announces
+  prompt; whole chains in hybrid models; a prefix two requests loaded from the connector's tier in
+  one step): copies are counted and a block is retracted only when its last copy goes. A
+  re-announcement (kv_cache_report_mode "full", a request's opt-in: vLLM re-lists the blocks a
+  request reused, from the root, parent null) is not a copy and does not count. It can be told
+  apart: in a single-group model only by the relay's `--kv-cache-report-mode full` (every chain
+  re-stored from the root is then one); in a hybrid model, vLLM re-announces
   every group of the request in one batch with the same hash list, token_ids exactly covering it,
   and the hit it reports is cached: the full-attention groups hold every listed hash and each other
   group holds the last one (see `_reannounced`). Anything else re-storing a live hash is a copy;
@@ -96,7 +98,8 @@ _M64 = (1 << 64) - 1
 class VllmMirror:
     def __init__(self, index_block_size: int, memo_limit: int = 1 << 21,
                  group_kinds: dict[int, tuple[str, int | None]] | None = None, cpu_chunk_blocks: int = 1,
-                 lmcache: LmcacheConfig | None = None, lookahead: bool = True, dynamo_block_size: int = 0):
+                 lmcache: LmcacheConfig | None = None, lookahead: bool = True, dynamo_block_size: int = 0,
+                 full_reports: bool = False):
         """`group_kinds`: KV-cache groups known from configuration (group -> (kind, window)), for
         engines whose events do not say (the events' own metadata wins when they carry it).
         `cpu_chunk_blocks`: engine blocks per offloaded chunk of vLLM's offloading connector (its
@@ -104,7 +107,11 @@ class VllmMirror:
         `lookahead`: whether the engine's release may send lookahead tokens (vLLM >= 0.33; a release
         pinned older refuses them rather than credit blocks the engine will not reuse).
         `dynamo_block_size` (> 0: the relay of a worker registered through Dynamo's API): the engine's
-        blocks of that size are also published under their Dynamo keys (BlocksStored.router_keys)."""
+        blocks of that size are also published under their Dynamo keys (BlocksStored.router_keys).
+        `full_reports`: the engine's requests may ask for kv_cache_report_mode "full" (vLLM re-announces
+        every hit from the root): in a single-group model a chain from the root re-stored while live
+        is then taken as a re-announcement; by default (vLLM's "incremental") it is a second physical
+        copy (two requests loading one prefix from the connector's tier in one step each cache it)."""
         self.index_block_size = index_block_size
         self.memo_limit = memo_limit
         # engine hash -> (canonical hashes of its index sub-blocks, depth of the first one)
@@ -129,7 +136,10 @@ class VllmMirror:
         self.lmcache = LmcacheChunks(index_block_size, self.refs, lmcache)
         self.accepts_lookahead = lookahead
         self.lookahead_tokens = 0  # L of the engine's lookahead block hashing, once seen (EventBatch)
+        # the scheduler's local (GPU) hit, then its KV connector's from there (EventBatch)
+        self.external_after_local = 1
         self.dynamo_block_size = dynamo_block_size
+        self.full_reports = full_reports
         self.dynamo: dict[EngineHash, int] = {}  # engine hash -> its Dynamo key (dynamo_block_size > 0)
         # engine hash -> (Dynamo's tokens_hash of the block, its parent's engine hash): Dynamo's GET /dump
         self.dynamo_meta: dict[EngineHash, tuple[int, EngineHash | None]] = {}
@@ -299,9 +309,10 @@ class VllmMirror:
                     del ep[old]
 
         # A store of a live hash is a second physical copy (vLLM recomputes the last block of a fully
-        # cached prompt; hybrid models recompute whole chains), except a chain re-announced from the
-        # root in a single-group model (kv_cache_report_mode "full"), which is the same copy.
-        count_copies = self.hybrid or ev.parent_block_hash is not None
+        # cached prompt; hybrid models recompute whole chains; two requests loading one prefix from
+        # the connector in one step cache it twice), except, where requests may ask for full reports,
+        # a chain re-announced from the root in a single-group model, which is the same copy.
+        count_copies = self.hybrid or ev.parent_block_hash is not None or not self.full_reports
         refs = self.refs
         new_pos: list[int] = []  # positions in `canon` of index blocks that became cached here
         engine_new: list[int] = []

@@ -239,3 +239,23 @@ def test_shadow_sim_engine_concurrency_1_is_exact(engine_bs, index_bs):
     # the mirror ends with the engine's cache: its hashes, and its physical copies
     assert {eh for (eh, _, _) in relay.mirror.live} == engine_hashes
     assert sum(entry[0] for entry in relay.mirror.live.values()) == st["cached_blocks_now"]
+
+
+@pytest.mark.parametrize("engine, folder, stream", [
+    ("trtllm", "trtllm-1.2/host", "events.jsonl"),  # partial reuse: partial-block keys on top
+    ("vllm", "vllm-0.34/plain", "frames.jsonl"),  # whole blocks only: the two counts agree
+])
+def test_shadow_reports_the_index_size_beside_what_whole_blocks_alone_take(engine, folder, stream):
+    from kvidx.shadow import run_shadow_engine
+    from tests.helpers import FIXTURES
+
+    d = FIXTURES / folder
+    res, shard = run_shadow_engine(engine, d / stream, d / "requests.jsonl")
+    x = res.extra
+    assert x["index_entries"] == sum(len(m) for g in shard.groups.values() for m in g.tiers.values()) > 0
+    assert x["index_bytes"] >= x["index_bytes_whole_blocks"] > 0
+    assert x["index_entries"] >= x["index_entries_whole_blocks"] > 0
+    if engine == "vllm":
+        assert x["index_bytes"] == x["index_bytes_whole_blocks"]
+    else:
+        assert x["index_entries"] > x["index_entries_whole_blocks"]

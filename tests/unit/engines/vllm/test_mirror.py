@@ -123,8 +123,20 @@ def test_duplicate_physical_copy_needs_two_removals():
     assert m.apply([R([2])]) == [] and m.stats["remove_unknown"] == 1
 
 
-def test_reannounced_chain_from_root_is_not_a_copy_single_group():
+def test_a_chain_restored_from_the_root_is_a_second_copy_single_group():
+    """vLLM 0.34 with a KV connector: two requests load one prefix from the CPU tier in one step,
+    each into GPU blocks of its own, and each caches its chain from the root when its load is done
+    (tests/fixtures/vllm-0.34/simple_offload_lazy, seq 72): two physical copies."""
     m = VllmMirror(16)
+    m.apply([S([1, 2, 3], None, T[:48])])
+    (copy,) = m.apply([S([1, 2], None, T[:32])])
+    assert copy.copy and copy.hashes == H16[:2] and m.stats["extra_copies"] == 2
+    assert m.apply([R([1])]) == []  # one copy left
+    assert removed(m.apply([R([1])])) == [H16[0]]
+
+
+def test_reannounced_chain_from_root_is_not_a_copy_single_group():
+    m = VllmMirror(16, full_reports=True)
     m.apply([S([1, 2, 3], None, T[:48])])
     # kv_cache_report_mode "full": the reused blocks re-announced with parent null
     assert m.apply([S([1, 2], None, T[:32])]) == []
@@ -242,14 +254,20 @@ def test_shared_sub_block_is_refcounted():
 
 
 def test_store_runs_split_around_live_blocks():
-    # a child outlived its evicted parent; the chain is stored again past it: two runs of new blocks
+    # a child outlived its evicted parent; the chain is stored again past it: two runs of new blocks,
+    # and the engine recomputed the live one into a second physical copy (its prefix hit stopped at
+    # the parent)
     m = VllmMirror(16)
     m.apply([S([1, 2], None, T[:64], bs=32), R([1])])
     out = m.apply([S([1, 2, 3], None, T[:96], bs=32)])
-    assert [(e.hashes, e.parent, e.depth) for e in out] == [
-        (H16[0:2], None, 0), (H16[4:6], H16[3], 4)]
+    assert [(e.hashes, e.parent, e.depth, e.copy) for e in out] == [
+        (H16[0:2], None, 0, False), (H16[4:6], H16[3], 4, False), (H16[2:4], None, 0, True)]
     assert out[0].engine_hashes and out[0].engine_hashes + out[1].engine_hashes == [1, 3]
     assert m.live_blocks() == 3
+    # with full reports the live block is a re-announced one: no copy
+    m = VllmMirror(16, full_reports=True)
+    m.apply([S([1, 2], None, T[:64], bs=32), R([1])])
+    assert [e.copy for e in m.apply([S([1, 2, 3], None, T[:96], bs=32)])] == [False, False]
 
 
 def test_tiers_are_separate_and_normalized():
