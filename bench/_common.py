@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # scripts run as `python bench/x.py`: make the project importable
     sys.path.insert(0, str(ROOT))
 
+from kvidx import index  # noqa: E402
 from kvidx.core.hashing import pack_tokens, prompt_hashes  # noqa: E402
 from kvidx.core.shard import ModelShard  # noqa: E402
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch  # noqa: E402
@@ -367,7 +368,7 @@ def build_lookup_shard(n_blocks: int, replicas: int = 64, block_size: int = 64, 
                 last = time.perf_counter()
                 log(f"  building shard: {len(g.any):,} / {n_blocks:,} blocks")
         salt += 1
-    for st in shard.by_slot:
+    for st in index.replicas(shard):
         st.block_size = 16
     return LookupShard(shard, prompts, phashes, time.perf_counter() - t0)
 

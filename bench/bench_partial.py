@@ -29,6 +29,7 @@ from pathlib import Path
 
 import _common as c
 
+from kvidx import index
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
@@ -75,7 +76,7 @@ def measure(batches, requests: list[dict], ibs: int) -> dict:
     maps = [d for g in shard.groups.values() for d in g.tiers.values()]
     _blocks, entries = c.shard_entries(shard)
     mem = sum(d.memory_bytes() for d in maps)
-    full = sum(st.blocks for st in shard.by_slot if st is not None)
+    full = sum(st.blocks for st in index.replicas(shard))
     return {"with_keys": with_keys.summary(), "without": without.summary(), "full_entries": full,
             "partial_keys": shard.tail_keys, "entries": entries,
             "map_bytes_per_entry": round(mem / entries, 1) if entries else None}

@@ -57,9 +57,9 @@ from index_service.fanout import local_groups
 from index_service.guard import MAX_BLOCK_SIZE, MAX_DEPTH_ERROR, EndpointAllowList, bounded, name_error
 from index_service.store import ShardStore
 from index_service.wire import Reject
+from kvidx import index
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.vllm_hashing import ALGORITHMS, root_digest
-from schemas.events import TIER_IDS
 from schemas.registrations import REGISTRATIONS_VERSION, ConductorService
 
 log = logging.getLogger("kvidx.conductor_api")
@@ -490,10 +490,8 @@ class ConductorRegistry:
                     for k, c in self.contexts.items()]
         out = []
         for (tenant, model, lora, bs), profile, instances in ctxs:
-            shard = store.shards.get(model)
-            g = shard._lookup_group(None) if shard is not None else None
             out.append({"model_name": model, "lora_name": lora, "block_size": bs, "tenant_id": tenant,
-                        "prefix_count": len(g.any) if g is not None else 0, "hash_profile": profile,
+                        "prefix_count": index.key_count(store.shards.get(model)), "hash_profile": profile,
                         "instances": {i: instances[i] for i in sorted(instances, key=str.encode)}})
         return {"context_count": len(out), "contexts": out}
 
@@ -620,21 +618,6 @@ def _tokens(v: Any) -> np.ndarray:
     raise Invalid("token_ids must be a bin or an array", "invalid_type", "token_ids")
 
 
-_HOST = ("CPU", "NODE_SHARED", "POOL")  # host memory: an engine's own, a node's, a Mooncake Store's "cpu"
-_DISK = ("DISK",)
-
-
-def _held(g, names: tuple[str, ...], hashes: list[int]) -> list[int]:
-    """Per block: the slots holding it in one of these tiers."""
-    maps = [g.tiers[TIER_IDS[n]] for n in names if TIER_IDS[n] in g.tiers]
-    if not maps:
-        return [0] * len(hashes)
-    held = maps[0].masks(hashes)
-    for d in maps[1:]:
-        held = [h | m for h, m in zip(held, d.masks(hashes), strict=True)]
-    return held
-
-
 def _bits(held: list[int], mask: int) -> int:
     """Bit i set where block i is held by one of the slots in `mask`."""
     out = 0
@@ -662,31 +645,28 @@ class Reach:
         self.lower = [0, 0]  # host memory, disk: bit i = index block i held by a replica that is no pool
         self.pools: dict[str, list[int]] = {}  # pool -> [host memory, disk] bits
         shard = store.shards.get(q.model)
-        g = shard._lookup_group(None) if shard is not None else None
-        if g is None or not self.n:
+        if not index.has_blocks(shard) or not self.n:
             return
         packed = q.tokens[:self.n * self.bs].astype("<i4").view("<u4").tobytes()
         with store.lock:
             hashes = prompt_hashes(packed, ibs, q.lora or None, q.salt)
-            mine = sum(1 << st.slot for st in shard.by_slot
-                       if st is not None and (not only or st.group in only))
-            gpu = g.tiers.get(TIER_IDS["GPU"])
-            for slot, n in (gpu.walk(hashes).items() if gpu is not None else ()):
-                st = shard.by_slot[slot]
+            mine = sum(1 << st.slot for st in index.replicas(shard) if not only or st.group in only)
+            for slot, n in index.prefix_hits(shard, hashes, index.GPU).items():
+                st = index.replica_at(shard, slot)
                 if mine >> slot & 1:
                     self.gpu[(st.replica, st.dp_rank)] = n
-            pool_mask, _ = shard._pools() if shard.pool_readers else (0, {})
-            held = [_held(g, names, hashes) for names in (_HOST, _DISK)]
+            pool_mask = index.pool_slots(shard)
+            held = [index.held_in(shard, tiers, hashes) for tiers in (index.HOST, index.DISK)]
             self.lower = [_bits(h, mine & ~pool_mask) for h in held]
-            for st in shard.by_slot:
-                if st is None or not mine >> st.slot & 1:
+            for st in index.replicas(shard):
+                if not mine >> st.slot & 1:
                     continue
                 if pool_mask >> st.slot & 1:  # a pool's DP ranks: one pool
                     acc = self.pools.get(st.replica, [0, 0])
                     self.pools[st.replica] = [a | _bits(h, 1 << st.slot)
                                               for a, h in zip(acc, held, strict=True)]
                 else:
-                    read = [p for p, readers in shard.pool_readers.items() if st.replica in readers]
+                    read = index.pools_read_by(shard, st.replica)
                     if read:
                         self.reads[(st.replica, st.dp_rank)] = read
 

@@ -48,8 +48,8 @@ from index_service.fanout import local_groups
 from index_service.guard import MAX_BLOCK_SIZE, MAX_DEPTH_ERROR, MAX_DP_RANK, EndpointAllowList, name_error
 from index_service.store import ShardStore
 from index_service.wire import Reject, read_split
+from kvidx import index
 from kvidx.core.hashing import dynamo_keys, prompt_hashes
-from schemas.events import TIER_IDS
 from schemas.registrations import REGISTRATIONS_VERSION, Registration
 
 log = logging.getLogger("kvidx.dynamo_api")
@@ -471,8 +471,8 @@ def live_replica(store: ShardStore, model: str, replica: str) -> bool:
 
 
 # ---- the query --------------------------------------------------------------------------------------
-_HOST = (TIER_IDS["CPU"],)
-_DISK = (TIER_IDS["DISK"], TIER_IDS["NODE_SHARED"], TIER_IDS["POOL"])  # disk + "external", as Dynamo folds
+# Dynamo's tiers: GPU, host memory, disk + "external" (as Dynamo folds them)
+_LEVELS = (("GPU",), ("CPU",), ("DISK", "NODE_SHARED", "POOL"))
 
 
 def dump_blocks(dump: dict) -> dict[str, list[list]]:
@@ -513,8 +513,7 @@ def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryReques
     names = registry.instances(*key)
     if shard is None or not names or block_size <= 0:
         return 200, empty
-    g = shard._lookup_group(None)
-    if g is None:
+    if not index.has_blocks(shard):
         return 200, empty
     if isinstance(req, QueryByHashRequest):
         hashes, tokens_per_key = dynamo_keys([h & _M64 for h in req.block_hashes]), block_size
@@ -527,23 +526,12 @@ def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryReques
         hashes = prompt_hashes(tokens, tokens_per_key, req.lora_name or None, req.cache_salt or None)
     if not hashes:
         return 200, empty
-    gpu_map = g.tiers.get(TIER_IDS["GPU"])
-    gpu = dict(gpu_map.walk(hashes).items()) if gpu_map is not None else {}
-    lower = [[g.tiers[t] for t in tiers if t in g.tiers] for tiers in (_HOST, _DISK)]
-    lower_masks = [_or_masks(maps, hashes) if maps else None for maps in lower]
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, dict] = {}
-    for st in shard.by_slot:
+    for slot, reach in index.tier_reach(shard, hashes, _LEVELS).items():  # each lower tier continues
+        st = index.replica_at(shard, slot)
         if st is None or st.replica not in names or (only and st.group not in only):
             continue
-        bit = 1 << st.slot
-        pos = gpu.get(st.slot, 0)
-        reach = [pos]
-        for masks in lower_masks:  # each lower tier continues where the faster ones stopped
-            if masks is not None:
-                while pos < len(masks) and masks[pos] & bit:
-                    pos += 1
-            reach.append(pos)
         g_tok, c_tok, d_tok = (b * tokens_per_key // block_size * block_size for b in reach)
         if not d_tok:
             continue
@@ -556,13 +544,6 @@ def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryReques
         inst["gpu"], inst["cpu"] = max(inst["gpu"], g_tok), max(inst["cpu"], c_tok)
         inst["disk"] = inst["longest_matched"] = max(inst["disk"], d_tok)
     return 200, {"frequencies": [], "instances": instances, "scores": scores}
-
-
-def _or_masks(maps, hashes: list[int]) -> list[int]:
-    masks = maps[0].masks(hashes)
-    for m in maps[1:]:
-        masks = [a | b for a, b in zip(masks, m.masks(hashes), strict=True)]
-    return masks
 
 
 # ---- HTTP -------------------------------------------------------------------------------------------

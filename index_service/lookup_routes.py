@@ -16,6 +16,7 @@ from index_service.fanout import LOCAL_ONLY, local_groups
 from index_service.openapi import binary_lookup_extra, json_body
 from index_service.responses import errors, ok
 from index_service.wire import LOOKUP_SCHEMA, Reject, read_lookup
+from kvidx import index
 from kvidx.core.answers import LOOKUP_ANSWER_DECODER, merge_replicas
 from kvidx.core.shard import ModelShard
 
@@ -34,7 +35,7 @@ async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int
     (index_service.fanout) when the model is split; `only`: those groups' replicas of this shard."""
     feedback = ctx.app.state.feedback
     if only is not None:
-        if only is LOCAL_ONLY or all(st.group in only for st in shard.by_slot if st is not None):
+        if only is LOCAL_ONLY or all(st.group in only for st in index.replicas(shard)):
             return ctx.pipeline.answer_json(shard, hashes, n, rank, top_k, feedback)  # no filter needed
         answer = ctx.pipeline.answer(shard, hashes, n, rank, top_k, feedback, groups=only)
     else:

@@ -63,6 +63,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from index_service.store import ShardStore
+from kvidx import index
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
 from kvidx.core.shard import NATIVE_FOLD
 
@@ -101,13 +102,12 @@ class _StoreCollector:
         now = time.time()
         with store.lock:  # scrapes are rare: a consistent view is worth a short wait
             for model, shard in sorted(store.shards.items()):
-                for gid, g in sorted(shard.groups.items()):
-                    blocks.add_metric([model, str(gid)], len(g.any))
+                for gid, n in index.keys_by_group(shard):
+                    blocks.add_metric([model, str(gid)], n)
                 replicas.add_metric([model], len(shard.replicas))
                 partial.add_metric([model], shard.tail_keys)
                 if MASKMAP_IMPLEMENTATION == "native":
-                    maps = {id(m): m for g in shard.groups.values() for m in (*g.tiers.values(), g.any)}
-                    nbytes.add_metric([model], sum(m.memory_bytes() for m in maps.values()))
+                    nbytes.add_metric([model], index.index_size([shard])[1])
                 ages = [now - st.engine_ts for st in shard.replicas.values() if st.batches]
                 if ages:
                     age.add_metric([model], max(ages))

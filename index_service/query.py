@@ -25,6 +25,7 @@ from index_service.wire import (
     check_hashes,
     pack_tokens,
 )
+from kvidx import index
 from kvidx.core.answers import LookupAnswer, PrefetchHint, ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.hints import prefetch_hint
@@ -258,7 +259,7 @@ class QueryPipeline:
             pending.expire(now)
         per_token = self.pricer(shard.model).per_token
         return {st.replica: pending.inflight.get(st.slot, 0) * per_token
-                for st in shard.by_slot if st is not None and st.dp_rank == 0}
+                for st in index.replicas(shard) if st.dp_rank == 0}
 
     def _session_hints(self, d: RouteDecision, block_size: int, queues: dict[str, float],
                        copy_tps: float, bytes_per_token: int) -> None:

@@ -66,11 +66,11 @@ from index_service.guard import EndpointAllowList, name_error
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
 from index_service.wire import Reject
+from kvidx import index
 from kvidx.core.hashing import sglang_key
 from kvidx.core.shard import MAX_EPOCH_SKEW_MS, wall_epoch
 from schemas.events import (
     SCHEMA_VERSION,
-    TIER_IDS,
     BlocksRemoved,
     BlocksStored,
     Event,
@@ -167,10 +167,6 @@ class SglangIndexer:
         self.lock = threading.Lock()  # a batch's (epoch, seq) is its order: taken and produced under it
 
     # ---- queries ------------------------------------------------------------------------------------
-    def _group(self):
-        shard = self.store.shards.get(self.model)
-        return (shard, shard._lookup_group(None)) if shard is not None else (None, None)
-
     def _address(self, worker: str) -> str:
         return self.addresses.get(worker, worker)
 
@@ -184,10 +180,10 @@ class SglangIndexer:
         out = pb.MatchExternalKvPrefixResponse(blocks_read=len(hashes))
         missing = self.store.missing_groups(self.model) if self.remote is not None and only is None else []
         best: dict[str, int] = {}  # worker -> its longest prefix over its DP ranks
-        shard, g = self._group()
-        if g is not None:
-            for slot, n in g.any.walk([sglang_key(h) for h in hashes]).items():
-                st = shard.by_slot[slot] if slot < len(shard.by_slot) else None
+        shard = self.store.shards.get(self.model)
+        if index.has_blocks(shard):
+            for slot, n in index.prefix_hits(shard, [sglang_key(h) for h in hashes]).items():
+                st = index.replica_at(shard, slot)
                 if st is not None and n > best.get(st.replica, 0) and (not only or st.group in only):
                     best[st.replica] = n
         peer_address: dict[str, str] = {}
@@ -207,24 +203,18 @@ class SglangIndexer:
     def match(self, req: pb.MatchExternalKvRequest) -> pb.MatchExternalKvResponse:
         check_hashes(req.hashes)
         out = pb.MatchExternalKvResponse()
-        shard, g = self._group()
-        if g is None:
+        shard = self.store.shards.get(self.model)
+        if not index.has_blocks(shard):
             return out
         keys = [sglang_key(h) for h in req.hashes]
         held: dict[str, dict[int, list]] = {}  # worker -> SGLang tier -> (index, hash), in request order
         matched = [False] * len(keys)
         for name, tier in SGLANG_TIERS.items():
-            d = g.tiers.get(TIER_IDS[name])
-            if d is None:
-                continue
-            for i, m in enumerate(d.masks(keys)):
+            for i, m in enumerate(index.held_in(shard, (name,), keys)):
                 if m:
                     matched[i] = True
-                while m:  # each slot holding the hash
-                    low = m & -m
-                    m ^= low
-                    slot = low.bit_length() - 1
-                    st = shard.by_slot[slot] if slot < len(shard.by_slot) else None
+                for slot in index.holders(m):  # each slot holding the hash
+                    st = index.replica_at(shard, slot)
                     row = held.setdefault(st.replica, {}).setdefault(tier, []) if st is not None else None
                     if row is not None and (not row or row[-1][0] != i):  # DP ranks: once per worker
                         row.append((i, req.hashes[i]))

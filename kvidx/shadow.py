@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvidx import index
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions, ShadowResult, set_aside_counts
@@ -167,16 +168,15 @@ def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, 
                 shard.replica(r["replica"], r.get("dp_rank") or 0)
     agreement = shadow_batches(batches, reqs, shard, pending_ttl, adapter.shadow_defaults.get("replica"))
     extra = batches.extra()
-    extra.update(index_size(shard, "index_"))
-    engine_block = max((st.block_size for st in shard.by_slot if st is not None), default=0)
-    if any(st.tails for st in shard.by_slot if st is not None) or index_block_size < engine_block:
+    extra["index_entries"], extra["index_bytes"] = index.index_size([shard])
+    engine_block = max((st.block_size for st in index.replicas(shard)), default=0)
+    if any(st.tails for st in index.replicas(shard)) or index_block_size < engine_block:
         whole = ModelShard(model, max(index_block_size, engine_block), unreported_eviction_kinds)
         for _, step in adapter.replay(recording, model, whole.block_size, options):
             for b in step():
                 blocks = [e for e in b.events if not getattr(e, "tail", False)]
                 whole.apply(msgspec.structs.replace(b, events=blocks), b.relay_ts)
-        size = index_size(whole, "")
-        extra["index_entries_whole_blocks"], extra["index_bytes_whole_blocks"] = size["entries"], size["bytes"]
+        extra["index_entries_whole_blocks"], extra["index_bytes_whole_blocks"] = index.index_size([whole])
     else:
         extra["index_entries_whole_blocks"] = extra["index_entries"]
         extra["index_bytes_whole_blocks"] = extra["index_bytes"]
@@ -190,14 +190,6 @@ def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, 
     extra["set_aside_events"] = sum(aside.values())
     extra["set_aside"] = {f"{reason}/{kind}": n for (reason, kind), n in sorted(aside.items())}
     return ShadowResult(agreement, batches.dead_letters(), extra, batches.relays, aside), shard
-
-
-def index_size(shard: ModelShard, prefix: str) -> dict[str, int]:
-    """The shard's live (block key, tier, group) entries and its mask maps' memory (a tier's map and
-    the union map of a group with several tiers), as `{prefix}entries` and `{prefix}bytes`."""
-    maps = {id(m): m for g in shard.groups.values() for m in (*g.tiers.values(), g.any)}
-    return {f"{prefix}entries": sum(len(m) for g in shard.groups.values() for m in g.tiers.values()),
-            f"{prefix}bytes": sum(m.memory_bytes() for m in maps.values())}
 
 
 def at_lookup_agreement(adapter, recording: str | Path, reqs: list[dict], model: str, index_block_size: int,

@@ -75,6 +75,7 @@ import msgspec
 import numpy as np
 
 from index_service.store import ShardStore
+from kvidx import index as index_reads  # `index` names the simulator's index side here
 from kvidx.client import KvidxClient, UnknownModel
 from kvidx.config import Config, ModelConfig, PoolConfig
 from kvidx.core.answers import ReplicaAnswer, merge_replicas
@@ -897,11 +898,10 @@ class _IndexSide:
             self.wait_until_applied(model)
         instances, expected = [], []
         for s in self.instances:
-            maps = [d for shard in s.shards.values() for g in shard.groups.values() for d in g.tiers.values()]
-            instances.append({"groups": sorted(s.groups or ()), "entries": sum(len(d) for d in maps),
-                              "index_bytes": sum(d.memory_bytes() for d in maps)})
-            expected.append({(m, gid): len(g.any) for m, shard in s.shards.items()
-                             for gid, g in shard.groups.items() if len(g.any)})
+            entries, nbytes = index_reads.index_size(s.shards.values())
+            instances.append({"groups": sorted(s.groups or ()), "entries": entries, "index_bytes": nbytes})
+            expected.append({(m, gid): n for m, shard in s.shards.items()
+                             for gid, n in index_reads.keys_by_group(shard) if n})
 
         def full(model: str, prompt: np.ndarray) -> list[ReplicaAnswer]:
             shard = self.store.shards[model]

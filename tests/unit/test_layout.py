@@ -60,6 +60,41 @@ def test_engine_adapters_know_no_transport():
                                                         "kvidx.sim", "kvidx.ops")) == []
 
 
+# a shard's members that only kvidx/core (the state and its fold) and kvidx/index (the reads) touch
+SHARD_INTERNALS = ("by_slot", "_lookup_group", "_pools")
+
+
+def shard_reaches(folder: str) -> list[str]:
+    """Where code outside kvidx/core and kvidx/index reads a shard's internals: one of
+    SHARD_INTERNALS on anything but `self`, or a private member (`_x`) of a name ending in "shard"."""
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(("kvidx/core/", "kvidx/index/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            value = node.value
+            owner = value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", "")
+            if (node.attr in SHARD_INTERNALS and owner != "self") or (
+                    node.attr.startswith("_") and not node.attr.startswith("__") and owner.endswith("shard")):
+                bad.append(f"{rel}:{node.lineno} reads .{node.attr}")
+    return bad
+
+
+@pytest.mark.parametrize("folder", ["kvidx", "index_service", "relays", "streams", "bench"])
+def test_only_the_core_and_the_index_reach_into_a_shard(folder):
+    assert shard_reaches(folder) == []
+
+
+def test_the_shard_rule_catches_a_reach(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "index_service").mkdir()
+    (tmp_path / "index_service" / "x.py").write_text("def f(shard):\n    return shard._lookup_group(None)\n")
+    assert shard_reaches("index_service") == ["index_service/x.py:2 reads ._lookup_group"]
+
+
 def test_the_rules_catch_a_forbidden_import(tmp_path, monkeypatch):
     # a self-test: the walk sees imports inside functions too
     core = ROOT / "kvidx" / "core"

@@ -1,0 +1,132 @@
+"""The read side of a model's index: what the routers' APIs (Dynamo's, the conductor's, SGLang's),
+the service's metrics, the simulator and the tools ask of a shard, as functions over it. Nothing
+outside kvidx/core and kvidx/index reaches into a shard's members (tests/unit/test_layout.py).
+
+Every walk is over the shard's lookup group (its first full-attention group) and canonical block
+hashes; callers hold the store's lock as for any read. This is the first part of the one read-side
+API (issue "One read-side Index"): the priced lookup still lives in kvidx.core.walk and
+index_service.query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvidx.core.shard import ModelShard, ReplicaState
+from schemas.events import TIER_IDS
+
+GPU = ("GPU",)
+HOST = ("CPU", "NODE_SHARED", "POOL")  # host memory: an engine's own, a node's, a Mooncake Store's "cpu"
+DISK = ("DISK",)
+
+
+def replicas(shard: ModelShard) -> Iterator[ReplicaState]:
+    """The shard's replicas (one per replica and DP rank), in slot order."""
+    return (st for st in shard.by_slot if st is not None)
+
+
+def replica_at(shard: ModelShard, slot: int) -> ReplicaState | None:
+    """The replica of a slot (a bit of the masks the functions below return), None if it left."""
+    return shard.by_slot[slot] if 0 <= slot < len(shard.by_slot) else None
+
+
+def has_blocks(shard: ModelShard | None) -> bool:
+    """Whether the shard has a lookup group (any block was ever stored)."""
+    return shard is not None and shard._lookup_group(None) is not None
+
+
+def key_count(shard: ModelShard | None) -> int:
+    """Distinct block keys held in any tier of the lookup group."""
+    g = shard._lookup_group(None) if shard is not None else None
+    return len(g.any) if g is not None else 0
+
+
+def keys_by_group(shard: ModelShard) -> list[tuple[int, int]]:
+    """(group, distinct block keys it holds in any tier), by group."""
+    return [(gid, len(g.any)) for gid, g in sorted(shard.groups.items())]
+
+
+def prefix_hits(shard: ModelShard, hashes: list[int], tiers: Sequence[str] | None = None) -> dict[int, int]:
+    """slot -> the leading `hashes` it holds in one of `tiers` (None: any tier, pools as stored);
+    slots holding none are left out."""
+    g = shard._lookup_group(None)
+    if g is None or not hashes:
+        return {}
+    if tiers is None:
+        return dict(g.any.walk(hashes))
+    maps = [g.tiers[TIER_IDS[t]] for t in tiers if TIER_IDS[t] in g.tiers]
+    if len(maps) <= 1:
+        return dict(maps[0].walk(hashes)) if maps else {}
+    held = held_in(shard, tiers, hashes)
+    out: dict[int, int] = {}
+    alive = held[0] if held else 0
+    for i, m in enumerate(held):
+        alive &= m
+        if not alive:
+            break
+        for slot in _slots(alive):
+            out[slot] = i + 1
+    return out
+
+
+def held_in(shard: ModelShard, tiers: Sequence[str], hashes: list[int]) -> list[int]:
+    """Per block of `hashes`: the mask of the slots holding it in one of `tiers` (0s where the shard
+    has none of them)."""
+    g = shard._lookup_group(None)
+    maps = [g.tiers[TIER_IDS[t]] for t in tiers if TIER_IDS[t] in g.tiers] if g is not None else []
+    if not maps:
+        return [0] * len(hashes)
+    held = maps[0].masks(hashes)
+    for m in maps[1:]:
+        held = [a | b for a, b in zip(held, m.masks(hashes), strict=True)]
+    return held
+
+
+def tier_reach(shard: ModelShard, hashes: list[int], levels: Sequence[Sequence[str]] = (GPU, HOST, DISK)
+               ) -> dict[int, list[int]]:
+    """slot -> per level, how far into `hashes` its blocks reach when each level continues where the
+    faster ones stopped (Dynamo's and the conductor's GPU, host memory, disk): nondecreasing, for
+    every slot that reaches a block in some level."""
+    first = prefix_hits(shard, hashes, levels[0])
+    lower = [held_in(shard, tiers, hashes) for tiers in levels[1:]]
+    out: dict[int, list[int]] = {}
+    for st in replicas(shard):
+        bit, pos = 1 << st.slot, first.get(st.slot, 0)
+        reach = [pos]
+        for masks in lower:
+            while pos < len(masks) and masks[pos] & bit:
+                pos += 1
+            reach.append(pos)
+        if pos:
+            out[st.slot] = reach
+    return out
+
+
+def holders(mask: int) -> Iterator[int]:
+    """The slots of a mask, lowest first."""
+    return _slots(mask)
+
+
+def pool_slots(shard: ModelShard) -> int:
+    """The mask of the slots that are shared pools (the deployment's [pools]), 0 without pools."""
+    return shard._pools()[0] if shard.pool_readers else 0
+
+
+def pools_read_by(shard: ModelShard, replica: str) -> list[str]:
+    """The pools a replica reads."""
+    return [p for p, readers in shard.pool_readers.items() if replica in readers]
+
+
+def index_size(shards: Iterable[ModelShard]) -> tuple[int, int]:
+    """(live block entries per tier and group, bytes of the mask maps holding them: each tier's map
+    and, with several tiers, the group's union map) over `shards`."""
+    maps = {id(m): m for s in shards for g in s.groups.values() for m in (*g.tiers.values(), g.any)}
+    entries = sum(len(m) for s in shards for g in s.groups.values() for m in g.tiers.values())
+    return entries, sum(m.memory_bytes() for m in maps.values())
+
+
+def _slots(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        mask ^= low
+        yield low.bit_length() - 1
