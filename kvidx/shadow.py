@@ -169,9 +169,8 @@ def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, 
     agreement = shadow_batches(batches, reqs, shard, pending_ttl, adapter.shadow_defaults.get("replica"))
     extra = batches.extra()
     extra["index_entries"], extra["index_bytes"] = index.index_size([shard])
-    engine_block = max((st.block_size for st in index.replicas(shard)), default=0)
-    if any(st.tails for st in index.replicas(shard)) or index_block_size < engine_block:
-        whole = ModelShard(model, max(index_block_size, engine_block), unreported_eviction_kinds)
+    if any(st.tails for st in index.replicas(shard)) or index_block_size < WHOLE_BLOCK:
+        whole = ModelShard(model, max(index_block_size, WHOLE_BLOCK), unreported_eviction_kinds)
         for _, step in adapter.replay(recording, model, whole.block_size, options):
             for b in step():
                 blocks = [e for e in b.events if not getattr(e, "tail", False)]
@@ -190,6 +189,9 @@ def run_shadow_engine(engine: str, recording: str | Path, requests: str | Path, 
     extra["set_aside_events"] = sum(aside.values())
     extra["set_aside"] = {f"{reason}/{kind}": n for (reason, kind), n in sorted(aside.items())}
     return ShadowResult(agreement, batches.dead_letters(), extra, batches.relays, aside), shard
+
+
+WHOLE_BLOCK = 16  # the index's default block: what `index_bytes_whole_blocks` counts in
 
 
 def at_lookup_agreement(adapter, recording: str | Path, reqs: list[dict], model: str, index_block_size: int,

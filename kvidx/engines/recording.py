@@ -25,9 +25,12 @@ def frame_to_line(frame: Frame) -> str:
     })
 
 
-def read_frames(path: str | Path) -> Iterator[Frame]:
-    """Frames of a recording in file order. Lines that are not valid frames raise ValueError
-    naming the line."""
+def read_frames(path: str | Path | Iterable[Frame]) -> Iterator[Frame]:
+    """Frames of a recording in file order (frames already read, e.g. split_at_lookups', as they
+    are). Lines that are not valid frames raise ValueError naming the line."""
+    if not isinstance(path, (str, Path)):
+        yield from path
+        return
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():

@@ -4,8 +4,6 @@ older positional arrays; data parallelism on port + rank."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvidx.engines import EngineAdapter, RelayOptions
 from kvidx.engines.vllm.wire import ENGINE_VERSIONS
 
@@ -25,8 +23,7 @@ def replay(recording, model: str, index_block_size: int, opts: RelayOptions):
     from kvidx.engines.recording import read_frames
     from kvidx.engines.vllm.relay import VllmPublisherRelay
 
-    frames = read_frames(recording) if isinstance(recording, (str, Path)) else recording  # or frames
-    return zmq_replay(frames, lambda ep: VllmPublisherRelay(
+    return zmq_replay(read_frames(recording), lambda ep: VllmPublisherRelay(
         model, ep, index_block_size, epoch=0, group_kinds=opts.group_kinds or None,
         engine_version=opts.engine_version or DEFAULT_VERSION,
         allow_unchecked_version=opts.allow_unchecked_version, **opts.extra))
