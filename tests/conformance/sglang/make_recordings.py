@@ -211,7 +211,7 @@ def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
             grow(job, len(job.prompt))
             admitted.append((job, state))
         # the step: prefills, then a decode token for every running request
-        for job, state in running + admitted:
+        for job, _ in running + admitted:
             if job.prefilled:
                 if not room(1):
                     raise SystemExit(f"{s.name}: the pool is too small for the running requests")
@@ -223,7 +223,7 @@ def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
         running += admitted
         done = [(j, st) for j, st in running if len(j.out) >= s.max_tokens]
         running = [(j, st) for j, st in running if len(j.out) < s.max_tokens]
-        for job, state in done:
+        for job, _ in done:
             insert(job, job.prompt + job.out[:-1])
             tree.dec_lock_ref(job.node)
             pool.free_segment(job.slots[job.protected:])
