@@ -2,7 +2,7 @@
 hashes) -> its shard and canonical block hashes -> the shard's lookup (pending routed credit included)
 -> audit feedback caps -> prefix price -> rank -> top_k -> the answer (kvidx.core.answers.LookupAnswer).
 The HTTP handlers (index_service.lookup_routes, routing_routes) only read the body and encode what
-this returns; the simulator and replay call it directly.
+this returns (the simulator's --http runs go through them).
 
 This is the routers' hot path: nothing here loops over tokens in Python, and per replica there is only
 the price (and the feedback cap where the audit set one).

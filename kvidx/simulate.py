@@ -605,7 +605,7 @@ def _write_out(out: Path, head: dict, by_name: dict[str, dict], say: Say) -> Non
     (out / "summary.json").write_text(json.dumps(full, indent=1))
     head["out"] = str(out)
     if not plots:
-        say("matplotlib is not installed: no PNG plots (summary.json written)")
+        say("no PNG plots: matplotlib is not installed (pip install -e '.[plots]'); summary.json written")
 
 
 def run(args: argparse.Namespace) -> dict:

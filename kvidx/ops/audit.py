@@ -251,9 +251,16 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
+NO_PLOTS = "note: no PNG plots: matplotlib is not installed (pip install -e '.[plots]'); the JSON is written"
+
+
 def plots(report: dict, out: Path) -> list[Path]:
-    """PNG plots: the figures over time, and credited vs reused per replica."""
-    import matplotlib
+    """PNG plots: the figures over time, and credited vs reused per replica (none without the
+    `plots` extra: the caller says so)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -353,6 +360,8 @@ def cmd_audit(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "audit.json").write_text(json.dumps(report, indent=1))
         report["plots"] = [str(p) for p in plots(report, out)]
+        if not report["plots"]:
+            print(NO_PLOTS, file=sys.stderr)
     print(json.dumps(report) if args.json else table(report))
     return 0
 

@@ -3,7 +3,7 @@
 //! `ShardWalk.lookup_json` decides when it applies and passes what the walk found; everything per
 //! replica (resume point, pending credit, tiers, groups, freshness, price, ranking) is done here, in
 //! the order and with the arithmetic of the Python lookup (`ShardWalk.lookup`, `Pricer`), which stays
-//! the reference: tests/unit/core/test_answer_json.py compares the two on random shards.
+//! the reference: tests/unit/index_service/test_answer_json.py compares the two on random shards.
 
 use pyo3::prelude::*;
 use pyo3::ffi;
