@@ -21,4 +21,5 @@ def test_simulate_says_so_in_one_line(monkeypatch, tmp_path):
     said: list[str] = []
     simulate._write_out(tmp_path, {}, {}, said.append)
     assert (tmp_path / "summary.json").exists()
-    assert said == ["no PNG plots: matplotlib is not installed (pip install -e '.[plots]'); summary.json written"]
+    assert said == ["no PNG plots: matplotlib is not installed (pip install -e '.[plots]'); "
+                    "summary.json written"]
