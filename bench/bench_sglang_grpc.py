@@ -4,7 +4,7 @@ and the server's CPU per query, in a closed loop.
 The server (a child process: `--serve PORT`) is kvidx's SglangIndexer over an in-process store; this
 process feeds it as SGLang's bridges do (ApplyExternalKvBatch, the workers' page hash chains) and then
 queries it as sgl-router does, from `--connections` threads for `--seconds`. Prompts are SGLang page
-chains (kvidx.core.sglang_hashing) of `--pages` pages; each worker holds a random prefix of each.
+chains (kvidx.engines.sglang.hashing) of `--pages` pages; each worker holds a random prefix of each.
 Nothing is asserted: it prints one JSON line (bench/RESULTS.md keeps the figures).
 
     .venv/bin/python bench/bench_sglang_grpc.py [--workers 8] [--prompts 200] [--pages 64]
@@ -31,7 +31,7 @@ import grpc  # noqa: E402
 from index_service.sglang_indexer import SERVICE, SglangIndexer, start_server  # noqa: E402
 from index_service.sglang_pb import kv_indexer_pb2 as pb  # noqa: E402
 from index_service.store import ShardStore  # noqa: E402
-from kvidx.core.sglang_hashing import sglang_page_hashes  # noqa: E402
+from kvidx.engines.sglang.hashing import sglang_page_hashes  # noqa: E402
 
 PAGE = 16
 

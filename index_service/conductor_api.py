@@ -26,7 +26,7 @@ the request's content type, as the conductor itself refuses anything but msgpack
   gpu/cpu/disk are the best of its ranks. A model split in replica groups: the other groups' holders
   answer their part (`?local=1&groups=...`), merged before the cursors are read.
 - `GET /services`, `GET /global_view`: the registrations and the contexts (tenant, model, LoRA, block
-  size), with each context's hash profile and its root digest (kvidx.core.vllm_hashing).
+  size), with each context's hash profile and its root digest (kvidx.engines.vllm.hashing).
 
 Differences, by design: kvidx refuses more (ConductorRegistry: endpoints outside the allow-list, 403;
 a takeover of a replica another source feeds, 409; block sizes above 65,536 and names with control
@@ -59,7 +59,7 @@ from index_service.store import ShardStore
 from index_service.wire import Reject
 from kvidx import index
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.vllm_hashing import ALGORITHMS, root_digest
+from kvidx.engines.vllm.hashing import ALGORITHMS, root_digest
 from schemas.registrations import REGISTRATIONS_VERSION, ConductorService
 
 log = logging.getLogger("kvidx.conductor_api")

@@ -44,7 +44,7 @@ from typing import Any
 
 import msgspec
 
-from kvidx.core.sglang_hashing import hash_str_to_int64, namespace_seed, namespaced, page_hash_hex
+from kvidx.engines.sglang.hashing import hash_str_to_int64, namespace_seed, namespaced, page_hash_hex
 from kvidx.engines.sglang.wire import check_version
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -21,8 +21,8 @@ from index_service.sglang_indexer import SglangIndexer, start_server
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.sglang_hashing import sglang_page_hashes
 from kvidx.engines.contract import Frame
+from kvidx.engines.sglang.hashing import sglang_page_hashes
 from kvidx.engines.sglang.relay import make_relay
 from tests.helpers import SglangClient as Client
 from tests.helpers import sglang_action as act

@@ -6,7 +6,7 @@ kv_events::hash): a page's digest is SHA-256 over the previous page's 32-byte di
 page) and the page's token ids as little-endian uint32; the event and router hash is its first 8 bytes
 read big-endian as a signed int64 (`hash_str_to_int64`). Only full pages are hashed. Namespaced chains
 (LoRA extra keys, cache salts) are re-hashed per block (kv_events.py `namespaced_block_hash`). Pinned
-by SGLang's published vectors in tests/unit/core/test_sglang_hashing.py.
+by SGLang's published vectors in tests/unit/engines/sglang/test_hashing.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SGLang's block hashes (kvidx.core.sglang_hashing) against SGLang's published vectors, and the
+"""SGLang's block hashes (kvidx.engines.sglang.hashing) against SGLang's published vectors, and the
 simulated SGLang engine's events against them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import hashlib
 import msgspec
 import pytest
 
-from kvidx.core.sglang_hashing import hash_str_to_int64, page_hash_hex, sglang_page_hashes
+from kvidx.engines.sglang.hashing import hash_str_to_int64, page_hash_hex, sglang_page_hashes
 from kvidx.sim.sglang_engine import SimSglangEngine
 
 # sgl-router kv_events::hash cross-language tests (the engine's own hashing, pinned there)

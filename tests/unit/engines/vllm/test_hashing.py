@@ -1,4 +1,4 @@
-"""vLLM's own block hashes (kvidx.core.vllm_hashing, the Mooncake conductor's `vllm_v1` profiles):
+"""vLLM's own block hashes (kvidx.engines.vllm.hashing, the Mooncake conductor's `vllm_v1` profiles):
 the canonical CBOR agrees with cbor2 (canonical=True), the oracle vLLM itself uses; `sha256` (pickle 5)
 reproduces every block hash a real vLLM 0.32 engine published in the recordings; the chain, extras
 and projection follow vLLM's hash_block_tokens."""
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvidx.core.vllm_hashing import block_digests, block_keys, cbor, root_digest
 from kvidx.engines.recording import read_frames
+from kvidx.engines.vllm.hashing import block_digests, block_keys, cbor, root_digest
 from kvidx.engines.vllm.wire import BlockStored, decode_payload
 from tests.helpers import GEMMA, LLAMA
 
