@@ -21,22 +21,12 @@ def _logging(level: str, command: str | None = None) -> None:
 
 def _relay_options(args):
     """The --engine's relay options from the command line and --config."""
+    from kvidx import engines
     from kvidx.config import load_config
     from kvidx.engines import RelayOptions
-    from kvidx.engines.lmcache.chunks import LmcacheConfig
 
-    extra: dict = {"cpu_chunk_blocks": args.cpu_chunk_blocks,
-                   "full_reports": getattr(args, "kv_cache_report_mode", "incremental") == "full"}
-    if args.engine in ("vllm", "lmcache"):  # LMCache rides on vLLM's publisher
-        # with the controller's admit/evict messages, LMCache's evictions are known: no TTL, no bound
-        extra["lmcache"] = (LmcacheConfig(ttl_s=None, evictions_reported=True)
-                            if getattr(args, "lmcache_controller_endpoint", None) else
-                            LmcacheConfig(ttl_s=args.lmcache_ttl or None,
-                                          capacity_blocks=args.lmcache_capacity_blocks))
-    elif args.engine == "sglang":
-        extra = {"router_keys": bool(getattr(args, "sglang_router_keys", False))}
-    else:
-        extra = {}
+    adapter = engines.get(args.engine)
+    extra = adapter.relay_extra(args) if adapter.relay_extra is not None else {}
     groups = load_config(getattr(args, "config", None)).model(args.model).group_kinds()
     return RelayOptions(engine_version=args.engine_version, group_kinds=groups,
                         engine_block_size=args.block_size, extra=extra,
@@ -44,26 +34,28 @@ def _relay_options(args):
 
 
 def _unchecked_engine_version(args, log: logging.Logger) -> None:
-    """--allow-unchecked-engine-version: only where a conformance kit checks releases (vLLM); an
-    unpinned release runs read as the nearest pinned one, said once at start-up (and, for a relay,
-    on /metrics as kvidx_relay_engine_version_unchecked)."""
+    """--allow-unchecked-engine-version: only for an engine whose releases a conformance kit checks
+    (EngineAdapter.unchecked_read_as); an unpinned release runs read as the nearest pinned one, said
+    once at start-up (and, for a relay, on /metrics as kvidx_relay_engine_version_unchecked)."""
     if not getattr(args, "allow_unchecked_engine_version", False):
         return
-    if args.engine != "vllm":
-        sys.exit(f"error: --allow-unchecked-engine-version is for --engine vllm (the conformance kit checks "
-                 f"vLLM releases), not {args.engine}")
-    from kvidx.engines.vllm.adapter import DEFAULT_VERSION
-    from kvidx.engines.vllm.wire import is_checked, read_as
+    from kvidx import engines
 
-    version = args.engine_version or DEFAULT_VERSION
-    if is_checked(version) or read_as(version) is None:
+    adapter = engines.get(args.engine)
+    if adapter.unchecked_read_as is None:
+        kits = ", ".join(n for n in engines.names() if engines.get(n).unchecked_read_as is not None)
+        sys.exit(f"error: --allow-unchecked-engine-version is for --engine {kits} (a release read as the "
+                 f"nearest checked one), not {args.engine}")
+    version = args.engine_version or adapter.default_version
+    read_as = adapter.unchecked_read_as(version)
+    if read_as is None:
         return
-    log.warning("event=engine_version_unchecked engine=vllm version=%s read_as=%s: this kvidx was not "
-                "checked against it; run `bash tests/conformance/run.sh vllm %s` to check it", version,
-                read_as(version), version)
+    log.warning("event=engine_version_unchecked engine=%s version=%s read_as=%s: this kvidx was not "
+                "checked against it; run `bash tests/conformance/run.sh %s %s` to check it", args.engine,
+                version, read_as, args.engine, version)
     if args.command == "relay":
         from relays.run import UNCHECKED_VERSION
-        UNCHECKED_VERSION.labels("vllm", version, read_as(version)).set(1)
+        UNCHECKED_VERSION.labels(args.engine, version, read_as).set(1)
 
 
 def _relay_factory(args):

@@ -68,6 +68,11 @@ class EngineAdapter:
     http_source: Callable[[str], Any] | None = None
     read_polls: Callable[..., Any] | None = None
     poll_recorder: Callable[..., Any] | None = None
+    # the relay options the engine takes from the command line (RelayOptions.extra): args -> dict
+    relay_extra: Callable[[Any], dict] | None = None
+    # an engine whose releases a conformance kit checks: release -> the pinned release it is read as
+    # under --allow-unchecked-engine-version (None: pinned, or not a release number)
+    unchecked_read_as: Callable[[str], str | None] | None = None
 
     def check_version(self, version: str | None) -> None:
         """Raise ValueError naming the checked releases for a version this adapter was not checked

@@ -7,6 +7,10 @@ from kvidx.engines import EngineAdapter, RelayOptions
 from kvidx.engines.sglang.wire import DEFAULT_VERSION, SUPPORTED_VERSIONS
 
 
+def relay_extra(args) -> dict:
+    return {"router_keys": bool(getattr(args, "sglang_router_keys", False))}
+
+
 def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None, opts: RelayOptions):
     from kvidx.engines.sglang.relay import SglangPublisherRelay
 
@@ -29,5 +33,5 @@ def replay(recording, model: str, index_block_size: int, opts: RelayOptions):
 ADAPTER = EngineAdapter(
     name="sglang", summary="SGLang 0.4.9-0.5.23 KV events over ZMQ (positional or tagged maps)",
     versions=SUPPORTED_VERSIONS, default_version=DEFAULT_VERSION, recording="frames", live="zmq",
-    make_relay=make_relay, replay=replay, conformance=tuple(f"sglang-{v}" for v in SUPPORTED_VERSIONS),
-    sim="sglang")
+    make_relay=make_relay, replay=replay, relay_extra=relay_extra,
+    conformance=tuple(f"sglang-{v}" for v in SUPPORTED_VERSIONS), sim="sglang")

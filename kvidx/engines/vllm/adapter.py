@@ -10,6 +10,24 @@ from kvidx.engines.vllm.wire import ENGINE_VERSIONS
 DEFAULT_VERSION = "0.34.0"  # the newest release the adapter was checked against (reads 0.32-0.33 streams too)
 
 
+def relay_extra(args) -> dict:
+    """vLLM's relay options from the command line (LMCache's too: it rides on vLLM's publisher)."""
+    from kvidx.engines.lmcache.chunks import LmcacheConfig
+
+    # with the controller's admit/evict messages, LMCache's evictions are known: no TTL, no bound
+    lmcache = (LmcacheConfig(ttl_s=None, evictions_reported=True)
+               if getattr(args, "lmcache_controller_endpoint", None) else
+               LmcacheConfig(ttl_s=args.lmcache_ttl or None, capacity_blocks=args.lmcache_capacity_blocks))
+    return {"cpu_chunk_blocks": args.cpu_chunk_blocks, "lmcache": lmcache,
+            "full_reports": getattr(args, "kv_cache_report_mode", "incremental") == "full"}
+
+
+def unchecked_read_as(version: str) -> str | None:
+    from kvidx.engines.vllm.wire import is_checked, read_as
+
+    return None if is_checked(version) else read_as(version)
+
+
 def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None, opts: RelayOptions):
     from kvidx.engines.vllm.relay import VllmPublisherRelay
 
@@ -33,5 +51,6 @@ ADAPTER = EngineAdapter(
     name="vllm", summary="vLLM 0.32-0.34 (tagged maps; 0.33+ lookahead hashing) and older (positional) KV "
                          "events over ZMQ",
     versions=tuple(f"{v}.x" for v in ENGINE_VERSIONS), default_version=DEFAULT_VERSION,
-    recording="frames", live="zmq", make_relay=make_relay, replay=replay,
+    recording="frames", live="zmq", make_relay=make_relay, replay=replay, relay_extra=relay_extra,
+    unchecked_read_as=unchecked_read_as,
     conformance=("vllm-0.32", "vllm-0.33", "vllm-0.34", "vllm-variants"), sim="vllm")

@@ -224,7 +224,11 @@ def test_shadow_default_flags_exact_on_sglang_page_one_and_trtllm_partial_reuse(
         # blocks can free the prompt's later host blocks (test_trtllm.py): the index keeps the host's
         # queue as the engine does (HostLoads) and cuts the hits there (ShardWalk.onboard_cut; 2.62 %
         # over-credit at both block sizes without it)
-        assert s == s1 and s["over_credit"] <= 0.001, s
+        size = ("index_entries", "index_bytes")  # the finer index's size differs, by design
+        assert {k: v for k, v in s.items() if not k.startswith(size)} == {
+            k: v for k, v in s1.items() if not k.startswith(size)} and s["over_credit"] <= 0.001, s
+        assert s1["index_entries"] > s["index_entries"] and s1["index_entries_whole_blocks"] == (
+            s["index_entries_whole_blocks"])
 
 
 def test_random_trtllm_trees_credit_within_bounds():
