@@ -117,10 +117,12 @@ def pools_read_by(shard: ModelShard, replica: str) -> list[str]:
     return [p for p, readers in shard.pool_readers.items() if replica in readers]
 
 
-def index_size(shards: Iterable[ModelShard]) -> tuple[int, int]:
+def index_size(shards: Iterable[ModelShard], union_maps: bool = True) -> tuple[int, int]:
     """(live block entries per tier and group, bytes of the mask maps holding them: each tier's map
-    and, with several tiers, the group's union map) over `shards`."""
-    maps = {id(m): m for s in shards for g in s.groups.values() for m in (*g.tiers.values(), g.any)}
+    and, with several tiers and `union_maps`, the group's union map) over `shards`."""
+    shards = list(shards)
+    maps = {id(m): m for s in shards for g in s.groups.values()
+            for m in (*g.tiers.values(), *((g.any,) if union_maps else ()))}
     entries = sum(len(m) for s in shards for g in s.groups.values() for m in g.tiers.values())
     return entries, sum(m.memory_bytes() for m in maps.values())
 
