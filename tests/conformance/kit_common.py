@@ -7,9 +7,22 @@ import base64
 import json
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 VOCAB = 1024
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """The workload's shape, every kit's scenarios alike: 40 conversations of up to 4 turns and 40
+    one-shots (seed 1234), 4 requests at a time, 6 output tokens each."""
+    convs: int = 40
+    turns: int = 4
+    one_shot: int = 40
+    concurrency: int = 4
+    max_tokens: int = 6
+    seed: int = 1234
 
 
 def rand_tokens(rng: random.Random, n: int) -> list[int]:

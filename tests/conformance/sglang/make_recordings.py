@@ -32,22 +32,16 @@ from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/conformance: the kit's common parts
-from kit_common import VOCAB, Capture, workload  # noqa: E402
+from kit_common import VOCAB, Capture, Workload, workload  # noqa: E402
 
 
 @dataclass
-class Scenario:
+class Scenario(Workload):
     name: str
     page_size: int
     pool_pages: int  # the token pool, in pages
     about: str
     loras: bool = False  # a LoRA adapter per job (two adapters and the base model)
-    convs: int = 40
-    turns: int = 4
-    one_shot: int = 40
-    concurrency: int = 4
-    max_tokens: int = 6
-    seed: int = 1234
 
 
 SCENARIOS = {s.name: s for s in [

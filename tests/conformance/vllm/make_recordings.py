@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/conformance: the kit's common parts
-from kit_common import VOCAB, Capture  # noqa: E402
+from kit_common import VOCAB, Capture, Workload  # noqa: E402
 from kit_common import workload as common_workload  # noqa: E402
 
 
 @dataclass
-class Scenario:
+class Scenario(Workload):
     name: str
     model: str                       # llama | gemma2 | qwen3next
     num_gpu_blocks: int
@@ -63,12 +63,6 @@ class Scenario:
     salts: bool = False              # a cache salt per conversation (two tenants and none)
     loras: bool = False              # a LoRA adapter per conversation (two adapters and the base)
     extra_args: dict[str, Any] = field(default_factory=dict)
-    convs: int = 40
-    turns: int = 4
-    one_shot: int = 40
-    concurrency: int = 4
-    max_tokens: int = 6
-    seed: int = 1234
 
 
 SCENARIOS = {s.name: s for s in [
