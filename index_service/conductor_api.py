@@ -651,7 +651,7 @@ class Reach:
         with store.lock:
             hashes = prompt_hashes(packed, ibs, q.lora or None, q.salt)
             mine = sum(1 << st.slot for st in index.replicas(shard) if not only or st.group in only)
-            for slot, n in index.prefix_hits(shard, hashes, index.GPU).items():
+            for slot, n in index.prefix_hits(shard, hashes, "GPU").items():
                 st = index.replica_at(shard, slot)
                 if mine >> slot & 1:
                     self.gpu[(st.replica, st.dp_rank)] = n

@@ -13,6 +13,7 @@ from kvidx.core.answers import Freshness, Group, ReplicaAnswer, Tier
 from kvidx.core.hashing import PromptHashes
 from kvidx.core.maskmap import lookup_json as native_lookup_json
 from kvidx.core.maskmap import walk_masks
+from kvidx.core.masks import or_masks, run_end, slots_of
 from schemas.events import TIER_IDS, TIERS
 
 if TYPE_CHECKING:
@@ -97,17 +98,11 @@ class ShardWalk:
         if not cands:
             return hits
         start = min(a for _, a in cands)
-        lower = [0] * (top - start)  # per block from `start`: the slots a lower tier holds it for
-        for tid, m in g.tiers.items():
-            if tid != gpu_id:
-                for i, mask in enumerate(m.masks(hashes[start:top])):
-                    lower[i] |= mask
+        # per block from `start`: the slots a lower tier holds it for
+        lower = or_masks([m for tid, m in g.tiers.items() if tid != gpu_id], hashes[start:top])
         out = dict(hits)
         for s, a in cands:
-            bit, end = 1 << s, a
-            while end < hits[s] and lower[end - start] & bit:
-                end += 1
-            out[s] = end
+            out[s] = start + run_end(lower, 1 << s, a - start, hits[s] - start)
         return out
 
     def _loadable(self, hashes: list[int], hits: dict[int, int]) -> tuple[dict[int, int], dict[int, int]]:
@@ -138,7 +133,7 @@ class ShardWalk:
                 e = cache.get(p)
                 if e is None:
                     e = 0
-                    for b in _bits(p):
+                    for b in slots_of(p):
                         e |= readers.get(1 << b, 0)
                     cache[p] = e
                 m |= e
@@ -188,7 +183,7 @@ class ShardWalk:
             for k in range(len(masks), 0, -1):
                 got = masks[k - 1] & want
                 if got:
-                    for slot in _bits(got):
+                    for slot in slots_of(got):
                         out[slot] = k
                     want &= ~got
                     if not want:
@@ -518,11 +513,11 @@ class ShardWalk:
                 got = m & pend[i]
                 if got:
                     pend[i] &= ~got
-                    for slot in _bits(got):
+                    for slot in slots_of(got):
                         ghit[slot][gid] = p
             if both:
                 pend_all &= ~both
-                for slot in _bits(both):
+                for slot in slots_of(both):
                     res[slot] = p
             p -= step
         for slot, top in tops.items():
@@ -547,13 +542,6 @@ def _cut(masks, hashes, doomed: dict[int, dict[int, int]] | None, gid: int):
     if not cut:
         return masks
     return [m & ~cut.get(h, 0) if m else m for m, h in zip(masks, hashes, strict=True)]
-
-
-def _bits(mask: int):
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
 
 
 def _window_and(masks: list[int], width: int):

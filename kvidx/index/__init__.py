@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from kvidx.core.masks import or_masks, run_end, slots_of
 from kvidx.core.shard import ModelShard, ReplicaState
 from schemas.events import TIER_IDS
 
-GPU = ("GPU",)
+holders = slots_of  # the slots of a mask, lowest first
 HOST = ("CPU", "NODE_SHARED", "POOL")  # host memory: an engine's own, a node's, a Mooncake Store's "cpu"
 DISK = ("DISK",)
 
@@ -46,65 +47,41 @@ def keys_by_group(shard: ModelShard) -> list[tuple[int, int]]:
     return [(gid, len(g.any)) for gid, g in sorted(shard.groups.items())]
 
 
-def prefix_hits(shard: ModelShard, hashes: list[int], tiers: Sequence[str] | None = None) -> dict[int, int]:
-    """slot -> the leading `hashes` it holds in one of `tiers` (None: any tier, pools as stored);
-    slots holding none are left out."""
+def prefix_hits(shard: ModelShard, hashes: list[int], tier: str | None = None) -> dict[int, int]:
+    """slot -> the leading `hashes` it holds in `tier` (None: in any tier, pools as stored); slots
+    holding none are left out."""
     g = shard._lookup_group(None)
     if g is None or not hashes:
         return {}
-    if tiers is None:
-        return dict(g.any.walk(hashes))
-    maps = [g.tiers[TIER_IDS[t]] for t in tiers if TIER_IDS[t] in g.tiers]
-    if len(maps) <= 1:
-        return dict(maps[0].walk(hashes)) if maps else {}
-    held = held_in(shard, tiers, hashes)
-    out: dict[int, int] = {}
-    alive = held[0] if held else 0
-    for i, m in enumerate(held):
-        alive &= m
-        if not alive:
-            break
-        for slot in _slots(alive):
-            out[slot] = i + 1
-    return out
+    m = g.any if tier is None else g.tiers.get(TIER_IDS[tier])
+    return dict(m.walk(hashes)) if m is not None else {}
 
 
 def held_in(shard: ModelShard, tiers: Sequence[str], hashes: list[int]) -> list[int]:
     """Per block of `hashes`: the mask of the slots holding it in one of `tiers` (0s where the shard
     has none of them)."""
     g = shard._lookup_group(None)
-    maps = [g.tiers[TIER_IDS[t]] for t in tiers if TIER_IDS[t] in g.tiers] if g is not None else []
-    if not maps:
-        return [0] * len(hashes)
-    held = maps[0].masks(hashes)
-    for m in maps[1:]:
-        held = [a | b for a, b in zip(held, m.masks(hashes), strict=True)]
-    return held
+    return or_masks([g.tiers[TIER_IDS[t]] for t in tiers if TIER_IDS[t] in g.tiers] if g is not None else [],
+                    hashes)
 
 
-def tier_reach(shard: ModelShard, hashes: list[int], levels: Sequence[Sequence[str]] = (GPU, HOST, DISK)
+def tier_reach(shard: ModelShard, hashes: list[int], lower_levels: Sequence[Sequence[str]] = (HOST, DISK)
                ) -> dict[int, list[int]]:
-    """slot -> per level, how far into `hashes` its blocks reach when each level continues where the
-    faster ones stopped (Dynamo's and the conductor's GPU, host memory, disk): nondecreasing, for
-    every slot that reaches a block in some level."""
-    first = prefix_hits(shard, hashes, levels[0])
-    lower = [held_in(shard, tiers, hashes) for tiers in levels[1:]]
+    """slot -> how far into `hashes` its blocks reach on the GPU, then through each lower level in
+    turn, each continuing where the faster ones stopped (Dynamo's and the conductor's GPU, host
+    memory, disk): nondecreasing, for every slot that reaches a block in some level."""
+    first = prefix_hits(shard, hashes, "GPU")
+    lower = [held_in(shard, tiers, hashes) for tiers in lower_levels]
     out: dict[int, list[int]] = {}
     for st in replicas(shard):
         bit, pos = 1 << st.slot, first.get(st.slot, 0)
         reach = [pos]
         for masks in lower:
-            while pos < len(masks) and masks[pos] & bit:
-                pos += 1
+            pos = run_end(masks, bit, pos)
             reach.append(pos)
         if pos:
             out[st.slot] = reach
     return out
-
-
-def holders(mask: int) -> Iterator[int]:
-    """The slots of a mask, lowest first."""
-    return _slots(mask)
 
 
 def pool_slots(shard: ModelShard) -> int:
@@ -125,10 +102,3 @@ def index_size(shards: Iterable[ModelShard], union_maps: bool = True) -> tuple[i
             for m in (*g.tiers.values(), *((g.any,) if union_maps else ()))}
     entries = sum(len(m) for s in shards for g in s.groups.values() for m in g.tiers.values())
     return entries, sum(m.memory_bytes() for m in maps.values())
-
-
-def _slots(mask: int) -> Iterator[int]:
-    while mask:
-        low = mask & -mask
-        mask ^= low
-        yield low.bit_length() - 1

@@ -106,7 +106,8 @@ def check_engine_version(version: str | None, allow_unchecked: bool = False) -> 
 
 def is_checked(version: str | None) -> bool:
     """Whether a release is pinned (else it runs only read as another, with the operator's flag)."""
-    return read_as(version) is not None and read_as(version) == _minor(version)
+    base = read_as(version)
+    return base is not None and base == _minor(version)
 
 
 def _minor(version: str | None) -> str:
