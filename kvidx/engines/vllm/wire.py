@@ -91,9 +91,9 @@ def check_engine_version(version: str | None, allow_unchecked: bool = False) -> 
     if not version:
         raise UnsupportedEngineVersion(f"no vLLM version given (--engine-version); checked: {checked}")
     v = version.strip().lstrip("v")
+    if is_checked(version):
+        return ENGINE_VERSIONS[_minor(version)]
     base = read_as(version)
-    if base is not None and base == _minor(version):
-        return ENGINE_VERSIONS[base]
     if allow_unchecked and base is not None:
         return ENGINE_VERSIONS[base]
     newest = max(ENGINE_VERSIONS, key=_release)
