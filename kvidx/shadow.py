@@ -103,6 +103,10 @@ def load_requests(path: str | Path) -> list[dict]:
                 for key in ("prompt_token_ids", "t_send", "cached_tokens"):
                     if key not in r:
                         raise ValueError(f"{path}:{n}: request without {key!r}")
+                at = r.get("lookup_at")  # the conformance kit's [message seq, events before the lookup]
+                if at is not None and not (isinstance(at, list) and len(at) == 2 and all(
+                        type(x) is int and x >= 0 for x in at)):
+                    raise ValueError(f"{path}:{n}: lookup_at must be [seq, events] (two integers >= 0)")
                 reqs.append(r)
     reqs.sort(key=lambda r: r["t_send"])
     return reqs

@@ -259,3 +259,14 @@ def test_shadow_reports_the_index_size_beside_what_whole_blocks_alone_take(engin
         assert x["index_bytes"] == x["index_bytes_whole_blocks"]
     else:
         assert x["index_entries"] > x["index_entries_whole_blocks"]
+
+
+@pytest.mark.parametrize("bad", ["[1]", '"x"', "[1, -2]", "[1.5, 0]", '{"seq": 1}'])
+def test_a_malformed_lookup_at_is_named_with_its_line(tmp_path, bad):
+    from kvidx.shadow import load_requests
+
+    p = tmp_path / "requests.jsonl"
+    p.write_text('{"prompt_token_ids": [1], "t_send": 1.0, "cached_tokens": 0, "lookup_at": [0, 0]}\n'
+                 f'{{"prompt_token_ids": [1], "t_send": 2.0, "cached_tokens": 0, "lookup_at": {bad}}}\n')
+    with pytest.raises(ValueError, match=r"requests.jsonl:2: lookup_at must be \[seq, events\]"):
+        load_requests(p)
