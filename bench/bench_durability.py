@@ -34,6 +34,7 @@ import _common as c
 import numpy as np
 import xxhash
 
+from kvidx import index
 from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SEGMENTS
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, encode_batch
@@ -85,7 +86,7 @@ class Windows:
 
 
 def walk_p99(shard: ModelShard, prompts: list[list[int]]) -> tuple[float, float]:
-    walk, clock = shard.prefix_blocks, time.perf_counter_ns
+    walk, clock = index.prefix_walk(shard), time.perf_counter_ns
     for p in prompts[:2000]:
         walk(p)
     lat = []
@@ -107,7 +108,7 @@ def digest(shard: ModelShard) -> str:
 
 def rebuild_main(bootstrap: str, topic: str) -> int:
     """The fresh process: rebuild from the compacted topic alone; print its figures as JSON."""
-    from streams.snapshots import read_snapshots
+    from kvidx.kafka.snapshots import read_snapshots
 
     gc.collect()
     rss0 = c.rss_bytes()  # the interpreter and its modules: what every process has before a shard

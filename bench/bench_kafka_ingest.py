@@ -126,8 +126,9 @@ def producer(bootstrap: str, topic: str, n_batches: int, rate: float | None, q, 
 
 def rebuild(bootstrap: str, topic: str, n_blocks: int, figs: c.Figures | None) -> float:
     """Write a shard's snapshot to a compacted topic (streams.snapshots) and time read_snapshots."""
+    from kvidx.kafka.snapshots import read_snapshots
     from kvidx.kafka.topics import create_topics
-    from streams.snapshots import SnapshotLog, SnapshotTopic, read_snapshots
+    from streams.snapshots import SnapshotLog, SnapshotTopic
 
     create_topics(bootstrap, [], partitions=1, compacted=[topic])
     shard = c.build_lookup_shard(n_blocks, progress=False).shard

@@ -21,6 +21,7 @@ import tracemalloc
 
 import _common as c
 
+from kvidx import index
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 
@@ -38,16 +39,18 @@ def timed(fn, iters: int, n_prompts: int) -> list[float]:
 
 def measure_latency(ls: c.LookupShard, args, figs: c.Figures, now: float) -> None:
     shard, hs, n = ls.shard, ls.prompt_hashes, len(ls.prompts)
+    walk = index.prefix_walk(shard)
     n_tok = len(ls.prompts[0]) // 4
     ops = {
         "a_hash": lambda j: prompt_hashes(ls.prompts[j], args.block_size),
-        "b_lookup": lambda j: shard.lookup(hs[j], n_tok, now),
-        "b_prefix_blocks": lambda j: shard.prefix_blocks(hs[j]),
-        "c_hash_lookup": lambda j: shard.lookup(prompt_hashes(ls.prompts[j], args.block_size), n_tok, now),
+        "b_lookup": lambda j: index.lookup(shard, hs[j], n_tok, now),
+        "b_prefix_blocks": lambda j: walk(hs[j]),
+        "c_hash_lookup": lambda j: index.lookup(shard, prompt_hashes(ls.prompts[j], args.block_size), n_tok,
+                                                now),
     }
-    labels = {"a_hash": "(a) prompt_hashes 32k tokens", "b_lookup": "(b) shard.lookup 512 blocks",
-              "b_prefix_blocks": "(b') shard.prefix_blocks 512 blocks",
-              "c_hash_lookup": "(c) prompt_hashes + shard.lookup"}
+    labels = {"a_hash": "(a) prompt_hashes 32k tokens", "b_lookup": "(b) index.lookup 512 blocks",
+              "b_prefix_blocks": "(b') index.prefix_walk 512 blocks",
+              "c_hash_lookup": "(c) prompt_hashes + index.lookup"}
     for key, fn in ops.items():
         timed(fn, min(200, args.iters), n)  # warm-up
         lat = timed(fn, args.iters, n)
@@ -62,7 +65,7 @@ def _hash_lookup_pct(ls: c.LookupShard, block_size: int, iters: int) -> list[flo
     shard, now, n_tok = ls.shard, time.time(), len(ls.prompts[0]) // 4
 
     def op(j: int) -> None:
-        shard.lookup(prompt_hashes(ls.prompts[j], block_size), n_tok, now)
+        index.lookup(shard, prompt_hashes(ls.prompts[j], block_size), n_tok, now)
 
     timed(op, 200, len(ls.prompts))
     return c.pct(timed(op, iters, len(ls.prompts)), 50, 99)
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     hs = ls.prompt_hashes
     n = len(ls.prompts)
     n_tok = len(ls.prompts[0]) // 4
-    hits = [shard.prefix_blocks(h) for h in hs]
+    walk = index.prefix_walk(shard)
+    hits = [walk(h) for h in hs]
     c.log(f"  query prompts: {n} x {n_tok:,} tokens = {len(hs[0])} blocks; hit on "
           f"{sum(map(len, hits)) / n:.1f} replicas on average, mean hit "
           f"{sum(sum(x.values()) / max(1, len(x)) for x in hits) / n:.0f} blocks")

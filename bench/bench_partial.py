@@ -35,8 +35,9 @@ from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
 from kvidx.engines import get as get_engine
 from kvidx.engines.contract import zmq_replay
+from kvidx.engines.recording import replay_requests
 from kvidx.engines.sglang.relay import SglangPublisherRelay
-from kvidx.shadow import Agreement, load_requests, replay_requests
+from kvidx.shadow import Agreement, load_requests
 from kvidx.sim.sglang_engine import SimSglangEngine, stepping_clock
 from kvidx.sim.sglang_engine import record as record_sglang
 from kvidx.sim.trtllm_engine import SimTrtllmEngine, record
@@ -70,12 +71,11 @@ def measure(batches, requests: list[dict], ibs: int) -> dict:
     for r in replay_requests(batches, requests, lambda t_ns, b: shard.apply(b, t_ns / 1e9)):
         toks = r["prompt_token_ids"]
         reused = int(r["cached_tokens"])
-        keyed = shard.credited(prompt_hashes(toks, ibs, tails=True), len(toks))
+        keyed = index.credited(shard, prompt_hashes(toks, ibs, tails=True), len(toks))
         with_keys.add(r["i"], len(toks), reused, keyed)
-        without.add(r["i"], len(toks), reused, shard.credited(prompt_hashes(toks, ibs), len(toks)))
-    maps = [d for g in shard.groups.values() for d in g.tiers.values()]
+        without.add(r["i"], len(toks), reused, index.credited(shard, prompt_hashes(toks, ibs), len(toks)))
     _blocks, entries = c.shard_entries(shard)
-    mem = sum(d.memory_bytes() for d in maps)
+    mem = index.index_size([shard], union_maps=False)[1]  # the tier maps
     full = sum(st.blocks for st in index.replicas(shard))
     return {"with_keys": with_keys.summary(), "without": without.summary(), "full_entries": full,
             "partial_keys": shard.tail_keys, "entries": entries,

@@ -63,6 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python bench/chaos.py`
     sys.path.insert(0, str(ROOT))
 
+from kvidx import index  # noqa: E402
 from kvidx.client import KvidxClient, KvidxError, Retry, UnknownModel  # noqa: E402
 from kvidx.core.hashing import prompt_hashes  # noqa: E402
 from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, workload_requests  # noqa: E402
@@ -625,8 +626,8 @@ class Campaign:
         """Differences between the engines' final states and every copy of the index, per source."""
         from index_service.follower import KafkaFollower
         from index_service.store import ShardStore
+        from kvidx.kafka.snapshots import read_snapshots
         from kvidx.ops.replay import replay
-        from streams.snapshots import read_snapshots
 
         sample = {m: _distinct(ps)[-150:] for m, ps in self.served.items()}
         want = {m: [{r: self.truth.now(r, prompt_hashes(p, INDEX_BLOCK)) for r in self._replicas(m)}
@@ -652,7 +653,7 @@ class Campaign:
                     return [f"{m}: no shard"]
                 for p, w in zip(ps, want[m], strict=True):
                     got = {a.replica: a.cached_tokens
-                           for a in shard.lookup(prompt_hashes(p, INDEX_BLOCK), len(p), time.time())}
+                           for a in index.lookup(shard, prompt_hashes(p, INDEX_BLOCK), len(p), time.time())}
                     out += [f"{m} {r} prompt={len(p)} index={got.get(r, 0)} engine={w[r]}"
                             for r in w if got.get(r, 0) != w[r]]
             return out

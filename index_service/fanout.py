@@ -1,5 +1,5 @@
 """Answering for replica groups this instance does not hold (kvidx.core.groups): ask the instances
-that hold them, merge (kvidx.core.answers.merge_replicas).
+that hold them, merge (schemas.answers.merge_replicas).
 
 How instances find each other: what the deployment already has. Each `kvidx serve` announces itself
 on the compacted topic `kvidx.instances.v1` (key = its name; its URL, the groups it holds, a
@@ -29,9 +29,9 @@ from urllib.parse import urlsplit
 import msgspec
 
 from index_service.wire import Reject
-from kvidx.core.answers import LOOKUP_ANSWER_DECODER, ReplicaAnswer
 from kvidx.core.groups import parse_groups
 from kvidx.kafka.background import Background
+from schemas.answers import LOOKUP_ANSWER_DECODER, ReplicaAnswer
 
 log = logging.getLogger("kvidx.service")
 

@@ -29,12 +29,13 @@ from kvidx.core.groups import key_group
 from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.background import Background
 from kvidx.kafka.config import client_config
+from kvidx.kafka.log import watermarks
 from kvidx.kafka.reach import message, wait_for_broker
+from kvidx.kafka.snapshots import read_snapshots
 from kvidx.kafka.topics import KafkaAdminError
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC
 from schemas.hints import HintRecord
 from schemas.routes import RouteDecision, decode_route, encode_route
-from streams.snapshots import read_snapshots, watermarks
 
 log = logging.getLogger("kvidx.service")
 

@@ -34,8 +34,8 @@ from index_service.context import ServiceContext
 from index_service.guard import bounded
 from index_service.lookup_routes import answer_lookup
 from index_service.wire import Reject
-from kvidx.core.answers import LOOKUP_ANSWER_DECODER
 from kvidx.core.hashing import pack_tokens, prompt_hashes
+from schemas.answers import LOOKUP_ANSWER_DECODER
 
 LOCATIONS = {"GPU": "GPU", "CPU": "LocalCPUBackend", "DISK": "LocalDiskBackend",
              "NODE_SHARED": "LocalCPUBackend", "POOL": "RemoteBackend"}

@@ -17,8 +17,8 @@ from index_service.openapi import binary_lookup_extra, json_body
 from index_service.responses import errors, ok
 from index_service.wire import LOOKUP_SCHEMA, Reject, read_lookup
 from kvidx import index
-from kvidx.core.answers import LOOKUP_ANSWER_DECODER, merge_replicas
 from kvidx.core.shard import ModelShard
+from schemas.answers import LOOKUP_ANSWER_DECODER
 
 _BINARY_PARAMS = frozenset({"model", "lora_name", "cache_salt", "top_k"})
 
@@ -54,10 +54,8 @@ async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int
         ctx.metrics.fanout(time.perf_counter() - t0, len(gone))
         if not knew and not gone and shard.model not in ctx.store.shards:
             ctx.pipeline.unknown_model(shard.model)  # known to no instance
-        answer.replicas = merge_replicas([answer.replicas, *parts], rank, top_k)
-        answer.partial, answer.missing_groups = bool(gone), gone
-        if rank and answer.replicas:
-            answer.prefetch = ctx.pipeline.prefetch_plan(shard.model, answer.replicas[0])
+        index.merge_answer(answer, parts, gone, ctx.pipeline.pricer(shard.model), rank=rank, top_k=top_k,
+                           prefetch_bytes=ctx.pipeline.prefetch_bytes(shard.model))
     replicas = answer.replicas
     return encode(answer), replicas[0].resumable_tokens if replicas else 0, len(replicas)
 

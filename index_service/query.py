@@ -1,19 +1,17 @@
 """The query pipeline of the lookup service, without HTTP: a prompt (token ids, packed bytes or block
-hashes) -> its shard and canonical block hashes -> the shard's lookup (pending routed credit included)
--> audit feedback caps -> prefix price -> rank -> top_k -> the answer (kvidx.core.answers.LookupAnswer).
-The HTTP handlers (index_service.lookup_routes, routing_routes) only read the body and encode what
-this returns (the simulator's --http runs go through them).
+hashes) checked and bounded -> its shard and canonical block hashes -> the Index's answer
+(kvidx.index.answer: the lookup, the audit's caps, the price, rank, top_k, the prefetch plan) with the
+model's rates from the configuration; and a routing decision recorded as pending credit, with its
+hints. The HTTP handlers (index_service.lookup_routes, routing_routes) only read the body and encode
+what this returns (the simulator's --http runs go through them).
 
-This is the routers' hot path: nothing here loops over tokens in Python, and per replica there is only
-the price (and the feedback cap where the audit set one).
+This is the routers' hot path: nothing here loops over tokens in Python.
 """
 
 from __future__ import annotations
 
 import time
 from typing import NoReturn
-
-import msgspec
 
 from index_service.store import ShardStore
 from index_service.wire import (
@@ -26,22 +24,16 @@ from index_service.wire import (
     pack_tokens,
 )
 from kvidx import index
-from kvidx.core.answers import LookupAnswer, PrefetchHint, ReplicaAnswer
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.hints import prefetch_hint
 from kvidx.core.price import Pricer
 from kvidx.core.sessions import SessionTracker, advice_seconds
 from kvidx.core.shard import ModelShard
+from schemas.answers import LookupAnswer, PrefetchHint
 from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
 from schemas.routes import ROUTES_VERSION, RouteDecision
 from schemas.usage import USAGE_VERSION, UsageReport
 
 MAX_MODELS_LISTED = 10  # in the 404 for an unknown model
-_encode = msgspec.json.Encoder().encode
-
-
-def _by_price(answer: ReplicaAnswer) -> float:
-    return answer.price.total_s
 
 
 class QueryPipeline:
@@ -136,70 +128,34 @@ class QueryPipeline:
             pricer = self.pricers[model] = Pricer(self.store.config.model(model).price)
         return pricer
 
-    def prefetch_on(self, model: str) -> bool:
-        """Whether the operator turned prefetch hints on for `model` (hints.prefetch in its config)."""
-        return self.store.config.model(model).hints.prefetch
-
-    def prefetch_plan(self, model: str, answer: ReplicaAnswer) -> PrefetchHint | None:
-        """`answer`'s replica's prefetch plan (kvidx.core.hints), expected to start the request after
-        the prefill already routed there (its price's queue), or None (hints off, nothing below GPU)."""
+    def prefetch_bytes(self, model: str) -> int | None:
+        """The model's KV bytes per token where the operator turned its prefetch hints on (hints.prefetch
+        in its config: ranked answers then carry a plan), else None."""
         hints = self.store.config.model(model).hints
-        if not hints.prefetch:
-            return None
-        queue_s = answer.price.queue_s if answer.price is not None else 0.0
-        return prefetch_hint(answer, self.pricer(model), queue_s, hints.kv_bytes_per_token)
+        return hints.kv_bytes_per_token if hints.prefetch else None
+
+    @staticmethod
+    def check_top_k(top_k: int | None) -> None:
+        if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
+            raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
 
     def answer(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
-               top_k: int | None = None, feedback=None, groups: frozenset[int] | None = None) -> LookupAnswer:
-        """The answer: replicas by resumable tokens (`rank`: by
-        prefix price), each priced, the best `top_k` only if given. `feedback`: an object whose
-        `apply(model, replicas, block_size, prefix=)` caps replicas (kvidx.ops.feedback). `groups`: only
-        the replicas of these replica groups (an instance answering another's fan-out)."""
-        if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
-            raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
-        # ranking by price, applying feedback or keeping some groups needs every replica first;
-        # otherwise only the best k are described at all
-        whole = (rank or groups is not None
-                 or (feedback is not None and bool(feedback.by_model.get(shard.model))))
-        replicas = shard.lookup(hashes, n_tokens, time.time(), None if whole else top_k)
-        if groups is not None:
-            states = shard.replicas
-            replicas = [a for a in replicas if states[(a.replica, a.dp_rank)].group in groups]
-        if feedback is not None:  # audit feedback: cap replicas whose engines reuse less
-            replicas = feedback.apply(shard.model, replicas, shard.block_size,
-                                      prefix=hashes[0] if hashes else None)
-        if top_k is not None and not rank:
-            del replicas[top_k:]  # ranked by resumable tokens: the rest need no price
-        pricer = self.pricer(shard.model)
-        for r in replicas:
-            r.price = pricer(r, n_tokens)
-        if rank:
-            replicas.sort(key=_by_price)
-        if top_k is not None:
-            del replicas[top_k:]
-        out = LookupAnswer(shard.model, n_tokens, shard.block_size, replicas)
-        if rank and replicas:
-            out.prefetch = self.prefetch_plan(shard.model, replicas[0])
-        return out
+               top_k: int | None = None, feedback: index.Feedback | None = None,
+               groups: frozenset[int] | None = None) -> LookupAnswer:
+        """The Index's answer (kvidx.index.answer) priced with the model's rates, now."""
+        self.check_top_k(top_k)
+        model = shard.model
+        return index.answer(shard, hashes, n_tokens, self.pricer(model), time.time(), rank=rank, top_k=top_k,
+                            feedback=feedback, groups=groups, prefetch_bytes=self.prefetch_bytes(model))
 
     def answer_json(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
-                    top_k: int | None = None, feedback=None) -> tuple[bytes, int, int]:
-        """`answer` as JSON: (bytes, the first replica's resumable tokens, how many replicas). Written
-        by the compiled core where the shard allows (ShardWalk.lookup_json), else the typed answer
-        encoded; the same answer either way (tests/unit/index_service/test_answer_json.py)."""
-        if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
-            raise Reject(422, f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
-        # feedback caps, and a rank's prefetch plan, need the structs
-        if (feedback is None or not feedback.by_model.get(shard.model)) and not (
-                rank and self.prefetch_on(shard.model)):
-            pricer = self.pricer(shard.model)
-            fast = shard.lookup_json(hashes, n_tokens, time.time(), pricer.per_token, pricer.load_cost,
-                                     rank, top_k)
-            if fast is not None:
-                return fast
-        answer = self.answer(shard, hashes, n_tokens, rank, top_k, feedback)
-        replicas = answer.replicas
-        return _encode(answer), replicas[0].resumable_tokens if replicas else 0, len(replicas)
+                    top_k: int | None = None, feedback: index.Feedback | None = None
+                    ) -> tuple[bytes, int, int]:
+        """`answer` as JSON (kvidx.index.answer_json): (bytes, best resumable tokens, replicas)."""
+        self.check_top_k(top_k)
+        model = shard.model
+        return index.answer_json(shard, hashes, n_tokens, self.pricer(model), time.time(), rank=rank,
+                                 top_k=top_k, feedback=feedback, prefetch_bytes=self.prefetch_bytes(model))
 
     def lookup(self, req: LookupRequest, rank: bool = False, feedback=None) -> LookupAnswer:
         """A JSON lookup request (token_ids or block_hashes + prompt_tokens) answered."""
@@ -229,8 +185,10 @@ class QueryPipeline:
                           req.evicting_tokens)
         hints = self.store.config.model(shard.model).hints
         # the plan and the queues from the replicas' state before this decision's own pending credit
-        hint = self._route_prefetch(shard, d) if hints.prefetch and not elsewhere else None
-        queues = self._queues(shard, d.ts) if hints.sessions and not elsewhere else {}
+        pricer = self.pricer(shard.model)
+        hint = (index.replica_plan(shard, d.block_hashes, d.prompt_tokens, d.ts, d.replica, d.dp_rank, pricer,
+                                   hints.kv_bytes_per_token) if hints.prefetch and not elsewhere else None)
+        queues = index.queues(shard, d.ts, pricer) if hints.sessions and not elsewhere else {}
         applied = self.store.apply_route(d)
         if applied and self.store.publish_route is not None:
             self.store.publish_route(d)
@@ -242,24 +200,6 @@ class QueryPipeline:
             self._session_hints(d, shard.block_size, queues, hints.placement_tokens_per_s,
                                 hints.kv_bytes_per_token)
         return d, applied, hint
-
-    def _route_prefetch(self, shard: ModelShard, d: RouteDecision) -> PrefetchHint | None:
-        """The decided replica's plan: its answer's tier runs, from the shard's lookup."""
-        for a in shard.lookup(d.block_hashes, d.prompt_tokens, d.ts, None):
-            if a.replica == d.replica and a.dp_rank == d.dp_rank:
-                a.price = self.pricer(shard.model)(a, d.prompt_tokens)
-                return self.prefetch_plan(shard.model, a)
-        return None
-
-    def _queues(self, shard: ModelShard, now: float) -> dict[str, float]:
-        """Seconds of prefill routed to each replica (DP rank 0) and not yet confirmed: the price's queue,
-        read from the pending credit without a lookup."""
-        pending = shard.pending
-        if len(pending):
-            pending.expire(now)
-        per_token = self.pricer(shard.model).per_token
-        return {st.replica: pending.inflight.get(st.slot, 0) * per_token
-                for st in index.replicas(shard) if st.dp_rank == 0}
 
     def _session_hints(self, d: RouteDecision, block_size: int, queues: dict[str, float],
                        copy_tps: float, bytes_per_token: int) -> None:

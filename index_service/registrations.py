@@ -15,7 +15,7 @@ import time
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Producer, TopicPartition
 
 from kvidx.kafka.config import client_config
-from kvidx.ops.kafkalog import consumer
+from kvidx.kafka.log import consumer
 from schemas.registrations import (
     CONDUCTOR_KEY_PREFIX,
     SGLANG_KEY_PREFIX,

@@ -28,7 +28,7 @@ def freshness(shard: ModelShard, now: float) -> dict:
         "apply_lag_ms_max": round(max(lags), 3) if lags else None,
         "seq_gaps": sum(st.seq_gaps for st in states),
         "duplicates": sum(st.duplicates for st in states),
-        "age_clock": "engine",  # the ages start on the events' own times (kvidx.core.answers.Freshness)
+        "age_clock": "engine",  # the ages start on the events' own times (schemas.answers.Freshness)
     }
 
 

@@ -9,9 +9,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvidx.config import Config, ShardSettings
-from kvidx.core.answers import PrefetchHint
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.shard import ModelShard
+from schemas.answers import PrefetchHint
 from schemas.events import EventBatch
 from schemas.hints import HintRecord
 from schemas.routes import RouteDecision

@@ -185,7 +185,7 @@ def _relay_http(adapter, args, sink, stop) -> int:
 
 
 def cmd_resync(args) -> int:
-    from kvidx.ops.kafkalog import bootstrap_of
+    from kvidx.kafka.log import bootstrap_of
     from relays.control import send_resync
     from schemas.events import topic_names
 
@@ -997,7 +997,7 @@ _TIME_OPTIONS = ("--from", "--to", "--until", "--since")
 def _relative_times(argv: list[str]) -> list[str]:
     """`--from -1d` as the README writes it: argparse takes a value starting with "-" for an option
     unless it is a number, so a relative time is joined to its option (`--from=-1d`)."""
-    from kvidx.ops.kafkalog import is_relative_time
+    from kvidx.kafka.log import is_relative_time
 
     out: list[str] = []
     i = 0

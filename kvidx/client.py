@@ -12,7 +12,7 @@
 
 `AsyncKvidxClient` has the same methods as coroutines. Both keep connections open (httpx pools),
 send token ids in kvidx's binary form (packed uint32: no JSON to encode or parse) where the route has
-one, and decode answers into kvidx's own types (kvidx.core.answers.LookupAnswer). Retries: requests
+one, and decode answers into kvidx's own types (schemas.answers.LookupAnswer). Retries: requests
 that cannot change the index twice (lookups, rank, a route: its request id makes a repeat a no-op,
 status) are retried on connection errors and on 429/502/503/504 with exponential backoff and full
 jitter; a usage report only when the connection was never made. Every other error is a KvidxError with
@@ -32,8 +32,8 @@ import httpx
 import msgspec
 import numpy as np
 
-from index_service.responses import Health, Models, RouteAccepted, UsageAccepted
-from kvidx.core.answers import LookupAnswer
+from schemas.answers import LookupAnswer
+from schemas.service import Health, Models, RouteAccepted, UsageAccepted
 
 T = TypeVar("T")
 RETRY_STATUSES = frozenset({429, 502, 503, 504})

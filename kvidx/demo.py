@@ -28,13 +28,13 @@ from index_service.follower import KafkaFollower
 from index_service.http_protocol import server_config
 from index_service.store import ShardStore
 from kvidx.client import KvidxClient, KvidxError, Retry, UnknownModel
-from kvidx.core.answers import ReplicaAnswer
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.shadow import Agreement
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink, StoreSink
 from relays.zmq_source import ZmqSource
+from schemas.answers import ReplicaAnswer
 
 MODEL = "demo-llama"
 ENGINE_BLOCK = 32

@@ -1,7 +1,7 @@
 """Shadow audit: replay a recorded engine stream through the relay and fold code, and compare what
 the index would have credited each request at its send time with what the engine really reused.
-One loop for every engine (`replay_requests`); each engine's adapter only turns its recording into
-batches (kvidx.engines: `EngineAdapter.replay`).
+One loop for every engine (kvidx.engines.recording.replay_requests); each engine's adapter only turns
+its recording into batches (kvidx.engines: `EngineAdapter.replay`).
 
 recall = sum(min(credited, reused)) / sum(reused); over_credit = sum(max(credited - reused, 0)) /
 sum(reused). The request log holds prompt token ids (read here, never stored or logged).
@@ -10,7 +10,7 @@ sum(reused). The request log holds prompt token ids (read here, never stored or 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +22,7 @@ from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions, ShadowResult, set_aside_counts
 from kvidx.engines import get as get_engine
 from kvidx.engines.contract import Frame, PublisherRelays, SequencedRelay
-from kvidx.engines.recording import read_frames, split_at_lookups
-from schemas.events import EventBatch
+from kvidx.engines.recording import read_frames, replay_requests, split_at_lookups
 
 
 @dataclass
@@ -112,24 +111,6 @@ def load_requests(path: str | Path) -> list[dict]:
     return reqs
 
 
-def replay_requests(batches: Iterable[tuple[int, Callable[[], list[EventBatch]]]], requests: list[dict],
-                    fold: Callable[[int, EventBatch], None]) -> Iterator[dict]:
-    """The shadow loop, once for every engine: the requests that succeeded, in send order, each
-    yielded once every engine message received (recv_ns) at or before its send time went through
-    its relay and the relay's batches were folded (or at its `t_ns`, when it has one)."""
-    it = iter(batches)
-    nxt = next(it, None)
-    for r in requests:
-        if r.get("status", 200) != 200:
-            continue
-        t_ns = r["t_ns"] if "t_ns" in r else int(r["t_send"] * 1e9)
-        while nxt is not None and nxt[0] <= t_ns:
-            for b in nxt[1]():
-                fold(nxt[0], b)
-            nxt = next(it, None)
-        yield r
-
-
 def shadow_batches(batches, requests: list[dict], shard: ModelShard, pending_ttl: float = 0.0,
                    replica: str | None = None) -> Agreement:
     """Fold `batches` (a kvidx.engines.Batches) into `shard` and tally each request's credit on its
@@ -145,7 +126,7 @@ def shadow_batches(batches, requests: list[dict], shard: ModelShard, pending_ttl
                                tails=True)
         to = replica if replica is not None else r.get("replica")
         now = r["t_ns"] / 1e9 if "t_ns" in r else r["t_send"]
-        credited = shard.credited(hashes, len(tokens), to, r.get("dp_rank"), now=now)
+        credited = index.credited(shard, hashes, len(tokens), to, r.get("dp_rank"), now=now)
         if pending_ttl > 0 and r.get("replica", "") is not None:  # an explicit null: not routed
             shard.add_pending(to or batches.default_replica(), r.get("dp_rank") or 0, hashes, len(tokens),
                               credited, r["t_send"] + pending_ttl)

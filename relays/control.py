@@ -13,8 +13,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from kvidx.kafka.config import client_config
 from kvidx.kafka.delivery import require_delivered
+from kvidx.kafka.log import watermarks
 from schemas.control import CONTROL_VERSION, ResyncRequest, decode_control, encode_control
-from streams.snapshots import watermarks
 
 log = logging.getLogger("kvidx.relay")
 

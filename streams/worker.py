@@ -34,8 +34,9 @@ from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
 from kvidx.core.shard import NATIVE_FOLD, ModelShard
 from kvidx.core.snapshot import SnapshotFormatError
 from kvidx.kafka.config import client_config, faust_credentials
+from kvidx.kafka.snapshots import read_snapshot_logs
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC
-from streams.snapshots import LocalStore, SnapshotLog, SnapshotTopic, read_snapshot_logs
+from streams.snapshots import LocalStore, SnapshotLog, SnapshotTopic
 
 log = logging.getLogger("kvidx.streams")
 

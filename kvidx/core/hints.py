@@ -8,8 +8,8 @@ of their load time the queue can hide (min(load, queue wait)); its cost the byte
 
 from __future__ import annotations
 
-from kvidx.core.answers import PrefetchHint, PrefetchRun, ReplicaAnswer
 from kvidx.core.price import Pricer
+from schemas.answers import PrefetchHint, PrefetchRun, ReplicaAnswer
 
 __all__ = ["PrefetchHint", "PrefetchRun", "prefetch_hint"]
 

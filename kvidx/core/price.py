@@ -1,5 +1,6 @@
 """Prefix price: what it costs a replica to serve a prompt, so a router can compare a GPU hit on a
-busy replica with a pool hit on an idle one.
+busy replica with a pool hit on an idle one. The one router cost: the service prices its answers with
+it, the simulator's routers choose by it (their own load signal passed in as the queue).
 
 total = queue (prefill of the requests routed to it and not yet confirmed) + loading the cached part
 from its tiers + recomputing the rest. Seconds, from per-model rates (PriceConfig, read from the
@@ -9,9 +10,11 @@ Computed for every replica of every lookup: kept to a few operations per replica
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
-from kvidx.core.answers import Price, ReplicaAnswer
+from schemas.answers import Price, ReplicaAnswer
 
 
 class PriceConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -21,6 +24,14 @@ class PriceConfig(msgspec.Struct, forbid_unknown_fields=True):
         "GPU": 0.0, "CPU": 150_000.0, "DISK": 40_000.0, "NODE_SHARED": 100_000.0, "POOL": 25_000.0})
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """A prefetch plan the replica follows with probability `compliance`, `delay_s` after the decision:
+    a followed plan's load overlaps the queue wait (max of the two, not their sum)."""
+    compliance: float
+    delay_s: float
+
+
 class Pricer:
     def __init__(self, cfg: PriceConfig):
         self.per_token = 1.0 / cfg.recompute_tokens_per_s
@@ -28,6 +39,7 @@ class Pricer:
         self.load_cost = {t: (1.0 / r if r > 0 else 0.0) for t, r in cfg.load_tokens_per_s.items()}
 
     def __call__(self, answer: ReplicaAnswer, n_tokens: int) -> Price:
+        """`answer`'s price, its queue the prefill routed to its replica and not yet confirmed."""
         resumable = answer.resumable_tokens
         load_s = 0.0
         if resumable:
@@ -42,7 +54,26 @@ class Pricer:
         prefill = n_tokens - resumable
         prefill_s = prefill * self.per_token
         queue_s = answer.inflight_prefill_tokens * self.per_token
-        return Price(prefill, prefill_s, load_s, queue_s, queue_s + load_s + prefill_s)
+        return Price(prefill, prefill_s, load_s, queue_s, total_s(prefill_s, load_s, queue_s))
+
+    def cost_s(self, answer: ReplicaAnswer | None, n_tokens: int, queue_s: float, queue_weight: float = 1.0,
+               overlap: Overlap | None = None) -> float:
+        """The router's cost, in seconds, of sending an `n_tokens` prompt to `answer`'s replica (None:
+        nothing cached there) whose queue the caller measured (`queue_s`, weighed by `queue_weight`)."""
+        if answer is None or not answer.resumable_tokens:
+            return total_s(n_tokens * self.per_token, 0.0, queue_s, queue_weight)
+        p = self(answer, n_tokens)
+        return total_s(p.prefill_s, p.load_s, queue_s, queue_weight, overlap)
+
+
+def total_s(prefill_s: float, load_s: float, queue_s: float, queue_weight: float = 1.0,
+            overlap: Overlap | None = None) -> float:
+    """A replica's total: its weighed queue, the load of its cached tokens (overlapping the real queue
+    where a prefetch plan is followed) and the prefill of the rest."""
+    if load_s and overlap is not None:
+        c = overlap.compliance
+        load_s = c * max(0.0, overlap.delay_s + load_s - queue_s) + (1 - c) * load_s
+    return queue_weight * queue_s + load_s + prefill_s
 
 
 def price(answer: ReplicaAnswer, n_tokens: int, cfg: PriceConfig) -> Price:

@@ -27,13 +27,13 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
-from kvidx.core.answers import Tier
 from kvidx.core.foresight import Foresight, HostLoads
 from kvidx.core.maskmap import MaskMap, native_module
 from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
 from kvidx.core.snapshot import ShardSnapshot
 from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, ShardWalk, window_blocks
+from schemas.answers import Tier
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 _LAST_TIER = len(TIERS) - 1  # where an unknown tier name is filed (the slowest)

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvidx.core.answers import Freshness, Group, ReplicaAnswer, Tier
 from kvidx.core.hashing import PromptHashes
 from kvidx.core.maskmap import lookup_json as native_lookup_json
 from kvidx.core.maskmap import walk_masks
 from kvidx.core.masks import or_masks, run_end, slots_of
+from schemas.answers import Freshness, Group, ReplicaAnswer, Tier
 from schemas.events import TIER_IDS, TIERS
 
 if TYPE_CHECKING:

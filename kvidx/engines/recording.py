@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
 from kvidx.engines.contract import Frame
+from schemas.events import EventBatch
 
 
 def frame_to_line(frame: Frame) -> str:
@@ -120,3 +121,21 @@ def split_at_lookups(frames: Iterable[Frame], cuts: Iterable[tuple[int, int]]
         for k in ks:
             at[(seq, k)] = last + 1
     return out, at
+
+
+def replay_requests(batches: Iterable[tuple[int, Callable[[], list[EventBatch]]]], requests: list[dict],
+                    fold: Callable[[int, EventBatch], None]) -> Iterator[dict]:
+    """The shadow loop, once for every engine: the requests that succeeded, in send order, each
+    yielded once every engine message received (recv_ns) at or before its send time went through
+    its relay and the relay's batches were folded (or at its `t_ns`, when it has one)."""
+    it = iter(batches)
+    nxt = next(it, None)
+    for r in requests:
+        if r.get("status", 200) != 200:
+            continue
+        t_ns = r["t_ns"] if "t_ns" in r else int(r["t_send"] * 1e9)
+        while nxt is not None and nxt[0] <= t_ns:
+            for b in nxt[1]():
+                fold(nxt[0], b)
+            nxt = next(it, None)
+        yield r

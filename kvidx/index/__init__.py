@@ -3,17 +3,28 @@ the service's metrics, the simulator and the tools ask of a shard, as functions 
 outside kvidx/core and kvidx/index reaches into a shard's members (tests/unit/test_layout.py).
 
 Every walk is over the shard's lookup group (its first full-attention group) and canonical block
-hashes; callers hold the store's lock as for any read. This is the first part of the one read-side
-API (issue "One read-side Index"): the priced lookup still lives in kvidx.core.walk and
-index_service.query.
+hashes; callers hold the store's lock as for any read. The lookup answer itself (priced, ranked,
+merged over instances) is kvidx/index/lookups.py, exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvidx.core.masks import or_masks, run_end, slots_of
 from kvidx.core.shard import ModelShard, ReplicaState
+from kvidx.index.lookups import (  # noqa: F401 - the read side's one API
+    Feedback,
+    answer,
+    answer_json,
+    credited,
+    lookup,
+    merge,
+    merge_answer,
+    prefetch_plan,
+    queues,
+    replica_plan,
+)
 from schemas.events import TIER_IDS
 
 holders = slots_of  # the slots of a mask, lowest first
@@ -55,6 +66,12 @@ def prefix_hits(shard: ModelShard, hashes: list[int], tier: str | None = None) -
         return {}
     m = g.any if tier is None else g.tiers.get(TIER_IDS[tier])
     return dict(m.walk(hashes)) if m is not None else {}
+
+
+def prefix_walk(shard: ModelShard) -> Callable[[list[int]], dict[int, int]]:
+    """The shard's prefix walk, bound once for a loop of many prompts: hashes -> slot -> the leading
+    blocks it holds in any tier or in a pool it reads (the hit a lookup starts from)."""
+    return shard.prefix_blocks
 
 
 def held_in(shard: ModelShard, tiers: Sequence[str], hashes: list[int]) -> list[int]:

@@ -36,8 +36,8 @@ from pathlib import Path
 import msgspec
 
 from kvidx.kafka.delivery import flush_until
+from kvidx.kafka.log import add_kafka_args, bootstrap_of, iso, parse_time, read_range
 from kvidx.ops.hint_audit import audit_hints
-from kvidx.ops.kafkalog import add_kafka_args, bootstrap_of, iso, parse_time, read_range
 from kvidx.shadow import Agreement
 from schemas.events import decode_batch, topic_names
 from schemas.hints import decode_hint

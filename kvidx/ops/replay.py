@@ -42,16 +42,15 @@ from pathlib import Path
 import msgspec
 from confluent_kafka import Producer
 
+from kvidx import index
 from kvidx.config import ShardSettings
-from kvidx.core.answers import ReplicaAnswer
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.groups import shard_key
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.kafka.config import client_config
 from kvidx.kafka.delivery import require_delivered
-from kvidx.kafka.topics import EVENTS_RETENTION_MS, create_topics, partition_for
-from kvidx.ops.kafkalog import (
+from kvidx.kafka.log import (
     Progress,
     add_kafka_args,
     bootstrap_of,
@@ -63,11 +62,14 @@ from kvidx.ops.kafkalog import (
     read,
     read_range,
     topic_prefix,
+    watermarks,
 )
+from kvidx.kafka.snapshots import CHUNK, read_snapshots
+from kvidx.kafka.topics import EVENTS_RETENTION_MS, create_topics, partition_for
+from schemas.answers import ReplicaAnswer
 from schemas.events import topic_names
 from schemas.routes import decode_route
 from schemas.usage import decode_usage
-from streams.snapshots import CHUNK, read_snapshots, watermarks
 
 log = logging.getLogger("kvidx.ops.replay")
 HISTORY_TOPIC = "kvidx.history.v1"
@@ -411,7 +413,7 @@ def lookup_prompts(r: Replay, prompts: list[dict]) -> list[dict]:
         hashes = prompt_hashes(p["token_ids"], r.shard.block_size, p["lora_name"], p["cache_salt"],
                                lookahead=r.shard.lookahead)
         out.append({"name": p["name"], "prompt_tokens": len(p["token_ids"]),
-                    "replicas": r.shard.lookup(hashes, len(p["token_ids"]), r.at)})
+                    "replicas": index.lookup(r.shard, hashes, len(p["token_ids"]), r.at)})
     return out
 
 
@@ -470,7 +472,7 @@ def explain(bootstrap: str, names: dict[str, str], request_id: str, model: str |
         raise LookupError(f"no routing decision {request_id!r} in {names['routes']}"
                           + (f" for model {model!r}" if model else ""))
     r = replay(bootstrap, names, d.model, until=d.ts, exclude_routes=frozenset({request_id}), **replay_kw)
-    answers = r.shard.lookup(d.block_hashes, d.prompt_tokens, d.ts)
+    answers = index.lookup(r.shard, d.block_hashes, d.prompt_tokens, d.ts)
     bs = r.shard.block_size
     usage = find_usage(bootstrap, names, request_id, d.model, d.ts) if "usage" in names else None
     reps = []

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from kvidx.core.answers import ReplicaAnswer
 from kvidx.core.hints import prefetch_hint
 from kvidx.core.sessions import Session, SessionTracker
 from kvidx.sim.serving import HintCounts, ServingModel
 from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests
+from schemas.answers import ReplicaAnswer
 
 HINT_KINDS = ("prefetch", "placement", "eviction")
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvidx.client import KvidxClient, UnknownModel
 from kvidx.config import Config
-from kvidx.core.answers import ReplicaAnswer
+from schemas.answers import ReplicaAnswer
 
 ROOT = Path(__file__).resolve().parents[2]
 Answers = Callable[[str, np.ndarray], list[ReplicaAnswer]]  # (model, prompt) -> per-replica answers

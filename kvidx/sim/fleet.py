@@ -78,9 +78,8 @@ from index_service.store import ShardStore
 from kvidx import index as index_reads  # `index` names the simulator's index side here
 from kvidx.client import KvidxClient, UnknownModel
 from kvidx.config import Config, ModelConfig, PoolConfig
-from kvidx.core.answers import ReplicaAnswer, merge_replicas
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.price import PriceConfig
+from kvidx.core.price import Overlap, PriceConfig
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
@@ -97,6 +96,7 @@ from kvidx.sim.trtllm_engine import SimTrtllmEngine
 from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, external_hash
 from kvidx.sim.workloads import SimRequest
 from relays.run import Relay
+from schemas.answers import ReplicaAnswer
 from schemas.events import EventBatch, ReplicaCleared
 
 POLICIES = ("kv", "kv_hints", "random", "round_robin", "least_loaded")
@@ -840,7 +840,7 @@ class _IndexSide:
             shard = self.store.shards.get(model)
             if shard is not None:
                 self.last_hashes = self._hashes(shard, prompt)
-            answers = shard.lookup(self.last_hashes, len(prompt), t) if shard is not None else []
+            answers = index_reads.lookup(shard, self.last_hashes, len(prompt), t) if shard is not None else []
             if self.instances and self.last_hashes is not None:
                 answers = self._fanout_lookup(model, self.last_hashes, len(prompt), t, answers)
                 self.recent.append((model, prompt))
@@ -862,8 +862,9 @@ class _IndexSide:
         self._full_credit = {a.replica: a.resumable_tokens for a in full if a.dp_rank == 0}
         t0 = time.perf_counter()
         order = self.instances[i:] + self.instances[:i]  # its own first, then the others
-        parts = [s.lookup(hashes, n, t) for s in (st.shards.get(model) for st in order) if s is not None]
-        merged = merge_replicas(parts)
+        shards = [s for s in (st.shards.get(model) for st in order) if s is not None]
+        parts = [index_reads.lookup(s, hashes, n, t) for s in shards]
+        merged = index_reads.merge(parts)
         self.fanout_us.append((time.perf_counter() - t0) * 1e6)
         if answer_key(merged) != answer_key(full):
             self.fanout_mismatches += 1
@@ -906,7 +907,7 @@ class _IndexSide:
 
         def full(model: str, prompt: np.ndarray) -> list[ReplicaAnswer]:
             shard = self.store.shards[model]
-            return shard.lookup(self._hashes(shard, prompt), len(prompt), t_end)
+            return index_reads.lookup(shard, self._hashes(shard, prompt), len(prompt), t_end)
 
         assert self.split is not None
         procs = census(self.cfg.bootstrap, self.cfg.topic_prefix, self.split, self.cfg.index_block,
@@ -1081,34 +1082,24 @@ def _serving_model(cfg: FleetConfig, names: list[str], n_requests: int) -> Servi
 
 
 class _Router:
-    """One routing policy over a model's replicas. The KV-aware one prices a replica, in prefill tokens,
-    by the tokens left after the index's resumable tokens, the load of the resumable tokens held below
-    GPU memory (their seconds at the replica's prefill rate) and `load_weight` x its queued prefill;
-    kv_hints prices the same but knows that a followed prefetch overlaps the load with the queue wait
-    (max of the two instead of their sum, at the hints' compliance). Ties, and the random policy, draw
-    from `rng` (one draw per replica per request for kv and least_loaded)."""
+    """One routing policy over a model's replicas. The KV-aware one sends a request where the service's
+    router cost (kvidx.core.price.Pricer.cost_s) is lowest, its queue the replica's queued prefill
+    weighed by `load_weight`; kv_hints prices the same but knows that a followed prefetch overlaps the
+    load with the queue wait (at the hints' compliance). Ties, and the random policy, draw from `rng`
+    (one draw per replica per request for kv and least_loaded)."""
 
     def __init__(self, policy: str, cfg: FleetConfig, rng: random.Random, serving: ServingModel,
                  hints: HintFollower) -> None:
         self.policy = policy
         self.rng = rng
         self.serving = serving
-        self.hints = hints  # whether prefetch is on, its compliance and delay
+        self.overlap = Overlap(hints.compliance, hints.delay_s) if hints.prefetch_on else None
         self.load_weight = cfg.load_weight
         self.rr = {m: 0 for m in cfg.models}
 
     def _price(self, name: str, n: int, ans: ReplicaAnswer | None, t: float) -> float:
         sv = self.serving
-        resumable = ans.resumable_tokens if ans is not None else 0
-        queue = max(0.0, sv.busy_until[name] - t)
-        price = n - resumable + self.load_weight * sv.prefill_tps * queue
-        load = sv.load_s(ans, n)
-        if load and self.hints.prefetch_on:  # the load overlaps the replica's real queue, whatever its weight
-            c = self.hints.compliance
-            price += sv.prefill_tps * (c * max(0.0, self.hints.delay_s + load - queue) + (1 - c) * load)
-        elif load:
-            price += sv.prefill_tps * load
-        return price
+        return sv.pricer.cost_s(ans, n, max(0.0, sv.busy_until[name] - t), self.load_weight, self.overlap)
 
     def choose(self, model: str, reps: list[SimReplica], n: int, answers: dict[str, ReplicaAnswer],
                t: float) -> SimReplica:

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvidx.core.answers import ReplicaAnswer
 from kvidx.core.hints import PrefetchHint
 from kvidx.core.price import PriceConfig, Pricer
+from schemas.answers import ReplicaAnswer
 
 
 @dataclass

@@ -356,7 +356,7 @@ pub fn lookup_json<'py>(
         push_int(&mut out, r.seq);
         out.extend_from_slice(b",\"seq_gaps\":");
         push_int(&mut out, r.seq_gaps);
-        // the clock the ages start on (kvidx.core.answers.Freshness.age_clock)
+        // the clock the ages start on (schemas.answers.Freshness.age_clock)
         out.extend_from_slice(b",\"age_clock\":\"engine\"},\"price\":{\"prefill_tokens\":");
         push_int(&mut out, r.prefill);
         out.extend_from_slice(b",\"prefill_s\":");

@@ -10,8 +10,8 @@ import time
 
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.recording import read_frames
+from kvidx.kafka.snapshots import read_snapshots
 from kvidx.shadow import InProcessIndex, load_requests
-from streams.snapshots import read_snapshots
 from tests.helpers import ROOT
 
 BS = 16
@@ -59,7 +59,7 @@ def wait_snapshots(bootstrap, topic, want: dict[str, int], proc, log_path, timeo
 
 
 def ready(b, topics):
-    from kvidx.ops.kafkalog import consumer, offsets_at, partitions
+    from kvidx.kafka.log import consumer, offsets_at, partitions
 
     c = consumer(b, "test")
     try:

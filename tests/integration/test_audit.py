@@ -16,13 +16,13 @@ from index_service.follower import KafkaFollower, RoutePublisher
 from index_service.store import ShardStore
 from kvidx.cli import main
 from kvidx.core.hashing import prompt_hashes
+from kvidx.kafka.log import read_range
 from kvidx.ops.audit import UsagePublisher
 from kvidx.ops.feedback import (
     FeedbackFollower,
     ensure_feedback_topic,
     run_feedback,
 )
-from kvidx.ops.kafkalog import read_range
 from relays.sinks import KafkaSink
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 from schemas.routes import ROUTES_VERSION, RouteDecision, encode_route

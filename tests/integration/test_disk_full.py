@@ -7,8 +7,9 @@ import pytest
 
 from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.kafka.snapshots import read_snapshots
 from schemas.events import encode_batch
-from streams.snapshots import LocalStore, read_snapshots
+from streams.snapshots import LocalStore
 from streams.worker import LOCAL_ERRORS, ShardWorker
 from tests.helpers import LLAMA
 from tests.integration.helpers import answers, expected_shard, prompts

@@ -16,10 +16,10 @@ from index_service.fanout import Announcer, Fanout, PeerDirectory
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.config import Config, ModelConfig
-from kvidx.core.answers import LOOKUP_ANSWER_DECODER
 from kvidx.core.hashing import prompt_hashes
 from relays.run import play_recording
 from relays.sinks import KafkaSink
+from schemas.answers import LOOKUP_ANSWER_DECODER
 from tests.helpers import LLAMA, ServerThread, wait_for
 from tests.integration.helpers import both_assigned, group_worker, prompts, stop_workers
 

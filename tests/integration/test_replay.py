@@ -13,8 +13,8 @@ from index_service.follower import KafkaFollower, RoutePublisher
 from index_service.store import ShardStore
 from kvidx.cli import main
 from kvidx.core.hashing import prompt_hashes
+from kvidx.kafka.log import iso
 from kvidx.ops.audit import UsagePublisher
-from kvidx.ops.kafkalog import iso
 from kvidx.ops.replay import checkpoint, explain, replay
 from relays.sinks import KafkaSink
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared

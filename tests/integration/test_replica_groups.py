@@ -13,10 +13,10 @@ from index_service.store import ShardStore
 from kvidx.config import Config, ModelConfig
 from kvidx.core.groups import hashed_group, shard_key
 from kvidx.engines.recording import read_frames
+from kvidx.kafka.snapshots import read_snapshots
 from kvidx.kafka.topics import group_partition
 from relays.run import play_recording
 from relays.sinks import KafkaSink, StoreSink
-from streams.snapshots import read_snapshots
 from tests.helpers import LLAMA
 from tests.integration.helpers import (
     answers,

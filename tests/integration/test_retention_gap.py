@@ -7,9 +7,9 @@ import pytest
 
 from index_service.store import ShardStore
 from kvidx.engines.recording import read_frames
+from kvidx.kafka.log import watermarks
 from relays.run import play_recording
 from relays.sinks import KafkaSink
-from streams.snapshots import watermarks
 from tests.helpers import LLAMA
 from tests.integration.helpers import fresh_service, start_worker, stop_workers, wait_snapshots
 

@@ -7,11 +7,11 @@ rebuilds exactly the in-process fold."""
 import msgspec
 import pytest
 
-import streams.snapshots as snapshots
+import kvidx.kafka.snapshots as snapshots
 from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.kafka.snapshots import Manifest, read_snapshot_logs
 from schemas.events import encode_batch
-from streams.snapshots import Manifest, read_snapshot_logs
 from streams.worker import SNAP_BYTES, ShardWorker
 from tests.helpers import LLAMA
 from tests.integration.helpers import answers, expected_shard, prompts

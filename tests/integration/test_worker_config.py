@@ -14,8 +14,8 @@ from index_service.store import ShardStore
 from kvidx.config import load_config
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.recording import read_frames
+from kvidx.kafka.snapshots import read_snapshots
 from kvidx.shadow import InProcessIndex, load_requests
-from streams.snapshots import read_snapshots
 from tests.helpers import LLAMA, ROOT
 from tests.integration.helpers import fresh_service
 

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from kvidx.engines.recording import read_frames
+from kvidx.kafka.snapshots import read_snapshots
 from kvidx.shadow import InProcessIndex
 from relays.run import play_recording
 from relays.sinks import KafkaSink
-from streams.snapshots import read_snapshots
 from tests.helpers import GEMMA, LLAMA
 from tests.integration.helpers import answers, both_assigned, prompts, stop_workers
 from tests.integration.helpers import group_worker as worker

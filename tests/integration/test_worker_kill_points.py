@@ -16,10 +16,10 @@ import pytest
 
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
+from kvidx.kafka.snapshots import read_snapshots
 from kvidx.shadow import load_requests
 from relays.run import play_recording
 from relays.sinks import KafkaSink
-from streams.snapshots import read_snapshots
 from tests.helpers import GEMMA, LLAMA, ROOT, ListSink
 from tests.integration.helpers import fresh_service
 

@@ -46,6 +46,64 @@ def violations(folder: str, allowed, forbidden=()) -> list[str]:
     return bad
 
 
+# the import order, lowest first: a module imports its own layer's and lower layers' modules only; the
+# processes (one layer) do not import each other. The routers' client depends on schemas only.
+LAYERS: list[tuple[str, ...]] = [
+    ("schemas",),
+    ("kvidx.core",),
+    ("kvidx.index",),
+    ("kvidx.engines",),
+    ("kvidx.config", "kvidx.kafka", "kvidx.ready", "kvidx.logfmt", "kvidx.clihelp"),  # every process uses
+    ("relays", "streams", "index_service"),  # the processes, each assembling itself
+    ("kvidx.ops", "kvidx.sim", "kvidx.demo", "kvidx.shadow", "kvidx.simulate"),  # tools over them
+    ("kvidx.cli",),  # parsing only
+]
+PROCESSES = LAYERS[5]
+
+
+def _home(module: str) -> tuple[int, str] | None:
+    """(layer, the layer's package the module is in), or None (kvidx's own __init__, the client)."""
+    for i, layer in enumerate(LAYERS):
+        for pkg in layer:
+            if module == pkg or module.startswith(pkg + "."):
+                return i, pkg
+    return None
+
+
+def order_violations() -> list[str]:
+    bad = []
+    for folder in PROJECT:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            me = _home(".".join(path.relative_to(ROOT).with_suffix("").parts))
+            if me is None:
+                continue
+            for line, mod in imports(path):
+                it = _home(mod)
+                if it is None:
+                    continue
+                if it[0] > me[0] or (me[0] == LAYERS.index(PROCESSES) and it[0] == me[0] and it[1] != me[1]):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} ({me[1]}) imports {mod} ({it[1]})")
+    return bad
+
+
+def test_imports_run_one_way():
+    assert order_violations() == []
+
+
+def test_the_order_rule_catches_an_upward_import():
+    probe = ROOT / "relays" / "_layout_probe.py"
+    probe.write_text("def f():\n    from streams.worker import main\n")
+    try:
+        assert order_violations() == ["relays/_layout_probe.py:2 (relays) imports streams.worker (streams)"]
+    finally:
+        probe.unlink()
+
+
+def test_the_routers_client_depends_on_schemas_only():
+    mods = [mod for _, mod in imports(ROOT / "kvidx" / "client.py")]
+    assert mods and [m for m in mods if not m.startswith(("schemas.", "kvidx.client"))] == []
+
+
 def test_the_core_imports_nothing_of_the_project_but_schemas():
     assert violations("kvidx/core", allowed=("kvidx.core", "schemas")) == []
 
@@ -62,11 +120,15 @@ def test_engine_adapters_know_no_transport():
 
 # a shard's members that only kvidx/core (the state and its fold) and kvidx/index (the reads) touch
 SHARD_INTERNALS = ("by_slot", "_lookup_group", "_pools")
+# the walk: everyone else asks the Index (kvidx.index.lookup, answer, credited, ...)
+SHARD_WALK = ("lookup", "lookup_json", "credited", "prefix_blocks", "resume_points", "resume_point",
+              "tier_runs", "pending_resumable", "tail_hits", "onboard_cut", "local_first_cut")
 
 
 def shard_reaches(folder: str) -> list[str]:
     """Where code outside kvidx/core and kvidx/index reads a shard's internals: one of
-    SHARD_INTERNALS on anything but `self`, or a private member (`_x`) of a name ending in "shard"."""
+    SHARD_INTERNALS on anything but `self`, a private member (`_x`) of a name ending in "shard", or
+    walks it itself (SHARD_WALK on a name ending in "shard")."""
     bad = []
     for path in sorted((ROOT / folder).rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
@@ -77,8 +139,9 @@ def shard_reaches(folder: str) -> list[str]:
                 continue
             value = node.value
             owner = value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", "")
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
             if (node.attr in SHARD_INTERNALS and owner != "self") or (
-                    node.attr.startswith("_") and not node.attr.startswith("__") and owner.endswith("shard")):
+                    owner.endswith("shard") and (node.attr in SHARD_WALK or private)):
                 bad.append(f"{rel}:{node.lineno} reads .{node.attr}")
     return bad
 
@@ -91,8 +154,11 @@ def test_only_the_core_and_the_index_reach_into_a_shard(folder):
 def test_the_shard_rule_catches_a_reach(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "index_service").mkdir()
-    (tmp_path / "index_service" / "x.py").write_text("def f(shard):\n    return shard._lookup_group(None)\n")
-    assert shard_reaches("index_service") == ["index_service/x.py:2 reads ._lookup_group"]
+    (tmp_path / "index_service" / "x.py").write_text(
+        "def f(shard, r):\n    return shard._lookup_group(None)\n"
+        "def g(r):\n    return r.shard.lookup([1], 16, 0.0)\n")
+    assert shard_reaches("index_service") == ["index_service/x.py:2 reads ._lookup_group",
+                                              "index_service/x.py:4 reads .lookup"]
 
 
 def test_the_rules_catch_a_forbidden_import(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 KVIDX = os.path.abspath(os.environ.get("KVIDX_ROOT") or REPO)
 sys.path.insert(0, KVIDX)
+from kvidx import index  # noqa: E402
 from kvidx.core.hashing import prompt_hashes  # noqa: E402
 from kvidx.core.shard import ModelShard  # noqa: E402
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch  # noqa: E402
@@ -139,9 +140,9 @@ def main():
     del shard, apply
     gc.collect()
 
-    # ---- mixed pass: trace order, every query timed (shard.prefix_blocks = the AND-walk) ----
+    # ---- mixed pass: trace order, every query timed (index.prefix_walk = the AND-walk) ----
     shard = ModelShard("bench-model", bt)
-    apply, walk = shard.apply, shard.prefix_blocks
+    apply, walk = shard.apply, index.prefix_walk(shard)
     clock = time.perf_counter_ns
     lat = []
     ev_ns = 0

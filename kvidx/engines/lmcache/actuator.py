@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvidx.core.answers import PrefetchHint
+from schemas.answers import PrefetchHint
 
 log = logging.getLogger("kvidx.engines.lmcache.actuator")
 

@@ -49,9 +49,10 @@ def upper_bound_requests(recording, requests: list[dict], model: str, index_bloc
     (a second shard fed the same batches minus that tier)."""
     import msgspec
 
+    from kvidx import index
     from kvidx.core.hashing import prompt_hashes
     from kvidx.core.shard import ModelShard
-    from kvidx.shadow import replay_requests
+    from kvidx.engines.recording import replay_requests
     from schemas.events import BlocksRemoved, BlocksStored
 
     tier = _options(opts)["lmcache"].tier
@@ -66,8 +67,8 @@ def upper_bound_requests(recording, requests: list[dict], model: str, index_bloc
     for r in replay_requests(replay(recording, model, index_block_size, opts), requests, fold):
         tokens = r["prompt_token_ids"]
         hashes = prompt_hashes(tokens, index_block_size, r.get("lora"), r.get("cache_salt"))
-        n += (full.credited(hashes, len(tokens), r.get("replica"), r.get("dp_rank"))
-              > without.credited(hashes, len(tokens), r.get("replica"), r.get("dp_rank")))
+        n += (index.credited(full, hashes, len(tokens), r.get("replica"), r.get("dp_rank"))
+              > index.credited(without, hashes, len(tokens), r.get("replica"), r.get("dp_rank")))
     return {"upper_bound_requests": n}
 
 

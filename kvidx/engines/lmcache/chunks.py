@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from kvidx.core.answers import ReplicaAnswer
 from kvidx.core.hashing import chain, namespace_seed, pack_tokens
 from kvidx.engines.common import hold, release, stored_runs
+from schemas.answers import ReplicaAnswer
 from schemas.events import BlocksRemoved, BlocksStored, Event
 
 _xxh = xxhash.xxh3_64_intdigest

@@ -21,11 +21,11 @@ import random
 
 import msgspec
 
-from kvidx.core.answers import Group
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.sim.hybrid_engine import HybridEngine, WBatch, WRemoved, WStored, _enc
+from schemas.answers import Group
 
 
 # ---- vLLM 0.32's wire structs (kvidx/sim/hybrid_engine.py) -------------------------------------

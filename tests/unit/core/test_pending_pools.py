@@ -1,8 +1,8 @@
 """Pending credit (routed prompts count as cached until confirmed or expired) and shared pools
 (a pool's blocks count for every replica attached to it), on the pure shard."""
 
-from kvidx.core.answers import Tier
 from kvidx.core.shard import ModelShard
+from schemas.answers import Tier
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
 H = list(range(1000, 1010))  # ten canonical hashes of one chain (16-token index blocks)

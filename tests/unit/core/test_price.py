@@ -11,10 +11,10 @@ import json
 import pytest
 
 from kvidx.core import maskmap
-from kvidx.core.answers import Freshness, Price, ReplicaAnswer, Tier
 from kvidx.core.pending import PendingCredits
 from kvidx.core.price import PriceConfig, Pricer, price
 from kvidx.core.shard import ModelShard
+from schemas.answers import Freshness, Price, ReplicaAnswer, Tier
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 
 CFG = PriceConfig(recompute_tokens_per_s=1000.0,

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from kvidx.core.answers import Tier
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.core.walk import resumable
+from schemas.answers import Tier
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 rng = random.Random(3)

@@ -12,7 +12,8 @@ import pytest
 import streams.snapshots as snapshots
 from kvidx.core.maskmap import IMPLEMENTATION, PyMaskMap
 from kvidx.core.shard import ModelShard
-from streams.snapshots import Manifest, SnapshotLog, assemble, manifest_key
+from kvidx.kafka.snapshots import Manifest, assemble, chunk_keys, manifest_key
+from streams.snapshots import SnapshotLog
 from tests.unit.core.test_native_shard import _stream
 
 
@@ -50,7 +51,7 @@ class Compacted(dict):
 
 
 def _assemble_as(cls, m, get):
-    parts = [b"".join(get(k) for k in snapshots.chunk_keys(ref)) for ref in m.parts()]
+    parts = [b"".join(get(k) for k in chunk_keys(ref)) for ref in m.parts()]
     return cls.from_parts(parts)
 
 
@@ -89,7 +90,7 @@ def test_every_snapshot_rebuilds_the_live_shard(small_pieces, cls, seed):
     assert bases >= 3, "the stream must complete several bases"
     live = {k for k in store if not k.endswith("manifest")}
     m = msgspec.msgpack.decode(store[manifest_key("m")], type=Manifest)
-    named = {k for ref in m.parts() for k in snapshots.chunk_keys(ref)}
+    named = {k for ref in m.parts() for k in chunk_keys(ref)}
     assert named <= live and len(live - named) <= 40, "replaced parts are deleted"
 
 

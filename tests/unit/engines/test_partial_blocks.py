@@ -24,11 +24,11 @@ from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SEGMENTS
 from kvidx.engines.common import PartialTails
 from kvidx.engines.contract import zmq_replay
-from kvidx.engines.recording import frame_to_line
+from kvidx.engines.recording import frame_to_line, replay_requests
 from kvidx.engines.sglang.mirror import SglangMirror
 from kvidx.engines.sglang.relay import SglangPublisherRelay
 from kvidx.engines.sglang.wire import BlockRemoved, BlockStored
-from kvidx.shadow import Agreement, replay_requests, run_shadow_engine
+from kvidx.shadow import Agreement, run_shadow_engine
 from kvidx.sim.sglang_engine import SimSglangEngine, stepping_clock
 from kvidx.sim.sglang_engine import record as record_sglang
 from kvidx.sim.trtllm_engine import SimTrtllmEngine

@@ -14,8 +14,8 @@ from index_service.app import create_app
 from index_service.fanout import Announcement, Fanout, PeerDirectory
 from index_service.store import ShardStore
 from kvidx.config import Config, ModelConfig
-from kvidx.core.answers import LOOKUP_ANSWER_DECODER
 from kvidx.core.groups import hashed_group
+from schemas.answers import LOOKUP_ANSWER_DECODER
 from tests.helpers import ServerThread, random_fleet
 
 G = 4

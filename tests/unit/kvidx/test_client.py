@@ -14,8 +14,8 @@ import pytest
 
 from index_service.app import create_app
 from kvidx.client import AsyncKvidxClient, KvidxClient, KvidxError, Retry, UnknownModel
-from kvidx.core.answers import LookupAnswer
 from kvidx.core.hashing import prompt_hashes
+from schemas.answers import LookupAnswer
 from tests.helpers import SEEDED_BS, SEEDED_MODEL, ServerThread, seeded_store
 
 PROMPT = list(range(1000, 1000 + 40 * SEEDED_BS))

@@ -1,9 +1,9 @@
-"""Reading the Kafka history (kvidx/ops/kafkalog.py) without a broker: the times `--from`, `--until`
+"""Reading the Kafka history (kvidx/kafka/log.py) without a broker: the times `--from`, `--until`
 and friends accept. Over a real broker: tests/integration/test_replay.py."""
 
 import pytest
 
-from kvidx.ops.kafkalog import parse_time
+from kvidx.kafka.log import parse_time
 
 
 def test_parse_time():

@@ -1,7 +1,7 @@
 """`kvidx replay`'s summary line says how far back a replay is exact in words (a topic never truncated
 once read "exact back to unknown")."""
 
-from kvidx.ops.kafkalog import iso
+from kvidx.kafka.log import iso
 from kvidx.ops.replay import _exact_since
 
 

@@ -18,9 +18,9 @@ import zmq
 from index_service.app import create_app
 from index_service.store import ShardStore
 from kvidx.config import Config, HintsConfig, ModelConfig
-from kvidx.core.answers import PrefetchHint, PrefetchRun
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.lmcache.actuator import HintActuators, LmcacheActuator, encode, prefetch_messages
+from schemas.answers import PrefetchHint, PrefetchRun
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 from tests.helpers import ServerThread
 

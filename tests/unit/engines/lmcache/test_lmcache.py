@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from kvidx.core.answers import Freshness, ReplicaAnswer, Tier
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
@@ -21,6 +20,7 @@ from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.mirror import VllmMirror
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.wire import decode_payload, is_lmcache_store
+from schemas.answers import Freshness, ReplicaAnswer, Tier
 from schemas.events import BlocksRemoved, BlocksStored
 from tests.helpers import FIXTURES
 

@@ -13,7 +13,6 @@ import pytest
 
 from index_service.store import ShardStore
 from kvidx.config import Config, PoolConfig
-from kvidx.core.answers import Tier
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
@@ -35,6 +34,7 @@ from kvidx.engines.mooncake.wire import (
 )
 from kvidx.engines.sniff import wrong_engine
 from kvidx.shadow import Agreement, load_requests, shadow_batches
+from schemas.answers import Tier
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 from tests.helpers import FIXTURES
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from kvidx.core.answers import Tier
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
@@ -32,6 +31,7 @@ from kvidx.engines.trtllm.wire import (
 )
 from kvidx.shadow import run_shadow_engine
 from kvidx.sim.trtllm_engine import SimTrtllmEngine, block_key_hash, record
+from schemas.answers import Tier
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 from tests.helpers import FIXTURES, ListSink
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvidx.core.answers import Freshness, ReplicaAnswer, Tier
 from kvidx.core.hints import prefetch_hint
 from kvidx.sim.serving import ServingModel
+from schemas.answers import Freshness, ReplicaAnswer, Tier
 
 
 def model(n: int = 4) -> ServingModel:

@@ -111,30 +111,4 @@ class LookupAnswer(msgspec.Struct, omit_defaults=True):
     prefetch: PrefetchHint | None = None
 
 
-def _best_resumable(a: ReplicaAnswer) -> int:
-    return -a.resumable_tokens
-
-
-def _cheapest(a: ReplicaAnswer) -> float:
-    return a.price.total_s if a.price is not None else float("inf")
-
-
-def merge_replicas(parts: list[list[ReplicaAnswer]], rank: bool = False, top_k: int | None = None
-                   ) -> list[ReplicaAnswer]:
-    """Per-replica answers of several replica groups (disjoint replicas) as one answer's: by resumable
-    tokens, best first (by price, cheapest first, with `rank`), the best `top_k` if given. A replica
-    in two parts (one group held by two instances) is kept once, from the first part; ties keep the
-    parts' order."""
-    seen: set[tuple[str, int]] = set()
-    out = []
-    for part in parts:
-        for a in part:
-            key = (a.replica, a.dp_rank)
-            if key not in seen:
-                seen.add(key)
-                out.append(a)
-    out.sort(key=_cheapest if rank else _best_resumable)
-    return out if top_k is None else out[:top_k]
-
-
 LOOKUP_ANSWER_DECODER = msgspec.json.Decoder(LookupAnswer)  # what a router in Python decodes with

@@ -1,4 +1,5 @@
-"""Reading time ranges of the index's topics (shared by replay, audit and feedback).
+"""Reading the index's topics: consumers, partitions, watermarks and time ranges (shared by the
+service, the relays, replay, audit and feedback), and the Kafka options of the tools' commands.
 
 Kafka message timestamps are the producers' CreateTime: relays stamp an event batch when they publish
 it, the service stamps a route or usage report when it records it. `offsets_for_times` finds the first
@@ -17,7 +18,6 @@ from datetime import UTC, datetime
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from kvidx.kafka.config import client_config
-from streams.snapshots import watermarks
 
 _REL = re.compile(r"^-(\d+(?:\.\d+)?)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -240,3 +240,15 @@ def topic_prefix(names: dict[str, str]) -> str:
     from schemas.events import EVENTS_TOPIC
 
     return names.get("prefix") or names["events"][:-len(EVENTS_TOPIC)]
+
+
+def watermarks(c: Consumer, topic: str, partition: int, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(low, high) offsets; retried while a new topic's partitions still elect their leader."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return c.get_watermark_offsets(TopicPartition(topic, partition), timeout=5)
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
