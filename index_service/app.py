@@ -90,9 +90,9 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
     """`credentials` (index_service.auth.Credentials): when set, every request but GET /healthz and
     /metrics must carry `Authorization: Bearer <token>` of a token with the path's scope (401 without or
     with a wrong one, 403 without the scope); `auth_token`: one token granting every scope.
-    `publish_usage(UsageReport)`: where POST /v1/usage sends reports (kvidx.ops.audit.UsagePublisher: the
+    `publish_usage(UsageReport)`: where POST /v1/usage sends reports (kvidx.kafka.publish.Publisher: the
     usage topic). `feedback`: an object whose `apply(model, replicas, block_size)` caps the credit of
-    replicas whose engines reuse less than the index credits (kvidx.ops.feedback.FeedbackFollower). Both
+    replicas whose engines reuse less than the index credits (index_service.feedback.FeedbackFollower). Both
     may be set later on `app.state`. `dynamo`: Dynamo's indexer API at its own paths
     (index_service/dynamo_api.py), its registrations starting relays; `conductor`: Mooncake conductor's
     msgpack API on the same paths (index_service/conductor_api.py), told apart by the content type.

@@ -19,7 +19,6 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
@@ -34,8 +33,7 @@ from kvidx.kafka.reach import message, wait_for_broker
 from kvidx.kafka.snapshots import read_snapshots
 from kvidx.kafka.topics import KafkaAdminError
 from schemas.events import EVENTS_TOPIC, SNAPSHOTS_TOPIC
-from schemas.hints import HintRecord
-from schemas.routes import RouteDecision, decode_route, encode_route
+from schemas.routes import decode_route
 
 log = logging.getLogger("kvidx.service")
 
@@ -246,34 +244,3 @@ class KafkaFollower(Background):
         self.store.not_ready_reason = None
         log.info("event=caught_up seconds=%.3f batches=%d", time.monotonic() - t0,
                  self.store.batches_applied)
-
-
-class RoutePublisher:
-    """Sends the routing decisions this instance records to the routes topic (key = model); with
-    `encode=encode_hint`, its prefetch hints to the hints topic."""
-
-    def __init__(self, bootstrap: str, topic: str, encode: Callable[[Any], bytes] = encode_route):
-        from confluent_kafka import Producer
-
-        self.topic = topic
-        self.encode = encode
-        self.errors = 0
-        self.producer = Producer({**client_config(), "bootstrap.servers": bootstrap,
-                                  "enable.idempotence": True, "linger.ms": 1})
-
-    def __call__(self, d: RouteDecision | HintRecord) -> None:
-        try:
-            self.producer.produce(self.topic, key=d.model.encode(), value=self.encode(d),
-                                  on_delivery=self._delivered)
-        except BufferError:  # the local queue is full (broker unreachable): counted, never a failed request
-            self.errors += 1
-            log.error("event=publish_queue_full topic=%s", self.topic)
-        self.producer.poll(0)
-
-    def _delivered(self, err, msg) -> None:
-        if err is not None:
-            self.errors += 1
-            log.error("event=publish_failed topic=%s error=%s", self.topic, err)
-
-    def close(self) -> None:
-        self.producer.flush(10)

@@ -24,6 +24,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import socket
+import threading
+import time
 
 import uvicorn
 from starlette.responses import Response
@@ -166,6 +169,35 @@ def serve(app, host: str, port: int, ops: tuple[object, int] | None = None, **kw
                                                         lifespan="off", log_level=kwargs.get("log_level"))))
     gc.freeze()
     uvicorn.Server(server_config(app, host, port, **kwargs)).run()
+
+
+class InProcessServer:
+    """The app on a loopback port (0: a free one) in a daemon thread: the demo, the simulator's --http
+    runs, tests. `start()` returns its base URL once it listens; `stop()` ends it."""
+
+    def __init__(self, app, port: int = 0, name: str = "http", **kwargs) -> None:
+        if not port:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        kwargs.setdefault("log_level", "warning")
+        self.server = uvicorn.Server(server_config(app, "127.0.0.1", port, **kwargs))
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name=name)
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the lookup service did not start on 127.0.0.1:{self.port}")
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, join_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(join_s)
 
 
 def serve_beside(app, other: uvicorn.Server) -> None:

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import uvicorn
 
 from index_service.app import create_app
 from index_service.follower import KafkaFollower
-from index_service.http_protocol import server_config
+from index_service.http_protocol import InProcessServer
 from index_service.store import ShardStore
 from kvidx.client import KvidxClient, KvidxError, Retry, UnknownModel
 from kvidx.engines.vllm.relay import VllmPublisherRelay
@@ -43,13 +42,6 @@ INDEX_BLOCK = 16
 
 def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(kv: KvidxClient, prompt: list[int]) -> list[ReplicaAnswer]:
@@ -154,11 +146,9 @@ def _start_relays(engines: list[SimVllmEngine], sinks: list, stack: list) -> Non
 
 def _start_service(store: ShardStore, port: int, replicas: int, stack: list) -> str:
     """The lookup service on loopback, once ready and knowing every replica; its base URL."""
-    port = port or _free_port()
-    server = uvicorn.Server(server_config(create_app(store), "127.0.0.1", port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True, name="http").start()
-    stack.append(lambda: setattr(server, "should_exit", True))
-    base = f"http://127.0.0.1:{port}"
+    server = InProcessServer(create_app(store), port)
+    base = server.start(60)
+    stack.append(lambda: server.stop(0))
     deadline = time.monotonic() + 60
     with KvidxClient(base, retry=Retry(attempts=1)) as kv:
         while time.monotonic() < deadline:
@@ -233,3 +223,13 @@ def _applied_seq(store: ShardStore, replica: str) -> int:
     shard = store.shards.get(MODEL)
     st = shard.replicas.get((replica, 0)) if shard else None
     return st.seq if st is not None else -1
+
+
+def main(args) -> int:
+    """`kvidx demo`."""
+    try:
+        return run_demo(replicas=args.replicas, requests=args.requests, kafka=args.kafka,
+                        bootstrap=args.bootstrap, port=args.port, keep_serving=args.serve)
+    except KeyboardInterrupt:
+        print("[demo] stopped", file=sys.stderr)
+        return 130

@@ -10,6 +10,8 @@ sum(reused). The request log holds prompt token ids (read here, never stored or 
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,3 +216,45 @@ def run_shadow(recording: str, requests: str, model: str = "model", index_block_
                ) -> tuple[Agreement, InProcessIndex]:
     return shadow(read_frames(recording), load_requests(requests), model, index_block_size,
                   unreported_eviction_kinds, pending_ttl)
+
+
+def main(args) -> int:
+    """`kvidx shadow`: a recording and its request log through relay and fold; the agreement printed."""
+    from kvidx import engines
+    from relays.inputs import InputError, check_file, check_recording_engine
+    from relays.main import unchecked_engine_version
+
+    adapter = engines.get(args.engine)
+    args.index_block_size = args.index_block_size or 16
+    try:  # a missing file, a requests log as the recording, another engine's recording: one line each
+        check_file(args.recording, adapter.recording, "--recording")
+        check_file(args.requests, "requests", "--requests")
+        if adapter.recording == "frames":
+            check_recording_engine(args.recording, args.engine)
+        from kvidx.config import load_config
+
+        pools = load_config(args.config).pool_readers() if args.config else None
+        if adapter.shadow_defaults.get("needs_pools") and not pools:
+            raise InputError(f"{args.engine}'s blocks live in a shared pool: pass --config with a "
+                             "[pools.\"<the publisher's endpoint>\"] section naming the replicas reading it")
+        unchecked_engine_version(args, logging.getLogger("kvidx.shadow"))
+        result, _ = run_shadow_engine(args.engine, args.recording, args.requests,
+                                      index_block_size=args.index_block_size,
+                                      options=engines.RelayOptions(
+                                          engine_version=args.engine_version,
+                                          allow_unchecked_version=args.allow_unchecked_engine_version),
+                                      unreported_eviction_kinds=tuple(args.unreported_eviction_kinds),
+                                      pending_ttl=args.pending_ttl, pools=pools)
+    except (InputError, ValueError) as e:  # ValueError: an engine version its adapter was not checked with
+        sys.exit(f"error: {e}")
+    summary = {**result.agreement.summary(), **result.extra}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for k, v in summary.items():
+            print(f"{k:>16}: {v}")
+        print(f"{'dead_letters':>16}: {result.dead_letters}")
+        for m in result.agreement.mismatches[:10]:
+            print(f"  mismatch: request {m['i']}: engine reused {m['reused']}, index credited {m['credited']}"
+                  f" of {m['prompt_tokens']} tokens")
+    return 0

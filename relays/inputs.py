@@ -62,10 +62,8 @@ def check_file(path: str | Path | None, want: str, option: str) -> None:
         raise InputError(f"{option} {path}: the file is empty")
     what = KINDS.get(kind, "not a file kvidx reads")
     hint = ""
-    if want == "frames" and kind == "polls":
-        hint = " (use --engine trtllm)"
-    elif want == "polls" and kind == "frames":
-        hint = " (use --engine vllm, sglang or lmcache)"
+    if kind in ("frames", "polls"):
+        hint = f" (use --engine {' or '.join(engines_reading(kind))})"
     elif kind == "requests":
         hint = " (the recording is the frames.jsonl or events.jsonl beside it)"
     raise InputError(f"{option} {path}: this is {what}, not {KINDS[want]}{hint}")
@@ -84,3 +82,10 @@ def check_recording_engine(path: str | Path, engine: str, frames: int = 50) -> N
             raise InputError(f"{path}: {why}")
         if i >= frames:
             return
+
+
+def engines_reading(kind: str) -> list[str]:
+    """The registered engines whose recordings are of `kind` ("frames" or "polls")."""
+    from kvidx import engines
+
+    return [n for n in engines.names() if engines.get(n).recording == kind]

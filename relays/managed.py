@@ -9,12 +9,14 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx import engines
 from relays.run import Relay
 from relays.sinks import Sink
 from relays.zmq_source import ZmqSource
 
 log = logging.getLogger("kvidx.relay")
+REGISTERED_ENGINE = "vllm"  # the engine Dynamo's and the conductor's workers run (their /register)
+POOL_ENGINE = "mooncake"  # a Mooncake Store master, registered with the conductor as a shared pool
 
 
 def vllm_relay_starter(sink: Sink, index_block_size: Callable[[str], int]):
@@ -27,8 +29,9 @@ def vllm_relay_starter(sink: Sink, index_block_size: Callable[[str], int]):
 
     def start(model: str, replica: str, dp_rank: int, endpoint: str, replay_endpoint: str | None, listener,
               dynamo_block_size: int = 0):
-        core = VllmPublisherRelay(model, replica, index_block_size(model), dp_rank,
-                                  dynamo_block_size=dynamo_block_size)
+        core = engines.get(REGISTERED_ENGINE).make_relay(
+            model, replica, index_block_size(model), dp_rank,
+            engines.RelayOptions(extra={"dynamo_block_size": dynamo_block_size}))
         listener.mirror = core.mirror  # what Dynamo's GET /dump lists of this engine
         return _run(Relay(core, sink, ZmqSource(endpoint, replay_endpoint)), replica, listener)
 
@@ -43,10 +46,9 @@ def mooncake_relay_starter(sink: Sink, index_block_size: Callable[[str], int]):
 
     def start(model: str, pool: str, endpoint: str, listener, key_feeds: Callable[[], list[str]],
               tenant_id: str = "default", engine_block_size: int | None = None):
-        from kvidx.engines.mooncake.relay import MooncakeStoreRelay
-
-        core = MooncakeStoreRelay(model, pool, index_block_size(model), tenant_id=tenant_id,
-                                  engine_block_size=engine_block_size)
+        core = engines.get(POOL_ENGINE).make_relay(
+            model, pool, index_block_size(model), None,
+            engines.RelayOptions(engine_block_size=engine_block_size, extra={"tenant_id": tenant_id}))
         return _run(Relay(core, sink, ZmqSource(endpoint, key_feeds=key_feeds)), pool, listener)
 
     return start

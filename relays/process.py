@@ -38,7 +38,7 @@ class LiveRelaySettings:
 
 def rank_endpoints(s: LiveRelaySettings) -> list[tuple[int | None, str, str | None]]:
     """(dp rank, events endpoint, replay endpoint) of every publisher the relay follows."""
-    from kvidx.engines.vllm.dp import dp_endpoints
+    from kvidx.engines.contract import dp_endpoints
 
     if s.dp_size > 1:
         return [(rank, ep, rep) for rank, (ep, rep) in

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from kvidx.engines.contract import Frame, RelayOutput
+from kvidx import engines
+from kvidx.engines.contract import Frame, RelayOutput, SequencedRelay, dp_endpoints
 from kvidx.engines.recording import Recorder, read_frames
-from kvidx.engines.vllm.relay import VllmPublisherRelay
 from relays.sinks import Sink
 from relays.zmq_source import ZmqSource
 from schemas.events import ReplicaCleared
@@ -64,7 +64,7 @@ def emit(sink: Sink, model: str, replica: str, out: RelayOutput, engine: str = "
 
 
 class Relay:
-    def __init__(self, core: VllmPublisherRelay, sink: Sink, source: ZmqSource | None = None,
+    def __init__(self, core: SequencedRelay, sink: Sink, source: ZmqSource | None = None,
                  record_to: str | Path | None = None, resync_blocks_per_s: float = 50_000,
                  resync_jitter_s: float = 5.0, status_every_s: float = 30.0):
         self.core = core
@@ -87,7 +87,6 @@ class Relay:
         self._resync_first_part = 0
         self._resync = None
         self._resync_at = 0.0
-        self._lmcache = None  # LMCache controller messages, when the source carries them
         lost = getattr(sink, "on_undelivered", None)
         if lost is not None:  # a batch Kafka did not take: replay the mirror (it starts with a clear)
             lost.append(self._batch_lost)
@@ -147,11 +146,8 @@ class Relay:
                  self.core.replica, groups, old, new)
 
     def handle(self, frame: Frame) -> None:
-        if frame.src == "lmcache":  # LMCache controller admit/evict: same mirror, same thread
-            if self._lmcache is None:
-                from kvidx.engines.lmcache.controller import LmcacheControllerRelay
-                self._lmcache = LmcacheControllerRelay(self.core)
-            self._emit(self._lmcache.on_message(frame.payload, frame.recv_ns))
+        if frame.src == "controller":  # a connector's own feed (LMCache's admit/evict): same mirror, thread
+            self._emit(self.core.on_controller(frame.payload, frame.recv_ns))
             return
         if self.recorder:
             self.recorder.write(frame)
@@ -270,9 +266,9 @@ class Relay:
 def play_recording(path: str | Path, model: str, sink: Sink, index_block_size: int,
                    replica: str | None = None, dp_rank: int | None = None, relay_factory=None) -> int:
     """Publish a recording through one relay per publisher endpoint it holds; returns the frames.
-    `relay_factory(model, replica, index_block_size, dp_rank)` builds the engine's relay (vLLM's by
-    default)."""
-    make = relay_factory or VllmPublisherRelay
+    `relay_factory(model, replica, index_block_size, dp_rank)` builds the engine's relay (the default
+    engine's by default)."""
+    make = relay_factory or engines.default_relay
     by_endpoint: dict[str, list[Frame]] = {}
     for f in read_frames(path):
         by_endpoint.setdefault(f.endpoint, []).append(f)
@@ -287,22 +283,17 @@ def play_recording(path: str | Path, model: str, sink: Sink, index_block_size: i
 
 def build_dp_relays(model: str, replica: str, endpoint: str, replay_endpoint: str | None, dp_size: int,
                     sink: Sink, index_block_size: int, engine_version: str, bind: bool = False,
-                    source_factory=None, **relay_options) -> list[Relay]:
-    """One Relay (ZMQ source + relay core) per DP rank, all publishing as `replica` with dp_rank set.
-    The engine version is checked once, before any socket is opened. `source_factory(endpoint,
-    replay_endpoint, bind)` builds the frame source (default: relays.zmq_source.ZmqSource)."""
-    from kvidx.engines.vllm.dp import dp_endpoints
-    from kvidx.engines.vllm.wire import check_engine_version
-
-    check_engine_version(engine_version)
+                    source_factory=None, engine: str = engines.DEFAULT, **relay_options) -> list[Relay]:
+    """One Relay (ZMQ source + the engine's relay logic) per DP rank, all publishing as `replica` with
+    dp_rank set. The engine version is checked once, before any socket is opened. `source_factory(
+    endpoint, replay_endpoint, bind)` builds the frame source (default: relays.zmq_source.ZmqSource)."""
+    adapter = engines.get(engine)
+    opts = engines.RelayOptions(engine_version=engine_version, extra=relay_options)
+    cores = [adapter.make_relay(model, replica, index_block_size, rank, opts) for rank in range(dp_size)]
     if source_factory is None:
         from relays.zmq_source import ZmqSource
 
         def source_factory(ep, rep, b):
             return ZmqSource(ep, rep, bind=b)
-    relays = []
-    for rank, (ep, rep) in enumerate(dp_endpoints(endpoint, replay_endpoint, dp_size)):
-        core = VllmPublisherRelay(model, replica, index_block_size, dp_rank=rank,
-                                  engine_version=engine_version, **relay_options)
-        relays.append(Relay(core, sink, source_factory(ep, rep, bind)))
-    return relays
+    return [Relay(core, sink, source_factory(ep, rep, bind))
+            for core, (ep, rep) in zip(cores, dp_endpoints(endpoint, replay_endpoint, dp_size), strict=True)]

@@ -24,7 +24,8 @@ class ZmqSource:
                  bind: bool = False, ctx: zmq.Context | None = None, controller_endpoint: str | None = None,
                  key_feeds: Callable[[], Iterable[str]] | None = None):
         """`controller_endpoint`: also bind a PULL socket there for LMCache's admit/evict messages
-        (point LMCache's controller URL, or a tee, at it); they come out as frames with src "lmcache".
+        (point LMCache's controller URL, or a tee, at it); they come out as frames with src "controller"
+        (the engine's relay takes them: SequencedRelay.on_controller).
         `key_feeds()`: the publishers of engines attached to this one (a Mooncake Store master's), asked
         again every second: each is subscribed to as well, its frames come out with src "keyfeed" and
         its endpoint (kvidx.engines.mooncake.relay)."""
@@ -62,7 +63,7 @@ class ZmqSource:
                     continue
                 if self.pull is not None and self.pull in ready:
                     payload = b"".join(self.pull.recv_multipart())
-                    yield Frame(b"lmcache-controller", -1, payload, time.time_ns(), self.endpoint, "lmcache")
+                    yield Frame(b"controller", -1, payload, time.time_ns(), self.endpoint, "controller")
                 for ep, sock in list(self.feeds.items()):
                     if sock in ready:
                         yield self._frame(sock.recv_multipart(), "keyfeed", ep)

@@ -6,8 +6,6 @@ alone, in tests/integration/helpers.py; for running `kvidx` commands, in tests/c
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -33,32 +31,19 @@ def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
 
 
 class ServerThread:
-    """uvicorn on a free loopback port, in a thread."""
+    """uvicorn on a free loopback port, in a thread (index_service.http_protocol.InProcessServer)."""
 
     def __init__(self, app, **config):
-        import uvicorn
+        from index_service.http_protocol import InProcessServer
 
-        from index_service.http_protocol import server_config
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config.setdefault("log_level", "warning")
-        self.server = uvicorn.Server(server_config(app, "127.0.0.1", self.port, **config))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.inner = InProcessServer(app, **config)
+        self.port, self.server, self.thread = self.inner.port, self.inner.server, self.inner.thread
 
     def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 15
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not start on port {self.port}")
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.port}"
+        return self.inner.start(15)
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.inner.stop()
 
 
 SEEDED_MODEL = "fuzz-model"

@@ -68,8 +68,14 @@ class EngineAdapter:
     http_source: Callable[[str], Any] | None = None
     read_polls: Callable[..., Any] | None = None
     poll_recorder: Callable[..., Any] | None = None
-    # the relay options the engine takes from the command line (RelayOptions.extra): args -> dict
+    # the engine's own `kvidx relay` options: adds them to an argparse argument group; `relay_extra`
+    # reads them (args -> RelayOptions.extra). `relay_args_for`: the engines they apply to (default:
+    # this one; vLLM's and LMCache's are one publisher's)
+    relay_args: Callable[[Any], None] | None = None
     relay_extra: Callable[[Any], dict] | None = None
+    relay_args_for: tuple[str, ...] = ()
+    # where the relay binds the engine's connector's own feed from the command line (args -> endpoint)
+    controller_endpoint: Callable[[Any], str | None] | None = None
     # an engine whose releases a conformance kit checks: release -> the pinned release it is read as
     # under --allow-unchecked-engine-version (None: pinned, or not a release number)
     unchecked_read_as: Callable[[str], str | None] | None = None
@@ -101,6 +107,36 @@ class Batches:
 
 
 _REGISTRY: dict[str, EngineAdapter] = {}
+DEFAULT = "vllm"  # the engine `--engine` means when it is not given
+
+
+def default_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None = None) -> Any:
+    """The default engine's relay logic with its default options (a recording played without --engine)."""
+    return get(DEFAULT).make_relay(model, replica, index_block_size, dp_rank, RelayOptions())
+
+
+def add_relay_args(parser) -> dict[str, tuple[tuple[str, ...], Any, str]]:
+    """Every registered engine's own `kvidx relay` options, in a group per engine; returns dest ->
+    (the engines it applies to, its default, its option string) for `misplaced_relay_args`."""
+    owners = {}
+    for name in names():
+        adapter = get(name)
+        if adapter.relay_args is None:
+            continue
+        group = parser.add_argument_group(f"{name} options")
+        adapter.relay_args(group)
+        applies_to = adapter.relay_args_for or (name,)
+        for action in group._group_actions:  # argparse keeps a group's actions only there
+            owners[action.dest] = (applies_to, action.default, action.option_strings[0])
+    return owners
+
+
+def misplaced_relay_args(args, owners: dict[str, tuple[tuple[str, ...], Any, str]]) -> str | None:
+    """The first engine option given for an engine it does not apply to, as a one-line error."""
+    for dest, (engines, default, option) in owners.items():
+        if args.engine not in engines and getattr(args, dest, default) != default:
+            return f"{option} is for --engine {' or '.join(engines)}, not {args.engine}"
+    return None
 
 
 def register(adapter: EngineAdapter) -> EngineAdapter:

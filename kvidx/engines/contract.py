@@ -121,6 +121,15 @@ class SequencedRelay:
         self.wrong_engine_reason: str | None = None  # why the stream is another engine's, once seen
         self.set_aside: dict[tuple[str, str], int] = {}  # (reason, event kind) -> events set aside
 
+    def on_controller(self, payload: bytes, recv_ns: int) -> RelayOutput:
+        """A message of the engine's connector on its own feed (relays.zmq_source's controller socket);
+        an engine without one dead-letters it."""
+        out = RelayOutput()
+        frame = Frame(b"controller", -1, payload, recv_ns, self.replica, "controller")
+        out.dead.append(DeadLetter("unexpected_controller_message", f"{len(payload)} bytes: this engine's "
+                                   "relay takes no controller feed", frame))
+        return out
+
     def on_frame(self, frame: Frame, check_gap: bool = True) -> RelayOutput:
         out = RelayOutput()
         self.counters["frames"] += 1
@@ -275,3 +284,32 @@ def zmq_replay(frames, make_relay=None, publishers: PublisherRelays | None = Non
 
     return Batches(gen(), dead=lambda: pub.dead_letters, default_replica=lambda: next(iter(pub.relays), ""),
                    relays=pub.relays)
+
+
+# ---- data parallelism: one KV-event publisher per DP rank ------------------------------------------
+# vLLM runs one publisher per DP rank, each on the base endpoint offset by its rank
+# (vllm/distributed/kv_events.py ZmqEventPublisher.offset_endpoint_port, 0.32.0: tcp port + rank, a tcp
+# port of 0 left to the OS, inproc endpoints suffixed "_dp<rank>"), for the events and the replay
+# endpoint alike; SGLang's publisher is a port of it with the same rule. One relay (and one mirror) per
+# rank: each rank has its own sequence numbers, its own cache and its own AllBlocksCleared (published by
+# a rank only with its next step).
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """A rank's endpoint (vLLM's and SGLang's offset_endpoint_port)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if "tcp" in endpoint:
+        if ":" in endpoint:
+            i = endpoint.rfind(":")
+            port = int(endpoint[i + 1:])
+            return endpoint if port == 0 else f"{endpoint[:i]}:{port + rank}"
+        return endpoint
+    raise ValueError(f"invalid endpoint {endpoint!r}: must contain 'inproc' or 'tcp'")
+
+
+def dp_endpoints(endpoint: str, replay_endpoint: str | None, dp_size: int) -> list[tuple[str, str | None]]:
+    """(events endpoint, replay endpoint) of every DP rank's publisher, rank 0 first."""
+    if dp_size < 1:
+        raise ValueError(f"--dp-size must be >= 1, got {dp_size}")
+    return [(offset_endpoint(endpoint, r), offset_endpoint(replay_endpoint, r)) for r in range(dp_size)]

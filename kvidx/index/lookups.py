@@ -26,7 +26,7 @@ __all__ = ["Feedback", "answer", "answer_json", "credited", "lookup", "merge", "
 
 
 class Feedback(Protocol):
-    """The audit's caps (kvidx.ops.feedback.FeedbackTable): `by_model` holds a model's factors; `apply`
+    """The audit's caps (index_service.feedback.FeedbackTable): `by_model` holds a model's factors; `apply`
     caps the replicas whose engines reuse less than the index credits, re-sorted."""
     by_model: dict
 

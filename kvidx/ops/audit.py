@@ -35,14 +35,13 @@ from pathlib import Path
 
 import msgspec
 
-from kvidx.kafka.delivery import flush_until
 from kvidx.kafka.log import add_kafka_args, bootstrap_of, iso, parse_time, read_range
 from kvidx.ops.hint_audit import audit_hints
 from kvidx.shadow import Agreement
 from schemas.events import decode_batch, topic_names
 from schemas.hints import decode_hint
 from schemas.routes import RouteDecision, decode_route
-from schemas.usage import UsageReport, decode_usage, encode_usage
+from schemas.usage import UsageReport, decode_usage
 
 log = logging.getLogger("kvidx.ops.audit")
 
@@ -309,34 +308,6 @@ def plots(report: dict, out: Path) -> list[Path]:
 
 
 # ---- usage reports into Kafka (the service's POST /v1/usage) ---------------------------------------
-class UsagePublisher:
-    """Sends usage reports to the usage topic (key = model); `create_app(publish_usage=...)`."""
-
-    def __init__(self, bootstrap: str, topic: str):
-        from confluent_kafka import Producer
-
-        from kvidx.kafka.config import client_config
-
-        self.topic = topic
-        self.errors = 0
-        self.producer = Producer({**client_config(), "bootstrap.servers": bootstrap,
-                                  "enable.idempotence": True, "linger.ms": 5})
-
-    def __call__(self, u: UsageReport) -> None:
-        self.producer.produce(self.topic, key=u.model.encode(), value=encode_usage(u),
-                              on_delivery=self._delivered)
-        self.producer.poll(0)
-
-    def _delivered(self, err, msg) -> None:
-        if err is not None:
-            self.errors += 1
-            log.error("event=usage_delivery_failed error=%s", err)
-
-    def close(self, deadline_s: float = 30.0) -> None:
-        if lost := flush_until(self.producer, deadline_s, "usage reports"):
-            log.error("event=usage_undelivered_at_close waiting=%d", lost)
-
-
 # ---- CLI -------------------------------------------------------------------------------------------
 def cmd_audit(args) -> int:
     names = topic_names(args.topic_prefix)

@@ -17,7 +17,7 @@ factor. Each factor expires (`expires_at`, 3 windows later) unless refreshed, so
 leaves no cap behind.
 
 Factors go to the compacted topic `kvidx.feedback.v1` (key = model, replica, rank). A service instance
-reads it (`FeedbackFollower`, passed as `create_app(feedback=...)`) and, in every lookup answer,
+reads it (index_service/feedback.py, passed as `create_app(feedback=...)`) and, in every lookup answer,
 multiplies that replica's `resumable_tokens` by the factor of the prompt's prefix there, or, with no
 evidence for that prefix, the replica's factor (rounded down to the index block size),
 adding `"feedback_capped": true`, `"credit_factor"` and `"index_resumable_tokens"` (the uncapped
@@ -29,58 +29,21 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Iterable
 
 import msgspec
-from confluent_kafka import OFFSET_BEGINNING, Producer, TopicPartition
+from confluent_kafka import Producer
 
-from kvidx.kafka.background import Background
+from index_service.feedback import ensure_feedback_topic
 from kvidx.kafka.config import client_config
 from kvidx.kafka.delivery import require_delivered
-from kvidx.kafka.log import add_kafka_args, bootstrap_of, consumer, partitions, topic_prefix
-from kvidx.kafka.topics import create_topics
-from schemas.answers import ReplicaAnswer
+from kvidx.kafka.log import add_kafka_args, bootstrap_of
+from schemas.feedback import FEEDBACK_VERSION, CreditFactor, factor_key
 from schemas.routes import RouteDecision
 from schemas.usage import UsageReport
 
 log = logging.getLogger("kvidx.ops.feedback")
-FEEDBACK_TOPIC = "kvidx.feedback.v1"
-FEEDBACK_VERSION = 1
-
-
-class CreditFactor(msgspec.Struct, array_like=True):
-    v: int
-    model: str
-    replica: str
-    dp_rank: int
-    factor: float  # multiply the replica's resumable tokens by this (1.0: no cap)
-    credited_tokens: int  # the evidence: window sums
-    reused_tokens: int
-    requests: int
-    window_s: float
-    ts: float
-    expires_at: float
-    prefix: int = 0  # the first canonical block of the prompts it covers; 0: the whole replica
-
-    @property
-    def key(self) -> tuple[str, str, int, int]:
-        return (self.model, self.replica, self.dp_rank, self.prefix)
-
-
-def feedback_topic(names: dict[str, str]) -> str:
-    return topic_prefix(names) + FEEDBACK_TOPIC
-
-
-def ensure_feedback_topic(bootstrap: str, names: dict[str, str]) -> str:
-    t = feedback_topic(names)
-    create_topics(bootstrap, [], partitions=1, compacted=[t])
-    return t
-
-
-def _key(model: str, replica: str, dp_rank: int, prefix: int = 0) -> bytes:
-    return msgspec.msgpack.encode([model, replica, dp_rank, prefix])
 
 
 # ---- the computation -------------------------------------------------------------------------------
@@ -119,98 +82,11 @@ def compute_factors(pairs: Iterable[tuple[RouteDecision, UsageReport]], now: flo
     return out
 
 
-class FeedbackTable:
-    """(model, replica, dp_rank, prefix) -> CreditFactor; applied to lookup answers by the service."""
-
-    def __init__(self, clock=time.time):
-        self.factors: dict[tuple[str, str, int, int], CreditFactor] = {}
-        self.by_model: dict[str, dict[tuple[str, int, int], CreditFactor]] = {}
-        self.clock = clock
-        self.lock = threading.Lock()
-        self.capped_answers = 0
-
-    def put(self, f: CreditFactor) -> None:
-        with self.lock:
-            self.factors[f.key] = f
-            self.by_model.setdefault(f.model, {})[f.key[1:]] = f
-
-    def remove(self, key: tuple) -> None:
-        key = (*key, 0) if len(key) == 3 else tuple(key)  # keys written before prefixes existed
-        with self.lock:
-            self.factors.pop(key, None)
-            self.by_model.get(key[0], {}).pop(key[1:], None)
-
-    def apply(self, model: str, replicas: list[ReplicaAnswer], block_size: int, now: float | None = None,
-              prefix: int | None = None) -> list[ReplicaAnswer]:
-        """Cap the resumable tokens of replicas with a factor < 1 (in place); re-sorted if any was."""
-        table = self.by_model.get(model)
-        if not table:
-            return replicas
-        now = self.clock() if now is None else now
-        capped = False
-        for r in replicas:
-            # the prompt's prefix on that replica, where there is evidence for it, else the replica's
-            f = table.get((r.replica, r.dp_rank, prefix)) if prefix else None
-            if f is None or f.expires_at <= now:
-                f = table.get((r.replica, r.dp_rank, 0))
-            if f is None or f.factor >= 1.0 or f.expires_at <= now:
-                continue
-            orig = r.resumable_tokens
-            new = int(orig * f.factor) // block_size * block_size
-            if new < orig:
-                r.index_resumable_tokens = orig
-                r.resumable_tokens = new
-                r.feedback_capped = True
-                r.credit_factor = f.factor
-                capped = True
-        if capped:
-            self.capped_answers += 1
-            replicas.sort(key=lambda a: -a.resumable_tokens)
-        return replicas
-
-
-class FeedbackFollower(FeedbackTable, Background):
-    """A FeedbackTable kept current from the compacted feedback topic (read from its beginning)."""
-
-    thread_name = "kvidx-feedback"
-
-    def __init__(self, bootstrap: str, topic: str):
-        FeedbackTable.__init__(self)
-        Background.__init__(self)
-        self.bootstrap = bootstrap
-        self.topic = topic
-        self.applied = 0
-
-    def run(self) -> None:
-        # a waiting fetch returns as soon as a report arrives: the long wait only saves idle CPU
-        c = consumer(self.bootstrap, "feedback", **{"fetch.wait.max.ms": 500})
-        try:
-            parts = partitions(c, self.topic, timeout_s=60)
-            c.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in parts])
-            while not self.stop_event.is_set():
-                for m in c.consume(500, 0.2):
-                    if m.error():
-                        continue
-                    if m.value() is None:
-                        try:
-                            self.remove(tuple(msgspec.msgpack.decode(m.key())))
-                        except (msgspec.DecodeError, TypeError):
-                            pass
-                        continue
-                    try:
-                        self.put(msgspec.msgpack.decode(m.value(), type=CreditFactor))
-                        self.applied += 1
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        log.warning("event=feedback_undecodable offset=%d", m.offset())
-        finally:
-            c.close()
-
-
 def publish_factors(bootstrap: str, topic: str, factors: list[CreditFactor]) -> None:
     p = Producer({**client_config(), "bootstrap.servers": bootstrap, "enable.idempotence": True})
     refused: list[str] = []
     for f in factors:
-        p.produce(topic, key=_key(*f.key), value=msgspec.msgpack.encode(f),
+        p.produce(topic, key=factor_key(*f.key), value=msgspec.msgpack.encode(f),
                   on_delivery=lambda err, _msg: err is not None and refused.append(str(err)))
     require_delivered(p, f"credit factor(s) on {topic}", refused=len(refused), bootstrap=bootstrap)
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
+from index_service.feedback import FeedbackTable
 from kvidx import index
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.price import PriceConfig, Pricer
 from kvidx.core.shard import ModelShard
 from kvidx.ops.audit import Tally
-from kvidx.ops.feedback import FeedbackTable, compute_factors
+from kvidx.ops.feedback import compute_factors
 from kvidx.sim.vllm_engine import workload_requests
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 from schemas.routes import ROUTES_VERSION, RouteDecision

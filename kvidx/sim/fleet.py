@@ -64,7 +64,6 @@ import heapq
 import itertools
 import math
 import random
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -626,24 +625,11 @@ class _HttpLookup:
     """The router's client of the real lookup service (kvidx.client: POST /v1/lookup/binary, keep-alive)."""
 
     def __init__(self, store: ShardStore) -> None:
-        import socket
-
-        import uvicorn
-
         from index_service.app import create_app
-        from index_service.http_protocol import server_config
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(server_config(create_app(store), "127.0.0.1", self.port,
-                                                   log_level="warning"))
-        threading.Thread(target=self.server.run, daemon=True, name="simulate-http").start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the lookup service did not start")
-            time.sleep(0.02)
-        self.client = KvidxClient(f"http://127.0.0.1:{self.port}", timeout=10)
+        from index_service.http_protocol import InProcessServer
+
+        self.server = InProcessServer(create_app(store), name="simulate-http")
+        self.client = KvidxClient(self.server.start(), timeout=10)
 
     def lookup(self, model: str, prompt: np.ndarray) -> list[ReplicaAnswer]:
         try:
@@ -653,7 +639,7 @@ class _HttpLookup:
 
     def close(self) -> None:
         self.client.close()
-        self.server.should_exit = True
+        self.server.stop(0)
 
 
 class _Clock:

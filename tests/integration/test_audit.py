@@ -12,17 +12,14 @@ import pytest
 from confluent_kafka import Producer
 
 from index_service.app import create_app
-from index_service.follower import KafkaFollower, RoutePublisher
+from index_service.feedback import FeedbackFollower, ensure_feedback_topic
+from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.cli import main
 from kvidx.core.hashing import prompt_hashes
 from kvidx.kafka.log import read_range
-from kvidx.ops.audit import UsagePublisher
-from kvidx.ops.feedback import (
-    FeedbackFollower,
-    ensure_feedback_topic,
-    run_feedback,
-)
+from kvidx.kafka.publish import Publisher
+from kvidx.ops.feedback import run_feedback
 from relays.sinks import KafkaSink
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 from schemas.routes import ROUTES_VERSION, RouteDecision, encode_route
@@ -120,10 +117,10 @@ def test_usage_endpoint_and_feedback_cap_a_lying_replica(kafka_bootstrap, topics
     b = kafka_bootstrap
     ready(b, topics)
     store = ShardStore(16)
-    store.publish_route = RoutePublisher(b, topics["routes"])
+    store.publish_route = Publisher(b, topics["routes"], encode_route)
     follower = KafkaFollower(store, b, topics["events"], topics["snapshots"], topics["routes"]).start()
     fb = FeedbackFollower(b, ensure_feedback_topic(b, topics)).start()
-    usage = UsagePublisher(b, topics["usage"])
+    usage = Publisher(b, topics["usage"], encode_usage, linger_ms=5)
     sink = KafkaSink(b, topics["events"], topics["dead_letters"])
     tokens = list(range(1000, 1320))  # 320 tokens: 20 blocks, 304 resumable
     h = prompt_hashes(tokens, 16)

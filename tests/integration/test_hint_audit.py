@@ -10,15 +10,16 @@ import httpx
 import pytest
 
 from index_service.app import create_app
-from index_service.follower import RoutePublisher
 from index_service.store import ShardStore
 from kvidx.cli import main
 from kvidx.config import Config, HintsConfig, ModelConfig
 from kvidx.core.hashing import prompt_hashes
-from kvidx.ops.audit import UsagePublisher
+from kvidx.kafka.publish import Publisher
 from relays.sinks import KafkaSink
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 from schemas.hints import encode_hint
+from schemas.routes import encode_route
+from schemas.usage import encode_usage
 from tests.helpers import ServerThread
 from tests.integration.helpers import ready
 
@@ -28,9 +29,9 @@ def test_hints_published_and_audited(kafka_bootstrap, topics, capsys):
     b = kafka_bootstrap
     ready(b, topics)
     store = ShardStore(16, config=Config(default=ModelConfig(hints=HintsConfig(prefetch=True))))
-    routes, hints = RoutePublisher(b, topics["routes"]), RoutePublisher(b, topics["hints"], encode_hint)
+    routes, hints = Publisher(b, topics["routes"], encode_route), Publisher(b, topics["hints"], encode_hint)
     store.publish_route, store.publish_hint = routes, hints
-    usage = UsagePublisher(b, topics["usage"])
+    usage = Publisher(b, topics["usage"], encode_usage, linger_ms=5)
     sink = KafkaSink(b, topics["events"], topics["dead_letters"])
     t0 = time.time()
     prompts = {rid: list(range(k * 1000, k * 1000 + 97)) for k, rid in enumerate(("kept", "late", "short"))}

@@ -8,11 +8,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from index_service.app import create_app
-from index_service.follower import KafkaFollower, RoutePublisher
+from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
+from kvidx.kafka.publish import Publisher
 from relays.run import play_recording
 from relays.sinks import KafkaSink
-from schemas.routes import ROUTES_VERSION, RouteDecision
+from schemas.routes import ROUTES_VERSION, RouteDecision, encode_route
 from tests.helpers import LLAMA, wait_for
 
 ROUTES = 40
@@ -24,7 +25,7 @@ def test_ready_means_every_message_there_at_start_applied(events, kafka_bootstra
         sink = KafkaSink(kafka_bootstrap, topics["events"], topics["dead_letters"])
         play_recording(LLAMA / "frames.jsonl", "tiny", sink, 16, replica="r0")
         sink.close()
-    publish = RoutePublisher(kafka_bootstrap, topics["routes"])
+    publish = Publisher(kafka_bootstrap, topics["routes"], encode_route)
     for i in range(ROUTES):
         publish(RouteDecision(ROUTES_VERSION, f"q{i}", "tiny", "r0", 0, [i + 1], 16, 0, time.time(), 600.0))
     publish.close()

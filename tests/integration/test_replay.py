@@ -9,17 +9,17 @@ import time
 import msgspec
 import pytest
 
-from index_service.follower import KafkaFollower, RoutePublisher
+from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.cli import main
 from kvidx.core.hashing import prompt_hashes
 from kvidx.kafka.log import iso
-from kvidx.ops.audit import UsagePublisher
+from kvidx.kafka.publish import Publisher
 from kvidx.ops.replay import checkpoint, explain, replay
 from relays.sinks import KafkaSink
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
-from schemas.routes import ROUTES_VERSION, RouteDecision
-from schemas.usage import USAGE_VERSION, UsageReport
+from schemas.routes import ROUTES_VERSION, RouteDecision, encode_route
+from schemas.usage import USAGE_VERSION, UsageReport, encode_usage
 from streams.snapshots import SnapshotTopic, split
 from tests.helpers import wait_for
 from tests.integration.helpers import ready
@@ -45,8 +45,8 @@ def test_replay_answers_as_the_index_did_then(kafka_bootstrap, topics, tmp_path,
     store = ShardStore(16)
     follower = KafkaFollower(store, b, topics["events"], topics["snapshots"], topics["routes"]).start()
     sink = KafkaSink(b, topics["events"], topics["dead_letters"])
-    routes = RoutePublisher(b, topics["routes"])
-    usage = UsagePublisher(b, topics["usage"])
+    routes = Publisher(b, topics["routes"], encode_route)
+    usage = Publisher(b, topics["usage"], encode_usage, linger_ms=5)
     seqs: dict[tuple[str, str], int] = {}
 
     def send(replica, events, model=MODEL):

@@ -9,15 +9,17 @@ import httpx
 import pytest
 
 from index_service.app import create_app
-from index_service.follower import KafkaFollower, RoutePublisher
+from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.config import Config, PoolConfig
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.kafka.publish import Publisher
 from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink
 from relays.zmq_source import ZmqSource
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
+from schemas.routes import encode_route
 from tests.helpers import ServerThread, wait_for
 
 pytestmark = pytest.mark.kafka
@@ -48,7 +50,7 @@ def fleet(kafka_bootstrap, topics):
     instances = []
     for _ in range(2):
         store = ShardStore(config=config)
-        store.publish_route = RoutePublisher(kafka_bootstrap, topics["routes"])
+        store.publish_route = Publisher(kafka_bootstrap, topics["routes"], encode_route)
         follower = KafkaFollower(store, kafka_bootstrap, topics["events"], topics["snapshots"],
                                  topics["routes"]).start()
         server = ServerThread(create_app(store))

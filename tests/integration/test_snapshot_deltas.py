@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 import kvidx.kafka.snapshots as snapshots
+import streams.snapshots as writer
 from kvidx.engines.recording import read_frames
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.kafka.snapshots import Manifest, read_snapshot_logs
@@ -27,7 +28,7 @@ def batches():
 
 
 def test_deltas_bases_and_a_takeover_rebuild_exactly(kafka_bootstrap, topics, tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshots, "PIECE_BYTES", 2000)  # bases in several pieces, over several snapshots
+    monkeypatch.setattr(writer, "PIECE_BYTES", 2000)  # bases in several pieces, over several snapshots
     all_batches = list(batches())
     assert len(all_batches) > 120, "the recording is long enough for several bases"
     worker = ShardWorker(kafka_bootstrap, tmp_path / "w1", topics["snapshots"], topics["dead_letters"])

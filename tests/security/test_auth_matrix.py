@@ -92,7 +92,7 @@ class Service:
 
 @contextmanager
 def serve(credentials: Credentials | None) -> Iterator[tuple[Service, object]]:
-    """The service as `kvidx serve` assembles it (kvidx/cli.py cmd_serve) with every API on, its relays
+    """The service as `kvidx serve` assembles it (index_service/main.py serve) with every API on, its relays
     and the feed's topic replaced by lists: (the service, the app)."""
     store = seeded_store(prompt=PROMPT)
     started, published = [], []

@@ -297,7 +297,7 @@ def test_allow_list_from_flag_config_or_default(tmp_path):
     from types import SimpleNamespace
 
     from index_service.guard import DEFAULT_ALLOW
-    from kvidx.cli import _allow_list
+    from index_service.main import allow_list as _allow_list
     from kvidx.config import load_config
 
     config = tmp_path / "c.toml"

@@ -59,6 +59,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvidx.cli",),  # parsing only
 ]
 PROCESSES = LAYERS[5]
+# the one process that runs another's code: the service starts the relays Dynamo's and the conductor's
+# POST /register ask for (relays/managed.py, publishing through relays/sinks.py)
+EMBEDS = {("index_service", "relays")}
 
 
 def _home(module: str) -> tuple[int, str] | None:
@@ -81,7 +84,8 @@ def order_violations() -> list[str]:
                 it = _home(mod)
                 if it is None:
                     continue
-                if it[0] > me[0] or (me[0] == LAYERS.index(PROCESSES) and it[0] == me[0] and it[1] != me[1]):
+                across = it[0] == me[0] == LAYERS.index(PROCESSES) and it[1] != me[1]
+                if it[0] > me[0] or (across and (me[1], it[1]) not in EMBEDS):
                     bad.append(f"{path.relative_to(ROOT)}:{line} ({me[1]}) imports {mod} ({it[1]})")
     return bad
 
@@ -102,6 +106,43 @@ def test_the_order_rule_catches_an_upward_import():
 def test_the_routers_client_depends_on_schemas_only():
     mods = [mod for _, mod in imports(ROOT / "kvidx" / "client.py")]
     assert mods and [m for m in mods if not m.startswith(("schemas.", "kvidx.client"))] == []
+
+
+def engine_names_outside_the_registry() -> list[str]:
+    """Where relays/ and the CLI name an engine themselves: an import of an engine's folder, or an
+    engine's name as a value (they reach engines through the registry, kvidx.engines). The service's
+    embedded relays name the engines Dynamo's and the conductor's registrations run, once each."""
+    from kvidx import engines
+
+    names = set(engines.names())
+    allowed = {("relays/managed.py", "REGISTERED_ENGINE"), ("relays/managed.py", "POOL_ENGINE")}
+    bad = []
+    for path in [*sorted((ROOT / "relays").rglob("*.py")), ROOT / "kvidx" / "cli.py"]:
+        rel = path.relative_to(ROOT).as_posix()
+        bad += [f"{rel}:{line} imports {mod}" for line, mod in imports(path)
+                if mod.split(".")[:2] == ["kvidx", "engines"] and len(mod.split(".")) > 2
+                and mod.split(".")[2] in names]
+        tree = ast.parse(path.read_text())
+        named = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and any((rel, getattr(t, "id", "")) in allowed for t in node.targets)}
+        bad += [f"{rel}:{node.lineno} names {node.value!r}" for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and node.value in names and id(node) not in named]
+    return bad
+
+
+def test_relays_and_the_cli_know_engines_only_through_the_registry():
+    assert engine_names_outside_the_registry() == []
+
+
+def test_the_registry_rule_catches_an_engine_branch(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "relays").mkdir()
+    (tmp_path / "kvidx").mkdir()
+    (tmp_path / "kvidx" / "cli.py").write_text("")
+    (tmp_path / "relays" / "x.py").write_text(
+        "from kvidx.engines.vllm.wire import check_engine_version\nif engine == 'sglang':\n    pass\n")
+    assert engine_names_outside_the_registry() == ["relays/x.py:1 imports kvidx.engines.vllm.wire",
+                                                   "relays/x.py:2 names 'sglang'"]
 
 
 def test_the_core_imports_nothing_of_the_project_but_schemas():

@@ -5,7 +5,7 @@ capacity, or exactly with the controller's admit/evict feed (--lmcache-controlle
 from __future__ import annotations
 
 from kvidx.engines import EngineAdapter, RelayOptions
-from kvidx.engines.vllm.adapter import DEFAULT_VERSION, relay_extra
+from kvidx.engines.vllm.adapter import DEFAULT_VERSION, controller_endpoint, relay_extra
 
 
 def _options(opts: RelayOptions) -> dict:
@@ -75,5 +75,5 @@ def upper_bound_requests(recording, requests: list[dict], model: str, index_bloc
 ADAPTER = EngineAdapter(
     name="lmcache", summary="LMCache's chunks re-published through vLLM (upper bound) or its controller",
     versions=("0.5.6",), default_version="0.5.6", recording="frames", live="zmq", make_relay=make_relay,
-    relay_extra=relay_extra,
+    relay_extra=relay_extra, controller_endpoint=controller_endpoint,
     replay=replay, conformance=("lmcache-0.5.6",), shadow_extra=upper_bound_requests)

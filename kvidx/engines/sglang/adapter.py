@@ -7,6 +7,13 @@ from kvidx.engines import EngineAdapter, RelayOptions
 from kvidx.engines.sglang.wire import DEFAULT_VERSION, SUPPORTED_VERSIONS
 
 
+def relay_args(group) -> None:
+    group.add_argument("--sglang-router-keys", action="store_true",
+                       help="also index the engine's own page hashes, so that SGLang's router asking "
+                            "kvidx serve --sglang-indexer finds this replica (name it by the router's worker "
+                            "URL with --replica); one index entry more per page")
+
+
 def relay_extra(args) -> dict:
     return {"router_keys": bool(getattr(args, "sglang_router_keys", False))}
 
@@ -33,5 +40,5 @@ def replay(recording, model: str, index_block_size: int, opts: RelayOptions):
 ADAPTER = EngineAdapter(
     name="sglang", summary="SGLang 0.4.9-0.5.23 KV events over ZMQ (positional or tagged maps)",
     versions=SUPPORTED_VERSIONS, default_version=DEFAULT_VERSION, recording="frames", live="zmq",
-    make_relay=make_relay, replay=replay, relay_extra=relay_extra,
+    make_relay=make_relay, replay=replay, relay_args=relay_args, relay_extra=relay_extra,
     conformance=tuple(f"sglang-{v}" for v in SUPPORTED_VERSIONS), sim="sglang")

@@ -10,6 +10,24 @@ from kvidx.engines.vllm.wire import ENGINE_VERSIONS
 DEFAULT_VERSION = "0.34.0"  # the newest release the adapter was checked against (reads 0.32-0.33 streams too)
 
 
+def relay_args(group) -> None:
+    """vLLM's `kvidx relay` options, LMCache's with them (it rides on vLLM's publisher)."""
+    group.add_argument("--cpu-chunk-blocks", type=int, default=1,
+                       help="vLLM offloading connector: engine blocks per offloaded chunk (CPU events)")
+    group.add_argument("--kv-cache-report-mode", choices=("incremental", "full"), default="incremental",
+                       help="'full' where requests may ask vLLM to re-announce every prefix hit (sampling "
+                            "extra_args kv_cache_report_mode=full): a single-group model's chain re-stored "
+                            "from the root is then not a second copy")
+    group.add_argument("--lmcache-ttl", type=float, default=300.0, metavar="S",
+                       help="LMCache chunks re-published through vLLM (no evictions published) age out after "
+                            "S seconds (0: never)")
+    group.add_argument("--lmcache-capacity-blocks", type=int, default=None,
+                       help="cap on LMCache's live index blocks (its max size / chunk size)")
+    group.add_argument("--lmcache-controller-endpoint", metavar="ENDPOINT",
+                       help="bind a PULL socket for LMCache's admit/evict messages (e.g. tcp://*:9001): with "
+                            "them, LMCache's evictions are known and its blocks are no upper bound")
+
+
 def relay_extra(args) -> dict:
     """vLLM's relay options from the command line (LMCache's too: it rides on vLLM's publisher)."""
     from kvidx.engines.lmcache.chunks import LmcacheConfig
@@ -20,6 +38,11 @@ def relay_extra(args) -> dict:
                LmcacheConfig(ttl_s=args.lmcache_ttl or None, capacity_blocks=args.lmcache_capacity_blocks))
     return {"cpu_chunk_blocks": args.cpu_chunk_blocks, "lmcache": lmcache,
             "full_reports": getattr(args, "kv_cache_report_mode", "incremental") == "full"}
+
+
+def controller_endpoint(args) -> str | None:
+    """Where the relay binds the connector's own feed (LMCache's controller), if anywhere."""
+    return getattr(args, "lmcache_controller_endpoint", None)
 
 
 def unchecked_read_as(version: str) -> str | None:
@@ -51,6 +74,7 @@ ADAPTER = EngineAdapter(
     name="vllm", summary="vLLM 0.32-0.34 (tagged maps; 0.33+ lookahead hashing) and older (positional) KV "
                          "events over ZMQ",
     versions=tuple(f"{v}.x" for v in ENGINE_VERSIONS), default_version=DEFAULT_VERSION,
-    recording="frames", live="zmq", make_relay=make_relay, replay=replay, relay_extra=relay_extra,
+    recording="frames", live="zmq", make_relay=make_relay, replay=replay, relay_args=relay_args,
+    relay_extra=relay_extra, relay_args_for=("vllm", "lmcache"), controller_endpoint=controller_endpoint,
     unchecked_read_as=unchecked_read_as,
     conformance=("vllm-0.32", "vllm-0.33", "vllm-0.34", "vllm-variants"), sim="vllm")

@@ -24,6 +24,15 @@ class VllmPublisherRelay(SequencedRelay):
         self.mirror = VllmMirror(index_block_size, group_kinds=group_kinds,
                                  lookahead=spec is None or spec.lookahead, **mirror_options)
         super().__init__(model, replica, index_block_size, dp_rank, epoch)
+        self.controller = None  # LMCache's admit/evict feed, once a message came
 
     def decode(self, payload: bytes):
         return decode_payload(payload)
+
+    def on_controller(self, payload: bytes, recv_ns: int):
+        """LMCache's controller admit/evict messages: the same mirror, the same (epoch, seq) order."""
+        if self.controller is None:
+            from kvidx.engines.lmcache.controller import LmcacheControllerRelay
+
+            self.controller = LmcacheControllerRelay(self)
+        return self.controller.on_message(payload, recv_ns)

@@ -121,7 +121,9 @@ def test_kafka_status_and_down_from_another_directory(tmp_path):
      "model 'qwen' is given twice"),
     (["relay", "--engine", "vllm", "--model", "m", "--play", FRAMES, "--sglang-router-keys"],
      "--sglang-router-keys is for --engine sglang, not vllm"),
-], ids=["sglang-no-port", "sglang-http-port", "sglang-twice", "router-keys-not-sglang"])
+    (["relay", "--engine", "sglang", "--model", "m", "--play", FRAMES, "--cpu-chunk-blocks", "4"],
+     "--cpu-chunk-blocks is for --engine vllm or lmcache, not sglang"),
+], ids=["sglang-no-port", "sglang-http-port", "sglang-twice", "router-keys-not-sglang", "vllm-option-on-sglang"])
 def test_new_router_api_flags_refuse_mistakes_in_one_line(args, says):
     out = run([*args, "--bootstrap", DEAD])
     assert says in out and out.startswith("error:") and len(out.strip().splitlines()) == 1, out
@@ -133,7 +135,7 @@ def test_relay_options_of_other_engines_carry_no_sglang_option():
     from argparse import Namespace
 
     from kvidx import engines
-    from kvidx.cli import _relay_options
+    from relays.main import relay_options as _relay_options
 
     args = Namespace(engine="mooncake", model="m", engine_version=None, block_size=None, config=None,
                      cpu_chunk_blocks=1, sglang_router_keys=False)
@@ -164,7 +166,7 @@ def test_an_unchecked_release_shows_on_the_relays_metrics():
 
     from prometheus_client import REGISTRY
 
-    from kvidx.cli import _unchecked_engine_version
+    from relays.main import unchecked_engine_version as _unchecked_engine_version
 
     args = Namespace(command="relay", engine="vllm", engine_version="0.36.1",
                      allow_unchecked_engine_version=True)

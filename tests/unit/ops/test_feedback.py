@@ -3,14 +3,11 @@ decisions and usage reports, per-prefix caps applied to answers, and, on a simul
 a replica whose engine reuses nothing of what the index credits gains. Over a real broker:
 tests/integration/test_audit.py."""
 
-from kvidx.ops.feedback import (
-    FEEDBACK_VERSION,
-    CreditFactor,
-    FeedbackTable,
-    compute_factors,
-)
+from index_service.feedback import FeedbackTable
+from kvidx.ops.feedback import compute_factors
 from kvidx.sim.feedback import feedback_table, measure_feedback
 from schemas.answers import Freshness, ReplicaAnswer, Tier
+from schemas.feedback import FEEDBACK_VERSION, CreditFactor
 from schemas.routes import ROUTES_VERSION, RouteDecision
 from schemas.usage import USAGE_VERSION, UsageReport
 

@@ -66,3 +66,19 @@ def test_the_dead_letter_topic_gets_the_events_position_and_kind_with_its_tokens
     assert headers["position"] == b"1" and headers["event"] == b"stored"
     kept = msgspec.msgpack.decode(value)
     assert kept["token_ids"] == {"redacted_token_ids": 20} and kept["block_hashes"] == [1, 2]
+
+
+def test_a_controller_message_goes_to_the_engines_relay_or_is_a_dead_letter():
+    """The relay hands a connector's own feed (src "controller") to its engine's relay logic: vLLM's
+    takes LMCache's admit/evict messages, an engine without such a feed dead-letters them."""
+    from kvidx.engines.sglang.relay import SglangPublisherRelay
+
+    sink = ListSink()
+    vllm = VllmPublisherRelay("m", "r0", 16, epoch=0)
+    Relay(vllm, sink).handle(Frame(b"controller", -1, b"\xc1", 1, "tcp://*:9001", "controller"))
+    assert vllm.controller is not None and vllm.controller.counters["messages"] == 1
+    assert [d.reason for d in sink.dead] == ["malformed_payload"]  # LMCache's decoder read it
+    sink = ListSink()
+    Relay(SglangPublisherRelay("m", "r0", 16, epoch=0), sink).handle(
+        Frame(b"controller", -1, b"x", 1, "tcp://*:9001", "controller"))
+    assert [d.reason for d in sink.dead] == ["unexpected_controller_message"] and not sink.batches

@@ -1,4 +1,4 @@
-"""vLLM variants (kvidx/engines/vllm/mirror.py, wire.py, dp.py): version check, DP
+"""vLLM variants (kvidx/engines/vllm/mirror.py, wire.py; kvidx/engines/contract.py): version check, DP
 ranks, LoRA / multimodal / cache-salt extra keys, offloading-connector CPU placeholders, one canonical
 hash for every engine hash function and block size, speculative-decoding bigram pages, and the
 generated conformance stream of tests/fixtures/vllm-variants/."""
@@ -15,9 +15,8 @@ import pytest
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.core.spec_decode import SpecDecodeError, unpair_tokens
-from kvidx.engines.contract import Frame
+from kvidx.engines.contract import Frame, dp_endpoints, offset_endpoint
 from kvidx.engines.recording import read_frames
-from kvidx.engines.vllm.dp import dp_endpoints, offset_endpoint
 from kvidx.engines.vllm.mirror import VllmMirror
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.wire import UnsupportedEngineVersion, check_engine_version, decode_payload
