@@ -24,8 +24,8 @@ import numpy as np
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.sim import SimVllmEngine
 from kvidx.engines.vllm.wire import BlockRemoved, BlockStored, decode_payload
-from kvidx.sim.vllm_engine import SimVllmEngine
 from schemas.events import decode_batch, encode_batch
 
 TARGET = 250_000

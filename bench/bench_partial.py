@@ -14,9 +14,9 @@ through the relay and fold code, this prints per engine and index:
 
     .venv/bin/python bench/bench_partial.py [--requests 600] [--json out.json]
 
-Workloads: "chat" (kvidx.sim.vllm_engine.chat_requests: each turn extends its conversation's history,
+Workloads: "chat" (kvidx.sim.prompts.chat_requests: each turn extends its conversation's history,
 so the engine's cache ends inside a block at every turn) and "shared-system"
-(kvidx.sim.vllm_engine.workload_requests: five system prompts of 40-130 tokens that conversations
+(kvidx.sim.prompts.workload_requests: five system prompts of 40-130 tokens that conversations
 leave inside a block).
 """
 
@@ -37,11 +37,11 @@ from kvidx.engines import get as get_engine
 from kvidx.engines.contract import zmq_replay
 from kvidx.engines.recording import replay_requests
 from kvidx.engines.sglang.relay import SglangPublisherRelay
+from kvidx.engines.sglang.sim import SimSglangEngine, stepping_clock
+from kvidx.engines.sglang.sim import record as record_sglang
+from kvidx.engines.trtllm.sim import SimTrtllmEngine, record
 from kvidx.shadow import Agreement, load_requests
-from kvidx.sim.sglang_engine import SimSglangEngine, stepping_clock
-from kvidx.sim.sglang_engine import record as record_sglang
-from kvidx.sim.trtllm_engine import SimTrtllmEngine, record
-from kvidx.sim.vllm_engine import chat_requests, workload_requests
+from kvidx.sim.prompts import chat_requests, workload_requests
 
 
 def sglang_recording(reqs, page: int, cache_tokens: int) -> tuple:

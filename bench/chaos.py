@@ -6,7 +6,7 @@ kills and hangs its parts, and a checker holds every lookup answer against the e
 What runs (every part a real process, on 127.0.0.1):
 - a cluster of `--brokers` Kafka nodes (kvidx.kafka.cluster.LocalKafkaCluster; topics with 3 replicas
   and min.insync.replicas 2 on 3 brokers);
-- simulated vLLM 0.32 engines (kvidx.sim.vllm_engine, in this process) of 2 models, publishing real
+- simulated vLLM 0.32 engines (kvidx.engines.vllm.sim, in this process) of 2 models, publishing real
   KV events over ZMQ, each subscribed by its own `kvidx relay` process;
 - 2 `kvidx worker` processes (one consumer group) and 2 `kvidx serve` instances;
 - a router loop (this process): lookup at a random instance (the other one if it does not answer),
@@ -66,7 +66,8 @@ if str(ROOT) not in sys.path:  # run as `python bench/chaos.py`
 from kvidx import index  # noqa: E402
 from kvidx.client import KvidxClient, KvidxError, Retry, UnknownModel  # noqa: E402
 from kvidx.core.hashing import prompt_hashes  # noqa: E402
-from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, workload_requests  # noqa: E402
+from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests  # noqa: E402
+from kvidx.sim.prompts import workload_requests  # noqa: E402
 
 KINDS = ("relay_kill", "worker_kill", "instance_kill", "leader_kill", "controller_kill", "broker_stop",
          "disk_full", "follower_stall", "double")

@@ -28,8 +28,9 @@ from index_service.http_protocol import InProcessServer
 from index_service.store import ShardStore
 from kvidx.client import KvidxClient, KvidxError, Retry, UnknownModel
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.sim import SimVllmEngine
 from kvidx.shadow import Agreement
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.sim.prompts import workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink, StoreSink
 from relays.zmq_source import ZmqSource

@@ -23,8 +23,8 @@ import numpy as np
 
 from kvidx.core.hints import prefetch_hint
 from kvidx.core.sessions import Session, SessionTracker
+from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests
 from kvidx.sim.serving import HintCounts, ServingModel
-from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests
 from schemas.answers import ReplicaAnswer
 
 HINT_KINDS = ("prefetch", "placement", "eviction")

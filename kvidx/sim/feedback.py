@@ -14,7 +14,7 @@ from kvidx.core.price import PriceConfig, Pricer
 from kvidx.core.shard import ModelShard
 from kvidx.ops.audit import Tally
 from kvidx.ops.feedback import compute_factors
-from kvidx.sim.vllm_engine import workload_requests
+from kvidx.sim.prompts import workload_requests
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 from schemas.routes import ROUTES_VERSION, RouteDecision
 from schemas.usage import USAGE_VERSION, UsageReport

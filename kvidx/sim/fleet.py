@@ -15,7 +15,7 @@ tier (the engine's reuse split by where it came from, the credit split by the an
 and time window.
 
 Hybrid models (`hybrid`, "swa:W" or "mamba:K"): the vLLM replicas are FleetHybridEngines
-(kvidx/sim/hybrid_engine.py: full attention + a sliding-window group of W tokens, or + a state-space
+(kvidx/engines/vllm/sim_hybrid.py: full attention + a sliding-window group of W tokens, or + a state-space
 group checkpointed every K blocks; one block pool shared by the groups as vLLM's hybrid allocator shares
 it, GPU blocks + `hybrid_group_blocks`), publishing
 vLLM 0.32's hybrid events; they reuse by vLLM's hybrid rule, and agreement is also kept per group kind
@@ -32,7 +32,7 @@ Per request (in arrival order, virtual time `now`):
    (in process, or through a Kafka broker and index_service's KafkaFollower);
 2. the router looks the prompt up (ModelShard.lookup in process, or POST /v1/lookup/binary on the
    real FastAPI service) and picks a replica by its policy;
-3. the chosen engine (kvidx.sim.vllm_engine.SimVllmEngine: vLLM's block pool, LRU free queue, sha256
+3. the chosen engine (kvidx.engines.vllm.sim.SimVllmEngine: vLLM's block pool, LRU free queue, sha256
    block hashes, real vLLM 0.32 wire payloads) serves the request and reports its `cached_tokens`;
    what the index credited on that replica is compared with it (kvidx.shadow.Agreement);
 4. the engine's messages go on the "network": each is delivered `delay` after the engine step
@@ -82,17 +82,17 @@ from kvidx.core.price import Overlap, PriceConfig
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
+from kvidx.engines.sglang.sim import SimSglangEngine
 from kvidx.engines.trtllm.relay import TrtllmPollRelay
+from kvidx.engines.trtllm.sim import SimTrtllmEngine
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests, external_hash
+from kvidx.engines.vllm.sim_hybrid import FleetHybridEngine
 from kvidx.shadow import Agreement
 from kvidx.sim.advice import HintFollower
 from kvidx.sim.census import answer_key, census
-from kvidx.sim.hybrid_engine import FleetHybridEngine
 from kvidx.sim.rolling import RollingRestart
 from kvidx.sim.serving import ServingModel
-from kvidx.sim.sglang_engine import SimSglangEngine
-from kvidx.sim.trtllm_engine import SimTrtllmEngine
-from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, external_hash
 from kvidx.sim.workloads import SimRequest
 from relays.run import Relay
 from schemas.answers import ReplicaAnswer

@@ -11,7 +11,7 @@ of a prompt covers a partial block: it takes the first tokens of the id's block.
 The trace carries no model: with several models a request goes to the model picked by a hash of its
 first two ids (conversations that share a prefix beyond the system prompt stay on one model).
 
-Generated chat (``chat_requests``): kvidx.sim.vllm_engine.workload_requests per model (shared system
+Generated chat (``chat_requests``): kvidx.sim.prompts.workload_requests per model (shared system
 prompts, interleaved multi-turn conversations whose next turn extends the previous prompt and
 output), with Poisson arrivals.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvidx.sim.vllm_engine import workload_requests
+from kvidx.sim.prompts import workload_requests
 
 TRACE_BLOCK = 512  # tokens per Mooncake hash id
 VOCAB = 32000

@@ -15,10 +15,10 @@ from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.lmcache.controller import LmcacheControllerRelay
 from kvidx.engines.sglang.relay import SglangPublisherRelay
+from kvidx.engines.sglang.sim import SimSglangEngine
 from kvidx.engines.trtllm.relay import TrtllmPollRelay
+from kvidx.engines.trtllm.sim import SimTrtllmEngine
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.sim.sglang_engine import SimSglangEngine
-from kvidx.sim.trtllm_engine import SimTrtllmEngine
 from schemas.events import decode_batch, encode_batch
 from tests.fuzz.mutations import FAST, byte_level, mutated, node_paths, replace_node
 from tests.helpers import FIXTURES

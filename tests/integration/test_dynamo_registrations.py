@@ -13,7 +13,8 @@ import httpx
 import msgspec
 import pytest
 
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from tests.helpers import ROOT, wait_for
 
 pytestmark = pytest.mark.kafka

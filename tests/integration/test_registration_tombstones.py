@@ -12,7 +12,8 @@ from index_service.conductor_api import ConductorRegistry
 from index_service.dynamo_api import DynamoRegistry, Listener, RegisterRequest, UnregisterRequest
 from index_service.registrations import RegistrationLog
 from index_service.store import ShardStore
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from relays.managed import vllm_relay_starter
 from relays.sinks import StoreSink
 from tests.helpers import wait_for

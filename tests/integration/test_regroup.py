@@ -15,7 +15,8 @@ from kvidx.core.groups import hashed_group, shard_key
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from relays.control import ControlListener, send_resync
 from relays.run import Relay
 from relays.sinks import KafkaSink

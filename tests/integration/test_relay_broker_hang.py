@@ -11,9 +11,10 @@ import time
 import pytest
 
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.sim import SimVllmEngine
 from kvidx.kafka.local import LocalKafka
 from kvidx.kafka.topics import ensure_topics
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.sim.prompts import workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink
 from relays.zmq_source import ZmqSource

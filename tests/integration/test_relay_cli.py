@@ -12,7 +12,8 @@ import pytest
 
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from relays.control import send_resync
 from tests.helpers import ROOT, wait_for
 

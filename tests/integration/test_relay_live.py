@@ -12,7 +12,8 @@ from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from relays.run import GAPS, Relay
 from relays.sinks import KafkaSink
 from relays.zmq_source import ZmqSource

@@ -10,7 +10,8 @@ from confluent_kafka import Consumer
 
 from kvidx.core.shard import ModelShard
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from relays.control import ControlListener, send_resync
 from relays.run import Relay
 from relays.sinks import KafkaSink

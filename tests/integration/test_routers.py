@@ -13,8 +13,9 @@ from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.config import Config, PoolConfig
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.sim import SimVllmEngine
 from kvidx.kafka.publish import Publisher
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.sim.prompts import workload_requests
 from relays.run import Relay
 from relays.sinks import KafkaSink
 from relays.zmq_source import ZmqSource

@@ -34,7 +34,8 @@ from index_service.sglang_indexer import SglangIndexer, start_server
 from index_service.sglang_pb import kv_indexer_pb2 as pb
 from index_service.store import ShardStore
 from kvidx.core.shard import wall_epoch
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from relays.managed import vllm_relay_starter
 from relays.sinks import StoreSink
 from schemas.events import SCHEMA_VERSION, EventBatch, ReplicaCleared

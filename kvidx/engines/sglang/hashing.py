@@ -1,5 +1,5 @@
 """SGLang's block hashes, for its router and its external KV indexer (index_service/sglang_indexer.py)
-and the simulated SGLang engine (kvidx/sim/sglang_engine.py).
+and the simulated SGLang engine (kvidx/engines/sglang/sim.py).
 
 sglang 0.5.23 (mem_cache/utils.py `get_hash_str`, cpp_utils/hash_binding.cpp `hash_page`; sgl-router
 kv_events::hash): a page's digest is SHA-256 over the previous page's 32-byte digest (none for the first

@@ -113,7 +113,7 @@ def test_the_truth_is_what_the_engine_held_in_the_window():
     import time
 
     from kvidx.core.hashing import prompt_hashes
-    from kvidx.sim.vllm_engine import SimVllmEngine
+    from kvidx.engines.vllm.sim import SimVllmEngine
 
     e = SimVllmEngine(num_blocks=4, block_size=chaos.ENGINE_BLOCK, endpoint="tcp://127.0.0.1:*")
     try:

@@ -2,7 +2,7 @@
 shard) for full attention + sliding window and for full attention + state space (mamba), checked
 against a straightforward reference of vLLM's resume rule on thousands of random cases.
 
-The generated engine lives in kvidx/sim/hybrid_engine.py (the fleet simulator's `--hybrid` replicas
+The generated engine lives in kvidx/engines/vllm/sim_hybrid.py (the fleet simulator's `--hybrid` replicas
 are built on it). It keeps the engine's own view (per group: engine hash -> live physical copies) and emits
 what vLLM 0.32's block pool emits for it (vllm/v1/core/block_pool.py cache_full_blocks,
 cache_partial_block; ENGINES.md vLLM observations 5, 6, 9):
@@ -24,11 +24,11 @@ import msgspec
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.sim.hybrid_engine import HybridEngine, WBatch, WRemoved, WStored, _enc
+from kvidx.engines.vllm.sim_hybrid import HybridEngine, WBatch, WRemoved, WStored, _enc
 from schemas.answers import Group
 
 
-# ---- vLLM 0.32's wire structs (kvidx/sim/hybrid_engine.py) -------------------------------------
+# ---- vLLM 0.32's wire structs (kvidx/engines/vllm/sim_hybrid.py) -------------------------------------
 def test_wire_structs_encode_like_vllm_032():
     """Key order and omitted defaults as in the real recording (fixtures/vllm-0.32/gemma2_swa)."""
     ev = WStored([5], None, [1, 2], 2, None, "GPU", None, [None], 0, "sliding_window", 32)
@@ -40,7 +40,7 @@ def test_wire_structs_encode_like_vllm_032():
     assert rm == {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "group_idx": 1}
 
 
-# ---- the generated engine: kvidx.sim.hybrid_engine.HybridEngine --------------------------------
+# ---- the generated engine: kvidx.engines.vllm.sim_hybrid.HybridEngine --------------------------------
 def _prompts(rng: random.Random, n: int, lengths: tuple[int, int]) -> list[list[int]]:
     """Prompts sharing system prefixes (some shorter, some longer than a 1024-token window)."""
     systems = [[rng.randrange(32000) for _ in range(rng.randint(50, 1500))] for _ in range(4)]

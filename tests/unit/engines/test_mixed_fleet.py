@@ -31,11 +31,12 @@ from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
+from kvidx.engines.sglang.sim import SimSglangEngine
 from kvidx.engines.trtllm.relay import TrtllmPollRelay
+from kvidx.engines.trtllm.sim import SimTrtllmEngine
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.sim.sglang_engine import SimSglangEngine
-from kvidx.sim.trtllm_engine import SimTrtllmEngine
-from kvidx.sim.vllm_engine import SimVllmEngine, chain_digests, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests
+from kvidx.sim.prompts import workload_requests
 
 IBS = 16
 MODEL = "mixed-model"

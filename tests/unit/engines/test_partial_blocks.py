@@ -27,13 +27,13 @@ from kvidx.engines.contract import zmq_replay
 from kvidx.engines.recording import frame_to_line, replay_requests
 from kvidx.engines.sglang.mirror import SglangMirror
 from kvidx.engines.sglang.relay import SglangPublisherRelay
+from kvidx.engines.sglang.sim import SimSglangEngine, stepping_clock
+from kvidx.engines.sglang.sim import record as record_sglang
 from kvidx.engines.sglang.wire import BlockRemoved, BlockStored
+from kvidx.engines.trtllm.sim import SimTrtllmEngine
+from kvidx.engines.trtllm.sim import record as record_trtllm
 from kvidx.shadow import Agreement, run_shadow_engine
-from kvidx.sim.sglang_engine import SimSglangEngine, stepping_clock
-from kvidx.sim.sglang_engine import record as record_sglang
-from kvidx.sim.trtllm_engine import SimTrtllmEngine
-from kvidx.sim.trtllm_engine import record as record_trtllm
-from kvidx.sim.vllm_engine import chat_requests, workload_requests
+from kvidx.sim.prompts import chat_requests, workload_requests
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
 SEED = 0x6B76_6964_7831

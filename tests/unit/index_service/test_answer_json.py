@@ -96,8 +96,8 @@ def test_partial_blocks_in_the_compiled_answer(monkeypatch):
     from kvidx.core.hashing import prompt_hashes
     from kvidx.engines.contract import zmq_replay
     from kvidx.engines.sglang.relay import SglangPublisherRelay
-    from kvidx.sim.sglang_engine import SimSglangEngine, record, stepping_clock
-    from kvidx.sim.vllm_engine import chat_requests
+    from kvidx.engines.sglang.sim import SimSglangEngine, record, stepping_clock
+    from kvidx.sim.prompts import chat_requests
 
     store = ShardStore(16)
     for rep in range(3):

@@ -14,7 +14,8 @@ from index_service.app import create_app
 from index_service.dynamo_api import DynamoRegistry, zmq_endpoint_error
 from index_service.store import ShardStore
 from kvidx.core.hashing import dynamo_local_hashes, pack_tokens
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from relays.managed import vllm_relay_starter
 from relays.sinks import StoreSink
 from tests.helpers import ServerThread, wait_for

@@ -123,7 +123,8 @@ def test_kafka_status_and_down_from_another_directory(tmp_path):
      "--sglang-router-keys is for --engine sglang, not vllm"),
     (["relay", "--engine", "sglang", "--model", "m", "--play", FRAMES, "--cpu-chunk-blocks", "4"],
      "--cpu-chunk-blocks is for --engine vllm or lmcache, not sglang"),
-], ids=["sglang-no-port", "sglang-http-port", "sglang-twice", "router-keys-not-sglang", "vllm-option-on-sglang"])
+], ids=["sglang-no-port", "sglang-http-port", "sglang-twice", "router-keys-not-sglang",
+        "vllm-option-on-sglang"])
 def test_new_router_api_flags_refuse_mistakes_in_one_line(args, says):
     out = run([*args, "--bootstrap", DEAD])
     assert says in out and out.startswith("error:") and len(out.strip().splitlines()) == 1, out

@@ -13,8 +13,9 @@ from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.vllm.relay import VllmPublisherRelay
+from kvidx.engines.vllm.sim import SimVllmEngine
 from kvidx.shadow import InProcessIndex, run_shadow
-from kvidx.sim import SimVllmEngine, workload_requests
+from kvidx.sim.prompts import workload_requests
 from schemas.events import BlocksStored
 from tests.helpers import LLAMA
 

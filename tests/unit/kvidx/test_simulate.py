@@ -182,7 +182,7 @@ def test_cli_mixed_fleet_json(tmp_path, capsys):
 # ---- hybrid groups and vLLM CPU offload --------------------------------------------------------------
 @pytest.mark.parametrize("spec", ["swa:256", "mamba:3"])
 def test_hybrid_zero_delay_agrees_per_group_kind(trace_reqs, spec):
-    """Hybrid replicas (kvidx/sim/hybrid_engine.py) reuse by vLLM's hybrid rule; without delay the index
+    """Hybrid replicas (kvidx/engines/vllm/sim_hybrid.py) reuse by vLLM's hybrid rule; without delay the index
     agrees exactly, overall and per group kind; both groups evict from their shared pool. (Mamba
     checkpoints every 3 blocks: the trace's prefixes end on multiples of 4 blocks, so the state group
     shortens hits; with every 2 blocks it never would.)"""

@@ -4,7 +4,7 @@ so the recording is generated here).
 
 How the recording is made (the serialization rules are those of tests/fixtures/vllm-variants/
 engine_wire.py and kvidx/engines/lmcache/chunks.py, with their citations):
-- vLLM's own GPU events: the simulated vLLM 0.32 engine (kvidx/sim/vllm_engine.py: sha256 block
+- vLLM's own GPU events: the simulated vLLM 0.32 engine (kvidx/engines/vllm/sim.py: sha256 block
   hashes, LRU block pool, one BlockRemoved per evicted block), engine block 32, a small pool so that
   GPU evictions are frequent;
 - LMCache's stores re-published by vLLM's connector, in the next batch of the same publisher
@@ -32,8 +32,9 @@ from kvidx.engines import RelayOptions
 from kvidx.engines.contract import Frame
 from kvidx.engines.lmcache.chunks import LmcacheConfig
 from kvidx.engines.recording import frame_to_line
+from kvidx.engines.vllm.sim import SimVllmEngine
 from kvidx.shadow import run_shadow_engine
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.sim.prompts import workload_requests
 from tests.helpers import FIXTURES
 
 sys.path.insert(0, str(FIXTURES / "vllm-variants"))

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from kvidx.engines.sglang.hashing import hash_str_to_int64, page_hash_hex, sglang_page_hashes
-from kvidx.sim.sglang_engine import SimSglangEngine
+from kvidx.engines.sglang.sim import SimSglangEngine
 
 # sgl-router kv_events::hash cross-language tests (the engine's own hashing, pinned there)
 GOLDENS = [

@@ -2,7 +2,7 @@
 checked version, live ZMQ (replay with and without the topic frame) and shadow agreement.
 
 Regenerate the conformance fixtures with `python -m tests.test_sglang --regen` (they come from
-kvidx/sim/sglang_engine.py, which follows SGLang's own serialization rules; see each header).
+kvidx/engines/sglang/sim.py, which follows SGLang's own serialization rules; see each header).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvidx.engines.contract import Frame
 from kvidx.engines.recording import frame_to_line
 from kvidx.engines.sglang.mirror import SglangMirror
 from kvidx.engines.sglang.relay import SglangPublisherRelay, make_relay
+from kvidx.engines.sglang.sim import SimSglangEngine
 from kvidx.engines.sglang.wire import (
     PY_EMPTY_TUPLE_HASH,
     SUPPORTED_VERSIONS,
@@ -35,8 +36,7 @@ from kvidx.engines.sglang.wire import (
     decode_payload,
 )
 from kvidx.shadow import run_shadow_engine, shadow
-from kvidx.sim.sglang_engine import SimSglangEngine
-from kvidx.sim.vllm_engine import workload_requests
+from kvidx.sim.prompts import workload_requests
 from schemas.events import BlocksRemoved, BlocksStored, ReplicaCleared
 from tests.helpers import FIXTURES
 
@@ -331,7 +331,7 @@ def build_fixture(version: str) -> dict:
         lookups.append({**r, "engine_reuses": reused, "credited": credited})
     return {
         "header": {"engine": "sglang", "engine_version": version,
-                   "generated_by": "kvidx/sim/sglang_engine.py", "serialization": HEADER[version],
+                   "generated_by": "kvidx/engines/sglang/sim.py", "serialization": HEADER[version],
                    "rules": "engine_reuses = the engine's match (at most len-1 tokens, page-aligned); "
                             "credited "
                             "= the whole index blocks of its cached prefix, capped at len-1 and rounded "

@@ -8,7 +8,8 @@ from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.vllm.relay import VllmPublisherRelay
-from kvidx.sim.vllm_engine import SimVllmEngine, workload_requests
+from kvidx.engines.vllm.sim import SimVllmEngine
+from kvidx.sim.prompts import workload_requests
 from schemas.events import BlocksStored, ReplicaCleared
 
 BS = 16

@@ -9,6 +9,7 @@ import pytest
 
 from kvidx.engines.common import Unreadable
 from kvidx.engines.recording import read_frames
+from kvidx.engines.vllm.sim import chain_digests, external_hash, none_hash
 from kvidx.engines.vllm.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -16,7 +17,6 @@ from kvidx.engines.vllm.wire import (
     decode_payload,
     fold_engine_hash,
 )
-from kvidx.sim import chain_digests, external_hash, none_hash
 from tests.helpers import GEMMA, LLAMA
 
 enc = msgspec.msgpack.encode

@@ -8,8 +8,9 @@ import msgspec
 import pytest
 import zmq
 
+from kvidx.engines.vllm.sim import SimVllmEngine
 from kvidx.engines.vllm.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
-from kvidx.sim import SimVllmEngine, workload, workload_requests
+from kvidx.sim.prompts import workload, workload_requests
 
 B = 16
 END = (-1).to_bytes(8, "big", signed=True)
