@@ -16,11 +16,24 @@ def _options(opts: RelayOptions) -> dict:
     return extra
 
 
+VERSIONS = ("0.5.6",)  # the LMCache releases whose connector's re-published stores were read
+
+
+def check_lmcache_version(version: str | None) -> None:
+    """`--engine-version` names LMCache's release (vLLM's publisher carries its stores and is read as
+    the newest checked vLLM, which reads every checked vLLM stream)."""
+    if version is not None and version.strip().lstrip("v") not in VERSIONS:
+        raise ValueError(f"LMCache {version!r} was not checked by this kvidx (checked: "
+                         f"{', '.join(VERSIONS)}; --engine-version names LMCache's release, vLLM's stream is "
+                         f"read as {DEFAULT_VERSION})")
+
+
 def make_relay(model: str, replica: str, index_block_size: int, dp_rank: int | None, opts: RelayOptions):
     from kvidx.engines.vllm.relay import VllmPublisherRelay
 
+    check_lmcache_version(opts.engine_version)
     return VllmPublisherRelay(model, replica, index_block_size, dp_rank, group_kinds=opts.group_kinds or None,
-                              engine_version=opts.engine_version or DEFAULT_VERSION, **_options(opts))
+                              engine_version=DEFAULT_VERSION, **_options(opts))
 
 
 def replay(recording, model: str, index_block_size: int, opts: RelayOptions):
@@ -28,6 +41,7 @@ def replay(recording, model: str, index_block_size: int, opts: RelayOptions):
     from kvidx.engines.recording import read_frames
     from kvidx.engines.vllm.relay import VllmPublisherRelay
 
+    check_lmcache_version(opts.engine_version)
     extra = _options(opts)
     batches = zmq_replay(read_frames(recording), lambda ep: VllmPublisherRelay(
         model, ep, index_block_size, epoch=0, **extra))
@@ -74,6 +88,6 @@ def upper_bound_requests(recording, requests: list[dict], model: str, index_bloc
 
 ADAPTER = EngineAdapter(
     name="lmcache", summary="LMCache's chunks re-published through vLLM (upper bound) or its controller",
-    versions=("0.5.6",), default_version="0.5.6", recording="frames", live="zmq", make_relay=make_relay,
+    versions=VERSIONS, default_version=VERSIONS[-1], recording="frames", live="zmq", make_relay=make_relay,
     relay_extra=relay_extra, controller_endpoint=controller_endpoint,
     replay=replay, conformance=("lmcache-0.5.6",), shadow_extra=upper_bound_requests)
