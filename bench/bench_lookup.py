@@ -6,8 +6,8 @@ random-length prefix with probability 0.6 (partial hits on ~38 replicas per prom
 the blocks from the Mooncake trace replayed with random routing.
 
 Measured per lookup (prompts rotated, --iters of each):
-  (a) prompt_hashes(packed tokens)  (b) shard.lookup(hashes)  (b') shard.prefix_blocks(hashes)
-  (c) prompt_hashes + shard.lookup  (what the service does per request, minus HTTP and JSON)
+  (a) prompt_hashes(packed tokens)  (b) index.lookup(shard, hashes)  (b') index.prefix_walk(shard)(hashes)
+  (c) prompt_hashes + index.lookup  (what the service does per request, minus HTTP and JSON)
 Targets (DESIGN.md): in-process p99 <= 300 us; <= 64 bytes per (block, replica, tier) entry;
 rebuild of a 1M-block shard <= 10 s.
 """
