@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 
 from kvidx.runtime import port_in_use, shard_settings
 
@@ -191,8 +192,10 @@ def serve(args) -> int:
             f.stop()
         follower.stop()
         announcer.stop()
-        for p in (*publishers, usage):  # the decisions, hints and reports still buffered reach the broker
-            p.close()
+        # the decisions, hints and reports still buffered reach the broker, within one 10 s budget
+        deadline = time.monotonic() + 10.0
+        for p in (*publishers, usage):
+            p.close(max(0.1, deadline - time.monotonic()))
         actuators.close()
     return 0
 
