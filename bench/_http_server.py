@@ -13,7 +13,7 @@ import _common  # noqa: F401  (puts the project on sys.path)
 from index_service.app import create_app
 from index_service.http_protocol import serve
 from index_service.store import ShardStore
-from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_snapshot
 
 
 def main() -> int:
@@ -25,7 +25,7 @@ def main() -> int:
     args = p.parse_args()
     t = time.perf_counter()
     with open(args.snapshot, "rb") as f:
-        shard = ModelShard.restore(f.read())
+        shard = decode_snapshot(f.read())
     store = ShardStore(shard.block_size)
     store.put(shard)
     store.ready = True

@@ -36,7 +36,7 @@ import xxhash
 
 from kvidx import index
 from kvidx.core.shard import ModelShard
-from kvidx.core.snapshot import SEGMENTS
+from kvidx.core.snapshot import SEGMENTS, encode_segments
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, encode_batch
 
 MODEL = "bench-100m"
@@ -102,7 +102,7 @@ def digest(shard: ModelShard) -> str:
     """The masks of every (group, tier), in segment order: equal iff the two shards hold the same."""
     h = xxhash.xxh3_64()
     for first in range(0, SEGMENTS, 64):
-        h.update(shard.snapshot_segments(first, first + 64).split(b"groups", 1)[1])
+        h.update(encode_segments(shard, first, first + 64).split(b"groups", 1)[1])
     return h.hexdigest()
 
 

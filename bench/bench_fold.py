@@ -22,6 +22,7 @@ import _common as c
 import numpy as np
 
 from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_snapshot, encode_snapshot
 from kvidx.engines.contract import Frame
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.sim import SimVllmEngine
@@ -48,7 +49,7 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
         base.apply(b, 0.0)
     blocks, entries = c.shard_entries(base)
     c.log(f"  warm shard: {blocks:,} blocks, {entries:,} entries")
-    snap = base.snapshot()
+    snap = encode_snapshot(base)
     del warm
 
     dec = []
@@ -62,7 +63,7 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
     decoded = [decode_batch(m) for m in msgs]
     app = []
     for _ in range(args.repeat):
-        shard = ModelShard.restore(snap)
+        shard = decode_snapshot(snap)
         t = time.perf_counter()
         for b in decoded:
             shard.apply(b, 1.0)
@@ -70,7 +71,7 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
     c.log(f"  apply alone: {max(app):,.0f} blocks/s (best of {args.repeat})")
     fore = []
     for _ in range(args.repeat):
-        shard = ModelShard.restore(snap)
+        shard = decode_snapshot(snap)
         shard.foresight.active = True  # as after the model's first route: the eviction order is kept
         t = time.perf_counter()
         for b in decoded:
@@ -81,7 +82,7 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
 
     both = []
     for i in range(args.repeat):
-        shard = ModelShard.restore(snap)
+        shard = decode_snapshot(snap)
         c.collect()
         t = time.perf_counter()
         for m in msgs:
@@ -113,10 +114,10 @@ def bench_fold_scaling(args, figs: c.Figures) -> None:
             shard.apply(b, 0.0)
         del warm
         blocks, entries = c.shard_entries(shard)
-        snap = shard.snapshot()
+        snap = encode_snapshot(shard)
         best = 0.0
         for _ in range(2):
-            shard = ModelShard.restore(snap)
+            shard = decode_snapshot(snap)
             c.collect()
             t = time.perf_counter()
             for m in msgs:

@@ -30,6 +30,8 @@ from pathlib import Path
 import _common as c
 import numpy as np
 
+from kvidx.core.snapshot import encode_snapshot
+
 HERE = Path(__file__).resolve().parent
 PATH = f"/v1/lookup/binary?model={c.MODEL}"
 
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     bodies = ls.prompts
     tmp = tempfile.mkdtemp(prefix="kvidx-bench-http-")
     snap = Path(tmp) / "shard.snap"
-    snap.write_bytes(ls.shard.snapshot())
+    snap.write_bytes(encode_snapshot(ls.shard))
     del ls
     c.collect()
     port = free_port()

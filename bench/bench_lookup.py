@@ -23,7 +23,7 @@ import _common as c
 
 from kvidx import index
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_snapshot, encode_snapshot
 
 
 def timed(fn, iters: int, n_prompts: int) -> list[float]:
@@ -80,11 +80,11 @@ def bench_scaling(args, figs: c.Figures) -> None:
         blocks, entries = c.shard_entries(ls.shard)
         p50, p99 = _hash_lookup_pct(ls, args.block_size, args.scale_iters)
         per_entry = c.shard_bytes(ls.shard) / entries
-        snap = ls.shard.snapshot()
+        snap = encode_snapshot(ls.shard)
         del ls
         c.collect()
         t = time.perf_counter()
-        restored = ModelShard.restore(snap)
+        restored = decode_snapshot(snap)
         t_restore = time.perf_counter() - t
         del restored, snap
         c.collect()
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     c.log("snapshot ...")
     t = time.perf_counter()
-    snap = shard.snapshot()
+    snap = encode_snapshot(shard)
     t_snap = time.perf_counter() - t
     figs.add("snapshot size", len(snap) / 2**20, "MiB", "", f"{len(snap) / blocks:.1f} B per block")
     figs.add("snapshot time", t_snap, "s")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     rt = []
     for _ in range(2):
         t = time.perf_counter()
-        restored = ModelShard.restore(snap)
+        restored = decode_snapshot(snap)
         rt.append(time.perf_counter() - t)
         del restored
         c.collect()
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     figs.add(f"restore (rebuild) of {blocks:,} blocks from a snapshot", min(rt), "s", "<= 10",
              "in process: decode + dict rebuild (no Kafka read)")
     tracemalloc.start()
-    restored = ModelShard.restore(snap)
+    restored = decode_snapshot(snap)
     c.collect()
     used = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()

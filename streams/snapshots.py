@@ -29,7 +29,7 @@ from confluent_kafka import Producer
 from rocksdict import Options, Rdict
 
 from kvidx.core.shard import ModelShard
-from kvidx.core.snapshot import PART_FORMAT, SEGMENTS
+from kvidx.core.snapshot import PART_FORMAT, SEGMENTS, encode_delta, encode_segments, segment_bytes
 from kvidx.kafka.config import client_config
 from kvidx.kafka.snapshots import (
     CHUNK,
@@ -99,7 +99,7 @@ class SnapshotLog:
 
     def plan(self, shard: ModelShard) -> Snapshot:
         sid = self.snapshot_id + 1
-        delta_ref, items = _chunked(f"{self.model}/d/{sid}", shard.snapshot_delta())
+        delta_ref, items = _chunked(f"{self.model}/d/{sid}", encode_delta(shard))
         nbytes = {"delta": delta_ref.nbytes, "base": 0, "manifest": 0}
         base_bytes = sum(p.nbytes for p in self.base)
         build = self.build
@@ -111,13 +111,13 @@ class SnapshotLog:
             budget = (float("inf") if not self.base
                       else max(delta_ref.nbytes, base_bytes / BASE_SNAPSHOTS, PIECE_BYTES))
             build = msgspec.structs.replace(build, pieces=list(build.pieces))
-            per_segment = max(shard.segment_bytes(), 1.0)
+            per_segment = max(segment_bytes(shard), 1.0)
             written = 0
             while build.next_segment < SEGMENTS and written < budget:
                 first = build.next_segment
                 last = min(SEGMENTS, first + max(1, int(PIECE_BYTES / per_segment)))
                 key = f"{self.model}/b{build.gen % 2}/{first}"
-                ref, piece = _chunked(key, shard.snapshot_segments(first, last))
+                ref, piece = _chunked(key, encode_segments(shard, first, last))
                 items += piece
                 build.pieces.append(ref)
                 build.next_segment = last

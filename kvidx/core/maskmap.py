@@ -360,7 +360,7 @@ chain = _mod.chain if _mod is not None else py_chain
 # chain into a kvidx_native.HashArray (no Python int per hash; the maps read it directly), or a list
 chain_array = _mod.chain_array if _mod is not None else py_chain
 IMPLEMENTATION = "native" if _mod is not None else "python"
-# a lookup answer written as JSON by the compiled core (kvidx.core.walk.ShardWalk.lookup_json); None:
+# a lookup answer written as JSON by the compiled core (kvidx.core.walk.lookup_json); None:
 # the typed answer, encoded by msgspec, everywhere
 lookup_json = getattr(_mod, "lookup_json", None)
 # JSON token ids straight to packed uint32, cut out of a request body (index_service.wire.read_split);

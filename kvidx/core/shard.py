@@ -27,12 +27,13 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
+from kvidx.core import walk
 from kvidx.core.foresight import Foresight, HostLoads
 from kvidx.core.maskmap import MaskMap, native_module
 from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits
-from kvidx.core.snapshot import ShardSnapshot
-from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, ShardWalk, window_blocks
+from kvidx.core.snapshot import ChangeJournal, shift_masks
+from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, window_blocks
 from schemas.answers import Tier
 from schemas.events import TIER_IDS, TIERS, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
@@ -108,10 +109,11 @@ NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemo
                               _LAST_TIER) if _native is not None else None)
 
 
-class ModelShard(ShardWalk, ShardSnapshot):
+class ModelShard:
     # the mask map class: the compiled one where built; property tests pin the pure-Python reference
     new_map: type = MaskMap
     replica_fields = _native.ReplicaFields(ReplicaState) if _native is not None else None
+    journal: ChangeJournal | None = None  # kept only where deltas are written (the worker)
 
     def __init__(self, model: str, block_size: int, unreported_eviction_kinds: Iterable[str] = ()):
         self.model = model
@@ -138,7 +140,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self.pending = PendingCredits()
         self.foresight = Foresight()  # what in-flight prefills will evict (kvidx.core.foresight)
         # slot -> its host tier in offload order, for replicas whose host loads free the host's oldest
-        # (EventBatch.host_tier_blocks; ShardWalk.onboard_cut). Kept from a replica's start only: after
+        # (EventBatch.host_tier_blocks; kvidx.core.walk.onboard_cut). Kept from a replica's start only: after
         # a restore the order is unknown and nothing is cut
         self.host_orders: dict[int, HostLoads] = {}
         self.lookahead = 0  # see _lookahead_changed
@@ -147,6 +149,16 @@ class ModelShard(ShardWalk, ShardSnapshot):
         self._fold = NATIVE_FOLD.fold if NATIVE_FOLD is not None and self.new_map is _native.MaskMap else None
 
     # ---- topology ---------------------------------------------------------------------------
+    def _lookup_group(self, group: int | None) -> GroupIndex | None:
+        """`group`, or by default the first full-attention group (else the first group)."""
+        if group is not None:
+            return self.groups.get(group)
+        cached = self._lookup_cache
+        if cached is None:
+            fa = [self.groups[gid] for gid in sorted(self.groups) if self.groups[gid].kind in FULL_KINDS]
+            cached = self._lookup_cache = (fa[0] if fa else next(iter(self.groups.values()), None),)
+        return cached[0]
+
     def set_pools(self, pools: dict[str, Iterable[str]]) -> None:
         """pool name (the `replica` its relay publishes as) -> the replicas that can read it."""
         self.pool_readers = {p: frozenset(r) for p, r in pools.items()}
@@ -252,7 +264,7 @@ class ModelShard(ShardWalk, ShardSnapshot):
                 if r is not None and st.replica in self.pool_readers.get(r.replica, ()):
                     self.foresight.routed(r.slot, gid, [], hashes, expires, deepest_first=False)
             return
-        held = self.resume_points(hashes, n_tokens, self.prefix_blocks(hashes), {st.slot})
+        held = walk.resume_points(self, hashes, n_tokens, walk.prefix_blocks(self, hashes), {st.slot})
         resume_b = max(resume_b, held.get(st.slot, (0, 0))[1] // self.block_size)
         ebs = st.block_size or self.block_size
         per = max(1, ebs // self.block_size)  # index blocks per engine block
@@ -479,3 +491,69 @@ class ModelShard(ShardWalk, ShardSnapshot):
             "blocks_applied": self.blocks_applied,
             "tail_keys": self.tail_keys,
         }
+
+    # ---- the journal of changes (what a snapshot delta carries), union maps, replica groups -----------
+    def _words(self) -> int:
+        return max(1, (len(self.by_slot) + 63) // 64)
+
+    def track_changes(self) -> None:
+        """Start the journal: from now on `encode_delta` can say what changed."""
+        self.journal = ChangeJournal()
+
+    def delta_written(self) -> None:
+        """The last delta is durable: the journal starts again."""
+        self.journal = ChangeJournal()
+
+    def _rebuild_unions(self) -> None:
+        """The "any tier" map of every group with more than one tier, from its tiers (as the fold
+        keeps it)."""
+        for g in self.groups.values():
+            if len(g.tiers) > 1:
+                a = self.new_map()
+                for d in g.tiers.values():
+                    d.or_into(a)
+                g.any = a
+            elif g.tiers:
+                g.any = next(iter(g.tiers.values()))
+
+    def absorb(self, other: ModelShard) -> None:
+        """Take in another shard of the same model (another replica group's, kvidx.core.groups): its
+        replicas get slots after this shard's, its masks shifted to them. Replicas are disjoint across
+        groups; one found in both (it moved between groups) keeps the newer state, by (epoch, seq,
+        part), and the other copy's blocks are dropped. Pending credit and foresight are not in
+        snapshots and are not moved."""
+        if other.block_size != self.block_size:
+            raise ValueError(f"model {self.model!r}: replica groups with index block sizes "
+                             f"{self.block_size} and {other.block_size} cannot be merged")
+        base = len(self.by_slot)
+        drop = 0  # other's slots whose state is older than this shard's copy of the replica
+        for st in other.by_slot:
+            if st is None:
+                continue
+            mine = self.replicas.get((st.replica, st.dp_rank))
+            if mine is not None:
+                if (mine.epoch, mine.seq, mine.part) >= (st.epoch, st.seq, st.part):
+                    drop |= 1 << st.slot
+                    continue
+                self._drop_slot_blocks(mine.slot)
+                self.by_slot[mine.slot] = None
+            moved = msgspec.structs.replace(st, slot=base + st.slot, group_blocks=dict(st.group_blocks))
+            self.replicas[(st.replica, st.dp_rank)] = moved
+        self.by_slot.extend([None] * len(other.by_slot))
+        for st in self.replicas.values():
+            if st.slot >= base:
+                self.by_slot[st.slot] = st
+        words_in = other._words()
+        words_out = self._words()
+        for gid, og in other.groups.items():
+            g = self._group(gid, og.kind, og.window)
+            for tid, d in og.tiers.items():
+                keys, masks = d.export(words_in)
+                shifted = shift_masks(masks, words_in, base, words_out, drop)
+                g.tier_map(tid).load(keys, shifted, words_out)
+        self.blocks_applied += other.blocks_applied
+        self._pool_cache = None
+        self._lookup_cache = None
+        self._lookahead_changed()
+        self.tail_keys = sum(st.tails for st in self.by_slot if st is not None)
+        self._rebuild_unions()

@@ -10,7 +10,9 @@ merged over instances) is kvidx/index/lookups.py, exported here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 
+from kvidx.core import walk
 from kvidx.core.masks import or_masks, run_end, slots_of
 from kvidx.core.shard import ModelShard, ReplicaState
 from kvidx.index.lookups import (  # noqa: F401 - the read side's one API
@@ -71,7 +73,7 @@ def prefix_hits(shard: ModelShard, hashes: list[int], tier: str | None = None) -
 def prefix_walk(shard: ModelShard) -> Callable[[list[int]], dict[int, int]]:
     """The shard's prefix walk, bound once for a loop of many prompts: hashes -> slot -> the leading
     blocks it holds in any tier or in a pool it reads (the hit a lookup starts from)."""
-    return shard.prefix_blocks
+    return partial(walk.prefix_blocks, shard)
 
 
 def held_in(shard: ModelShard, tiers: Sequence[str], hashes: list[int]) -> list[int]:

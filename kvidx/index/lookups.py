@@ -14,6 +14,7 @@ from typing import Protocol
 
 import msgspec
 
+from kvidx.core import walk
 from kvidx.core.hints import prefetch_hint
 from kvidx.core.price import Pricer
 from kvidx.core.shard import ModelShard
@@ -38,15 +39,15 @@ def lookup(shard: ModelShard, hashes: list[int], n_tokens: int, now: float, top_
            ) -> list[ReplicaAnswer]:
     """Per replica and DP rank, unpriced: the tokens cached along the prefix (by tier), the tokens its
     engine can resume from and how fresh the view is; by resumable tokens, best first, the best
-    `top_k` only if given (kvidx.core.walk.ShardWalk.lookup)."""
-    return shard.lookup(hashes, n_tokens, now, top_k)
+    `top_k` only if given (kvidx.core.walk.lookup)."""
+    return walk.lookup(shard, hashes, n_tokens, now, top_k)
 
 
 def credited(shard: ModelShard, hashes: list[int], n_tokens: int, replica: str | None = None,
              dp_rank: int | None = None, now: float | None = None) -> int:
     """The resumable tokens a lookup credits one replica and DP rank with (None: the best of any),
     pending routed credit included: what the shadow audit and the replay compare with the engine."""
-    return shard.credited(hashes, n_tokens, replica, dp_rank, now)
+    return walk.credited(shard, hashes, n_tokens, replica, dp_rank, now)
 
 
 def _feedback_on(feedback: Feedback | None, model: str) -> bool:
@@ -63,7 +64,7 @@ def answer(shard: ModelShard, hashes: list[int], n_tokens: int, pricer: Pricer, 
     # ranking by price, applying feedback or keeping some groups needs every replica first;
     # otherwise only the best k are described at all
     whole = rank or groups is not None or _feedback_on(feedback, shard.model)
-    replicas = shard.lookup(hashes, n_tokens, now, None if whole else top_k)
+    replicas = walk.lookup(shard, hashes, n_tokens, now, None if whole else top_k)
     if groups is not None:
         states = shard.replicas
         replicas = [a for a in replicas if states[(a.replica, a.dp_rank)].group in groups]
@@ -88,11 +89,12 @@ def answer_json(shard: ModelShard, hashes: list[int], n_tokens: int, pricer: Pri
                 rank: bool = False, top_k: int | None = None, feedback: Feedback | None = None,
                 prefetch_bytes: int | None = None) -> tuple[bytes, int, int]:
     """`answer` as JSON: (bytes, the first replica's resumable tokens, how many replicas). Written by
-    the compiled core where the shard allows (ShardWalk.lookup_json), else the typed answer encoded;
+    the compiled core where the shard allows (kvidx.core.walk.lookup_json), else the typed answer encoded;
     the same answer either way (tests/unit/index_service/test_answer_json.py)."""
     # feedback caps, and a rank's prefetch plan, need the structs
     if not _feedback_on(feedback, shard.model) and not (rank and prefetch_bytes is not None):
-        fast = shard.lookup_json(hashes, n_tokens, now, pricer.per_token, pricer.load_cost, rank, top_k)
+        fast = walk.lookup_json(shard, hashes, n_tokens, now, pricer.per_token, pricer.load_cost, rank,
+                                top_k)
         if fast is not None:
             return fast
     out = answer(shard, hashes, n_tokens, pricer, now, rank=rank, top_k=top_k, feedback=feedback,
@@ -139,7 +141,7 @@ def prefetch_plan(replica: ReplicaAnswer, pricer: Pricer, bytes_per_token: int) 
 def replica_plan(shard: ModelShard, hashes: list[int], n_tokens: int, now: float, replica: str, dp_rank: int,
                  pricer: Pricer, bytes_per_token: int) -> PrefetchHint | None:
     """The prefetch plan of the replica a router chose for a prompt: its answer's tier runs, priced."""
-    for a in shard.lookup(hashes, n_tokens, now, None):
+    for a in walk.lookup(shard, hashes, n_tokens, now, None):
         if a.replica == replica and a.dp_rank == dp_rank:
             a.price = pricer(a, n_tokens)
             return prefetch_plan(a, pricer, bytes_per_token)

@@ -20,7 +20,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from kvidx.core.groups import key_group
 from kvidx.core.shard import ModelShard
-from kvidx.core.snapshot import PART_FORMAT, SnapshotFormatError
+from kvidx.core.snapshot import PART_FORMAT, SnapshotFormatError, decode_parts, decode_snapshot
 from kvidx.kafka.config import client_config
 from kvidx.kafka.log import watermarks
 
@@ -79,9 +79,9 @@ def assemble(m: Manifest, get: Callable[[str], bytes | None]) -> ModelShard:
         return b"".join(chunks)
 
     if m.format == 2:
-        shard = ModelShard.restore(data(m.parts()[0]))
+        shard = decode_snapshot(data(m.parts()[0]))
     else:
-        shard = ModelShard.from_parts(data(ref) for ref in m.parts())
+        shard = decode_parts(data(ref) for ref in m.parts())
     shard.snapshot_id = m.snapshot_id
     return shard
 

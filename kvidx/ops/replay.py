@@ -48,6 +48,7 @@ from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.groups import shard_key
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_snapshot, encode_snapshot
 from kvidx.kafka.config import client_config
 from kvidx.kafka.delivery import require_delivered
 from kvidx.kafka.log import (
@@ -129,7 +130,7 @@ def load_checkpoint(bootstrap: str, names: dict[str, str], cp: Checkpoint) -> Mo
     if len(got) != len(want):
         raise RuntimeError(f"checkpoint of {cp.model} at offset {cp.events_offset}: chunks missing "
                            "(expired from the history topic?)")
-    shard = ModelShard.restore(b"".join(got[o] for o in cp.chunk_offsets))
+    shard = decode_snapshot(b"".join(got[o] for o in cp.chunk_offsets))
     shard.events_partition = cp.events_partition
     shard.events_offset = cp.events_offset
     return shard
@@ -151,7 +152,7 @@ def checkpoint(bootstrap: str, names: dict[str, str], models: list[str] | None =
             continue
         if shard.events_partition < 0 or shard.events_offset <= last.get(model, -1):
             continue
-        data = shard.snapshot()
+        data = encode_snapshot(shard)
         chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
         offsets: list[int | None] = [None] * len(chunks)
         errors: list[str] = []

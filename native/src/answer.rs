@@ -1,8 +1,8 @@
 //! A lookup answer written straight to JSON bytes, for the common shard: one full-attention group in
 //! one tier, no shared pools, no group kinds or tiers whose evictions go unreported. kvidx/core/walk.py
-//! `ShardWalk.lookup_json` decides when it applies and passes what the walk found; everything per
+//! `kvidx.core.walk.lookup_json` decides when it applies and passes what the walk found; everything per
 //! replica (resume point, pending credit, tiers, groups, freshness, price, ranking) is done here, in
-//! the order and with the arithmetic of the Python lookup (`ShardWalk.lookup`, `Pricer`), which stays
+//! the order and with the arithmetic of the Python lookup (`kvidx.core.walk.lookup`, `Pricer`), which stays
 //! the reference: tests/unit/index_service/test_answer_json.py compares the two on random shards.
 
 use pyo3::prelude::*;

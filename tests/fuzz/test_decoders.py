@@ -40,6 +40,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvidx.core import walk
 from kvidx.core.shard import ModelShard
 from kvidx.engines.common import Unreadable
 from kvidx.engines.contract import MAX_PAYLOAD, Frame
@@ -335,7 +336,7 @@ def _check_route(data: bytes) -> None:
     store = ShardStore(INDEX_BS)
     assert store.apply_route(d) and not store.apply_route(d)  # the repeat is a duplicate
     shard = store.shards[d.model]
-    shard.lookup(d.block_hashes[:64], max(1, d.prompt_tokens) if d.prompt_tokens < 1 << 30 else 1 << 20,
+    walk.lookup(shard, d.block_hashes[:64], max(1, d.prompt_tokens) if d.prompt_tokens < 1 << 30 else 1 << 20,
                  time.time())
 
 

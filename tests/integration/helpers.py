@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.recording import read_frames
 from kvidx.kafka.snapshots import read_snapshots
@@ -32,7 +33,7 @@ def answers(shard, prompt_list):
     """What a lookup reports for each prompt: (replica, cached, resumable) per replica."""
     out = []
     for p in prompt_list:
-        res = shard.lookup(prompt_hashes(p, BS), len(p), time.time())
+        res = walk.lookup(shard, prompt_hashes(p, BS), len(p), time.time())
         out.append(sorted((a.replica, a.cached_tokens, a.resumable_tokens) for a in res))
     return out
 

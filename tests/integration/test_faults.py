@@ -13,6 +13,7 @@ import pytest
 
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.sim import SimVllmEngine
@@ -143,7 +144,7 @@ def test_relay_restart_and_engine_restart(kafka_bootstrap, topics):
         wait_for(lambda: follower_matches_engine(store, engine, live), what="view after engine restart")
         shard = store.shards[MODEL]
         for prompt, _ in work[:30]:  # the old engine's blocks are gone with it
-            cached_before = shard.credited(prompt_hashes(prompt, BS), len(prompt), "sim-0")
+            cached_before = walk.credited(shard, prompt_hashes(prompt, BS), len(prompt), "sim-0")
             assert cached_before == 0 or set(engine.engine_hashes(prompt)) & engine.cached_hashes()
     finally:
         follower.stop()

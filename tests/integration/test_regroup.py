@@ -11,6 +11,7 @@ import pytest
 from confluent_kafka import Consumer
 
 from kvidx.config import Config, ModelConfig
+from kvidx.core import walk
 from kvidx.core.groups import hashed_group, shard_key
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
@@ -115,7 +116,7 @@ def test_regroup_moves_every_replica_whole_while_traffic_flows(kafka_bootstrap, 
     def seen(shard, prompt):
         hashes = prompt_hashes(prompt, BS)
         return sorted((a.replica, a.cached_tokens, a.resumable_tokens)
-                      for a in shard.lookup(hashes, len(prompt), 0.0))
+                      for a in walk.lookup(shard, hashes, len(prompt), 0.0))
 
     assert any(r[1] for p, _ in work for r in seen(whole, p))
     for prompt, _ in work:

@@ -10,6 +10,7 @@ from confluent_kafka import Consumer
 
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.sim import SimVllmEngine
@@ -70,7 +71,7 @@ def test_dropped_message_is_recovered_through_replay(live, kafka_bootstrap, topi
         assert len(shard.groups[0].any) == len(relay.core.mirror.refs)
         for prompt, _ in work[-10:]:
             want = len(prompt) - 1  # upper bound; the engine's own answer is checked by serving
-            credited = shard.credited(prompt_hashes(prompt, BS), len(prompt), "sim-0")
+            credited = walk.credited(shard, prompt_hashes(prompt, BS), len(prompt), "sim-0")
             assert credited == engine.serve(prompt) and credited <= want
             wait_for(lambda: caught_up(engine, relay))
             wait_for(lambda: shard.replicas[("sim-0", 0)].seq == engine.next_seq - 1)

@@ -12,7 +12,9 @@ import pytest
 from index_service.follower import KafkaFollower
 from index_service.store import ShardStore
 from kvidx.cli import main
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
+from kvidx.core.snapshot import encode_snapshot
 from kvidx.kafka.log import iso
 from kvidx.kafka.publish import Publisher
 from kvidx.ops.replay import checkpoint, explain, replay
@@ -68,7 +70,7 @@ def test_replay_answers_as_the_index_did_then(kafka_bootstrap, topics, tmp_path,
         time.sleep(0.02)
         t = time.time()
         shard = store.shards[MODEL]
-        answers = {k: core(shard.lookup(hashes[k], len(prompts[k]), t)) for k in prompts}
+        answers = {k: core(walk.lookup(shard, hashes[k], len(prompts[k]), t)) for k in prompts}
         time.sleep(0.02)
         return t, answers
 
@@ -104,27 +106,27 @@ def test_replay_answers_as_the_index_did_then(kafka_bootstrap, topics, tmp_path,
         for t, answers in moments:
             r = replay(b, topics, MODEL, until=t, progress=False)
             assert r.start == "beginning" and r.exact
-            got = {k: core(r.shard.lookup(hashes[k], len(prompts[k]), t)) for k in prompts}
+            got = {k: core(walk.lookup(r.shard, hashes[k], len(prompts[k]), t)) for k in prompts}
             assert got == answers, f"replay at {iso(t)}"
         assert r.other_models >= 1 and r.routes_applied == 1
 
         # a history checkpoint (a worker snapshot of moment 2) shortens later replays, not earlier ones
         r2 = replay(b, topics, MODEL, until=moments[1][0], progress=False)
         SnapshotTopic(b, topics["snapshots"]).publish(
-            split(MODEL, r2.shard.snapshot(), 1, 0), r2.shard.events_partition)
+            split(MODEL, encode_snapshot(r2.shard), 1, 0), r2.shard.events_partition)
         written = checkpoint(b, topics)
         assert [(c.model, c.events_offset) for c in written] == [(MODEL, r2.shard.events_offset)]
         assert checkpoint(b, topics) == []  # nothing new since
         r3 = replay(b, topics, MODEL, until=moments[2][0], progress=False)
         assert r3.start == "checkpoint" and r3.batches == 2
-        assert {k: core(r3.shard.lookup(hashes[k], len(prompts[k]), moments[2][0])) for k in prompts} \
+        assert {k: core(walk.lookup(r3.shard, hashes[k], len(prompts[k]), moments[2][0])) for k in prompts} \
             == moments[2][1]
         r1 = replay(b, topics, MODEL, until=moments[0][0], progress=False)
         assert r1.start == "beginning"
         # up to an offset instead of a time
         p = r3.shard.events_partition
         ro = replay(b, topics, MODEL, at_offset=(p, r3.stop_offsets[p]), progress=False, pending=False)
-        assert {k: core(ro.shard.lookup(hashes[k], len(prompts[k]), moments[2][0])) for k in prompts} \
+        assert {k: core(walk.lookup(ro.shard, hashes[k], len(prompts[k]), moments[2][0])) for k in prompts} \
             == moments[2][1]
 
         # explain the routing decision: the index at its time, without its own pending credit
@@ -185,6 +187,6 @@ def test_replay_of_a_model_split_in_replica_groups(kafka_bootstrap, topics):
 
     def seen(shard):
         return [sorted((a.replica, a.dp_rank, a.cached_tokens, a.resumable_tokens)
-                       for a in shard.lookup(d, len(d) * 16 + 1, 100.0)) for d in docs]
+                       for a in walk.lookup(shard, d, len(d) * 16 + 1, 100.0)) for d in docs]
 
     assert sorted(r.shard.replicas) == sorted(whole.replicas) and seen(r.shard) == seen(whole)

@@ -12,6 +12,7 @@ import pytest
 
 from index_service.store import ShardStore
 from kvidx.config import load_config
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.recording import read_frames
 from kvidx.kafka.snapshots import read_snapshots
@@ -31,7 +32,7 @@ def cli(*args, **kw):
 def answers(shard, prompts, bs=None):
     bs = bs or shard.block_size
     return [sorted((a.replica, a.cached_tokens, a.resumable_tokens)
-                   for a in shard.lookup(prompt_hashes(p, bs), len(p), time.time())) for p in prompts]
+                   for a in walk.lookup(shard, prompt_hashes(p, bs), len(p), time.time())) for p in prompts]
 
 
 def test_worker_config_per_model_block_size(kafka_bootstrap, topics, tmp_path):

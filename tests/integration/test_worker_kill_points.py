@@ -15,6 +15,7 @@ import time
 import pytest
 
 from index_service.store import ShardStore
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.kafka.snapshots import read_snapshots
 from kvidx.shadow import load_requests
@@ -52,7 +53,7 @@ def answers(shards, prompts):
     for model, plist in prompts.items():
         shard = shards[model]
         out[model] = [sorted((a.replica, a.cached_tokens, a.resumable_tokens)
-                             for a in shard.lookup(prompt_hashes(p, BS), len(p), time.time()))
+                             for a in walk.lookup(shard, prompt_hashes(p, BS), len(p), time.time()))
                       for p in plist]
         out[model].append(sorted((r, st.seq, st.blocks) for r, st in shard.replicas.items()))
     return out

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvidx.core.snapshot import encode_snapshot
 from tests.helpers import ROOT
 
 BENCH = ROOT / "bench"
@@ -59,7 +60,7 @@ def server():
     bodies = ls.prompts
     tmp = tempfile.mkdtemp(prefix="kvidx-load-")
     snap = Path(tmp) / "shard.snap"
-    snap.write_bytes(ls.shard.snapshot())
+    snap.write_bytes(encode_snapshot(ls.shard))
     replicas = len(ls.shard.replicas)
     del ls
     port = bh.free_port()

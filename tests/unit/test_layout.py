@@ -192,6 +192,17 @@ def test_only_the_core_and_the_index_reach_into_a_shard(folder):
     assert shard_reaches(folder) == []
 
 
+def test_the_shard_is_its_state_and_its_fold_only():
+    """No mixins: the walk is functions of the state (kvidx/core/walk.py, called through the Index),
+    snapshots a codec of it (kvidx/core/snapshot.py)."""
+    from kvidx.core.shard import ModelShard
+
+    assert ModelShard.__mro__ == (ModelShard, object)
+    codec = ("snapshot", "restore", "from_parts", "snapshot_delta", "snapshot_segments", "segment_bytes")
+    kept = [m for m in (*SHARD_WALK, *codec) if hasattr(ModelShard, m)]
+    assert kept == []
+
+
 def test_the_shard_rule_catches_a_reach(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "index_service").mkdir()

@@ -3,6 +3,7 @@
 import msgspec
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.shard import ModelShard
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, encode_batch
@@ -22,7 +23,7 @@ def test_fold_applies_once_and_moves_the_shards_offset():
     batch, applied = fold_message(shard_of, _raw(0), 2.0, partition=3, offset=41)
     assert applied and batch.seq == 0
     s = shards["m"]
-    assert (s.events_partition, s.events_offset) == (3, 42) and s.prefix_blocks([1]) == {0: 1}
+    assert (s.events_partition, s.events_offset) == (3, 42) and walk.prefix_blocks(s, [1]) == {0: 1}
     assert fold_message(shard_of, _raw(0), 2.0, 3, 42)[1] is False  # a redelivery changes nothing more
     assert s.events_offset == 43 and s.replicas[("r", 0)].duplicates == 1
     fold_message(shard_of, _raw(1), 2.0)  # no Kafka position (a replay of a file): offsets untouched

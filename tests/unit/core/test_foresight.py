@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.foresight import Foresight, Order, PyOrder
 from kvidx.core.shard import ModelShard
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
@@ -23,7 +24,7 @@ def stored(hashes, parent=None):
 
 
 def answer(shard, hashes, now):
-    (a,) = [a for a in shard.lookup(hashes, len(hashes) * 16 + 1, now) if a.replica == "r"]
+    (a,) = [a for a in walk.lookup(shard, hashes, len(hashes) * 16 + 1, now) if a.replica == "r"]
     return a
 
 
@@ -48,7 +49,7 @@ def test_a_burst_credits_only_what_the_first_prefill_leaves():
     assert (a.resumable_tokens, a.cached_tokens, a.evicting_tokens) == (0, 0, 64)
     b = answer(s, Q[:3], 1.0)
     assert (b.resumable_tokens, b.evicting_tokens) == (16, 32)
-    assert s.credited(P, 65, "r", now=1.0) == 0
+    assert walk.credited(s, P, 65, "r", now=1.0) == 0
     # the engine's step arrives: the evictions it made and W stored; nothing left to foresee
     s.apply(batch("r", 3, [BlocksRemoved("GPU", 0, [*P, Q[2], Q[1]]), stored(W)]), 1.5)
     a = answer(s, P, 2.0)
@@ -179,7 +180,7 @@ def test_a_hybrid_replica_has_one_pool_in_vllms_free_order():
     s.add_pending("r", 0, [30, 31, 32], 49, credited=0, expires=10.0)
     a = answer(s, prompt, 1.0)
     assert (a.resumable_tokens, a.evicting_tokens) == (0, 64)
-    assert s.credited(prompt, 81, "r", now=1.0) == 0
+    assert walk.credited(s, prompt, 81, "r", now=1.0) == 0
 
 
 @pytest.mark.skipif(Order is PyOrder, reason="kvidx_native is not built")

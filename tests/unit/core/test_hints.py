@@ -3,6 +3,7 @@ rates, and the benefit the queue wait can hide."""
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hints import prefetch_hint
 from kvidx.core.price import PriceConfig, Pricer
 from kvidx.core.shard import ModelShard
@@ -16,7 +17,7 @@ CFG = Pricer(PriceConfig(recompute_tokens_per_s=8000.0,
 def answer(events):
     s = ModelShard("m", 16)
     s.apply(EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, 0, 0.0, 0.0, 16, events), 0.0)
-    return next(a for a in s.lookup(H, 161, 0.0) if a.replica == "a")
+    return next(a for a in walk.lookup(s, H, 161, 0.0) if a.replica == "a")
 
 
 def test_runs_below_gpu_in_prompt_order_with_load_time_and_hidden_part():

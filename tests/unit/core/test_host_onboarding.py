@@ -1,7 +1,8 @@
 """A host tier whose loads free its oldest blocks (EventBatch.host_tier_blocks, TensorRT-LLM's
 onboardBlock -> getFreeBlock): a hit whose own host loads free the rest of it is credited only up to
-where the engine will still find it (ShardWalk.onboard_cut)."""
+where the engine will still find it (kvidx.core.walk.onboard_cut)."""
 
+from kvidx.core import walk
 from kvidx.core.foresight import HostLoads
 from kvidx.core.shard import ModelShard
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
@@ -27,7 +28,7 @@ def offloaded(host_tier_blocks: int) -> ModelShard:
 
 
 def resumable(s: ModelShard, prompt: list[int]) -> int:
-    (a,) = s.lookup(prompt, len(prompt) * 16 + 1, 1.0)
+    (a,) = walk.lookup(s, prompt, len(prompt) * 16 + 1, 1.0)
     return a.resumable_tokens
 
 
@@ -36,8 +37,8 @@ def test_own_loads_free_the_deepest_host_blocks_first():
     # host of 4 blocks, 3 cached: loading 3 takes the free slot; loading 4 frees 5 (the oldest): the
     # walk ends before 5
     s = offloaded(4)
-    assert resumable(s, prompt) == 64 and s.credited(prompt, 97, "t") == 64
-    (a,) = s.lookup(prompt, 97, 1.0)
+    assert resumable(s, prompt) == 64 and walk.credited(s, prompt, 97, "t") == 64
+    (a,) = walk.lookup(s, prompt, 97, 1.0)
     assert a.cached_tokens == 80  # held now: the cut is what the engine can resume, not what it holds
     assert a.evicting_tokens == 16  # and the answer says what the cut took
     # host of 3, all cached: loading 3 frees 5 at once (the oldest); the walk ends there too

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.vllm.mirror import VllmMirror
@@ -62,7 +63,7 @@ def test_partial_blocks_without_mamba_credit_engine_blocks_only():
         [S([103], 102, T[64:80], 16, 1, "full_attention")],
     ])
     shard.groups[0].window = 32
-    (a,) = shard.lookup(H16[:5], 90, 0.0)
+    (a,) = walk.lookup(shard, H16[:5], 90, 0.0)
     assert a.cached_tokens == 80  # the partial block is cached ...
     assert a.resumable_tokens == 64  # ... but the engine resumes at block boundaries
 
@@ -75,11 +76,11 @@ def test_partial_blocks_with_mamba_credit_the_finer_unit():
         [S([101, 102], None, T[:64], 32, *fa), S([102], None, T[:64], 32, *mb)],
         [S([103], 102, T[64:80], 16, *fa), S([103], 102, T[64:80], 16, *mb)],
     ])
-    (a,) = shard.lookup(H16[:5], 90, 0.0)
+    (a,) = walk.lookup(shard, H16[:5], 90, 0.0)
     assert (a.full_attention_hit_tokens, a.resumable_tokens) == (80, 80)
     # the last prompt token is never reused: an 81-token prompt resumes at 80, an 80-token one at 64
-    assert shard.credited(H16[:5], 81) == 80
-    assert shard.credited(H16[:5], 80) == 64
+    assert walk.credited(shard, H16[:5], 81) == 80
+    assert walk.credited(shard, H16[:5], 80) == 64
 
 
 @pytest.mark.parametrize("name", ["gemma2_swa_c1", "qwen3next_c1", "qwen3next_c1_evict"])

@@ -3,6 +3,7 @@ reference of vLLM's rule, on thousands of random cases, and on the real gemma2 r
 
 import random
 
+from kvidx.core import walk
 from kvidx.core.shard import ModelShard
 from kvidx.shadow import run_shadow
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
@@ -42,7 +43,7 @@ def test_resume_point_matches_reference_on_random_cases():
             blocks = [h for b, keep in enumerate(held) if keep for h in hashes[b * k:(b + 1) * k]]
             ev = BlocksStored("GPU", group, blocks, None, 0, [], kind, w)
             shard.apply(EventBatch(SCHEMA_VERSION, "m", "r", 0, 0, seq, 0.0, 0.0, ebs, [ev]), 0.0)
-        got = shard.credited(hashes, n_tokens, "r")
+        got = walk.credited(shard, hashes, n_tokens, "r")
         want = reference(fa, swa, n_tokens, ebs, window)
         assert got == want, (case, ebs, ibs, window, n_tokens, fa, swa)
 

@@ -21,8 +21,10 @@ import random
 
 import msgspec
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_snapshot, encode_snapshot
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.sim_hybrid import HybridEngine, WBatch, WRemoved, WStored, _enc
 from schemas.answers import Group
@@ -76,7 +78,7 @@ def _run(groups, block_size, n_streams, steps, seed, ibs=16, chunks=(1, 8), hash
                 shard.apply(b, 0.0)
             for q in rng.sample(prompts, 4):
                 qh = prompt_hashes(q, ibs)
-                got = shard.credited(qh, len(q), "r")
+                got = walk.credited(shard, qh, len(q), "r")
                 want = eng.reference(q)
                 cases += 1
                 nonzero += want > 0
@@ -122,7 +124,7 @@ def test_unreported_state_evictions_are_flagged_as_upper_bound():
     def check(shard, eng, q, qh, got, want):
         assert got >= want
         seen["over"] += got > want
-        for a in shard.lookup(qh, len(q), 0.0):
+        for a in walk.lookup(shard, qh, len(q), 0.0):
             assert a.upper_bound == (a.resumable_tokens > 0)
             if a.upper_bound:
                 assert a.upper_bound_groups == [1]
@@ -146,7 +148,7 @@ def test_lookup_explains_why_the_hit_is_shorter():
     eng.evict(1, hs[19])
     for b in relay.on_frame(eng.flush()).batches:
         shard.apply(b, 0.0)
-    (a,) = shard.lookup(prompt_hashes(tokens, 16), len(tokens), 0.0)
+    (a,) = walk.lookup(shard, prompt_hashes(tokens, 16), len(tokens), 0.0)
     assert a.cached_tokens == 1920 and a.full_attention_hit_tokens == 1920
     assert a.resumable_tokens == 960 == eng.reference(tokens)
     assert a.upper_bound is False and a.upper_bound_groups == []
@@ -171,11 +173,11 @@ def test_counts_fold_and_snapshot_keep_group_state():
         shard.apply(b, 0.0)
     st = shard.replicas[("r", 0)]
     assert st.group_blocks == {g: len(eng.live[g]) for g in (0, 1)}
-    back = ModelShard.restore(shard.snapshot())
+    back = decode_snapshot(encode_snapshot(shard))
     assert back.replicas[("r", 0)].group_blocks == st.group_blocks
     assert back.unreported_eviction_kinds == {"mamba"}
     qh = prompt_hashes(tokens, 16)
-    assert back.lookup(qh, 300, 0.0) == shard.lookup(qh, 300, 0.0)
+    assert walk.lookup(back, qh, 300, 0.0) == walk.lookup(shard, qh, 300, 0.0)
 
 
 def test_window_and_matches_naive():

@@ -8,8 +8,10 @@ import random
 import msgspec
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.maskmap import IMPLEMENTATION, PyMaskMap
 from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_snapshot, encode_snapshot
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
 
 pytestmark = pytest.mark.skipif(IMPLEMENTATION != "native", reason="kvidx_native is not built here")
@@ -48,7 +50,7 @@ def _stream(r: random.Random, n_replicas: int, chains: list[list[int]], n: int) 
 
 
 def _answers(shard: ModelShard, prompts: list[list[int]]) -> list:
-    return [msgspec.to_builtins(shard.lookup(p, 16 * len(p) + 1, 5.0)) for p in prompts]
+    return [msgspec.to_builtins(walk.lookup(shard, p, 16 * len(p) + 1, 5.0)) for p in prompts]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -64,7 +66,7 @@ def test_native_and_reference_shards_answer_identically(seed):
     ref.set_pools(pools)
 
     def restored(cls: type[ModelShard], data: bytes) -> ModelShard:
-        shard = cls.restore(data)
+        shard = decode_snapshot(data, cls)
         shard.set_pools(pools)
         return shard
 
@@ -72,12 +74,12 @@ def test_native_and_reference_shards_answer_identically(seed):
         assert native.apply(b, 2.0) == ref.apply(b, 2.0)
     prompts = chains + [c[:-1] for c in chains] + [[r.getrandbits(64)]]
     # each one's snapshot restores into the other (pending credit is not in snapshots: before it)
-    assert _answers(restored(ReferenceShard, native.snapshot()), prompts) == _answers(ref, prompts)
-    assert _answers(restored(ModelShard, ref.snapshot()), prompts) == _answers(native, prompts)
+    assert _answers(restored(ReferenceShard, encode_snapshot(native)), prompts) == _answers(ref, prompts)
+    assert _answers(restored(ModelShard, encode_snapshot(ref)), prompts) == _answers(native, prompts)
     for s in (native, ref):
         for i in range(2):  # pending credit: a routed prompt not yet confirmed
             s.add_pending(f"r{i + 1}", 0, chains[i], 16 * len(chains[i]), 0, 10.0)
     assert _answers(native, prompts) == _answers(ref, prompts)
-    assert [native.prefix_blocks(p) for p in prompts] == [ref.prefix_blocks(p) for p in prompts]
+    assert [walk.prefix_blocks(native, p) for p in prompts] == [walk.prefix_blocks(ref, p) for p in prompts]
     assert native.stats() == ref.stats()
     assert sorted(native.groups[0].any.items()) == sorted(ref.groups[0].any.items())

@@ -1,6 +1,7 @@
 """Pending credit (routed prompts count as cached until confirmed or expired) and shared pools
 (a pool's blocks count for every replica attached to it), on the pure shard."""
 
+from kvidx.core import walk
 from kvidx.core.shard import ModelShard
 from schemas.answers import Tier
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
@@ -17,7 +18,7 @@ def stored(hashes, tier="GPU"):
 
 
 def answer(shard, replica, hashes=H, n=161, now=0.0):
-    return next(a for a in shard.lookup(hashes, n, now) if a.replica == replica)
+    return next(a for a in walk.lookup(shard, hashes, n, now) if a.replica == replica)
 
 
 def test_pending_credit_until_confirmed_or_expired():
@@ -39,7 +40,7 @@ def test_pending_credit_until_confirmed_or_expired():
     s2.add_pending("b", 0, H, 161, 16, expires=5.0)
     assert answer(s2, "b", now=4.9).resumable_tokens == 160
     assert answer(s2, "b", now=5.0).resumable_tokens == 16  # expired
-    assert s2.credited(H, 161, "b", now=6.0) == 16
+    assert walk.credited(s2, H, 161, "b", now=6.0) == 16
 
 
 def test_pending_credit_uses_the_engine_block_size():
@@ -60,7 +61,7 @@ def test_pending_credit_in_a_sliding_window_model_counts_the_last_window_only():
     s.add_pending("r", 0, H, 161, credited=16, expires=5.0)  # 161 tokens: resumable up to 160
     a = answer(s, "r", now=1.0)
     assert a.resumable_tokens == 160 and a.pending_tokens == 144
-    assert s.credited(H, 161, "r", now=1.0) == 160
+    assert walk.credited(s, H, 161, "r", now=1.0) == 160
     # a prompt leaving the routed one after 6 blocks: the window before 96 is not kept
     other = [*H[:6], 2000, 2001]
     assert answer(s, "r", other, 129, now=1.0).resumable_tokens == 16
@@ -90,7 +91,7 @@ def test_pool_blocks_count_for_attached_replicas_only():
     assert a.cached_tokens == 96 and a.tiers == [gpu, pool]
     assert b.cached_tokens == 96 and b.tiers == [Tier("POOL", 96)]
     assert c.cached_tokens == 16  # not attached
-    assert all(x.replica != "pool-1" for x in s.lookup(H, 161, 0.0))  # a pool is not a routing target
+    assert all(x.replica != "pool-1" for x in walk.lookup(s, H, 161, 0.0))  # a pool is not a routing target
     s.apply(batch("pool-1", 1, [BlocksRemoved("POOL", 0, [H[3]])]), 0.0)  # the pool evicts
     assert answer(s, "b").cached_tokens == 48
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from kvidx.core import maskmap
+from kvidx.core import maskmap, walk
 from kvidx.core.pending import PendingCredits
 from kvidx.core.price import PriceConfig, Pricer, price
 from kvidx.core.shard import ModelShard
@@ -72,7 +72,7 @@ AFTER_EXPIRY = {
 def test_typed_answer_price_before_and_after_the_route_expires(now, want):
     s = _shard()
     pricer = Pricer(CFG)
-    got = {a.replica: a for a in s.lookup(H, N, now)}
+    got = {a.replica: a for a in walk.lookup(s, H, N, now)}
     assert set(got) == set(want)
     for rep, (resumable, inflight, p) in want.items():
         a = got[rep]
@@ -85,7 +85,7 @@ def test_typed_answer_price_before_and_after_the_route_expires(now, want):
 def test_compiled_answer_price_before_and_after_the_route_expires(now, want):
     s = _shard()
     pricer = Pricer(CFG)
-    out = s.lookup_json(H, N, now, pricer.per_token, pricer.load_cost, rank=True)
+    out = walk.lookup_json(s, H, N, now, pricer.per_token, pricer.load_cost, rank=True)
     assert out is not None, "the compiled writer declined a one-tier full-attention shard"
     body = json.loads(out[0])
     got = {r["replica"]: r for r in body["replicas"]}

@@ -6,9 +6,10 @@ import random
 import pytest
 
 from kvidx.config import Config, ModelConfig, PoolConfig, load_config
+from kvidx.core import walk
 from kvidx.core.groups import hashed_group, key_group, parse_groups, replica_group, shard_key
 from kvidx.core.shard import ModelShard
-from kvidx.core.snapshot import SEGMENTS, shift_masks
+from kvidx.core.snapshot import SEGMENTS, decode_parts, encode_segments, shift_masks
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch, ReplicaCleared
 from tests.helpers import random_fleet
 
@@ -66,7 +67,7 @@ def test_shift_masks_matches_python_ints(words_in, shift, words_out):
 def _answers(shard: ModelShard, docs):
     out = []
     for d in docs:
-        res = shard.lookup(d, len(d) * BS + 1, 100.0)
+        res = walk.lookup(shard, d, len(d) * BS + 1, 100.0)
         out.append(sorted(res, key=lambda a: (a.replica, a.dp_rank)))
     return out
 
@@ -81,7 +82,7 @@ def test_groups_absorbed_answer_like_one_shard(replicas, groups, through_snapsho
         whole.apply(b, 2.0)
         parts[hashed_group(b.replica, groups)].apply(b, 2.0)
     if through_snapshots:  # what a service instance rebuilds from: each group's snapshot parts
-        parts = [ModelShard.from_parts([p.snapshot_segments(0, SEGMENTS)]) for p in parts]
+        parts = [decode_parts([encode_segments(p, 0, SEGMENTS)]) for p in parts]
     merged = parts[0]
     for p in parts[1:]:
         merged.absorb(p)
@@ -101,10 +102,10 @@ def test_a_replica_in_two_groups_keeps_its_newer_state():
     # the replica moved to another group: its relay re-sent its state there (a later part)
     new.apply(EventBatch(SCHEMA_VERSION, "m", "r", 0, 1, 4, 2.0, 2.0, BS,
                          [ReplicaCleared("resync"), BlocksStored("GPU", 0, [1, 2], None, 0)], part=1), 2.0)
-    a = ModelShard.from_parts([old.snapshot_segments(0, SEGMENTS)])
-    a.absorb(ModelShard.from_parts([new.snapshot_segments(0, SEGMENTS)]))
-    hits = {a.by_slot[s].replica: n for s, n in a.prefix_blocks([1, 2, 3]).items()}
+    a = decode_parts([encode_segments(old, 0, SEGMENTS)])
+    a.absorb(decode_parts([encode_segments(new, 0, SEGMENTS)]))
+    hits = {a.by_slot[s].replica: n for s, n in walk.prefix_blocks(a, [1, 2, 3]).items()}
     assert hits == {"r": 2, "other": 1}
-    b = ModelShard.from_parts([new.snapshot_segments(0, SEGMENTS)])  # the other order: the same
-    b.absorb(ModelShard.from_parts([old.snapshot_segments(0, SEGMENTS)]))
-    assert {b.by_slot[s].replica: n for s, n in b.prefix_blocks([1, 2, 3]).items()} == hits
+    b = decode_parts([encode_segments(new, 0, SEGMENTS)])  # the other order: the same
+    b.absorb(decode_parts([encode_segments(old, 0, SEGMENTS)]))
+    assert {b.by_slot[s].replica: n for s, n in walk.prefix_blocks(b, [1, 2, 3]).items()} == hits

@@ -6,8 +6,10 @@ import random
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_snapshot, encode_snapshot
 from kvidx.core.walk import resumable
 from schemas.answers import Tier
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
@@ -46,7 +48,7 @@ class Feeder:
 
 
 def slot_blocks(shard: ModelShard, hashes) -> dict[str, int]:
-    hits = shard.prefix_blocks(hashes)
+    hits = walk.prefix_blocks(shard, hashes)
     return {f"{s.replica}/{s.dp_rank}": hits.get(s.slot, 0) for s in shard.by_slot if s is not None}
 
 
@@ -74,8 +76,8 @@ def test_walk_stops_at_first_missing_block():
     f(st([H[2]], depth=2, parent=H[1]))
     assert slot_blocks(sh, H) == {"r0/0": 6}
     f(rm([H[0]]))
-    assert sh.prefix_blocks(H) == {}  # a child without its parent is unreachable
-    assert sh.prefix_blocks(H[1:]) == {0: 5}
+    assert walk.prefix_blocks(sh, H) == {}  # a child without its parent is unreachable
+    assert walk.prefix_blocks(sh, H[1:]) == {0: 5}
 
 
 def test_two_replicas_with_different_prefixes():
@@ -88,13 +90,13 @@ def test_two_replicas_with_different_prefixes():
     assert slot_blocks(sh, H) == {"a/0": 3, "b/0": 7, "b/1": 5}
     assert slot_blocks(sh, HU) == {"a/0": 4, "b/0": 0, "b/1": 0}
     assert slot_blocks(sh, H[:4]) == {"a/0": 3, "b/0": 4, "b/1": 4}
-    ans = sh.lookup(H, 256, 102.0)
+    ans = walk.lookup(sh, H, 256, 102.0)
     assert [(a.replica, a.dp_rank, a.cached_tokens, a.resumable_tokens) for a in ans] == [
         ("b", 0, 112, 96), ("b", 1, 80, 64), ("a", 0, 48, 32)]
-    assert sh.credited(H, 256) == 96
-    assert sh.credited(H, 256, "a") == 32
-    assert sh.credited(H, 256, "b", 1) == 64
-    assert sh.credited(HU, 256, "b") == 0
+    assert walk.credited(sh, H, 256) == 96
+    assert walk.credited(sh, H, 256, "a") == 32
+    assert walk.credited(sh, H, 256, "b", 1) == 64
+    assert walk.credited(sh, HU, 256, "b") == 0
 
 
 def test_resumable():
@@ -115,9 +117,9 @@ def test_resumable():
 def test_lookup_resumes_at_engine_block_size_and_never_last_token():
     sh = ModelShard("m", 16)
     sh.apply(batch([st(H[:4])], block_size=32), 1.0)
-    a = sh.lookup(H[:4], 64, 2.0)[0]
+    a = walk.lookup(sh, H[:4], 64, 2.0)[0]
     assert a.cached_tokens == 64 and a.resumable_tokens == 32
-    a = sh.lookup(H[:3], 50, 100.5)[0]
+    a = walk.lookup(sh, H[:3], 50, 100.5)[0]
     assert a.cached_tokens == 48 and a.resumable_tokens == 32
     assert a.freshness.seq == 0 and a.freshness.last_event_age_ms == pytest.approx(500.0)
 
@@ -129,12 +131,12 @@ def test_block_in_two_tiers_retracted_only_on_last_tier():
     f(st(H[:4], "CPU"))
     f(rm(H[:4], "GPU"))
     assert slot_blocks(sh, H) == {"r0/0": 4}
-    assert sh.tier_runs(H, 0, 4) == [("CPU", 64)]
+    assert walk.tier_runs(sh, H, 0, 4) == [("CPU", 64)]
     f(rm([H[1]], "CPU"))
     assert slot_blocks(sh, H) == {"r0/0": 1}
     f(st([H[1]], "GPU", depth=1, parent=H[0]))
     assert slot_blocks(sh, H) == {"r0/0": 4}
-    assert sh.tier_runs(H, 0, 4) == [("CPU", 16), ("GPU", 16), ("CPU", 32)]
+    assert walk.tier_runs(sh, H, 0, 4) == [("CPU", 16), ("GPU", 16), ("CPU", 32)]
 
 
 def test_tier_runs_split_prefix_by_fastest_tier():
@@ -142,14 +144,14 @@ def test_tier_runs_split_prefix_by_fastest_tier():
     f = Feeder(sh)
     f(st(H[:2], "GPU"))
     f(st(H[:5], "CPU"))
-    assert sh.tier_runs(H, 0, 5) == [("GPU", 32), ("CPU", 48)]
-    ans = sh.lookup(H[:5], 200, 1.0)[0]
+    assert walk.tier_runs(sh, H, 0, 5) == [("GPU", 32), ("CPU", 48)]
+    ans = walk.lookup(sh, H[:5], 200, 1.0)[0]
     assert ans.tiers == [Tier("GPU", 32), Tier("CPU", 48)]
     assert ans.cached_tokens == 80
     # one tier only: one run
     sh2 = ModelShard("m", 16)
     Feeder(sh2)(st(H[:3], "CPU"))
-    assert sh2.tier_runs(H, 0, 3) == [("CPU", 48)]
+    assert walk.tier_runs(sh2, H, 0, 3) == [("CPU", 48)]
 
 
 def test_remove_in_one_tier_with_other_replica_in_other_tier():
@@ -160,7 +162,7 @@ def test_remove_in_one_tier_with_other_replica_in_other_tier():
     f(rm(H[:3], "GPU"), replica="a")
     assert slot_blocks(sh, H) == {"a/0": 0, "b/0": 3}
     f(rm(H[:3], "CPU"), replica="b")
-    assert sh.prefix_blocks(H) == {}
+    assert walk.prefix_blocks(sh, H) == {}
 
 
 def test_replica_cleared_clears_one_replica_only():
@@ -181,16 +183,16 @@ def test_groups_default_lookup_uses_full_attention():
     f = Feeder(sh)
     f(BlocksStored("GPU", 0, H[:2], None, 0, [], "sliding_window", 32),
       BlocksStored("GPU", 1, H[:5], None, 0, [], "full_attention"))
-    assert sh.prefix_blocks(H) == {0: 5}
-    assert sh.prefix_blocks(H, group=0) == {0: 2}
+    assert walk.prefix_blocks(sh, H) == {0: 5}
+    assert walk.prefix_blocks(sh, H, group=0) == {0: 2}
     f(rm(H[:5], group=0))  # nothing in group 0's GPU map beyond 2; group 1 untouched
-    assert sh.prefix_blocks(H) == {0: 5}
+    assert walk.prefix_blocks(sh, H) == {0: 5}
 
 
 def _lookups(sh: ModelShard, prompts) -> list:
     out = []
     for hashes in prompts:
-        ans = sh.lookup(hashes, 16 * len(hashes) + 1, 500.0)
+        ans = walk.lookup(sh, hashes, 16 * len(hashes) + 1, 500.0)
         out.append(sorted((a.replica, a.dp_rank, a.cached_tokens, a.resumable_tokens,
                            str(a.tiers), a.freshness.epoch, a.freshness.seq) for a in ans))
     return out
@@ -222,11 +224,11 @@ def test_snapshot_restore_round_trip(n_replicas):
             f(st(p[:2], "GPU"), replica=f"r{i}")
     before = _lookups(sh, prompts)
     assert any(a[2] for lk in before for a in lk)
-    data = sh.snapshot()
-    sh2 = ModelShard.restore(data)
+    data = encode_snapshot(sh)
+    sh2 = decode_snapshot(data)
     assert _lookups(sh2, prompts) == before
     assert sh2.stats() == sh.stats()
-    assert _content(ModelShard.restore(sh2.snapshot())) == _content(sh)  # and again: idempotent
+    assert _content(decode_snapshot(encode_snapshot(sh2))) == _content(sh)  # and again: idempotent
     # the restored shard folds on: a redelivery is skipped, the next seq applies
     last = n_replicas - 1
     seq = f.seqs[(f"r{last}", 0)]
@@ -242,15 +244,15 @@ def test_snapshot_restore_high_slot_removal_and_multiword_tiers():
         f(st(H[:2]), replica=f"r{i}")
     f(st(H[:6], "GPU"), replica="r99")
     f(st(H[:8], "CPU"), replica="r99")
-    sh2 = ModelShard.restore(sh.snapshot())
+    sh2 = decode_snapshot(encode_snapshot(sh))
     for s in (sh, sh2):
         g = Feeder(s)
         g.seqs = dict(f.seqs)
         g(rm(H[:6], "GPU"), replica="r99")
-        assert s.prefix_blocks(H)[99] == 8
-        assert s.tier_runs(H, 99, 8) == [("CPU", 128)]
+        assert walk.prefix_blocks(s, H)[99] == 8
+        assert walk.tier_runs(s, H, 99, 8) == [("CPU", 128)]
         g(rm(H[:8], "CPU"), replica="r99")
-        hits = s.prefix_blocks(H)
+        hits = walk.prefix_blocks(s, H)
         assert 99 not in hits and hits[98] == 2 and len(hits) == 99
 
 
@@ -277,7 +279,7 @@ def test_one_tier_clear_and_router_keys_through_a_snapshot():
     assert g.any.walk(keys) == {w2.slot: 3}  # w1 lost 11 (GPU only); 12 and 13 stay in its CPU tier
     assert g.any.masks(keys[1:]) == [(1 << w1.slot) | (1 << w2.slot)] * 2
     assert (w1.router_keys, w1.blocks, w2.router_keys) == (2, 0, 3)  # (key, tier) entries: 4 stored, 2 went
-    raw = _msgspec.msgpack.decode(shard.snapshot())
+    raw = _msgspec.msgpack.decode(encode_snapshot(shard))
     assert all("dynamo_keys" in r and "router_keys" not in r for r in raw["replicas"])
-    again = ModelShard.restore(shard.snapshot())
+    again = decode_snapshot(encode_snapshot(shard))
     assert again.replicas[("w1", 0)].router_keys == 2 and again.groups[0].any.walk(keys) == {w2.slot: 3}

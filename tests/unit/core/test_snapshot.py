@@ -10,8 +10,15 @@ import pytest
 
 import kvidx.core.snapshot as snapshot_mod
 import kvidx.core.walk as walk_mod
+from kvidx.core import walk
 from kvidx.core.shard import ModelShard
-from kvidx.core.snapshot import SNAPSHOT_FORMAT, V1_TIERS, SnapshotFormatError
+from kvidx.core.snapshot import (
+    SNAPSHOT_FORMAT,
+    V1_TIERS,
+    SnapshotFormatError,
+    decode_snapshot,
+    encode_snapshot,
+)
 from schemas.events import SCHEMA_VERSION, TIERS, BlocksStored, EventBatch
 
 HASHES = list(range(1000, 1010))
@@ -27,7 +34,7 @@ def tiered_shard() -> ModelShard:
 
 
 def tiers_of(s: ModelShard) -> list:
-    return [a.tiers for a in s.lookup(HASHES, 16 * len(HASHES), time.time())]
+    return [a.tiers for a in walk.lookup(s, HASHES, 16 * len(HASHES), time.time())]
 
 
 def v1_bytes(s: ModelShard) -> bytes:
@@ -47,7 +54,7 @@ def v1_bytes(s: ModelShard) -> bytes:
 
 
 def test_snapshots_store_tiers_by_name():
-    raw = msgspec.msgpack.decode(tiered_shard().snapshot())
+    raw = msgspec.msgpack.decode(encode_snapshot(tiered_shard()))
     assert raw["format"] == SNAPSHOT_FORMAT
     assert sorted(raw["groups"][0][2]) == ["CPU", "DISK", "GPU"]
 
@@ -56,27 +63,27 @@ def test_format_1_loads_as_written():
     s = tiered_shard()
     want = tiers_of(s)
     assert [t.tier for t in want[0]] == ["GPU", "CPU", "DISK"]
-    assert tiers_of(ModelShard.restore(v1_bytes(s))) == want
-    assert tiers_of(ModelShard.restore(s.snapshot())) == want
+    assert tiers_of(decode_snapshot(v1_bytes(s))) == want
+    assert tiers_of(decode_snapshot(encode_snapshot(s))) == want
 
 
 def test_a_tier_inserted_into_the_speed_order_does_not_shift_a_snapshot(monkeypatch):
     s = tiered_shard()
     want = tiers_of(s)
-    data = s.snapshot()
+    data = encode_snapshot(s)
     old_v1 = v1_bytes(s)
     new_order = ("HBM", *TIERS)  # a faster tier added in front: every id moves by one
     for mod in (walk_mod, snapshot_mod):
         monkeypatch.setattr(mod, "TIERS", new_order)
     monkeypatch.setattr(snapshot_mod, "TIER_IDS", {t: i for i, t in enumerate(new_order)})
-    assert tiers_of(ModelShard.restore(data)) == want
-    assert tiers_of(ModelShard.restore(old_v1)) == want
+    assert tiers_of(decode_snapshot(data)) == want
+    assert tiers_of(decode_snapshot(old_v1)) == want
 
 
 def test_newer_formats_and_unknown_tiers_are_refused():
-    raw = msgspec.msgpack.decode(tiered_shard().snapshot())
+    raw = msgspec.msgpack.decode(encode_snapshot(tiered_shard()))
     with pytest.raises(SnapshotFormatError, match="format 3.*upgrade kvidx"):
-        ModelShard.restore(msgspec.msgpack.encode({**raw, "format": 3}))
+        decode_snapshot(msgspec.msgpack.encode({**raw, "format": 3}))
     raw["groups"][0][2]["HBM"] = raw["groups"][0][2].pop("GPU")
     with pytest.raises(SnapshotFormatError, match="tier 'HBM'"):
-        ModelShard.restore(msgspec.msgpack.encode(raw))
+        decode_snapshot(msgspec.msgpack.encode(raw))

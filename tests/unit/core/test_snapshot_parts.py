@@ -12,6 +12,7 @@ import pytest
 import streams.snapshots as snapshots
 from kvidx.core.maskmap import IMPLEMENTATION, PyMaskMap
 from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_parts, encode_delta, encode_segments, encode_snapshot
 from kvidx.kafka.snapshots import Manifest, assemble, chunk_keys, manifest_key
 from streams.snapshots import SnapshotLog
 from tests.unit.core.test_native_shard import _stream
@@ -52,7 +53,7 @@ class Compacted(dict):
 
 def _assemble_as(cls, m, get):
     parts = [b"".join(get(k) for k in chunk_keys(ref)) for ref in m.parts()]
-    return cls.from_parts(parts)
+    return decode_parts(parts, cls)
 
 
 @pytest.fixture
@@ -104,9 +105,9 @@ def test_compiled_and_reference_write_the_same_parts():
     for b in _stream(r, 70, chains, 600):
         native.apply(b, 2.0)
         ref.apply(b, 2.0)
-    assert native.snapshot_delta() == ref.snapshot_delta()
+    assert encode_delta(native) == encode_delta(ref)
     for first, last in ((0, 4096), (0, 1), (100, 2000), (4095, 4096)):
-        assert native.snapshot_segments(first, last) == ref.snapshot_segments(first, last)
+        assert encode_segments(native, first, last) == encode_segments(ref, first, last)
 
 
 def test_a_format_2_snapshot_is_read_and_then_replaced():
@@ -116,7 +117,7 @@ def test_a_format_2_snapshot_is_read_and_then_replaced():
     for b in _stream(r, 5, chains, 200):
         shard.apply(b, 2.0)
     store = Compacted()
-    store.write(snapshots.split("m", shard.snapshot(), 4, shard.blocks_applied))
+    store.write(snapshots.split("m", encode_snapshot(shard), 4, shard.blocks_applied))
     m = msgspec.msgpack.decode(store[manifest_key("m")], type=Manifest)
     loaded = assemble(m, store.get)
     assert content(loaded) == content(shard) and loaded.snapshot_id == 4

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.shard import ModelShard
 from kvidx.core.walk import window_blocks
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
@@ -43,7 +44,7 @@ def _shard(window: int, swa_held: list[int]) -> ModelShard:
 
 
 def _resumable(s: ModelShard, n: int = 161) -> int:
-    (a,) = s.lookup(H, n, 0.0)
+    (a,) = walk.lookup(s, H, n, 0.0)
     return a.resumable_tokens
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
@@ -137,11 +138,11 @@ def run_fleet(seed: int, n_requests: int, kv_aware: float = 0.4) -> dict:
             credits, raw_credits = {}, {}
             for r in fleet:
                 want = r.would_reuse(prompt)
-                got = shard.credited(hashes, n, r.name)
+                got = walk.credited(shard, hashes, n, r.name)
                 credits[r.name] = got
-                # the same without the host-load cut (ShardWalk.onboard_cut): the state the engine holds
+                # the same without the host-load cut (kvidx.core.walk.onboard_cut): the state the engine holds
                 orders, shard.host_orders = shard.host_orders, {}
-                raw_credits[r.name] = raw = shard.credited(hashes, n, r.name)
+                raw_credits[r.name] = raw = walk.credited(shard, hashes, n, r.name)
                 shard.host_orders = orders
                 assert got <= raw, (i, r.name, got, raw)
                 r.stats["onboard_cut"] += got < raw
@@ -335,7 +336,8 @@ def test_eagle_bigram_pages_hash_like_single_tokens(version):
     assert r_eagle.mirror.stats["bigram_pages"] == 6 and r_plain.mirror.stats["bigram_pages"] == 0
     follow = system + [rng.randrange(30000) for _ in range(40)]
     h = prompt_hashes(follow, IBS)
-    assert shard.credited(h, len(follow), "eagle") == shard.credited(h, len(follow), "plain") == 64
+    assert walk.credited(shard, h, len(follow), "eagle") \
+        == walk.credited(shard, h, len(follow), "plain") == 64
     # the engines' hashes differ (pairs vs tokens): only the canonical keys are shared
     assert eagle.published[0][2] != plain.published[0][2]
 
@@ -352,7 +354,7 @@ def test_eagle_randomized_agreement_and_bad_pairs():
     reused_total = 0
     for prompt, output in workload_requests(21, 1500, systems=6, max_prompt=500, output_len=9):
         n = len(prompt)
-        credited = shard.credited(prompt_hashes(prompt, IBS), n, "eagle")
+        credited = walk.credited(shard, prompt_hashes(prompt, IBS), n, "eagle")
         want = eng.cached_tokens_of(prompt)
         assert credited == want, (n, credited, want)
         assert eng.serve(prompt, output) == want

@@ -19,9 +19,10 @@ from index_service.query import QueryPipeline
 from index_service.store import ShardStore
 from index_service.wire import LookupRequest
 from kvidx import cli
+from kvidx.core import walk
 from kvidx.core.hashing import PromptHashes, pack_tokens, prompt_hashes, tail_key
 from kvidx.core.shard import ModelShard
-from kvidx.core.snapshot import SEGMENTS
+from kvidx.core.snapshot import SEGMENTS, decode_parts, decode_snapshot, encode_segments, encode_snapshot
 from kvidx.engines.common import PartialTails
 from kvidx.engines.contract import zmq_replay
 from kvidx.engines.recording import frame_to_line, replay_requests
@@ -105,7 +106,7 @@ def test_sglang_page_one_credit_through_branches_evictions_resync_and_snapshots(
     shard, seq = ModelShard("m", 16), [0]
 
     def credit(prompt):
-        return shard.credited(prompt_hashes(prompt, 16, tails=True), len(prompt))
+        return walk.credited(shard, prompt_hashes(prompt, 16, tails=True), len(prompt))
 
     _fold(shard, m.apply([BlockStored(list(range(10_000, 10_000 + len(a))), None, a, 1, None, "GPU")]), seq)
     c = sys_prompt + list(range(200, 240))
@@ -121,14 +122,14 @@ def test_sglang_page_one_credit_through_branches_evictions_resync_and_snapshots(
     for part in relay.resync():
         fresh.apply(part, 0.0)
     for p in (c, a + [5, 6], b + [1], b[:75] + [9] * 10):
-        assert fresh.credited(prompt_hashes(p, 16, tails=True), len(p)) == credit(p)
+        assert walk.credited(fresh, prompt_hashes(p, 16, tails=True), len(p)) == credit(p)
     assert fresh.tail_keys == shard.tail_keys > 0
     # snapshots (whole and parts) keep the keys and their counts
-    copies = (ModelShard.restore(shard.snapshot()),
-              ModelShard.from_parts([shard.snapshot_segments(0, SEGMENTS)]))
+    copies = (decode_snapshot(encode_snapshot(shard)),
+              decode_parts([encode_segments(shard, 0, SEGMENTS)]))
     for copy in copies:
         assert copy.tail_keys == shard.tail_keys and all(
-            copy.credited(prompt_hashes(p, 16, tails=True), len(p)) == credit(p) for p in (c, b + [1]))
+            walk.credited(copy, prompt_hashes(p, 16, tails=True), len(p)) == credit(p) for p in (c, b + [1]))
     # b evicted leaf first: a alone again, the branch's keys go
     _fold(shard, m.apply([BlockRemoved(list(range(20_000, 20_040))[::-1], "GPU")]), seq)
     assert credit(c) == 64 and credit(a + [5, 6]) == len(a) and credit(b + [1]) == 64
@@ -188,8 +189,8 @@ def test_partial_keys_never_credit_more_than_the_engine_reuses(workload, page):
                                                                  epoch=0))
     for r in replay_requests(batches, log, lambda t, b: shard.apply(b, t / 1e9)):
         toks = r["prompt_token_ids"]
-        with_keys = shard.credited(prompt_hashes(toks, 16, tails=True), len(toks))
-        whole = shard.credited(prompt_hashes(toks, 16), len(toks))
+        with_keys = walk.credited(shard, prompt_hashes(toks, 16, tails=True), len(toks))
+        whole = walk.credited(shard, prompt_hashes(toks, 16), len(toks))
         assert whole <= with_keys <= r["cached_tokens"], r["i"]
         keyed.add(r["i"], len(toks), r["cached_tokens"], with_keys)
         plain.add(r["i"], len(toks), r["cached_tokens"], whole)
@@ -222,7 +223,7 @@ def test_shadow_default_flags_exact_on_sglang_page_one_and_trtllm_partial_reuse(
                          "--index-block-size", "1")
         # exact, and the same as at index block size 1. With a host tier, an admission that loads host
         # blocks can free the prompt's later host blocks (test_trtllm.py): the index keeps the host's
-        # queue as the engine does (HostLoads) and cuts the hits there (ShardWalk.onboard_cut; 2.62 %
+        # queue as the engine does (HostLoads) and cuts the hits there (kvidx.core.walk.onboard_cut; 2.62 %
         # over-credit at both block sizes without it)
         size = ("index_entries", "index_bytes")  # the finer index's size differs, by design
         assert {k: v for k, v in s.items() if not k.startswith(size)} == {

@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.fold import FoldSetAside, decode_event, fold_message
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
@@ -369,12 +370,12 @@ def test_the_fold_keeps_a_batchs_other_events_and_never_credits_more():
     aside: list[FoldSetAside] = []
     fold_message(lambda _b: shard, batch(0, [BlocksStored("GPU", 0, ha, None, 0), ["stored", 1, "x"],
                                              BlocksStored("CPU", 0, hb, None, 0)]), 1.0, set_aside=aside)
-    assert shard.credited(ha, 65, "r") == 64 and shard.credited(hb, 65, "r") == 64
+    assert walk.credited(shard, ha, 65, "r") == 64 and walk.credited(shard, hb, 65, "r") == 64
     assert [(x.position, x.event, x.action) for x in aside] == [(1, "stored", "skipped")]
     fold_message(lambda _b: shard, batch(1, [["removed", None, 0, hb[2:]]]), 1.0, set_aside=aside)
-    assert shard.credited(hb, 65, "r") == 32 and aside[-1].action == "removed_every_tier"
+    assert walk.credited(shard, hb, 65, "r") == 32 and aside[-1].action == "removed_every_tier"
     fold_message(lambda _b: shard, batch(2, [["removed", "GPU", 0, "??"]]), 1.0, set_aside=aside)
-    assert shard.credited(ha, 65, "r") == 0 and aside[-1].action == "cleared"
+    assert walk.credited(shard, ha, 65, "r") == 0 and aside[-1].action == "cleared"
 
 
 # ---- a removal that cannot be placed never leaves what it could name credited ------------------------

@@ -1,4 +1,4 @@
-"""The compiled answer writer (ShardWalk.lookup_json) against the typed answer it stands in for:
+"""The compiled answer writer (kvidx.core.walk.lookup_json) against the typed answer it stands in for:
 on random shards of the kind it takes (one full-attention group, one tier; engine block sizes,
 token-granular replicas, recompute tails, pending routes with prefill in flight, names needing JSON
 escapes), QueryPipeline.answer_json's bytes must decode to exactly QueryPipeline.answer's answer,
@@ -14,7 +14,7 @@ import pytest
 import index_service.query as query_mod
 from index_service.query import QueryPipeline
 from index_service.store import ShardStore
-from kvidx.core import maskmap
+from kvidx.core import maskmap, walk
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
 NATIVE = maskmap.lookup_json is not None
@@ -83,7 +83,7 @@ def test_shards_it_does_not_take_fall_back_to_the_typed_answer(monkeypatch):
     shard = store.shards["m"]
     store.apply(EventBatch(SCHEMA_VERSION, "m", "x", 0, 1, 0, NOW, NOW, 16,
                            [BlocksStored("CPU", 0, prompts[0][:2], None, 0)]))  # a second tier
-    assert shard.lookup_json(prompts[0], 100, NOW, 1e-4, {}) is None
+    assert walk.lookup_json(shard, prompts[0], 100, NOW, 1e-4, {}) is None
     pipe = QueryPipeline(store)
     got, best, count, want = _both(pipe, shard, prompts[0], 16 * len(prompts[0]), False, None, monkeypatch)
     assert got == want and count == len(want["replicas"])

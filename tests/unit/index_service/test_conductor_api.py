@@ -17,6 +17,7 @@ from index_service.app import create_app
 from index_service.conductor_api import ConductorRegistry
 from index_service.dynamo_api import DynamoRegistry
 from index_service.store import ShardStore
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.recording import read_frames, request_steps
 from relays.managed import vllm_relay_starter
@@ -86,7 +87,7 @@ def test_register_query_views_and_unregister_over_a_real_engines_traffic(service
     for r in requests:
         tokens = r["prompt_token_ids"]
         n = len(tokens) // 32
-        held = shard.prefix_blocks(prompt_hashes(tokens[:n * 32], 16)).get(slot, 0) // 2 * 32
+        held = walk.prefix_blocks(shard, prompt_hashes(tokens[:n * 32], 16)).get(slot, 0) // 2 * 32
         as_bin = np.asarray(tokens, dtype="<i4").tobytes()
         status, got = post(c, "/query", {"model": "llama", "block_size": 32, "token_ids": as_bin})
         assert status == 200

@@ -14,6 +14,7 @@ import pytest
 
 from index_service.app import create_app
 from index_service.store import ShardStore
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.recording import read_frames
 from kvidx.shadow import InProcessIndex, load_requests
@@ -111,7 +112,7 @@ def test_json_lookup_equals_in_process(world, requests_log):
         assert resp.status_code == 200, resp.text
         assert resp.headers["content-type"] == "application/json"
         got = resp.json()
-        want = shard.lookup(prompt_hashes(tokens, INDEX_BS), len(tokens), time.time())
+        want = walk.lookup(shard, prompt_hashes(tokens, INDEX_BS), len(tokens), time.time())
         assert got["model"] == MODEL
         assert got["prompt_tokens"] == len(tokens)
         assert got["block_size"] == INDEX_BS
@@ -138,7 +139,7 @@ def test_replay_over_http_matches_engine(world, requests_log):
         resp = _post_binary(client, tokens, model=REPLAY)
         assert resp.status_code == 200, resp.text
         got = resp.json()["replicas"]
-        want = index.shard.lookup(prompt_hashes(tokens, INDEX_BS), len(tokens), time.time())
+        want = walk.lookup(index.shard, prompt_hashes(tokens, INDEX_BS), len(tokens), time.time())
         assert _core(got) == _core(want)
         credited = max((a["resumable_tokens"] for a in got), default=0)
         credited_total += credited

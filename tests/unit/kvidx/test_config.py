@@ -5,6 +5,7 @@ import pytest
 import kvidx.config  # noqa: E402
 from index_service.store import ShardStore
 from kvidx.config import load_config
+from kvidx.core import walk
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from tests.helpers import ROOT
 
@@ -45,8 +46,8 @@ def test_unreported_tiers_flag_upper_bounds(tmp_path):
     for seq, (tier, hashes) in enumerate([("GPU", [1, 2]), ("CPU", [3, 4])]):
         shard.apply(EventBatch(SCHEMA_VERSION, "m", "r", 0, 1, seq, 0.0, 0.0, 16,
                                [BlocksStored(tier, 0, hashes, None, 0)]), 0.0)
-    (gpu_only,) = shard.lookup([1, 2], 33, 0.0)
-    (with_cpu,) = shard.lookup([1, 2, 3, 4], 65, 0.0)
+    (gpu_only,) = walk.lookup(shard, [1, 2], 33, 0.0)
+    (with_cpu,) = walk.lookup(shard, [1, 2, 3, 4], 65, 0.0)
     assert gpu_only.upper_bound is False and with_cpu.upper_bound is True
 
 

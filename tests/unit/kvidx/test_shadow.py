@@ -9,6 +9,7 @@ import random
 import msgspec
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
@@ -96,7 +97,7 @@ def test_relay_gap_unfilled_clears_and_continues():
     shard = ModelShard("m", 16)
     r = VllmPublisherRelay("m", "rep", 16, epoch=5)
     fold(shard, r.on_frame(frame(0, [stored_ev([1, 2], None, T[:32])])))
-    assert shard.credited(H, 128) == 32
+    assert walk.credited(shard, H, 128) == 32
     f = frame(4, [stored_ev([9], None, T[64:80])])
     assert r.on_frame(f).gap == (1, 4)
     out = r.gap_unfilled(f)
@@ -105,8 +106,8 @@ def test_relay_gap_unfilled_clears_and_continues():
     assert [(b.epoch, b.seq) for b in out.batches] == [(6, -1), (6, 4)]
     assert r.mirror.live_blocks() == 1
     fold(shard, out)
-    assert shard.credited(H, 128) == 0
-    assert shard.credited(prompt_hashes(T[64:], 16), 64) == 16
+    assert walk.credited(shard, H, 128) == 0
+    assert walk.credited(shard, prompt_hashes(T[64:], 16), 64) == 16
     assert len(r.on_frame(frame(5, [])).batches) == 1  # and carries on
 
 
@@ -115,14 +116,14 @@ def test_relay_engine_restart():
     r = VllmPublisherRelay("m", "rep", 16, epoch=0)
     for s in range(3):
         fold(shard, r.on_frame(block_frame(s, s)))
-    assert shard.credited(H, 128) == 48
+    assert walk.credited(shard, H, 128) == 48
     out = r.on_frame(frame(0, [stored_ev([50], None, T[64:80])]))
     assert kinds(out) == [["ReplicaCleared"], ["BlocksStored"]]
     assert out.batches[0].events[0].reason == "engine_restart"
     assert [(b.epoch, b.seq) for b in out.batches] == [(1, -1), (1, 0)]
     assert r.counters["restarts"] == 1
     fold(shard, out)
-    assert shard.credited(H, 128) == 0
+    assert walk.credited(shard, H, 128) == 0
     assert len(r.on_frame(frame(1, [])).batches) == 1  # the new epoch's seq 1 is next
     assert r.on_frame(frame(1, [])).batches == []
 
@@ -172,13 +173,13 @@ def test_relay_clear_targets_the_publishers_dp_rank():
     shard = ModelShard("m", 16)
     r = VllmPublisherRelay("m", "rep", 16, epoch=0)  # rank taken from the batches
     fold(shard, r.on_frame(frame(0, [stored_ev([1, 2], None, T[:32])], rank=1)))
-    assert shard.credited(H, 128, "rep", 1) == 32
+    assert walk.credited(shard, H, 128, "rep", 1) == 32
     f = frame(3, [], rank=1)
     r.on_frame(f)
     out = r.gap_unfilled(f)
     assert [b.dp_rank for b in out.batches] == [1, 1]
     fold(shard, out)
-    assert shard.credited(H, 128, "rep", 1) == 0
+    assert walk.credited(shard, H, 128, "rep", 1) == 0
 
 
 # ---- shadow audit --------------------------------------------------------------------------------
@@ -221,7 +222,7 @@ def test_shadow_sim_engine_concurrency_1_is_exact(engine_bs, index_bs):
             for f in _sim_frames(engine, fed):
                 index.feed(f)
                 fed = f.seq + 1
-            credited = index.shard.credited(prompt_hashes(prompt, index_bs), len(prompt))
+            credited = walk.credited(index.shard, prompt_hashes(prompt, index_bs), len(prompt))
             cached = engine.serve(prompt, output)
             results.append((i, len(prompt), credited, cached))
         for f in _sim_frames(engine, fed):

@@ -10,6 +10,7 @@ import time
 import zmq
 
 from index_service.store import ShardStore
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.engines.lmcache.chunks import LmcacheConfig
 from kvidx.engines.vllm.relay import VllmPublisherRelay
@@ -51,7 +52,7 @@ def test_controller_messages_on_the_pull_endpoint_move_lmcache_blocks():
         time.sleep(0.3)
         payload = ew.payload(ew.lmcache_store_call(T[:128], 64, 0, ew.lmcache_hash))
         pub.send_multipart([b"kv", (0).to_bytes(8, "big"), payload])
-        wait_for(lambda: "m" in store.shards and store.shards["m"].credited(H[:8], 129, "r") > 0,
+        wait_for(lambda: "m" in store.shards and walk.credited(store.shards["m"], H[:8], 129, "r") > 0,
                  timeout=10, what="LMCache chunks through the event stream")
         k1 = ew.lmcache_hash(T[:128])
         push.send(ew.controller(ew.KVAdmitMsg("inst", 0, k1, "LocalDiskBackend", 1)))
@@ -62,7 +63,7 @@ def test_controller_messages_on_the_pull_endpoint_move_lmcache_blocks():
         wait_for(on_disk, timeout=10, what="the admit message placing the second chunk on DISK")
         push.send(ew.controller(ew.KVEvictMsg("inst", 0, k1, "LocalCPUBackend", 2)))
         push.send(ew.controller(ew.KVEvictMsg("inst", 0, k1, "LocalDiskBackend", 3)))
-        wait_for(lambda: store.shards["m"].credited(H[:8], 129, "r") == 64, timeout=10,
+        wait_for(lambda: walk.credited(store.shards["m"], H[:8], 129, "r") == 64, timeout=10,
                  what="the evictions retracting the second chunk")
     finally:
         relay.close()

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
@@ -231,7 +232,7 @@ def test_lmcache_fixture_lookups():
         assert not out.dead
         for b in out.batches:
             shard.apply(b, 0.0)
-        (a,) = shard.lookup(h, len(prompt), 0.0)
+        (a,) = walk.lookup(shard, h, len(prompt), 0.0)
         answers.append(mark_upper_bound(a, relay.mirror.lmcache.unreported_tiers))
     for a, key in [(answers[1], "after_turn2"), (answers[2], "after_gpu_evictions")]:
         assert a.cached_tokens == exp[key]["turn2_prompt_cached"]

@@ -13,6 +13,7 @@ import pytest
 
 from index_service.store import ShardStore
 from kvidx.config import Config, PoolConfig
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
@@ -387,15 +388,15 @@ def test_pool_blocks_credit_the_attached_replicas_only():
     for name in ("node-a", "node-b", "node-x"):
         shard.replica(name, 0)  # known replicas holding nothing themselves
     h, n = canon(TOK + [1]), 65
-    assert shard.credited(h, n, "node-a") == 48 and shard.credited(h, n, "node-b") == 48
-    assert shard.credited(h, n, "node-x") == 0  # not attached
-    answers = {a.replica: a for a in shard.lookup(h, n, 1.0)}
+    assert walk.credited(shard, h, n, "node-a") == 48 and walk.credited(shard, h, n, "node-b") == 48
+    assert walk.credited(shard, h, n, "node-x") == 0  # not attached
+    answers = {a.replica: a for a in walk.lookup(shard, h, n, 1.0)}
     assert "pool-a" not in answers  # a pool is not a routing target
     # the shard ranks DISK before POOL (TIERS: fastest first): a block in both reads as DISK
     assert answers["node-b"].tiers == [Tier("POOL", 32), Tier("DISK", 16)]
     for b in relay.on_frame(mframe(master([ev("removed", "2")]), 2)).batches:
         store.apply(b, 2.0)
-    assert shard.credited(h, n, "node-b") == 16
+    assert walk.credited(shard, h, n, "node-b") == 16
 
 
 # ---- the adapter and the conformance recording --------------------------------------------------

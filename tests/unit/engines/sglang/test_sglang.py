@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import msgspec
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
@@ -367,7 +368,7 @@ def test_conformance_fixture(version):
     for lk in fx["lookups"]:
         toks = lk["prompt_token_ids"]
         hashes = prompt_hashes(toks, fx["index_block_size"], lk["lora"], lk["cache_salt"])
-        assert shard.credited(hashes, len(toks)) == lk["credited"], lk
+        assert walk.credited(shard, hashes, len(toks)) == lk["credited"], lk
 
 
 # ---- live ZMQ: PUB + replay, with (0.5.23) and without (0.5.10) the topic frame ------------------

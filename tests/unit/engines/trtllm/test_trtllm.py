@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines import RelayOptions
@@ -149,9 +150,9 @@ def test_cache_level_move_is_never_a_loss():
                 kinds = [(type(e).__name__, e.tier) for e in b.events]
                 assert kinds == [("BlocksStored", "CPU"), ("BlocksRemoved", "GPU")]
         hashes = prompt_hashes(toks + [999], 16)
-        assert shard.credited(hashes, 65, "r") == 64
+        assert walk.credited(shard, hashes, 65, "r") == 64
         if i == 1:
-            ans = shard.lookup(hashes, 65, 0)[0]
+            ans = walk.lookup(shard, hashes, 65, 0)[0]
             assert ans.tiers == [Tier("GPU", 32), Tier("CPU", 32)]
     assert relay.ranks[0].mirror.stats["moved"] == 2
 
@@ -169,20 +170,21 @@ def test_partial_block_and_token_granular_credit():
             assert sum(len(e.hashes) for e in b.events if e.tail) == 45 % ibs  # the tail's prefixes
             shard.apply(b, 0)
         prompt = toks + [500, 501]  # the engine matches 45 of its 46 usable tokens
-        assert shard.credited(prompt_hashes(prompt, ibs, tails=True), len(prompt), "r") == 45
-        assert shard.credited(prompt_hashes(prompt, ibs), len(prompt), "r") == 45 // ibs * ibs
+        assert walk.credited(shard, prompt_hashes(prompt, ibs, tails=True), len(prompt), "r") == 45
+        assert walk.credited(shard, prompt_hashes(prompt, ibs), len(prompt), "r") == 45 // ibs * ibs
         # a prompt ending inside the cached partial block: at most n - 1 tokens
-        assert shard.credited(prompt_hashes(toks[:40], ibs, tails=True), 40, "r") == 39
+        assert walk.credited(shard, prompt_hashes(toks[:40], ibs, tails=True), 40, "r") == 39
         # leaving the partial block after 3 of its tokens: those 3 count where they are in its tail
         # (past its last full index block); inside a full index block nothing else shares, the block
         # boundary before them
         other = toks[:35] + [900] * 10
         want = 35 if 35 >= 45 // ibs * ibs else 35 // ibs * ibs
-        assert shard.credited(prompt_hashes(other, ibs, tails=True), len(other), "r") == want
+        assert walk.credited(shard, prompt_hashes(other, ibs, tails=True), len(other), "r") == want
         # the full block alone (no other path shares it): a prompt leaving it inside an index block
         # is credited to the index block before (the engine reuses up to the token: the safe side)
         inside = toks[:20] + [900] * 30
-        assert shard.credited(prompt_hashes(inside, ibs, tails=True), len(inside), "r") == 20 // ibs * ibs
+        assert walk.credited(shard, prompt_hashes(inside, ibs, tails=True), len(inside), "r") \
+            == 20 // ibs * ibs
 
 
 def test_taken_over_leaf_is_retracted_when_its_successor_is_stored():
@@ -281,7 +283,7 @@ def _credits(d: Path) -> list[dict]:
             k += 1
         toks = r["prompt_token_ids"]
         out.append({"i": r["i"], "cached_tokens": r["cached_tokens"],
-                    "credited": shard.credited(prompt_hashes(toks, 1), len(toks), "trtllm")})
+                    "credited": walk.credited(shard, prompt_hashes(toks, 1), len(toks), "trtllm")})
     return out
 
 

@@ -11,8 +11,10 @@ import random
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
+from kvidx.core.snapshot import decode_parts, decode_snapshot, encode_delta, encode_segments, encode_snapshot
 from kvidx.engines.vllm.mirror import VllmMirror
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.wire import BlockStored, check_engine_version
@@ -62,12 +64,13 @@ def test_divergence_at_every_position_near_block_boundaries_is_credited_exactly(
         prompt = cached[:cut] + [1000 + (cached[cut] if cut < len(cached) else 0)] * 9
         for p in (prompt, cached[:cut]):
             hashes = prompt_hashes(p, ibs, lookahead=shard.lookahead)
-            assert shard.credited(hashes, len(p)) == engine_hit(cached, p, la), (cut, len(p))
+            assert walk.credited(shard, hashes, len(p)) == engine_hit(cached, p, la), (cut, len(p))
             checked += 1
     assert checked > 150
     # without the lookahead in the keys, a prompt diverging right after a boundary would be credited
     p = cached[:2 * B] + [999_999 % 1000 + 1]
-    assert engine_hit(cached, p, la) == B and shard.credited(prompt_hashes(p, ibs, lookahead=la), len(p)) == B
+    assert engine_hit(cached, p, la) \
+        == B and walk.credited(shard, prompt_hashes(p, ibs, lookahead=la), len(p)) == B
 
 
 def test_no_lookahead_is_the_plain_hashing():
@@ -76,7 +79,7 @@ def test_no_lookahead_is_the_plain_hashing():
     shard = shard_for(cached, 0)
     assert shard.lookahead == 0
     assert prompt_hashes(cached, B, lookahead=0) == prompt_hashes(cached, B)
-    assert shard.credited(prompt_hashes(cached, B), len(cached)) == 2 * B  # (n - 1) // B blocks
+    assert walk.credited(shard, prompt_hashes(cached, B), len(cached)) == 2 * B  # (n - 1) // B blocks
 
 
 def test_a_relay_pinned_before_033_refuses_lookahead_and_033_is_accepted():
@@ -96,6 +99,6 @@ def test_a_relay_pinned_before_033_refuses_lookahead_and_033_is_accepted():
 
 def test_the_models_lookahead_survives_snapshots():
     shard = shard_for(list(range(3 * B + 2)), 3)
-    assert ModelShard.restore(shard.snapshot()).lookahead == 3
+    assert decode_snapshot(encode_snapshot(shard)).lookahead == 3
     shard.track_changes()
-    assert ModelShard.from_parts([shard.snapshot_segments(0, 4096), shard.snapshot_delta()]).lookahead == 3
+    assert decode_parts([encode_segments(shard, 0, 4096), encode_delta(shard)]).lookahead == 3

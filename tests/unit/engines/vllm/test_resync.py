@@ -4,6 +4,7 @@ tests/integration/test_resync.py."""
 
 import time
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
@@ -40,8 +41,8 @@ def test_resync_parts_rebuild_a_fresh_index_shallowest_first():
     assert fresh.replicas[("sim-0", 0)].blocks == len(core.mirror.refs) == full.replicas[("sim-0", 0)].blocks
     for prompt, _ in work:
         h = prompt_hashes(prompt, BS)
-        assert fresh.credited(h, len(prompt)) == full.credited(h, len(prompt))
-    assert any(fresh.credited(prompt_hashes(p, BS), len(p)) for p, _ in work)
+        assert walk.credited(fresh, h, len(prompt)) == walk.credited(full, h, len(prompt))
+    assert any(walk.credited(fresh, prompt_hashes(p, BS), len(p)) for p, _ in work)
     engine.close()
 
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from kvidx.core import walk
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.shard import ModelShard
 from kvidx.core.spec_decode import SpecDecodeError, unpair_tokens
@@ -123,12 +124,12 @@ def test_dp_relays_one_per_rank_and_clear_per_rank():
     for b in sink.batches:
         shard.apply(b, 0.0)
     h = prompt_hashes(T[:65], 16)
-    assert [shard.credited(h, 65, "node1", r) for r in range(3)] == [64, 64, 64]
+    assert [walk.credited(shard, h, 65, "node1", r) for r in range(3)] == [64, 64, 64]
     # a reset is published by the rank that steps next only (ENGINES.md vLLM observation 3)
     relays[1].handle(_frame(ew.payload([ew.AllBlocksCleared()], rank=1), 1))
     for b in sink.batches[3:]:
         shard.apply(b, 0.0)
-    assert [shard.credited(h, 65, "node1", r) for r in range(3)] == [64, 0, 64]
+    assert [walk.credited(shard, h, 65, "node1", r) for r in range(3)] == [64, 0, 64]
     assert not sink.dead
 
 
@@ -282,9 +283,9 @@ def test_variants_fixture_lookups():
             "mm_other_image": prompt_hashes(prompt, 16, mm=[("img-other", start)])}
     for name, want in exp["lookups"].items():
         rank0 = want["rank0"]["resumable_tokens"] if isinstance(want["rank0"], dict) else want["rank0"]
-        assert shard.credited(keys[name], n, "node1", 0) == rank0, name
-        assert shard.credited(keys[name], n, "node1", 1) == want["rank1"], name
-    (a,) = [x for x in shard.lookup(keys["plain"], n, 0.0) if x.dp_rank == 0]
+        assert walk.credited(shard, keys[name], n, "node1", 0) == rank0, name
+        assert walk.credited(shard, keys[name], n, "node1", 1) == want["rank1"], name
+    (a,) = [x for x in walk.lookup(shard, keys["plain"], n, 0.0) if x.dp_rank == 0]
     p = exp["lookups"]["plain"]["rank0"]
     assert a.cached_tokens == p["cached_tokens"]
     assert [[t.tier, t.tokens] for t in a.tiers] == p["tiers"]
