@@ -72,7 +72,7 @@ class ReplicaAnswer(msgspec.Struct, omit_defaults=True):
     index_resumable_tokens: int | None = None
     # eviction foresight: resumable tokens not credited because prefills routed to this replica and
     # not yet reported will evict blocks they need first (kvidx.core.foresight), or the request's own
-    # host loads will (a TensorRT-LLM host tier: ShardWalk.onboard_cut)
+    # host loads will (a TensorRT-LLM host tier: kvidx.core.walk.onboard_cut)
     evicting_tokens: int = 0
 
 
