@@ -466,8 +466,8 @@ class DynamoRegistry:
 def live_replica(store: ShardStore, model: str, replica: str) -> bool:
     """The index holds blocks of `replica` (any DP rank) in `model`: some source feeds it."""
     shard = store.shards.get(model)
-    return shard is not None and any(st.blocks > 0 for (r, _), st in list(shard.replicas.items())
-                                     if r == replica)
+    return shard is not None and any(st.blocks > 0 for st in list(index.replicas(shard))
+                                     if st.replica == replica)
 
 
 # ---- the query --------------------------------------------------------------------------------------

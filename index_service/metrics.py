@@ -104,16 +104,16 @@ class _StoreCollector:
             for model, shard in sorted(store.shards.items()):
                 for gid, n in index.keys_by_group(shard):
                     blocks.add_metric([model, str(gid)], n)
-                replicas.add_metric([model], len(shard.replicas))
+                replicas.add_metric([model], index.replica_count(shard))
                 partial.add_metric([model], shard.tail_keys)
                 if MASKMAP_IMPLEMENTATION == "native":
                     nbytes.add_metric([model], index.index_size([shard])[1])
-                ages = [now - st.engine_ts for st in shard.replicas.values() if st.batches]
+                ages = [now - st.engine_ts for st in index.replicas(shard) if st.batches]
                 if ages:
                     age.add_metric([model], max(ages))
-                if shard.foresight.active:
-                    evicting.add_metric([model], sum(shard.foresight.doomed(now)[1].values()))
-                    cut.add_metric([model], shard.foresight.discounted_lookups)
+                if (seen := index.foresight(shard, now)) is not None:
+                    evicting.add_metric([model], seen[0])
+                    cut.add_metric([model], seen[1])
             applied = store.batches_applied
         yield blocks
         yield replicas
@@ -157,7 +157,7 @@ class _StoreCollector:
                                    labels=labels)
         with self.store.lock:
             live = [(model, st) for model, shard in self.store.shards.items()
-                    for st in shard.replicas.values() if st.batches]
+                    for st in index.replicas(shard) if st.batches]
             if len(live) > MAX_REPLICA_SERIES:
                 live.sort(key=lambda ms: -ms[1].applied_ts)
             omitted = max(0, len(live) - MAX_REPLICA_SERIES)

@@ -175,7 +175,7 @@ class QueryPipeline:
             raise Reject(422, "dp_rank, credited_tokens and evicting_tokens must not be negative")
         shard, hashes, n = self.prompt(req)
         elsewhere = not self.store.holds_replica(req.model, req.replica)
-        if not elsewhere and (req.replica, req.dp_rank) not in shard.replicas:
+        if not elsewhere and index.replica_of(shard, req.replica, req.dp_rank) is None:
             # a relay announces its replica when it starts: an unknown name is a router's mistake,
             # and must not become a slot in every answer
             raise Reject(422, f"unknown replica {req.replica[:200]!r} (dp_rank {req.dp_rank}) for model "

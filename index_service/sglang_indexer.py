@@ -290,7 +290,7 @@ class SglangIndexer:
         last = self.clock.get(w)
         if last is None:
             shard = self.store.shards.get(self.model)
-            st = shard.replicas.get((w, 0)) if shard is not None else None
+            st = index.replica_of(shard, w)
             last = (st.epoch, st.seq) if st is not None and st.epoch <= now + MAX_EPOCH_SKEW_MS else (-1, -1)
         return (now, 0) if now > last[0] else (last[0], last[1] + 1)
 

@@ -12,12 +12,13 @@ from fastapi.responses import Response
 from index_service.context import ServiceContext, json_response
 from index_service.errors import one_error_shape
 from index_service.responses import errors, ok
+from kvidx import index
 from kvidx.core.shard import ModelShard
 
 
 def freshness(shard: ModelShard, now: float) -> dict:
     """How recent the shard's engine events are, summarized over its replicas."""
-    states = list(shard.replicas.values())
+    states = list(index.replicas(shard))
     live = [st for st in states if st.batches]
     ages = [(now - st.engine_ts) * 1000 for st in live]
     lags = [(st.applied_ts - st.engine_ts) * 1000 for st in live]

@@ -26,6 +26,7 @@ from index_service.app import create_app
 from index_service.follower import KafkaFollower
 from index_service.http_protocol import InProcessServer
 from index_service.store import ShardStore
+from kvidx import index
 from kvidx.client import KvidxClient, KvidxError, Retry, UnknownModel
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.sim import SimVllmEngine
@@ -80,7 +81,7 @@ def run_demo(replicas: int = 3, requests: int = 300, kafka: bool = False, bootst
         summary = _route(base, store, engines, requests, seed)
         dead = sum(len(getattr(s, "dead", ())) for s in sinks)
         say(f"dead letters: {dead}; blocks indexed: "
-            f"{sum(len(g.any) for g in store.shards[MODEL].groups.values()) if MODEL in store.shards else 0}")
+            f"{index.keys_total(store.shards.get(MODEL))}")
         undelivered = sum(s.drain(30.0) for s in sinks if hasattr(s, "drain"))
         if undelivered:  # the run above is not what the engines published: say so, and fail
             print(f"error: {undelivered} event batches were not delivered to Kafka", file=sys.stderr)
@@ -217,12 +218,12 @@ def _route(base: str, store: ShardStore, engines: list[SimVllmEngine], requests:
 def _known(store: ShardStore, replica: str) -> bool:
     """Whether the index has applied anything of the replica (at least its relay's start)."""
     shard = store.shards.get(MODEL)
-    return shard is not None and (replica, 0) in shard.replicas
+    return index.replica_of(shard, replica) is not None
 
 
 def _applied_seq(store: ShardStore, replica: str) -> int:
     shard = store.shards.get(MODEL)
-    st = shard.replicas.get((replica, 0)) if shard else None
+    st = index.replica_of(shard, replica)
     return st.seq if st is not None else -1
 
 

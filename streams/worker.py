@@ -27,6 +27,7 @@ from confluent_kafka import Producer
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvidx import index
 from kvidx.config import ShardSettings
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.groups import shard_key
@@ -229,8 +230,8 @@ class ShardWorker:
                 LOCAL_ERRORS.inc()
                 log.error("event=local_snapshot_failed model=%s error=%s", model, str(e)[:200])
             SNAP.labels(model).observe(time.perf_counter() - t0)
-            for gid, g in shard.groups.items():
-                INDEXED.labels(model, str(gid), str(shard.replica_group)).set(len(g.any))
+            for gid, n in index.keys_by_group(shard):
+                INDEXED.labels(model, str(gid), str(shard.replica_group)).set(n)
             n += 1
         self.last_snapshot_at = time.time()
         return n

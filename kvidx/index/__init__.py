@@ -39,6 +39,23 @@ def replicas(shard: ModelShard) -> Iterator[ReplicaState]:
     return (st for st in shard.by_slot if st is not None)
 
 
+def replica_of(shard: ModelShard | None, replica: str, dp_rank: int = 0) -> ReplicaState | None:
+    """A replica's state (its DP rank's), None if the shard has none of it."""
+    return shard.replicas.get((replica, dp_rank)) if shard is not None else None
+
+
+def replica_count(shard: ModelShard) -> int:
+    """Replicas and DP ranks the shard has state for."""
+    return len(shard.replicas)
+
+
+def foresight(shard: ModelShard, now: float) -> tuple[int, int] | None:
+    """(resumable tokens the eviction foresight withholds now, lookups it cut so far), None while it
+    is off (no route reached the model)."""
+    f = shard.foresight
+    return (sum(f.doomed(now)[1].values()), f.discounted_lookups) if f.active else None
+
+
 def replica_at(shard: ModelShard, slot: int) -> ReplicaState | None:
     """The replica of a slot (a bit of the masks the functions below return), None if it left."""
     return shard.by_slot[slot] if 0 <= slot < len(shard.by_slot) else None
@@ -53,6 +70,11 @@ def key_count(shard: ModelShard | None) -> int:
     """Distinct block keys held in any tier of the lookup group."""
     g = shard._lookup_group(None) if shard is not None else None
     return len(g.any) if g is not None else 0
+
+
+def keys_total(shard: ModelShard | None) -> int:
+    """Distinct block keys held in any tier, summed over the groups."""
+    return sum(n for _, n in keys_by_group(shard)) if shard is not None else 0
 
 
 def keys_by_group(shard: ModelShard) -> list[tuple[int, int]]:

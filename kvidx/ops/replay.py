@@ -169,7 +169,7 @@ def checkpoint(bootstrap: str, names: dict[str, str], models: list[str] | None =
         require_delivered(producer, f"chunk(s) of {model}'s history checkpoint", refused=len(errors),
                           bootstrap=bootstrap)
         cp = Checkpoint(model, shard.events_partition, shard.events_offset, list(offsets),
-                        sum(len(g.any) for g in shard.groups.values()), time.time(), shard.snapshot_id)
+                        index.keys_total(shard), time.time(), shard.snapshot_id)
         producer.produce(index_topic, key=model.encode(), value=msgspec.msgpack.encode(cp), partition=0)
         require_delivered(producer, f"manifest of {model}'s history checkpoint", bootstrap=bootstrap)
         written.append(cp)
@@ -421,7 +421,7 @@ def lookup_prompts(r: Replay, prompts: list[dict]) -> list[dict]:
 def state_summary(r: Replay) -> list[dict]:
     """Per replica at the replayed moment: live blocks per group, epoch/seq, last engine event."""
     out = []
-    for st in sorted(r.shard.replicas.values(), key=lambda s: (s.replica, s.dp_rank)):
+    for st in sorted(index.replicas(r.shard), key=lambda s: (s.replica, s.dp_rank)):
         # "last event": when it was published (the clock --until reads); the engine's own clock
         # beside it (a played recording keeps the time it was recorded at)
         out.append({"replica": st.replica, "dp_rank": st.dp_rank, "blocks": st.blocks,

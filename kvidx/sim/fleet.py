@@ -806,7 +806,7 @@ class _IndexSide:
                 shard = store.shards.get(model)
                 if shard is not None:
                     want = [(rep, v) for rep, v in want
-                            if (st := shard.replicas.get((rep, 0))) is None or (st.epoch, st.seq) < v]
+                            if (st := index_reads.replica_of(shard, rep)) is None or (st.epoch, st.seq) < v]
                 if not want:
                     break
                 if time.perf_counter() - t0 > self.cfg.kafka_wait_s:

@@ -192,6 +192,26 @@ def test_only_the_core_and_the_index_reach_into_a_shard(folder):
     assert shard_reaches(folder) == []
 
 
+# a shard's state, read by the product only through the Index (kvidx/config.py configures it)
+SHARD_STATE = ("replicas", "groups", "foresight", "pending", "pool_readers")
+
+
+@pytest.mark.parametrize("folder", ["kvidx", "index_service", "relays", "streams"])
+def test_the_product_reads_a_shards_state_through_the_index(folder):
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(("kvidx/core/", "kvidx/index/")) or rel == "kvidx/config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in SHARD_STATE:
+                value = node.value
+                owner = value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", "")
+                if owner.endswith("shard"):
+                    bad.append(f"{rel}:{node.lineno} reads .{node.attr}")
+    assert bad == []
+
+
 def test_the_shard_is_its_state_and_its_fold_only():
     """No mixins: the walk is functions of the state (kvidx/core/walk.py, called through the Index),
     snapshots a codec of it (kvidx/core/snapshot.py)."""
