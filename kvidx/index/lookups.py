@@ -76,7 +76,7 @@ def answer(shard: ModelShard, hashes: list[int], n_tokens: int, pricer: Pricer, 
     for r in replicas:
         r.price = pricer(r, n_tokens)
     if rank:
-        replicas.sort(key=_by_price)
+        replicas.sort(key=_cheapest)
     if top_k is not None:
         del replicas[top_k:]
     out = LookupAnswer(shard.model, n_tokens, shard.block_size, replicas)
@@ -157,10 +157,6 @@ def queues(shard: ModelShard, now: float, pricer: Pricer) -> dict[str, float]:
     inflight, per_token = pending.inflight, pricer.per_token
     return {st.replica: inflight.get(st.slot, 0) * per_token
             for st in shard.by_slot if st is not None and st.dp_rank == 0}
-
-
-def _by_price(a: ReplicaAnswer) -> float:
-    return a.price.total_s
 
 
 def _best_resumable(a: ReplicaAnswer) -> int:
