@@ -17,7 +17,9 @@ Faults, from the seed: `relay_kill`, `worker_kill`, `instance_kill` (kill -9, re
 `controller_kill` (the active controller, likewise), `broker_stop` (SIGSTOP of a random broker for
 5-60 s, then SIGCONT), `disk_full` (a worker's data dir, its own tmpfs, filled to the last byte for
 10-30 s: needs root to mount; left out otherwise) and `double` (two of these at once, at most one of
-them a broker). Not yet injected: `follower_stall` (always reported with count 0).
+them a broker), `follower_stall` (every Kafka client thread of a service instance, librdkafka's
+`rdk:*` threads, stopped with ptrace for 5-60 s while its HTTP side answers on: its follower hears
+nothing and its writes queue, as in a one-sided partition; needs ptrace, left out otherwise).
 
 The checker. The engines are the ground truth: after every request the simulator's cached blocks are
 recorded with the time. For every replica in an answer, `cached_tokens` must not exceed what the engine
@@ -71,11 +73,9 @@ from kvidx.sim.prompts import workload_requests  # noqa: E402
 
 KINDS = ("relay_kill", "worker_kill", "instance_kill", "leader_kill", "controller_kill", "broker_stop",
          "disk_full", "follower_stall", "double")
-INJECTED = ("relay_kill", "worker_kill", "instance_kill", "leader_kill", "controller_kill", "broker_stop",
-            "disk_full", "double")
+INJECTED = KINDS
 BROKER_KINDS = ("leader_kill", "controller_kill", "broker_stop")
-SINGLE = ("relay_kill", "worker_kill", "instance_kill", "leader_kill", "controller_kill", "broker_stop",
-          "disk_full")
+SINGLE = tuple(k for k in KINDS if k != "double")
 WORKER_DISK_MB = 256  # each worker's data dir is a tmpfs of this size (disk_full fills it)
 MODELS = ("chaos-a", "chaos-b")
 ENGINES_PER_MODEL = 2
@@ -254,6 +254,8 @@ def plan(seed: int, seconds: float, relays: list[str], workers: list[str], insta
             f.targets, f.hold_s = [f"broker-{rng.randint(1, 3)}"], rng.uniform(5, 60)
         elif kind == "disk_full":
             f.targets, f.hold_s = [rng.choice(workers)], rng.uniform(10, 30)
+        elif kind == "follower_stall":
+            f.targets, f.hold_s = [rng.choice(instances)], rng.uniform(5, 60)
         return f
 
     faults: list[Fault] = []
@@ -532,6 +534,12 @@ class Campaign:
                 self.cluster.resume(node)
             elif f.kind == "disk_full":
                 self._disk_full(f)
+            elif f.kind == "follower_stall":
+                pid = self.procs[f.targets[0]].pid
+                if pid is None:
+                    f.note = f"{f.targets[0]} was down (another fault): nothing to stall"
+                else:
+                    f.note = stall_threads(pid, "rdk:", f.hold_s)
         except Exception as e:  # noqa: BLE001 - recorded with the fault, the campaign goes on
             f.error = f"{type(e).__name__}: {e}"
         f.end = time.time()
@@ -698,7 +706,11 @@ class Campaign:
     # -- the run
     def run(self) -> dict:
         seconds = self.args.minutes * 60
-        kinds = INJECTED if self.disks else tuple(k for k in INJECTED if k != "disk_full")
+        traced = can_ptrace()
+        if not traced:
+            say("no follower_stall: this process may not ptrace its children")
+        kinds = tuple(k for k in INJECTED if (k != "disk_full" or self.disks)
+                      and (k != "follower_stall" or traced))
         self.faults = plan(self.seed, seconds, list(self.engines), ["worker-0", "worker-1"],
                            ["serve-0", "serve-1"], kinds=kinds)
         self.injectable = kinds
@@ -762,6 +774,99 @@ class Campaign:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+# ---- stalling some threads of a process (follower_stall) ------------------------------------------
+_PTRACE_DETACH, _PTRACE_SEIZE, _PTRACE_INTERRUPT = 17, 0x4206, 0x4207
+_WALL, _WNOHANG, _PTRACE_EVENT_STOP = 0x40000000, 1, 128
+
+
+def _libc():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+    return libc
+
+
+def can_ptrace() -> bool:
+    """Whether this process may stop a child's thread (root, or Yama's ptrace_scope allowing it)."""
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        return stall_threads(child.pid, "", 0.0) is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def stall_threads(pid: int, prefix: str, hold_s: float, tries: int = 200) -> str | None:
+    """Stop the threads of `pid` whose name starts with `prefix` for `hold_s`, the rest running on; a
+    note if it could not. Each is stopped while blocked in a system call (not in the middle of its own
+    code, where it may hold a lock another thread needs). The calling thread is their tracer: it alone
+    resumes them, and reaps those that exit meanwhile (a kill -9 of the process during the stall)."""
+    import ctypes
+    libc = _libc()
+    status = ctypes.c_int()
+
+    def tids() -> list[int]:
+        out = []
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                if Path(f"/proc/{pid}/task/{t}/comm").read_text().startswith(prefix):
+                    out.append(int(t))
+            except OSError:
+                continue
+        return out
+
+    def in_syscall(tid: int) -> bool:
+        try:
+            return not Path(f"/proc/{pid}/task/{tid}/syscall").read_text().startswith(("-1", "running"))
+        except OSError:
+            return True  # gone: holds nothing
+
+    def detach(stopped: dict[int, int]) -> None:
+        for tid, sig in stopped.items():
+            libc.ptrace(_PTRACE_DETACH, tid, None, ctypes.c_void_p(sig))  # ESRCH: it exited
+
+    try:
+        targets = tids()
+    except OSError:
+        return f"pid {pid} is gone"
+    if not targets:
+        return f"no thread named {prefix}* in pid {pid}"
+    for _ in range(tries):
+        stopped: dict[int, int] = {}  # tid -> a signal to hand back when it resumes
+        for tid in targets:
+            if libc.ptrace(_PTRACE_SEIZE, tid, None, None) != 0:
+                err = ctypes.get_errno()
+                if err == 3:  # ESRCH: exited since listed
+                    continue
+                detach(stopped)
+                return f"ptrace: {os.strerror(err)}"
+            libc.ptrace(_PTRACE_INTERRUPT, tid, None, None)
+            libc.waitpid(tid, ctypes.byref(status), _WALL)
+            stopped[tid] = 0
+        if all(in_syscall(t) for t in stopped):
+            break
+        detach(stopped)  # one was mid-code: let it run a little and try again
+        time.sleep(0.01)
+    else:
+        return f"no moment with every {prefix}* thread of pid {pid} in a system call"
+    end = time.monotonic() + hold_s
+    while time.monotonic() < end and stopped:
+        time.sleep(0.05)
+        for tid in list(stopped):
+            got = libc.waitpid(tid, ctypes.byref(status), _WALL | _WNOHANG)
+            if got == tid:
+                s = status.value
+                if (s & 0x7F) != 0x7F:  # exited (the process was killed): reaped, done with it
+                    del stopped[tid]
+                elif (s >> 16) != _PTRACE_EVENT_STOP and ((s >> 8) & 0xFF) != signal.SIGTRAP:
+                    stopped[tid] = (s >> 8) & 0xFF  # a signal for it: delivered when it resumes
+            elif got < 0:
+                del stopped[tid]
+    detach(stopped)
+    return None
+
+
 def _distinct(prompts: list[list[int]]) -> list[list[int]]:
     seen, out = set(), []
     for p in prompts:
@@ -810,8 +915,7 @@ def print_table(r: dict) -> None:
     for k in KINDS:
         rec = r["recovery_s"].get(k)
         p50, p99 = (f"{rec['p50']:.2f}", f"{rec['p99']:.2f}") if rec else ("-", "-")
-        note = ("" if k in r["injectable"] else "  (not injected here)" if k in INJECTED
-                else "  (not injected yet)")
+        note = "" if k in r["injectable"] else "  (not injected here)"
         print(f"{k:16} {r['faults'][k]:5d} {p50:>15} {p99:>8} {r['blind_by_kind'].get(k, 0):6d}{note}")
     print(f"lookups {r['lookups']} (unanswered {r['unanswered']}, exact {r['exact_fraction']:.2%}, "
           f"a replica missing {r['missing_replica']}; routes/usage not taken {r['write_errors']}); "
