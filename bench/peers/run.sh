@@ -17,6 +17,7 @@ LLMD=${LLMD:-1}
 REV=""
 PROFILE=0
 BUILD_ONLY=0
+FLEET=""
 CMDLINE="bench/peers/run.sh $*"
 
 usage() {
@@ -36,6 +37,11 @@ Options:
   --workloads "A B C"
                     A: 64 workers x 8192 blocks, random routing (default); B: 16 workers x 16384,
                     random routing; C: 16 workers x 8192, KV-aware routing
+  --workers "64 512 2048"
+                    the fleet sweep: one workload per size (w64, w512, ...: N workers x 8192 blocks,
+                    random routing, trace x4 up to 64 workers and x32 above), then the fleet table
+                    (summarize.py --fleet: per size, kvidx / Dynamo's best on ingest, lookups/s,
+                    p99, and bytes per entry), with issue 43's bars at 2,048
   --extra           also Dynamo CRTC with 2 event threads, and llm-d with its default podCacheSize 10
                     (lossy: its answers may differ) once
   --no-llmd         leave llm-d out (same as LLMD=0); it is also left out, with a warning, when its
@@ -65,6 +71,7 @@ while [ $# -gt 0 ]; do
     --rounds) ROUNDS=$2; shift ;;
     --quick) QUICK=1 ;;
     --workloads) WORKLOADS=$2; shift ;;
+    --workers) FLEET=$2; shift ;;
     --extra) EXTRA=1 ;;
     --no-llmd) LLMD=0 ;;
     --rev) REV=$2; shift ;;
@@ -75,7 +82,14 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-if [ "$QUICK" = 1 ]; then ROUNDS=1; WORKLOADS=A; fi
+if [ -n "$FLEET" ]; then
+  WORKLOADS=""
+  for N in $FLEET; do
+    [[ "$N" =~ ^[0-9]+$ ]] && [ "$N" -ge 1 ] || { echo "--workers: a list of worker counts, e.g. \"64 512 2048\"" >&2; exit 2; }
+    WORKLOADS="$WORKLOADS w$N"
+  done
+fi
+if [ "$QUICK" = 1 ]; then ROUNDS=1; WORKLOADS=A; FLEET=""; fi
 
 mkdir -p "$PB/logs" "$PB/bin" "$PB/results"
 PB=$(cd "$PB" && pwd)
@@ -135,6 +149,10 @@ export HASH_EVERY=4   # the hashing pass covers every 4th query, the same subset
 STATUS=0
 FIRST=""
 for W in $WORKLOADS; do
+  if [[ "$W" =~ ^w([0-9]+)$ ]]; then  # a fleet size: trace x4 up to 64 workers (= A), x32 above
+    N=${BASH_REMATCH[1]}
+    WARGS[$W]="--workers $N --capacity 8192 --dup $([ "$N" -le 64 ] && echo 4 || echo 32)"
+  fi
   [ -n "${WARGS[$W]:-}" ] || { echo "unknown workload $W" >&2; exit 2; }
   ARGS=${WARGS[$W]}
   R=$PB/results/$W
@@ -186,6 +204,13 @@ json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kvidx": 
   echo
   log "workload $WL: $R/summary.md"
 done
+
+if [ -n "$FLEET" ]; then
+  DIRS=()
+  for N in $FLEET; do DIRS+=("$PB/results/w$N"); done
+  "$PY" "$HERE/summarize.py" --fleet "${DIRS[@]}" | tee "$PB/results/fleet.md" || STATUS=1
+  log "fleet table: $PB/results/fleet.md"
+fi
 
 # ---- kvidx profile (first workload): cProfile of the ingest and the lookup pass, py-spy of all ------
 if [ "$PROFILE" = 1 ]; then

@@ -1,5 +1,6 @@
 """results/<workload>/round<r>_<key>.json -> markdown tables (medians, min-max, same-round ratios) and
-the answer check. Usage: summarize.py RESULTS_DIR [--no-check]. Exit status 1 if the indexers' answers
+the answer check. Usage: summarize.py RESULTS_DIR [--no-check], or summarize.py --fleet DIR [DIR ...] for
+the fleet table (one row per fleet size, from run.sh --workers). Exit status 1 if the indexers' answers
 disagree (lookup checksums, live entries, event errors, kvidx hashing mismatches), unless --no-check.
 
 Tables: (1) the in-process figures per indexer, median (min-max) over rounds; (2) per round, Dynamo's
@@ -55,11 +56,59 @@ def cell(vals, fmt=f):
     return f"**{fmt(statistics.median(vals))}** ({fmt(min(vals))}–{fmt(max(vals))})"
 
 
+# issue 43's bars at 2,048 replicas: kvidx / Dynamo's best backend, medians of same-round ratios
+FLEET_BARS = {"ingest": (">=", 1.0), "lookups": (">=", 1.0), "p99": ("<=", 0.5), "bytes": ("<=", 46.0)}
+
+
+def _kvidx_vs_best(runs, dyn, rounds, live, k, best):
+    """kvidx's figure / the best Dynamo backend's in the same round, median over rounds."""
+    return statistics.median(fig(runs["kvidx"][r], k, live) / best(fig(runs[p][r], k, live) for p in dyn)
+                             for r in rounds)
+
+
+def fleet(dirs):
+    """One row per fleet size: kvidx / Dynamo's best backend per round (median over rounds) for ingest,
+    lookups/s and lookup p99, and bytes per entry of kvidx, RadixTree and CRTC (medians)."""
+    print("| replicas | live entries | ingest, kvidx / best Dynamo | lookups/s | lookup p99 | "
+          "bytes / entry (kvidx, RadixTree, CRTC) | rounds |")
+    print("|---:|---:|---:|---:|---:|---|---:|")
+    ok = True
+    for d in dirs:
+        meta, runs, _ = load(d)
+        live = meta["live_entries_end"]
+        dyn = [k for k in ("dyn_radix", "dyn_crtc1") if k in runs]
+        rounds = sorted(r for r in runs.get("kvidx", {}) if all(r in runs[k] for k in dyn))
+        if not rounds or not dyn:
+            print(f"| {meta['workers']:,} | {live:,} | (no complete round in {d}) | | | | 0 |")
+            ok = False
+            continue
+
+        ing = _kvidx_vs_best(runs, dyn, rounds, live, "ingest_blocks_per_s", max)
+        lps = _kvidx_vs_best(runs, dyn, rounds, live, "lookups_per_s", max)
+        p99 = _kvidx_vs_best(runs, dyn, rounds, live, "lookup_p99_us", min)
+        b = {k: statistics.median(fig(runs[k][r], "index_B_per_entry", live) for r in rounds)
+             for k in ("kvidx", *dyn)}
+        row = {"ingest": ing, "lookups": lps, "p99": p99, "bytes": b["kvidx"]}
+        marks = ""
+        if meta["workers"] >= 2048:
+            miss = [k for k, (op, bar) in FLEET_BARS.items()
+                    if not (row[k] >= bar if op == ">=" else row[k] <= bar)]
+            marks = " (issue 43's bars: " + ("all met" if not miss else "missed: " + ", ".join(miss)) + ")"
+        print(f"| {meta['workers']:,} | {live / 1e6:.1f}M | {ing:.2f}x | {lps:.2f}x | {p99:.2f}x | "
+              + ", ".join(f"{b[k]:.0f}" for k in ("kvidx", *dyn)) + f"{marks} | {len(rounds)} |")
+    print("\nRatios are kvidx / Dynamo's best backend (RadixTree or CRTC, the better per figure and "
+          "round), medians over rounds: ingest and lookups/s > 1 = kvidx ahead; p99 < 1 = kvidx lower. "
+          f"Issue 43's bars at 2,048 replicas: {FLEET_BARS}.")
+    return 0 if ok else 1
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if not args or "-h" in sys.argv or "--help" in sys.argv:
         print(__doc__)
         return 0
+    if "--fleet" in sys.argv:
+        return fleet(args)
     res_dir = args[0]
     meta, runs, info = load(res_dir)
     order = [k for k in ORDER if k in runs] + sorted(k for k in runs if k not in ORDER)

@@ -2,14 +2,10 @@
 //! and canonical block hashing, for kvidx/core/maskmap.py (whose `PyMaskMap` is the pure-Python
 //! reference of the same API; tests/unit/core/test_maskmap.py checks that they agree).
 //!
-//! Layout (memory is the budget): one hash table (table.rs: u64 -> u64, 16-byte slots, open
-//! addressing) per 64-bit word of the masks. Word 0 (slots 0..63) of every entry is stored inline as
-//! the value of the first table, which is also the key set. Word w >= 1 (slots 64w..64w+63) is in
-//! table w, only for the entries with a bit there, so a fleet of more than 64 replicas works at no
-//! cost to the small ones, and a wide entry costs one more (key, word) slot per word it uses, no
-//! heap block of its own. Invariants: a hash is in the map iff it is a key of `lo` (its word 0 may
-//! be 0 when only high bits are set); the `hi` tables hold no 0 words and the last one is never
-//! empty; no entry has an all-zero mask.
+//! Layout (memory is the budget): masks.rs. A fleet of up to 64 replicas has one hash table
+//! (table.rs: u64 -> u64, 16-byte slots, open addressing) whose value is the mask; a wider one keeps
+//! the holder set of a block few replicas hold inline in that value (one slot, one probe, at any
+//! fleet size) and the rest as one table per 64-bit word of the mask.
 //!
 //! The batched operations (store, remove, masks, walk) read the hashes of a list or tuple in place
 //! and keep the memory busy ahead of the work (`Hashes::run`): the int objects of the hashes
@@ -20,6 +16,7 @@
 mod answer;
 mod fold;
 mod layout;
+mod masks;
 mod order;
 mod table;
 mod tokens;
@@ -29,229 +26,12 @@ use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PySlice, PyTuple};
-use table::{mix, unmix, Table};
+use masks::Masks;
+use table::{mix, unmix};
 use twox_hash::XxHash3_64;
 
 // Every key below is a *mixed* hash (table::mix of the block hash): mixed once where it comes from
 // Python, unmixed where it goes back.
-
-#[derive(Clone, Default)]
-struct Masks {
-    lo: Table,
-    hi: Vec<Table>,  // hi[w - 1]: word w of the entries that have a bit in it
-}
-
-impl Masks {
-    #[inline]
-    fn word(&self, h: u64, w: usize) -> u64 {
-        let t = if w == 0 { Some(&self.lo) } else { self.hi.get(w - 1) };
-        t.and_then(|t| t.get(h)).unwrap_or(0)
-    }
-
-    #[inline]
-    fn in_hi(&self, h: u64) -> bool {
-        self.hi.iter().any(|t| t.contains(h))
-    }
-
-    fn trim_hi(&mut self) {
-        while self.hi.last().is_some_and(Table::is_empty) {
-            self.hi.pop();
-        }
-    }
-
-    /// Starts loading what `set_bit`/`clear_bit` of word `w` will read for `h`.
-    #[inline(always)]
-    fn prefetch(&self, h: u64, w: usize) {
-        self.lo.prefetch(h);
-        if w > 0 {
-            if let Some(t) = self.hi.get(w - 1) {
-                t.prefetch(h);
-            }
-        }
-    }
-
-    /// The words of `h`'s mask (trimmed: no trailing 0 word past the first), None if absent.
-    fn words(&self, h: u64) -> Option<Vec<u64>> {
-        let lo = self.lo.get(h)?;
-        let mut out = vec![lo];
-        for t in &self.hi {
-            out.push(t.get(h).unwrap_or(0));
-        }
-        while out.len() > 1 && out.last() == Some(&0) {
-            out.pop();
-        }
-        Some(out)
-    }
-
-    #[inline]
-    fn has_bit(&self, h: u64, slot: usize) -> bool {
-        self.word(h, slot / 64) >> (slot % 64) & 1 != 0
-    }
-
-    /// Sets bit `slot` of `h`'s mask; true if it was not set.
-    #[inline(always)]
-    fn set_bit(&mut self, h: u64, w: usize, b: u64) -> bool {
-        if w == 0 {
-            let (pos, new) = self.lo.get_or_insert(h, b);
-            if new {
-                return true;
-            }
-            let v = self.lo.value_mut(pos);
-            let new = *v & b == 0;
-            *v |= b;
-            return new;
-        }
-        self.lo.get_or_insert(h, 0);
-        if self.hi.len() < w {
-            self.hi.resize_with(w, Table::default);
-        }
-        let t = &mut self.hi[w - 1];
-        let (pos, new) = t.get_or_insert(h, b);
-        if new {
-            return true;
-        }
-        let v = t.value_mut(pos);
-        let new = *v & b == 0;
-        *v |= b;
-        new
-    }
-
-    /// Clears bit `slot` of `h`'s mask, deleting the entry when nothing is left; true if it was set.
-    #[inline(always)]
-    fn clear_bit(&mut self, h: u64, w: usize, b: u64) -> bool {
-        if w == 0 {
-            let Some(pos) = self.lo.find(h) else { return false };  // one probe
-            let v = self.lo.value_mut(pos);
-            if *v & b == 0 {
-                return false;
-            }
-            *v &= !b;
-            if *v == 0 && !self.hi.iter().any(|t| t.contains(h)) {
-                self.lo.remove_at(pos);
-            }
-            return true;
-        }
-        let Some(t) = self.hi.get_mut(w - 1) else { return false };
-        let Some(pos) = t.find(h) else { return false };
-        let v = t.value_mut(pos);
-        if *v & b == 0 {
-            return false;
-        }
-        *v &= !b;
-        if *v == 0 {
-            t.remove_at(pos);
-            if self.lo.get(h) == Some(0) && !self.in_hi(h) {
-                self.lo.remove(h);
-            }
-            self.trim_hi();
-        }
-        true
-    }
-
-    /// Sets (replaces) `h`'s mask; `words` must not be all 0.
-    fn insert(&mut self, h: u64, words: &[u64]) {
-        self.lo.insert(h, words[0]);
-        let n = words.iter().rposition(|&x| x != 0).unwrap_or(0) + 1;
-        if self.hi.len() + 1 < n {
-            self.hi.resize_with(n - 1, Table::default);
-        }
-        for (i, t) in self.hi.iter_mut().enumerate() {
-            match words.get(i + 1).copied().unwrap_or(0) {
-                0 => {
-                    t.remove(h);
-                }
-                x => {
-                    t.insert(h, x);
-                }
-            }
-        }
-        self.trim_hi();
-    }
-
-    /// ORs `words` into `h`'s mask; nothing for an all-zero mask.
-    fn or_in(&mut self, h: u64, words: &[u64]) {
-        if words.iter().all(|&x| x == 0) {
-            return;
-        }
-        let (pos, _) = self.lo.get_or_insert(h, 0);
-        *self.lo.value_mut(pos) |= words[0];
-        for (i, &x) in words.iter().enumerate().skip(1) {
-            if x != 0 {
-                if self.hi.len() < i {
-                    self.hi.resize_with(i, Table::default);
-                }
-                let t = &mut self.hi[i - 1];
-                let (pos, _) = t.get_or_insert(h, 0);
-                *t.value_mut(pos) |= x;
-            }
-        }
-    }
-
-    fn remove(&mut self, h: u64) -> Option<Vec<u64>> {
-        let lo = self.lo.remove(h)?;
-        let mut out = vec![lo];
-        if !self.hi.is_empty() {
-            for t in self.hi.iter_mut() {
-                out.push(t.remove(h).unwrap_or(0));
-            }
-            while out.len() > 1 && out.last() == Some(&0) {
-                out.pop();
-            }
-            self.trim_hi();
-        }
-        Some(out)
-    }
-
-    /// Clears bit `slot` everywhere; how many entries had it.
-    fn clear_slot(&mut self, slot: usize) -> usize {
-        let (w, b) = (slot / 64, 1u64 << (slot % 64));
-        let mut n = 0;
-        if w == 0 {
-            let hi = &self.hi;
-            self.lo.retain(|k, v| {
-                if *v & b == 0 {
-                    return true;
-                }
-                n += 1;
-                *v &= !b;
-                *v != 0 || hi.iter().any(|t| t.contains(k))
-            });
-            return n;
-        }
-        let Some(t) = self.hi.get_mut(w - 1) else { return 0 };
-        let mut emptied = Vec::new();
-        t.retain(|k, v| {
-            if *v & b == 0 {
-                return true;
-            }
-            n += 1;
-            *v &= !b;
-            if *v == 0 {
-                emptied.push(k);
-            }
-            *v != 0
-        });
-        for k in emptied {
-            if self.lo.get(k) == Some(0) && !self.in_hi(k) {
-                self.lo.remove(k);
-            }
-        }
-        self.trim_hi();
-        n
-    }
-
-    /// Words needed for the widest mask.
-    fn width(&self) -> usize {
-        1 + self.hi.len()
-    }
-
-    fn memory_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
-            + self.lo.allocation_size()
-            + self.hi.capacity() * std::mem::size_of::<Table>()
-            + self.hi.iter().map(Table::allocation_size).sum::<usize>()
-    }
-}
 
 // ---- conversions ------------------------------------------------------------------------------
 
@@ -291,27 +71,14 @@ fn mask_to_py<'py>(py: Python<'py>, words: &[u64]) -> PyResult<Bound<'py, PyAny>
     }
 }
 
-impl Masks {
-    /// `h`'s mask as a Python int (word 0 straight from the table where no entry is wide).
-    #[inline]
-    fn get_py<'py>(&self, py: Python<'py>, h: u64) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(lo) = self.lo.get(h) else { return Ok(None) };
-        if self.hi.is_empty() {
-            return Ok(Some(lo.into_pyobject(py)?.into_any()));
-        }
-        if self.hi.len() > 3 {
-            return Ok(Some(mask_to_py(py, &self.words(h).unwrap_or_default())?));
-        }
-        let mut buf = [lo, 0, 0, 0];  // no allocation for masks of up to 256 slots
-        let mut n = 1;
-        for (i, t) in self.hi.iter().enumerate() {
-            if let Some(x) = t.get(h) {
-                buf[i + 1] = x;
-                n = i + 2;
-            }
-        }
-        Ok(Some(mask_to_py(py, &buf[..n])?))
+/// `h`'s mask as a Python int, None if absent.
+#[inline]
+fn get_py<'py>(m: &Masks, py: Python<'py>, h: u64) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let Some(v) = m.value(h) else { return Ok(None) };
+    if m.narrow().is_some() {
+        return Ok(Some(v.into_pyobject(py)?.into_any()));
     }
+    Ok(Some(mask_to_py(py, &m.words_of(h, v))?))
 }
 
 /// An int as a u64 (OverflowError if negative or too big, TypeError if not an int).
@@ -671,24 +438,29 @@ struct MaskMap {
 }
 
 impl MaskMap {
-    /// `words` of an export, checked: >= 1 and enough for the widest mask.
-    fn export_words(&self, words: i64) -> PyResult<usize> {
-        let need = self.m.width();
-        words_arg(words)?;
-        if need > words as usize {
-            return Err(PyValueError::new_err(format!("a mask needs {need} words, more than {words}")));
+    /// Appends stored key `k` (value `v`) in `export`'s layout of `words` words a mask; an error
+    /// naming the words needed if its mask needs more.
+    #[inline]
+    fn put(&self, k: u64, v: u64, words: usize, keys: &mut Vec<u8>, masks: &mut Vec<u8>) -> PyResult<()> {
+        keys.extend_from_slice(&unmix(k).to_le_bytes());
+        if self.m.narrow().is_some() {
+            masks.extend_from_slice(&v.to_le_bytes());
+            masks.resize(masks.len() + 8 * (words - 1), 0);
+            return Ok(());
         }
-        Ok(words as usize)
+        self.put_mask(&self.m.words_of(k, v), words, masks)
     }
 
-    /// Appends stored key `k` (word 0: `lo`) in `export`'s layout.
-    #[inline]
-    fn put(&self, k: u64, lo: u64, words: usize, keys: &mut Vec<u8>, masks: &mut Vec<u8>) {
-        keys.extend_from_slice(&unmix(k).to_le_bytes());
-        masks.extend_from_slice(&lo.to_le_bytes());
-        for w in 1..words {
-            masks.extend_from_slice(&self.m.word(k, w).to_le_bytes());
+    /// Appends a mask's words, padded to `words`; the error of `export` if it needs more.
+    fn put_mask(&self, mw: &[u64], words: usize, masks: &mut Vec<u8>) -> PyResult<()> {
+        if mw.len() > words {
+            let need = self.m.entries().map(|(k, v)| self.m.words_of(k, v).len()).max().unwrap_or(1);
+            return Err(PyValueError::new_err(format!("a mask needs {need} words, more than {words}")));
         }
+        for w in 0..words {
+            masks.extend_from_slice(&mw.get(w).copied().unwrap_or(0).to_le_bytes());
+        }
+        Ok(())
     }
 
     fn items_from(&mut self, pairs: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -731,7 +503,7 @@ impl MaskMap {
     fn get<'py>(&self, py: Python<'py>, h: &Bound<'py, PyAny>, default: &Bound<'py, PyTuple>
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Some(k) = key_of(h) {
-            if let Some(m) = self.m.get_py(py, k)? {
+            if let Some(m) = get_py(&self.m, py, k)? {
                 return Ok(m);
             }
         }
@@ -744,7 +516,7 @@ impl MaskMap {
 
     fn __getitem__<'py>(&self, py: Python<'py>, h: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         if let Some(k) = key_of(h) {
-            if let Some(m) = self.m.get_py(py, k)? {
+            if let Some(m) = get_py(&self.m, py, k)? {
                 return Ok(m);
             }
         }
@@ -781,11 +553,11 @@ impl MaskMap {
     }
 
     fn __len__(&self) -> usize {
-        self.m.lo.len()
+        self.m.len()
     }
 
     fn __contains__(&self, h: &Bound<'_, PyAny>) -> bool {
-        key_of(h).is_some_and(|k| self.m.lo.contains(k))
+        key_of(h).is_some_and(|k| self.m.contains(k))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -793,29 +565,29 @@ impl MaskMap {
     }
 
     fn __repr__(&self) -> String {
-        format!("MaskMap(<{} entries>)", self.m.lo.len())
+        format!("MaskMap(<{} entries>)", self.m.len())
     }
 
     fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.m.lo.iter().map(|(k, _)| unmix(k)))
+        PyList::new(py, self.m.entries().map(|(k, _)| unmix(k)))
     }
 
     fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        if self.m.hi.is_empty() {
-            return PyList::new(py, self.m.lo.iter().map(|(_, v)| v));
+        if self.m.narrow().is_some() {
+            return PyList::new(py, self.m.entries().map(|(_, v)| v));
         }
         let out = PyList::empty(py);
-        for (k, _) in self.m.lo.iter() {
-            out.append(self.m.get_py(py, k)?)?;
+        for (k, _) in self.m.entries() {
+            out.append(get_py(&self.m, py, k)?)?;
         }
         Ok(out)
     }
 
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
-        for (k, _) in self.m.lo.iter() {
+        for (k, _) in self.m.entries() {
             out.append(PyTuple::new(py, [unmix(k).into_pyobject(py)?.into_any(),
-                                         self.m.get_py(py, k)?.unwrap()])?)?;
+                                         get_py(&self.m, py, k)?.unwrap()])?)?;
         }
         Ok(out)
     }
@@ -856,11 +628,10 @@ impl MaskMap {
     /// Sets bit `slot` on every hash; how many did not have it.
     fn store(&mut self, hashes: &Bound<'_, PyAny>, slot: i64) -> PyResult<usize> {
         let s = slot_of(slot)?;
-        let (w, b) = (s / 64, 1u64 << (s % 64));
         let hs = Hashes::of(hashes)?;
         let mut st = (&mut self.m, 0usize);
-        hs.run(0, &mut st, |st, h| st.0.prefetch(h, w), |st, _, h| {
-            st.1 += st.0.set_bit(h, w, b) as usize;
+        hs.run(0, &mut st, |st, h| st.0.prefetch(h, s), |st, _, h| {
+            st.1 += st.0.set_bit(h, s) as usize;
             Ok(true)
         })?;
         Ok(st.1)
@@ -873,7 +644,6 @@ impl MaskMap {
     fn remove(slf: &Bound<'_, Self>, hashes: &Bound<'_, PyAny>, slot: i64, others: Option<&Bound<'_, PyAny>>,
               union: Option<Bound<'_, MaskMap>>) -> PyResult<usize> {
         let s = slot_of(slot)?;
-        let (w, b) = (s / 64, 1u64 << (s % 64));
         let union = union.filter(|u| !u.is(slf));  // clearing self again changes nothing
         let others: Vec<Bound<'_, MaskMap>> = match (&union, others) {
             (Some(_), Some(o)) => o.extract()?,
@@ -885,8 +655,8 @@ impl MaskMap {
             let mut me = slf.try_borrow_mut()?;
             let keep = union.is_some();
             let mut st = (&mut me.m, 0usize, &mut dropped);
-            hs.run(0, &mut st, |st, h| st.0.prefetch(h, w), |st, _, h| {
-                if st.0.clear_bit(h, w, b) {
+            hs.run(0, &mut st, |st, h| st.0.prefetch(h, s), |st, _, h| {
+                if st.0.clear_bit(h, s) {
                     st.1 += 1;
                     if keep {
                         st.2.push(h);
@@ -903,7 +673,7 @@ impl MaskMap {
                 if dropped.len() <= 4 * AHEAD {
                     for &h in &dropped {
                         for o in &os {
-                            o.m.prefetch(h, w);
+                            o.m.prefetch(h, s);
                         }
                     }
                 }
@@ -911,8 +681,8 @@ impl MaskMap {
             }
             let mut um = u.try_borrow_mut()?;
             let hs = Hashes::Vec(dropped, Default::default());
-            hs.run(0, &mut um.m, |m, h| m.prefetch(h, w), |m, _, h| {
-                m.clear_bit(h, w, b);
+            hs.run(0, &mut um.m, |m, h| m.prefetch(h, s), |m, _, h| {
+                m.clear_bit(h, s);
                 Ok(true)
             })?;
         }
@@ -928,17 +698,17 @@ impl MaskMap {
     fn masks<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let hs = Hashes::of(hashes)?;
         let m = &self.m;
-        if m.hi.is_empty() {
+        if let Some(t) = m.narrow() {
             let mut out = Vec::with_capacity(hs.len());
-            hs.run(0, &mut out, |_, h| m.lo.prefetch(h), |o, _, h| {
-                o.push(m.lo.get(h).unwrap_or(0));
+            hs.run(0, &mut out, |_, h| t.prefetch(h), |o, _, h| {
+                o.push(t.get(h).unwrap_or(0));
                 Ok(true)
             })?;
             return PyList::new(py, out);
         }
         let out = PyList::empty(py);
-        hs.run(0, &mut (), |_, h| m.prefetch(h, 1), |_, _, h| {
-            match m.get_py(py, h)? {
+        hs.run(0, &mut (), |_, h| m.prefetch(h, 0), |_, _, h| {
+            match get_py(m, py, h)? {
                 Some(x) => out.append(x)?,
                 None => out.append(0u64)?,
             }
@@ -960,12 +730,12 @@ impl MaskMap {
         let m = &self.m;
         // the walk first, then the dict: (slot, depth) in the order the reference inserts them
         let mut out: Vec<(usize, usize)> = Vec::new();
-        if m.hi.is_empty() {
-            let mut alive = m.lo.get(first).unwrap_or(0);
+        if let Some(t) = m.narrow() {
+            let mut alive = t.get(first).unwrap_or(0);
             out.reserve_exact(alive.count_ones() as usize);
             if alive != 0 {
-                hs.run(1, &mut alive, |_, h| m.lo.prefetch(h), |alive, i, h| {
-                    let x = m.lo.get(h).unwrap_or(0) & *alive;
+                hs.run(1, &mut alive, |_, h| t.prefetch(h), |alive, i, h| {
+                    let x = t.get(h).unwrap_or(0) & *alive;
                     let mut lost = *alive & !x;
                     while lost != 0 {
                         out.push((lost.trailing_zeros() as usize, i));
@@ -981,29 +751,19 @@ impl MaskMap {
             }
             return Ok(Depths::new(&out));
         }
-        // wide masks: the same walk over words (only the words still alive are looked up)
+        // a wide map: the same walk over words (only the words still alive are looked up)
         let Some(mut alive) = m.words(first) else { return Ok(Depths::new(&out)) };
         out.reserve_exact(alive.iter().map(|a| a.count_ones() as usize).sum());
-        let pf = |_: &Vec<u64>, h: u64| {
-            m.lo.prefetch(h);
-            for t in &m.hi {
-                t.prefetch(h);
-            }
-        };
-        hs.run(1, &mut alive, pf, |alive, i, h| {
-            let mut any = false;
-            for (w, a) in alive.iter_mut().enumerate() {
-                if *a == 0 {
-                    continue;
-                }
-                let x = m.word(h, w) & *a;
-                let mut lost = *a & !x;
+        let mut before = alive.clone();
+        hs.run(1, &mut alive, |alive, h| m.prefetch_alive(h, alive), |alive, i, h| {
+            before.copy_from_slice(alive);
+            let any = m.and_into(h, alive);
+            for (w, (b, a)) in before.iter().zip(alive.iter()).enumerate() {
+                let mut lost = b & !a;
                 while lost != 0 {
                     out.push((64 * w + lost.trailing_zeros() as usize, i));
                     lost &= lost - 1;
                 }
-                *a = x;
-                any |= x != 0;
             }
             Ok(any)
         })?;
@@ -1025,19 +785,15 @@ impl MaskMap {
         let me = slf.try_borrow()?;
         let mut o = other.try_borrow_mut()?;
         let o = &mut o.m;
-        o.lo.reserve(me.m.lo.len().saturating_sub(o.lo.len()));
-        for (k, lo) in me.m.lo.iter() {
-            let (pos, _) = o.lo.get_or_insert(k, 0);
-            *o.lo.value_mut(pos) |= lo;
-        }
-        if o.hi.len() < me.m.hi.len() {
-            o.hi.resize_with(me.m.hi.len(), Table::default);
-        }
-        for (t, ot) in me.m.hi.iter().zip(o.hi.iter_mut()) {
-            for (k, x) in t.iter() {
-                let (pos, _) = ot.get_or_insert(k, 0);
-                *ot.value_mut(pos) |= x;
+        if me.m.narrow().is_some() && o.narrow().is_some() {
+            o.reserve(me.m.len());
+            for (k, v) in me.m.entries() {
+                o.or_in(k, &[v]);
             }
+            return Ok(());
+        }
+        for (k, v) in me.m.entries() {
+            o.or_in(k, &me.m.words_of(k, v));
         }
         Ok(())
     }
@@ -1046,12 +802,12 @@ impl MaskMap {
     /// (keys, masks): the keys as little-endian u64s and the masks as `words` little-endian u64
     /// words each, in the same order (snapshot.py `_pack_masks`); ValueError if a mask needs more.
     fn export<'py>(&self, py: Python<'py>, words: i64) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-        let words = self.export_words(words)?;
-        let n = self.m.lo.len();
+        let words = words_arg(words)?;
+        let n = self.m.len();
         let mut keys = Vec::with_capacity(n * 8);
         let mut masks = Vec::with_capacity(n * 8 * words);
-        for (k, lo) in self.m.lo.iter() {
-            self.put(k, lo, words, &mut keys, &mut masks);
+        for (k, v) in self.m.entries() {
+            self.put(k, v, words, &mut keys, &mut masks)?;
         }
         Ok((PyBytes::new(py, &keys), PyBytes::new(py, &masks)))
     }
@@ -1060,7 +816,7 @@ impl MaskMap {
     /// in [first, last), in stored order: the pieces of a snapshot's base (snapshot.py).
     fn export_segments<'py>(&self, py: Python<'py>, first: u64, last: u64, bits: u32, words: i64)
                             -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-        let words = self.export_words(words)?;
+        let words = words_arg(words)?;
         if !(1..=32).contains(&bits) || first >= last || last > 1u64 << bits {
             return Err(PyValueError::new_err(format!(
                 "segments [{first}, {last}) of 2**{bits}: need 1 <= bits <= 32 and first < last <= 2**bits")));
@@ -1068,15 +824,15 @@ impl MaskMap {
         let shift = 64 - bits;
         let hi = if last == 1u64 << bits { None } else { Some(last << shift) };
         let (mut keys, mut masks) = (Vec::new(), Vec::new());
-        for (k, lo) in self.m.lo.range(first << shift, hi) {
-            self.put(k, lo, words, &mut keys, &mut masks);
+        for (k, v) in self.m.range(first << shift, hi) {
+            self.put(k, v, words, &mut keys, &mut masks)?;
         }
         Ok((PyBytes::new(py, &keys), PyBytes::new(py, &masks)))
     }
 
     /// The masks of `keys` (little-endian u64s) in `export`'s layout, all-zero for an absent key.
     fn export_keys<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>, words: i64) -> PyResult<Bound<'py, PyBytes>> {
-        let words = self.export_words(words)?;
+        let words = words_arg(words)?;
         with_bytes(keys, |kb| {
             if kb.len() % 8 != 0 {
                 return Err(PyValueError::new_err(format!("{} key bytes are not n keys of 8 bytes", kb.len())));
@@ -1085,8 +841,9 @@ impl MaskMap {
             let mut masks = Vec::with_capacity(n * 8 * words);
             for i in 0..n {
                 let k = mix(read_u64(kb, i));
-                for w in 0..words {
-                    masks.extend_from_slice(&self.m.word(k, w).to_le_bytes());
+                match self.m.value(k) {
+                    Some(v) => self.put_mask(&self.m.words_of(k, v), words, &mut masks)?,
+                    None => masks.resize(masks.len() + 8 * words, 0),
                 }
             }
             Ok(PyBytes::new(py, &masks))
@@ -1126,18 +883,14 @@ impl MaskMap {
             with_bytes(masks, |mb| {
                 check_layout(kb, mb, words)?;
                 let n = kb.len() / 8;
-                if m.lo.is_empty() {
-                    m.lo.reserve(n);  // a fresh map (a restore): exactly what it will hold
+                if m.is_empty() {
+                    m.reserve(n);  // a fresh map (a restore): exactly what it will hold
                 }
                 let mut mask = vec![0u64; words];
                 for i in 0..n {
                     let k = mix(read_u64(kb, i));
                     if words == 1 {
-                        let lo = read_u64(mb, i);
-                        if lo != 0 {
-                            let (pos, _) = m.lo.get_or_insert(k, 0);
-                            *m.lo.value_mut(pos) |= lo;
-                        }
+                        m.or_in(k, &[read_u64(mb, i)]);
                         continue;
                     }
                     for (w, x) in mask.iter_mut().enumerate() {
@@ -1153,8 +906,7 @@ impl MaskMap {
     /// Makes room for `n` entries in all without growing (a rebuild that knows its size: keys loaded
     /// in stored order would otherwise crowd the low buckets of a table sized for fewer).
     fn reserve(&mut self, n: usize) {
-        let have = self.m.lo.len();
-        self.m.lo.reserve(n.saturating_sub(have));
+        self.m.reserve(n);
     }
 
     /// An estimate of the heap bytes held (table capacities, not just the live entries).

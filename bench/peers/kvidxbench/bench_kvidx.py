@@ -117,6 +117,10 @@ def main():
     ev_batches = [b for b in batches if b is not None]
     block_events = sum(len(r[3]) if r[0] == 1 else len(r[2]) for r in recs if r[0] != 0)
     gc.collect()
+    # the pre-built input (the peers get plain structs) out of the collector's scans, as the service
+    # freezes what it keeps (index_service/http_protocol.py): without it, at 2,048 workers a fifth of
+    # the ingest pass was full collections walking the harness's 385k batches, not the index
+    gc.freeze()
     rss0 = rss()
 
     # ---- ingest pass (apply alone, as bench_fold "apply alone") ----

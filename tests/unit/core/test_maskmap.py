@@ -87,8 +87,12 @@ def crowd(kind: str, n: int, at: int = 0) -> list[int]:
 POOL = [0, 1, 2, 3, 63, 64, 1 << 32, 1 << 63, M64, M64 - 1, PHI, 12345678901234567,
         unmix(M64), unmix(M64 - 1), unmix(1), unmix(1 << 63)]  # the ends of the table too
 hashes = st.one_of(st.sampled_from(POOL), st.integers(0, M64))
-slots = st.one_of(st.integers(0, 7), st.sampled_from([63, 64, 65, 127, 128]), st.integers(0, 130))
-masks = st.sets(slots, min_size=1, max_size=4).map(lambda s: sum(1 << i for i in s))
+# the native map's forms (native/src/masks.rs): one word below 64; past it, up to 5 slots below 4,095
+# or 3 below 2**20 - 1 inline, else a table per word (words 61 and beyond share one bitmap bit)
+WIDE_SLOTS = [3903, 3904, 3968, 4094, 4095, 4096, 70_000, 1_048_574, 1_048_575]
+slots = st.one_of(st.integers(0, 7), st.sampled_from([63, 64, 65, 127, 128]), st.integers(0, 130),
+                  st.sampled_from(WIDE_SLOTS))
+masks = st.sets(slots, min_size=1, max_size=7).map(lambda s: sum(1 << i for i in s))
 N_MAPS = 4  # maps 0..2: tiers of a group; map 3: their union ("any tier")
 
 
