@@ -301,22 +301,41 @@ impl<'a, 'py> Hashes<'a, 'py> {
 #[pyclass(name = "Depths", module = "kvidx_native", frozen, mapping)]
 pub struct Depths {
     pub order: Vec<(u32, u32)>,  // (slot, depth), as the reference inserts them
-    pub by_slot: Vec<u32>,       // depth of slot i (0: absent; a present slot has depth >= 1)
+    // depth of slot i (0: absent; a present slot has depth >= 1) where the slots are dense; else
+    // empty, and `sorted` holds (slot, depth) by slot: a walk's cost follows the replicas it finds,
+    // not the fleet's highest slot
+    by_slot: Vec<u32>,
+    sorted: Vec<(u32, u32)>,
 }
 
 impl Depths {
     fn new(pairs: &[(usize, usize)]) -> Self {
+        let order: Vec<(u32, u32)> = pairs.iter().map(|&(s, k)| (s as u32, k as u32)).collect();
         let top = pairs.iter().map(|p| p.0 + 1).max().unwrap_or(0);
-        let mut by_slot = vec![0u32; top];
-        for &(s, k) in pairs {
-            by_slot[s] = k as u32;
+        if top <= 64 || top <= 8 * pairs.len() {
+            let mut by_slot = vec![0u32; top];
+            for &(s, k) in pairs {
+                by_slot[s] = k as u32;
+            }
+            return Depths { order, by_slot, sorted: Vec::new() };
         }
-        Depths { order: pairs.iter().map(|&(s, k)| (s as u32, k as u32)).collect(), by_slot }
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        Depths { order, by_slot: Vec::new(), sorted }
     }
 
     #[inline]
     pub fn depth(&self, slot: i64) -> u32 {
-        if slot < 0 { 0 } else { self.by_slot.get(slot as usize).copied().unwrap_or(0) }
+        if slot < 0 || slot > u32::MAX as i64 {
+            return 0;
+        }
+        if self.sorted.is_empty() {
+            return self.by_slot.get(slot as usize).copied().unwrap_or(0);
+        }
+        match self.sorted.binary_search_by_key(&(slot as u32), |p| p.0) {
+            Ok(i) => self.sorted[i].1,
+            Err(_) => 0,
+        }
     }
 
     fn slot_key(key: &Bound<'_, PyAny>) -> Option<i64> {
