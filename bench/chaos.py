@@ -85,7 +85,7 @@ ENGINE_BLOCKS = 48  # small: evictions all the time
 EXACT_WINDOW_S = 1.0  # an answer is exact when it equals an engine state of the last second
 SLACK_S = 0.05  # the engine's event time vs when this process records the state
 STREAK = 5  # exact answers in a row that end a fault's recovery
-HISTORY_S = 300.0  # engine states kept for the checker
+HISTORY_S = 4 * 3600.0  # engine states kept for the checker: longer than any run's stated lags
 
 
 def say(msg: str) -> None:
@@ -144,13 +144,19 @@ class Proc:
 
 # ---- ground truth --------------------------------------------------------------------------------
 class Truth:
-    """Every engine's cached index blocks (canonical hashes) after each of its requests, timed."""
+    """Every engine's cached blocks after each of its requests, timed, for as long as an answer's
+    stated lag can reach back (an answer folded from a restarted relay's replay of the engine's
+    buffer states the age of that buffer's events: minutes). A state is the set of the engine's block
+    digests (shared with the engine, and with the state before when a request changed nothing)."""
 
     def __init__(self, engines: dict[str, SimVllmEngine]) -> None:
         self.engines = engines
-        self.halves: dict[bytes, tuple[int, int]] = {}  # engine block digest -> its 2 index blocks
+        # index block hash -> the engine blocks (digests) holding it: one for a block's second half,
+        # any number for its first (engine blocks with the same first half and different second ones)
+        self.blocks_of: dict[int, set[bytes]] = {}
         self.times: dict[str, list[float]] = {r: [] for r in engines}
-        self.states: dict[str, list[frozenset[int]]] = {r: [] for r in engines}
+        self.states: dict[str, list[frozenset[bytes]]] = {r: [] for r in engines}
+        self.forgotten: dict[str, float] = dict.fromkeys(engines, 0.0)  # states before this are gone
         self.lock = threading.Lock()
         for r in engines:
             self._record(r)
@@ -162,7 +168,8 @@ class Truth:
         digests = chain_digests(tokens, ENGINE_BLOCK, e._root)
         ih = prompt_hashes(tokens, INDEX_BLOCK)
         for i, d in enumerate(digests):
-            self.halves[d] = (ih[2 * i], ih[2 * i + 1])
+            self.blocks_of.setdefault(ih[2 * i], set()).add(d)
+            self.blocks_of.setdefault(ih[2 * i + 1], set()).add(d)
         reused = e.serve(prompt, output)
         self._record(replica)
         return reused
@@ -170,14 +177,15 @@ class Truth:
     def _record(self, replica: str) -> None:
         e = self.engines[replica]
         with e._lock:
-            state = frozenset(h for d in e._cached for h in self.halves[d])
+            state = frozenset(e._cached)
         now = time.time()
         with self.lock:
             times, states = self.times[replica], self.states[replica]
             times.append(now)
-            states.append(state)
+            states.append(states[-1] if states and states[-1] == state else state)
             if now - times[0] > 2 * HISTORY_S:  # forget what no answer can refer to
                 cut = bisect.bisect_left(times, now - HISTORY_S) - 1
+                self.forgotten[replica] = times[cut]
                 del times[:cut], states[:cut]
 
     def credits(self, replica: str, hashes: list[int], t0: float, t1: float) -> list[int]:
@@ -187,11 +195,12 @@ class Truth:
             lo = max(0, bisect.bisect_right(times, t0) - 1)
             hi = bisect.bisect_right(times, t1)
             window = states[lo:max(hi, lo + 1)]
+        blocks = [self.blocks_of.get(h, ()) for h in hashes]
         out = []
         for s in window:
             n = 0
-            for h in hashes:
-                if h not in s:
+            for ds in blocks:
+                if not any(d in s for d in ds):
                     break
                 n += 1
             out.append(n * INDEX_BLOCK)
@@ -304,6 +313,7 @@ class Campaign:
         self.rss: dict[str, list[tuple[int, float, float]]] = {}  # name -> (incarnation, t, MB)
         self.answers: list[Answer] = []
         self.beyond: list[str] = []
+        self.unverifiable = 0  # credits whose stated lag reaches before the checker's history (HISTORY_S)
         self.lookups = 0
         self.unanswered = 0
         self.blind = 0
@@ -311,6 +321,8 @@ class Campaign:
         self.write_errors = 0  # routes and usage reports no instance took
         self.served: dict[str, list[list[int]]] = {m: [] for m in MODELS}
         self.stop_load = threading.Event()
+        self.stall_lock = threading.Lock()
+        self.stalled: set[str] = set()  # instances whose Kafka threads are stopped now
 
     # -- setup
     def start(self) -> None:
@@ -473,8 +485,13 @@ class Campaign:
                 if age is None:
                     allowed = 0
                 else:
-                    allowed = max(self.truth.credits(r, hashes, t_send - age / 1000 - SLACK_S, t_recv))
-                if credit > allowed:
+                    since = t_send - age / 1000 - SLACK_S
+                    if since < self.truth.forgotten[r]:  # the stated lag reaches past the kept states
+                        allowed = None
+                        self.unverifiable += 1
+                    else:
+                        allowed = max(self.truth.credits(r, hashes, since, t_recv))
+                if allowed is not None and credit > allowed:
                     self.beyond.append(f"t={t_recv:.3f} replica={r} credit={credit} allowed={allowed} "
                                        f"age_ms={age} seq={a.freshness.seq} epoch={a.freshness.epoch}")
             if credit not in self.truth.credits(r, hashes, t_send - EXACT_WINDOW_S, t_recv):
@@ -535,14 +552,34 @@ class Campaign:
             elif f.kind == "disk_full":
                 self._disk_full(f)
             elif f.kind == "follower_stall":
-                pid = self.procs[f.targets[0]].pid
-                if pid is None:
-                    f.note = f"{f.targets[0]} was down (another fault): nothing to stall"
-                else:
-                    f.note = stall_threads(pid, "rdk:", f.hold_s)
+                self._follower_stall(f)
         except Exception as e:  # noqa: BLE001 - recorded with the fault, the campaign goes on
             f.error = f"{type(e).__name__}: {e}"
         f.end = time.time()
+
+    def _follower_stall(self, f: Fault) -> None:
+        """Stall the instance's Kafka threads; the other instance if that one is stalled already (a
+        process has one tracer: two stalls of one instance at once cannot be)."""
+        with self.stall_lock:
+            free = [n for n in dict.fromkeys([f.targets[0], *self.urls]) if n not in self.stalled]
+            if not free:
+                f.note = "every instance was stalled already"
+                return
+            name = free[0]
+            self.stalled.add(name)
+        try:
+            if name != f.targets[0]:
+                f.note = f"{f.targets[0]} was stalled already: {name} instead"
+                f.targets = [name]
+            pid = self.procs[name].pid
+            if pid is None:
+                f.note = f"{name} was down (another fault): nothing to stall"
+            else:
+                failed = stall_threads(pid, "rdk:", f.hold_s)
+                f.note = "; ".join(n for n in (f.note, failed) if n) or None
+        finally:
+            with self.stall_lock:
+                self.stalled.discard(name)
 
     def _disk_full(self, f: Fault) -> None:
         """Fill the worker's data dir (its own tmpfs) to the last byte, hold, free it; a worker that
@@ -617,18 +654,24 @@ class Campaign:
                 if mb is not None:
                     self.rss.setdefault(name, []).append((inc, now, mb))
 
-    def rss_drift(self) -> dict[str, float]:
-        out = {}
+    def rss_drift(self) -> tuple[dict[str, float], dict[str, float]]:
+        """MB per hour of each process (a line fitted to the RSS of its longest-lived incarnation, from
+        its 60th second: past a JVM's heap warming up to its -Xmx), and the minutes that fit spans: a
+        process killed every few minutes has no long life to fit, and its window says so."""
+        out, window = {}, {}
         for name, samples in sorted(self.rss.items()):
-            last = samples[-1][0]
-            pts = [(t, mb) for inc, t, mb in samples if inc == last]
-            warm = [(t, mb) for t, mb in pts if t - pts[0][0] >= 60]  # past the start-up (JVM heaps)
-            pts = warm if len(warm) >= 3 else pts  # restarted late in the run: all it has
+            lives: dict[int, list[tuple[float, float]]] = {}
+            for inc, t, mb in samples:
+                lives.setdefault(inc, []).append((t, mb))
+            pts = max(lives.values(), key=lambda p: p[-1][0] - p[0][0])
+            warm = [(t, mb) for t, mb in pts if t - pts[0][0] >= 60]
+            pts = warm if len(warm) >= 3 else pts
             if len(pts) < 3 or pts[-1][0] - pts[0][0] < 10:
                 continue
             t, mb = np.array(pts).T
             out[name] = round(float(np.polyfit(t - t[0], mb, 1)[0]) * 3600, 1)
-        return out
+            window[name] = round((t[-1] - t[0]) / 60, 1)
+        return out, window
 
     # -- the final check
     def final_check(self, timeout: float = 150.0) -> dict[str, int]:
@@ -727,6 +770,7 @@ class Campaign:
         return self.report(final)
 
     def report(self, final: dict[str, int]) -> dict:
+        drift, window = self.rss_drift()
         times = [a.t for a in self.answers]
         kinds: dict[str, list[float]] = {k: [] for k in KINDS}
         blind_by: dict[str, int] = dict.fromkeys(KINDS, 0)
@@ -743,9 +787,11 @@ class Campaign:
                                "p99": round(float(np.percentile(v, 99)), 2)} for k, v in kinds.items() if v},
             "acked_lost": sum(final.values()),
             "beyond_lag": len(self.beyond),
+            "unverifiable": self.unverifiable,
             "blind_lookups": self.blind,
             "lookups": self.lookups,
-            "rss_drift_mb_per_h": self.rss_drift(),
+            "rss_drift_mb_per_h": drift,
+            "rss_window_min": window,
             "seed": self.seed,
             "minutes": self.args.minutes,
             "unanswered": self.unanswered,
@@ -920,10 +966,11 @@ def print_table(r: dict) -> None:
     print(f"lookups {r['lookups']} (unanswered {r['unanswered']}, exact {r['exact_fraction']:.2%}, "
           f"a replica missing {r['missing_replica']}; routes/usage not taken {r['write_errors']}); "
           f"acked_lost {r['acked_lost']} {r['final_differences']}; beyond_lag {r['beyond_lag']}; "
-          f"blind_lookups {r['blind_lookups']}")
+          f"blind_lookups {r['blind_lookups']}; unverifiable {r['unverifiable']}")
     for n in r["notes"]:
         print(f"note: {n}")
-    print("rss drift MB/h: " + ", ".join(f"{k} {v:+.1f}" for k, v in r["rss_drift_mb_per_h"].items()))
+    print("rss drift MB/h (fitted over minutes): " + ", ".join(
+        f"{k} {v:+.1f} ({r['rss_window_min'][k]:g})" for k, v in r["rss_drift_mb_per_h"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:

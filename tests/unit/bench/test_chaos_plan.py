@@ -131,3 +131,24 @@ def test_the_truth_is_what_the_engine_held_in_the_window():
         assert max(truth.credits("r", hashes, t1 - 0.001, time.time())) == 96  # within the lag: allowed
     finally:
         e.close()
+
+
+def test_the_truth_knows_a_half_block_two_engine_blocks_share():
+    """An index block is held while any cached engine block holds it: the first half of two engine
+    blocks (same first 16 tokens, different last 16) is held by either (a lookup may credit it)."""
+    from kvidx.core.hashing import prompt_hashes
+    from kvidx.engines.vllm.sim import SimVllmEngine
+
+    e = SimVllmEngine(num_blocks=8, block_size=chaos.ENGINE_BLOCK, endpoint="tcp://127.0.0.1:*")
+    try:
+        truth = chaos.Truth({"r": e})
+        a = list(range(64))
+        b = list(range(48)) + list(range(500, 516))  # block 2's first half as a's, its second other
+        truth.serve("r", a, [1])
+        truth.serve("r", b, [1])
+        probe = list(range(48)) + list(range(900, 916))  # a third second half: no engine block has it
+        assert truth.now("r", prompt_hashes(probe, chaos.INDEX_BLOCK)) == 48
+        assert truth.now("r", prompt_hashes(a, chaos.INDEX_BLOCK)) == 64
+        assert truth.now("r", prompt_hashes(b, chaos.INDEX_BLOCK)) == 64
+    finally:
+        e.close()
