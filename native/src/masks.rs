@@ -452,8 +452,13 @@ impl Masks {
                 x &= x - 1;
             }
         }
-        let e = if few { if slots.is_empty() { None } else { encode_few(&slots) } } else { None };
-        if few && (slots.is_empty() || e.is_some()) {
+        // None: leave the word tables (still more than a FEW value holds); Some(None): the set is empty
+        let leave = match (few, slots.is_empty()) {
+            (false, _) => None,
+            (true, true) => Some(None),
+            (true, false) => encode_few(&slots).map(Some),
+        };
+        if let Some(e) = leave {
             for w in 0..self.words.len() {
                 if v & word_bit(w) != 0 {
                     self.words[w].remove(h);
@@ -509,7 +514,7 @@ impl Masks {
     pub fn remove(&mut self, h: u64) -> Option<Vec<u64>> {
         let v = self.lo.remove(h)?;
         if !self.wide || !is_words(v) {
-            return Some(if self.wide { self.words_of(h, v) } else { vec![v] });
+            return Some(self.words_of(h, v));
         }
         let mut out = Vec::new();
         for w in 0..self.words.len() {
