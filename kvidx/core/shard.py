@@ -106,7 +106,7 @@ class GroupIndex:
 # the compiled fold of a plain batch (native/src/fold.rs), on shards of compiled maps; `apply` below is
 # the reference, and folds whatever it declines
 NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, GroupIndex, TIER_IDS,
-                              _LAST_TIER) if _native is not None else None)
+                              _LAST_TIER, MAX_EPOCH_SKEW_MS) if _native is not None else None)
 
 
 class ModelShard:
@@ -146,7 +146,9 @@ class ModelShard:
         self.lookahead = 0  # see _lookahead_changed
         self.tail_keys = 0  # live partial-block keys of all replicas: lookups key the partial block
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
-        self._fold = NATIVE_FOLD.fold if NATIVE_FOLD is not None and self.new_map is _native.MaskMap else None
+        if NATIVE_FOLD is not None and self.new_map is _native.MaskMap:
+            # the compiled fold stands in for `apply` (which see): no Python frame for a plain batch
+            self.apply = NATIVE_FOLD.bind(self).apply
 
     # ---- topology ---------------------------------------------------------------------------
     def _lookup_group(self, group: int | None) -> GroupIndex | None:
@@ -289,7 +291,14 @@ class ModelShard:
             self.foresight.routed(st.slot, gid, touched, [], expires, True)
 
     def apply(self, batch: EventBatch, now: float) -> bool:
-        """Fold one batch; False if it was already applied (a redelivery)."""
+        """Fold one batch; False if it was already applied (a redelivery). On a shard of compiled maps
+        the compiled fold (NATIVE_FOLD.apply, bound in __init__) stands in for this method: it folds a
+        plain batch (whole-block stores and removals into known groups and tiers, by a known replica,
+        no pending credit, foresight or host queue) itself and hands any other to `fold_reference`."""
+        return self.fold_reference(batch, now)
+
+    def fold_reference(self, batch: EventBatch, now: float) -> bool:
+        """The fold in Python: the reference of the compiled one, and the fold of what it declines."""
         latest = wall_epoch() + MAX_EPOCH_SKEW_MS
         if batch.epoch > latest:
             self.future_epochs += 1
@@ -301,12 +310,6 @@ class ModelShard:
         st = self.replicas.get((batch.replica, batch.dp_rank)) or self.replica(batch.replica, batch.dp_rank)
         if st.epoch > latest:  # another clock's epoch (a feed's nanoseconds): it orders nothing
             st.epoch, st.seq, st.part = -1, -1, 0
-        fold = self._fold
-        if fold is not None and not (self.pending.masks or self.pending.window_masks or self.foresight.active
-                                     or self.foresight.slots or st.slot in self.host_orders):
-            done = fold(self, self.groups, self.journal, batch, st, now)
-            if done is not None:  # the compiled fold took it (None: not plain, the Python fold below does it)
-                return done
         epoch, seq = batch.epoch, batch.seq
         # (epoch, seq, part) <= the slot's, compared without building the tuples (the hot path)
         if epoch <= st.epoch and (epoch < st.epoch or seq < st.seq

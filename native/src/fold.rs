@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+use pyo3::intern;
+use pyo3::types::{PyDict, PyList, PyTuple, PyType, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::layout::Layout;
 use crate::MaskMap;
@@ -36,9 +37,9 @@ unsafe fn flag(p: *mut ffi::PyObject) -> Option<bool> {
 }
 
 // field indices, in the order of the names given to Layout::of
-const B_NAMES: [&str; 12] = ["epoch", "seq", "part", "events", "host_tier_blocks", "lookahead_tokens",
+const B_NAMES: [&str; 14] = ["epoch", "seq", "part", "events", "host_tier_blocks", "lookahead_tokens",
                              "replica_group", "recompute_tokens", "block_size", "engine_ts", "relay_ts",
-                             "external_after_local"];
+                             "external_after_local", "replica", "dp_rank"];
 const B_EPOCH: usize = 0;
 const B_SEQ: usize = 1;
 const B_PART: usize = 2;
@@ -51,6 +52,8 @@ const B_BLOCK_SIZE: usize = 8;
 const B_ENGINE_TS: usize = 9;
 const B_RELAY_TS: usize = 10;
 const B_EXTERNAL_AFTER_LOCAL: usize = 11;
+const B_REPLICA: usize = 12;
+const B_DP_RANK: usize = 13;
 
 const S_NAMES: [&str; 19] = ["slot", "epoch", "seq", "part", "duplicates", "seq_gaps", "host_tier", "lookahead",
                              "blocks", "group_blocks", "unit", "group", "recompute", "block_size", "engine_ts",
@@ -136,6 +139,7 @@ pub struct Folder {
     group: Layout,  // kvidx.core.shard.GroupIndex
     tier_ids: Py<PyDict>,  // tier name -> id
     last_tier: Py<PyAny>,  // the id of an unknown tier name
+    max_skew_ms: i64,  // kvidx.core.shard.MAX_EPOCH_SKEW_MS
     folded: AtomicU64,
     declined: AtomicU64,
 }
@@ -329,7 +333,7 @@ impl Folder {
             };
             if n != 0 {
                 c.blocks += n;
-                match c.groups.iter_mut().find(|x| x.0.eq(&s.gid).unwrap_or(false)) {
+                match c.groups.iter_mut().find(|x| x.0.is(&s.gid) || x.0.eq(&s.gid).unwrap_or(false)) {
                     Some(x) => x.1 += n,
                     None => c.groups.push((s.gid.clone(), n)),
                 }
@@ -367,41 +371,66 @@ impl Folder {
         Ok(())
     }
 
-    fn decline(&self) -> PyResult<Option<bool>> {
-        self.declined.fetch_add(1, Ordering::Relaxed);
-        Ok(None)
+    /// The fold of one batch without the reference: Some(done) if it folded it (or counted a
+    /// redelivery), None if not plain (nothing changed). Plain on the shard's side too: the batch's
+    /// epoch within the clock's skew, its replica known and its epoch within it too, no pending
+    /// credit or foresight kept, no host queue for the replica (the reference's work, each of them).
+    fn try_apply<'py>(&self, shard: &Bound<'py, PyAny>, batch: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>)
+                      -> PyResult<Option<bool>> {
+        let py = shard.py();
+        let b = batch.as_ptr();
+        if !self.batch.is(b) {
+            return Ok(None);
+        }
+        let latest = wall_epoch_ms().saturating_add(self.max_skew_ms);
+        // SAFETY: `batch` is exactly an EventBatch; the fields are null-checked before use
+        let (epoch, replica, dp_rank) = unsafe {
+            (self.batch.int(b, B_EPOCH), self.batch.get(b, B_REPLICA), self.batch.get(b, B_DP_RANK))
+        };
+        if epoch.is_none_or(|e| e > latest) || replica.is_null() || dp_rank.is_null() {
+            return Ok(None);  // refused (counted and logged) by the reference
+        }
+        let Ok(replicas) = shard.getattr(intern!(py, "replicas"))?.cast_into::<PyDict>() else { return Ok(None) };
+        // SAFETY: two live fields of the batch, borrowed for the key's making
+        let key = unsafe {
+            PyTuple::new(py, [Bound::from_borrowed_ptr(py, replica), Bound::from_borrowed_ptr(py, dp_rank)])?
+        };
+        let Some(st) = replicas.get_item(key)? else { return Ok(None) };  // a new replica: the reference's
+        let s = st.as_ptr();
+        // SAFETY: `st` is checked to be exactly a ReplicaState before its field is read
+        if !self.replica.is(s) || unsafe { self.replica.int(s, S_EPOCH) }.is_none_or(|e| e > latest) {
+            return Ok(None);
+        }
+        let pending = shard.getattr(intern!(py, "pending"))?;
+        let foresight = shard.getattr(intern!(py, "foresight"))?;
+        if pending.getattr(intern!(py, "masks"))?.is_truthy()?
+            || pending.getattr(intern!(py, "window_masks"))?.is_truthy()?
+            || foresight.getattr(intern!(py, "active"))?.is_truthy()?
+            || foresight.getattr(intern!(py, "slots"))?.is_truthy()? {
+            return Ok(None);
+        }
+        let host_orders = shard.getattr(intern!(py, "host_orders"))?;
+        if host_orders.is_truthy()? {
+            // SAFETY: `st` is exactly a ReplicaState; its slot field is null-checked before use
+            let slot = unsafe { self.replica.get(s, S_SLOT) };
+            if slot.is_null() || host_orders.contains(unsafe { Bound::from_borrowed_ptr(py, slot) })? {
+                return Ok(None);
+            }
+        }
+        let Ok(groups) = shard.getattr(intern!(py, "groups"))?.cast_into::<PyDict>() else { return Ok(None) };
+        let journal = shard.getattr(intern!(py, "journal"))?;
+        self.fold_plain(shard, &groups, &journal, batch, &st, now)
     }
-}
 
-#[pymethods]
-impl Folder {
-    /// Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, GroupIndex, TIER_IDS, last tier id)
-    #[new]
-    fn new(batch: &Bound<'_, PyType>, replica: &Bound<'_, PyType>, stored: &Bound<'_, PyType>,
-           removed: &Bound<'_, PyType>, group: &Bound<'_, PyType>, tier_ids: Py<PyDict>, last_tier: Py<PyAny>
-    ) -> PyResult<Self> {
-        Ok(Folder {
-            batch: Layout::of(batch, &B_NAMES)?,
-            replica: Layout::of(replica, &S_NAMES)?,
-            stored: Layout::of(stored, &E_NAMES)?,
-            removed: Layout::of(removed, &E_NAMES[..5])?,
-            group: Layout::of(group, &G_NAMES)?,
-            tier_ids,
-            last_tier,
-            folded: AtomicU64::new(0),
-            declined: AtomicU64::new(0),
-        })
-    }
-
-    /// fold(shard, groups, journal, batch, st, now) -> True (folded), False (a redelivery:
-    /// st.duplicates counted), or None: not plain, nothing changed, the Python fold's turn. `groups`,
-    /// `journal`: the shard's; `st`: the batch's replica. An event that fails raises after the counts
-    /// of those before it are written, as the Python fold leaves them.
-    fn fold<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, journal: &Bound<'py, PyAny>,
-                 batch: &Bound<'py, PyAny>, st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>) -> PyResult<Option<bool>> {
+    /// The fold of a plain batch into replica `st` (see try_apply): Some(True) folded, Some(False) a
+    /// redelivery (st.duplicates counted), None: not plain, nothing changed. An event that fails
+    /// raises after the counts of those before it are written, as the Python fold leaves them.
+    fn fold_plain<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, journal: &Bound<'py, PyAny>,
+                       batch: &Bound<'py, PyAny>, st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>)
+                       -> PyResult<Option<bool>> {
         let (b, s) = (batch.as_ptr(), st.as_ptr());
         if !self.batch.is(b) || !self.replica.is(s) {
-            return self.decline();
+            return Ok(None);
         }
         let (b_, r_) = (&self.batch, &self.replica);
         // SAFETY: `batch` and `st` are exactly of their layouts' classes; the GIL is held
@@ -413,18 +442,17 @@ impl Folder {
             let (Some((epoch, seq, part)), Some((s_epoch, s_seq, s_part))) =
                 (order(b_, b, [B_EPOCH, B_SEQ, B_PART]), order(r_, s, [S_EPOCH, S_SEQ, S_PART]))
             else {
-                return self.decline();
+                return Ok(None);
             };
             // (epoch, seq, part) <= the replica's: a redelivery
             if epoch <= s_epoch && (epoch < s_epoch || seq < s_seq || (seq == s_seq && part <= s_part)) {
-                let Some(d) = r_.int(s, S_DUPLICATES).filter(|d| *d < BIG) else { return self.decline() };
+                let Some(d) = r_.int(s, S_DUPLICATES).filter(|d| *d < BIG) else { return Ok(None) };
                 r_.set_int(s, S_DUPLICATES, d + 1)?;
-                self.folded.fetch_add(1, Ordering::Relaxed);
                 return Ok(Some(false));
             }
             match self.plan(groups, b, s, now, (epoch, seq, s_epoch, s_seq))? {
                 Some(p) => p,
-                None => return self.decline(),
+                None => return Ok(None),
             }
         };
         // from here on the batch is folded
@@ -448,8 +476,53 @@ impl Folder {
             r_.set_borrowed(s, S_APPLIED_TS, now.as_ptr());
             r_.set_int(s, S_BATCHES, plan.batches)?;
         }
-        self.folded.fetch_add(1, Ordering::Relaxed);
         Ok(Some(true))
+    }
+}
+
+/// The epoch clock every writer stamps batches with (kvidx.core.shard.wall_epoch): wall-clock ms.
+fn wall_epoch_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+#[pymethods]
+impl Folder {
+    /// Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, GroupIndex, TIER_IDS, last tier id,
+    /// MAX_EPOCH_SKEW_MS)
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(batch: &Bound<'_, PyType>, replica: &Bound<'_, PyType>, stored: &Bound<'_, PyType>,
+           removed: &Bound<'_, PyType>, group: &Bound<'_, PyType>, tier_ids: Py<PyDict>, last_tier: Py<PyAny>,
+           max_skew_ms: i64) -> PyResult<Self> {
+        Ok(Folder {
+            batch: Layout::of(batch, &B_NAMES)?,
+            replica: Layout::of(replica, &S_NAMES)?,
+            stored: Layout::of(stored, &E_NAMES)?,
+            removed: Layout::of(removed, &E_NAMES[..5])?,
+            group: Layout::of(group, &G_NAMES)?,
+            tier_ids,
+            last_tier,
+            max_skew_ms,
+            folded: AtomicU64::new(0),
+            declined: AtomicU64::new(0),
+        })
+    }
+
+    /// apply(shard, batch, now) -> bool: `ModelShard.apply` compiled. A plain batch (see try_apply)
+    /// is folded here; any other is handed to the shard's `fold_reference`, the Python fold.
+    fn apply(&self, shard: &Bound<'_, PyAny>, batch: &Bound<'_, PyAny>, now: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if let Some(done) = self.try_apply(shard, batch, now)? {
+            self.folded.fetch_add(1, Ordering::Relaxed);
+            return Ok(done);
+        }
+        self.declined.fetch_add(1, Ordering::Relaxed);
+        shard.call_method1(intern!(shard.py(), "fold_reference"), (batch, now))?.extract()
+    }
+
+    /// bind(shard) -> ShardFold, whose `apply(batch, now)` is `self.apply(shard, batch, now)`: the
+    /// shard's own `apply` (it holds the shard weakly: no cycle through the shard's attribute).
+    fn bind(slf: &Bound<'_, Self>, shard: &Bound<'_, PyAny>) -> PyResult<ShardFold> {
+        Ok(ShardFold { folder: slf.clone().unbind(), shard: PyWeakrefReference::new(shard)?.unbind() })
     }
 
     /// Batches this folder took (redeliveries included) and declined (left to the Python fold).
@@ -461,5 +534,23 @@ impl Folder {
     #[getter]
     fn declined(&self) -> u64 {
         self.declined.load(Ordering::Relaxed)
+    }
+}
+
+/// A shard's compiled `apply` (Folder.bind).
+#[pyclass(name = "ShardFold", module = "kvidx_native", frozen)]
+pub struct ShardFold {
+    folder: Py<Folder>,
+    shard: Py<PyWeakrefReference>,
+}
+
+#[pymethods]
+impl ShardFold {
+    /// apply(batch, now) -> bool: ModelShard.apply (Folder.apply on the bound shard).
+    fn apply(&self, py: Python<'_>, batch: &Bound<'_, PyAny>, now: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let Some(shard) = self.shard.bind(py).upgrade() else {
+            return Err(pyo3::exceptions::PyReferenceError::new_err("the shard of this fold is gone"));
+        };
+        self.folder.get().apply(&shard, batch, now)
     }
 }

@@ -1022,6 +1022,7 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
     m.add_class::<HashArray>()?;
     m.add_class::<fold::Folder>()?;
+    m.add_class::<fold::ShardFold>()?;
     m.add_class::<answer::ReplicaFields>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
     m.add_function(wrap_pyfunction!(chain_array, m)?)?;
