@@ -47,8 +47,10 @@ from kvidx.core.groups import replica_group
 from kvidx.core.price import PriceConfig
 from kvidx.core.shard import ModelShard
 
-__all__ = ["Config", "GroupConfig", "ModelConfig", "PoolConfig", "PriceConfig", "ShardSettings",
-           "load_config", "reference_rows"]
+__all__ = ["DEFAULT_HINT_KINDS", "HINT_KINDS", "Config", "GroupConfig", "HintsConfig", "ModelConfig",
+           "PoolConfig", "PriceConfig", "ShardSettings", "load_config", "reference_rows"]
+
+HINT_KINDS = ("prefetch", "placement", "eviction")  # the kinds of kvidx.hints.v1 (schemas/hints.py)
 
 
 class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -68,6 +70,18 @@ class HintsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # also for LMCache's POST /lookup (index_service/lmcache_api.py)
     lmcache_controller: str = ""
     lmcache_instances: dict[str, str] = {}
+
+    def kinds(self) -> tuple[str, ...]:
+        """The hint kinds the service issues with these settings (index_service/query.py): prefetch plans
+        with `prefetch`; placements and eviction advice with `sessions`."""
+        on = (self.prefetch, self.sessions, self.sessions)
+        return tuple(k for k, k_on in zip(HINT_KINDS, on, strict=True) if k_on)
+
+
+# The kinds a model's hints issue once turned on the documented way (docs/routers.md: `prefetch = true`;
+# `sessions` stays off, docs/simulator.md says why): `kvidx simulate --hints`'s default, so that its
+# kv_hints policy is the one the service deploys (tests/unit/kvidx/test_config.py holds them equal)
+DEFAULT_HINT_KINDS = HintsConfig(prefetch=True).kinds()
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):

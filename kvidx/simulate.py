@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from kvidx.clihelp import HelpFormatter
+from kvidx.config import DEFAULT_HINT_KINDS, HINT_KINDS
 from kvidx.shadow import Agreement
-from kvidx.sim.advice import HINT_KINDS
 from kvidx.sim.fleet import (
     DEFAULT_POLICIES,
     ENGINES,
@@ -682,8 +682,10 @@ def _print_human(head: dict) -> None:
               f"{p['over_credit']:>9.5f} {p['ttft_est_s']['mean']:>9.3f}s {p['ttft_est_s']['p99']:>8.3f}s "
               f"{p['gpu_share_of_reused']:>9.3f} {p['bytes_moved'] / 1e9:>9.1f}")
         for kind, h in p.get("hints", {}).items():
+            won = "not measured" if h["saved_s"] is None else f"{h['saved_s']:.3f} s"
             print(f"{'':>14} {kind} hints: {h['issued']} issued, {h['followed']} followed, "
-                  f"{h['paid_off']} paid off")
+                  f"{h['paid_off']} paid off, {h['regretted']} regretted; won {won}, lost {h['lost_s']:.3f} s"
+                  f"; wasted {h['wasted_tokens']} tokens, {h['wasted_s']:.3f} s of load channel")
     if len(head.get("per_engine", {})) > 1 or len(head.get("per_tier", {})) > 1:
         for label, d in (("engine", head["per_engine"]), ("tier", head["per_tier"])):
             for k, v in d.items():
@@ -791,11 +793,14 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help=f"routers to run, of {', '.join(POLICIES)} (kv = KV-aware; kv_hints = KV-aware with "
                         "the index's hints, which the replicas follow)")
-    r.add_argument("--hints", default=",".join(HINT_KINDS), metavar="KIND[,KIND...]",
-                   help="kv_hints: the hint kinds issued (prefetch: the chosen replica loads the prompt's "
-                        "blocks held below GPU memory while the request is queued; placement: a recurring "
-                        "session's prompt copied ahead of time to the replica with the shortest queue; "
-                        "eviction: silent sessions' own blocks demoted, then dropped)")
+    r.add_argument("--hints", default=",".join(DEFAULT_HINT_KINDS), metavar="KIND[,KIND...]",
+                   help=f"kv_hints: the hint kinds issued, of {', '.join(HINT_KINDS)} (prefetch: the chosen "
+                        "replica loads the prompt's blocks held below GPU memory while the request is "
+                        "queued; placement: a recurring session's prompt copied ahead of time to the replica "
+                        "with the shortest queue; eviction: silent sessions' own blocks demoted, then "
+                        "dropped); default: what the service issues once a model's hints are on "
+                        f"(hints.prefetch), {','.join(DEFAULT_HINT_KINDS)}; placement and eviction need "
+                        "hints.sessions too")
     r.add_argument("--placement-tps", type=float, default=100_000.0,
                    help="kv_hints: tokens/s (workload tokens) of a placement's copy between replicas")
     r.add_argument("--hint-compliance", type=float, default=1.0,

@@ -17,6 +17,7 @@ Each is followed with probability `hint_compliance`, `hint_delay_ms` after the d
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,47 @@ from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests
 from kvidx.sim.serving import HintCounts, ServingModel
 from schemas.answers import ReplicaAnswer
 
-HINT_KINDS = ("prefetch", "placement", "eviction")
+SessionKey = tuple[str, int]  # (model, session id)
+
+
+@dataclass
+class EvictionLedger:
+    """Eviction advice, counted per session (demote and drop of one session are one advice): issued,
+    followed, regretted when the session came back through its advised blocks, paid off when it never did
+    (its blocks were dead weight); lost_s, what each return's turn spent on the advised prefix beyond GPU
+    hits (kvidx/sim/serving.py's prefix_turn_s). That is an upper bound of the advice's cost: the LRU
+    could have evicted some of those blocks without it. What it won (the reloads its room spared other
+    sessions) needs the run without it: not measured."""
+    serving: ServingModel
+    index_block: int
+    issued: set[SessionKey] = field(default_factory=set)
+    followed: set[SessionKey] = field(default_factory=set)
+    regretted: set[SessionKey] = field(default_factory=set)
+    advised: dict[int, SessionKey] = field(default_factory=dict)  # the last block of an advised session
+    lost_s: float = 0.0
+
+    def follow(self, key: SessionKey, last_block: int) -> None:
+        self.followed.add(key)
+        self.advised[last_block] = key
+
+    def came_back(self, hashes: list[int], reused: int, split: dict[str, int]) -> None:
+        """A request (its index block hashes; `reused` tokens, `split` by tier) that continues sessions
+        advised away: regretted, and its turn's seconds on the longest advised prefix it runs through."""
+        if not self.advised:
+            return
+        longest = 0
+        for i, h in enumerate(hashes):
+            key = self.advised.pop(h, None)
+            if key is not None:
+                self.regretted.add(key)
+                longest = i + 1
+        if longest:
+            self.lost_s += self.serving.prefix_turn_s(longest * self.index_block, reused, split)
+
+    def counts(self) -> HintCounts:
+        regretted = len(self.followed & self.regretted)
+        return HintCounts(issued=len(self.issued), followed=len(self.followed),
+                          paid_off=len(self.followed) - regretted, regretted=regretted, lost_s=self.lost_s)
 
 
 class HintFollower:
@@ -49,14 +90,10 @@ class HintFollower:
         self.trackers = {m: SessionTracker(cfg.index_block) for m in cfg.models}
         # the engines' side: each session's latest prompt and its index block hashes
         self.prompts: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, list[int]]] = {}
-        self.advised: dict[int, tuple[str, int]] = {}  # last block of an advised session -> its key
-        # eviction advice is counted per session (demote and drop of one session are one advice followed)
-        self.issued_sessions: set[tuple[str, int]] = set()
-        self.followed_sessions: set[tuple[str, int]] = set()
-        self.regretted_sessions: set[tuple[str, int]] = set()
-        self.placed: dict[tuple[str, int], tuple[str, float]] = {}  # session -> (target, copy done at)
-        self.placement = HintCounts()
-        self.eviction = HintCounts()
+        self.eviction = EvictionLedger(serving, cfg.index_block)
+        # session -> (target, copy done at, its tokens, its seconds on the target's load channel)
+        self.placed: dict[SessionKey, tuple[str, float, int, float]] = {}
+        self.placement = serving.placement  # the serving model counts what the copies delayed
         self.reps = {r.name: r for r in fleet.replicas()}
 
     def _follows(self) -> bool:
@@ -84,22 +121,22 @@ class HintFollower:
         return placed[1] if placed is not None and placed[0] == replica else 0.0
 
     def routed(self, model: str, prompt: np.ndarray, output: np.ndarray, hashes: list[int] | None,
-               replica: str, t: float, reused: int) -> None:
-        """After the request was served: the tracker sees the decision; placement pays off when the session
-        came back to its copy; new advice is issued and followed."""
+               replica: str, t: float, reused: int, split: dict[str, int]) -> None:
+        """After the request was served (`reused` tokens, `split` by tier): the tracker sees the decision;
+        eviction advice is regretted when the session came back; placement pays off when it came back to
+        its copy; new advice is issued and followed."""
         if not self.sessions_on or not hashes:
             return
         tracker = self.trackers[model]
-        if self.advised:  # a session advised away came back: that advice did not pay off
-            for h in hashes:
-                came_back = self.advised.pop(h, None)
-                if came_back is not None:
-                    self.regretted_sessions.add(came_back)
+        self.eviction.came_back(hashes, reused, split)
         s = tracker.observe(hashes, replica, t)
         key = (model, s.sid)
         placed = self.placed.pop(key, None)
         if placed is not None and placed[0] == replica and reused > 0:
             self.placement.paid_off += 1
+            self.placement.regretted -= 1
+            self.placement.wasted_tokens -= placed[2]
+            self.placement.wasted_s -= placed[3]
         self.prompts[key] = (prompt, output, list(hashes))
         if self.eviction_on:
             for adv in tracker.eviction_advice(t):
@@ -130,14 +167,13 @@ class HintFollower:
 
     def _evict(self, model: str, adv: Any) -> None:
         key = (model, adv.session)
-        self.issued_sessions.add(key)
+        self.eviction.issued.add(key)
         rep = self.reps.get(adv.replica)
         if rep is None or not isinstance(rep.engine, SimVllmEngine) or not self._follows():
             return
         digests = self._engine_digests(key, adv.hashes, rep.engine)
         if rep.engine.advise(digests, drop=adv.action == "drop"):
-            self.followed_sessions.add(key)
-            self.advised[self.prompts[key][2][-1]] = key
+            self.eviction.follow(key, self.prompts[key][2][-1])
 
     def _place(self, model: str, s: Session, tracker: SessionTracker, t: float) -> None:
         sv = self.serving
@@ -149,23 +185,23 @@ class HintFollower:
         known = self.prompts.get((model, s.sid))
         if known is None or not self._follows():
             return
-        self.placement.followed += 1
+        p = self.placement
+        p.followed += 1
+        p.regretted += 1  # regretted and wasted until the session reuses the copy
+        p.wasted_tokens += hint.tokens
+        p.wasted_s += hint.copy_s
         done = sv.reserve_channel(hint.target, t + self.delay_s, hint.copy_s, hint.tokens)
         self.fleet.place(self.reps[hint.target], known[0], t)
-        self.placed[(model, s.sid)] = (hint.target, done)
+        self.placed[(model, s.sid)] = (hint.target, done, hint.tokens, hint.copy_s)
 
     def report(self) -> dict:
+        """Per kind on: HintCounts.report(); saved_s None where the seconds won are not measured (they
+        need the run without the hint)."""
         out = {}
         if self.prefetch_on:
             out["prefetch"] = self.serving.prefetch.report()
         if self.placement_on:
-            out["placement"] = self.placement.report()
+            out["placement"] = {**self.placement.report(), "saved_s": None}
         if self.eviction_on:
-            # per session: followed, and paid off when it never came back (its blocks were dead weight)
-            e = self.eviction
-            e.issued = len(self.issued_sessions)
-            e.followed = len(self.followed_sessions)
-            e.regretted = len(self.followed_sessions & self.regretted_sessions)
-            e.paid_off = e.followed - e.regretted
-            out["eviction"] = self.eviction.report()
+            out["eviction"] = {**self.eviction.counts().report(), "saved_s": None}
         return out

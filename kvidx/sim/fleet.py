@@ -76,7 +76,7 @@ import numpy as np
 from index_service.store import ShardStore
 from kvidx import index as index_reads  # `index` names the simulator's index side here
 from kvidx.client import KvidxClient, UnknownModel
-from kvidx.config import Config, ModelConfig, PoolConfig
+from kvidx.config import DEFAULT_HINT_KINDS, Config, ModelConfig, PoolConfig
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.price import Overlap, PriceConfig
 from kvidx.core.shard import ModelShard
@@ -535,7 +535,7 @@ class FleetConfig:
     kv_bytes_per_token: int = 131072
     # the kv_hints policy: the hint kinds the index issues, the share of hints engines follow, and how long
     # after the routing decision a hint reaches the engine
-    hints: tuple[str, ...] = ("prefetch", "placement", "eviction")
+    hints: tuple[str, ...] = DEFAULT_HINT_KINDS  # the service's, once a model's hints are on
     placement_tps: float = 100_000.0  # a placement's copy between replicas, workload tokens/s (RDMA-class)
     hint_compliance: float = 1.0
     hint_delay_ms: float = 2.0
@@ -1187,7 +1187,7 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
         reused, reused_split = fleet.run_request(chosen, req, t)
         serving.admit(i, chosen.name, t, n, reused, reused_split, len(req.output), hint, followed_at,
                       ready_at)
-        hints.routed(model, req.prompt, req.output, index.last_hashes, chosen.name, t, reused)
+        hints.routed(model, req.prompt, req.output, index.last_hashes, chosen.name, t, reused, reused_split)
         accounts.add(i, t, n, chosen, reused, reused_split, credited, ans)
         if progress is not None and (i & 63) == 63:
             progress(i + 1)

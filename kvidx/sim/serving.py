@@ -31,20 +31,38 @@ from schemas.answers import ReplicaAnswer
 
 @dataclass
 class HintCounts:
-    """One hint kind's fate over a run: issued by the index, followed by the engine, paid off (the
-    followed hint's tokens were reused and at least part of their load was done before the request's
-    turn), and the seconds of load it hid."""
+    """One hint kind's fate over a run: issued by the index, followed by the engine, paid off, regretted,
+    the seconds won and lost on the requests' turns, and the tokens and load-channel seconds wasted.
+
+    - prefetch: paid off, the hint's tokens were reused and part of their load was done before the
+      request's turn (won: the load the turn did not wait for); regretted, the turn waited for its
+      prefetch longer than the load it replaced would have taken at the turn (the hint came late, or the
+      channel was busy with earlier prefetches; lost: that difference); wasted, hinted tokens the request
+      did not reuse and their channel seconds (they delay later prefetches: in those requests' lost_s);
+    - placement (kvidx/sim/advice.py): paid off, the session came back to its copy and reused it;
+      regretted and wasted, the copies not (yet) reused; lost, what the copies on the targets' load
+      channels (which carry prefetches and copies only) added to their requests' waits for prefetches,
+      vs the same channels without them (first order: the turns are held as they were). Not counted: the
+      blocks a copy evicts at its target and a session's own wait for its copy (their price is a run
+      without the copy);
+    - eviction (kvidx/sim/advice.py's EvictionLedger): lost, what the advised prefix cost the returning
+      sessions' turns.
+    Won is measured for prefetch only (the others report None)."""
     issued: int = 0
     followed: int = 0
     paid_off: int = 0
     saved_s: float = 0.0
+    lost_s: float = 0.0
     wasted_tokens: int = 0  # prefetched, not reused by the request
+    wasted_s: float = 0.0  # the load channel's seconds on those tokens
     regretted: int = 0  # eviction advice followed for a session that came back
 
     def report(self) -> dict:
         return {"issued": self.issued, "followed": self.followed, "paid_off": self.paid_off,
-                "saved_s": round(self.saved_s, 4), "wasted_tokens": self.wasted_tokens,
-                "regretted": self.regretted}
+                "regretted": self.regretted,
+                "saved_s": round(self.saved_s, 4),
+                "lost_s": round(self.lost_s, 4), "wasted_tokens": self.wasted_tokens,
+                "wasted_s": round(self.wasted_s, 4)}
 
 
 @dataclass
@@ -58,10 +76,12 @@ class ServingModel:
     bytes_per_token: float  # per simulated token
     busy_until: dict[str, float] = field(init=False)  # end of the replica's queued prefill
     inflight: dict[str, list[float]] = field(init=False)  # heaps of decode end times
-    channel_free: dict[str, float] = field(init=False)  # end of the replica's queued prefetches
+    channel_free: dict[str, float] = field(init=False)  # end of the replica's queued prefetches and copies
+    copyless_free: dict[str, float] = field(init=False)  # the same without the placements' copies
     served: dict[str, int] = field(init=False)
     ttft: np.ndarray = field(init=False)
     prefetch: HintCounts = field(default_factory=HintCounts)
+    placement: HintCounts = field(default_factory=HintCounts)  # its copies' cost (kvidx/sim/advice.py)
     reused_tokens: int = 0
     gpu_reused_tokens: int = 0  # reused from GPU memory at the request's turn (prefetched in time included)
     loaded_tokens: int = 0  # moved toward GPU memory: loads at the request's turn and prefetches
@@ -70,6 +90,7 @@ class ServingModel:
         self.busy_until = dict.fromkeys(self.names, 0.0)
         self.inflight = {name: [] for name in self.names}
         self.channel_free = dict.fromkeys(self.names, 0.0)
+        self.copyless_free = dict.fromkeys(self.names, 0.0)
         self.served = dict.fromkeys(self.names, 0)
         self.ttft = np.zeros(self.n_requests)
         rates = {"GPU": 0.0, **self.load_tps}
@@ -82,6 +103,16 @@ class ServingModel:
 
     def queue_s(self, name: str, t: float) -> float:
         return max(0.0, self.busy_until[name] - t)
+
+    def prefix_turn_s(self, tokens: int, reused: int, split: dict[str, int]) -> float:
+        """Seconds a request's turn spent on its first `tokens` prompt tokens beyond GPU hits, for a request
+        that reused `reused` tokens (`split` by tier): those it recomputed and those it loaded from below
+        GPU memory (its GPU hits come first in the prompt; the lower tiers' at their mean rate)."""
+        gpu = split.get("GPU", 0)
+        below = reused - gpu
+        below_s = sum(k * self.load_cost.get(tier, 0.0) for tier, k in split.items() if tier != "GPU")
+        loaded = max(0, min(tokens, reused) - gpu)
+        return max(0, tokens - reused) / self.prefill_tps + (loaded * below_s / below if below > 0 else 0.0)
 
     def load_s(self, answer: ReplicaAnswer | None, n: int) -> float:
         """Seconds to load `answer`'s resumable tokens from their tiers (the index's view, priced as the
@@ -132,20 +163,29 @@ class ServingModel:
             wasted += h - pre  # hinted tokens the request did not reuse from that tier
         wait_s = 0.0
         if followed_at is not None and hint is not None:
-            self.prefetch.followed += 1
-            self.prefetch.wasted_tokens += wasted
+            p = self.prefetch
+            p.followed += 1
+            p.wasted_tokens += wasted
+            p.wasted_s += channel_s - useful_s
             self.loaded_tokens += prefetched_reused + wasted
             ch_start = max(followed_at, self.channel_free[name])
-            ch_end = ch_start + channel_s
-            self.channel_free[name] = ch_end
+            self.channel_free[name] = ch_start + channel_s
             # the reused tokens are the plan's first (a prompt's prefix, loaded in prompt order): the turn
             # waits for them only; the rest of the plan just holds the channel
             useful_end = ch_start + useful_s
             wait_s = max(0.0, useful_end - start) if prefetched_reused else 0.0
+            # the same on a channel without the placements' copies: what they delayed is theirs
+            copyless_start = max(followed_at, self.copyless_free[name])
+            self.copyless_free[name] = copyless_start + channel_s
+            copyless_wait = max(0.0, copyless_start + useful_s - start) if prefetched_reused else 0.0
+            self.placement.lost_s += wait_s - copyless_wait
+            if copyless_wait > useful_s:  # regretted: the turn would have been sooner loading at it
+                p.regretted += 1
+                p.lost_s += copyless_wait - useful_s
             saved = useful_s - wait_s if useful_s > 0 else 0.0
             if saved > 0:
-                self.prefetch.paid_off += 1
-                self.prefetch.saved_s += saved
+                p.paid_off += 1
+                p.saved_s += saved
             # reused tokens whose prefetch was done at the request's turn count as GPU hits
             done = 1.0 if useful_end <= start or useful_s <= 0 else max(0.0, (start - ch_start) / useful_s)
             gpu += int(prefetched_reused * done)

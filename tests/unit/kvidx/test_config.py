@@ -132,3 +132,25 @@ def test_help_points_to_the_reference(command, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])
     assert "docs/config.md" in " ".join(capsys.readouterr().out.split())
+
+
+def test_simulate_defaults_to_the_hint_kinds_the_service_issues_once_hints_are_on(tmp_path):
+    """Issue #41: `kvidx simulate --policies kv,kv_hints` runs the policy a deployment gets by turning a
+    model's hints on as docs/routers.md says (its `hints = {...}` setting, loaded as a configuration
+    file): the same kinds, whichever of the docs, HintsConfig or the parser's default moves."""
+    import re
+
+    from kvidx.cli import build_parser
+    from kvidx.config import HintsConfig
+
+    routers = (ROOT / "docs" / "routers.md").read_text()
+    documented = re.search(r"Prefetch hints \(opt-in per model\)\.\*\* With `(hints = \{[^}]*\})`", routers)
+    assert documented, "docs/routers.md no longer says how to turn a model's hints on"
+    path = tmp_path / "kvidx.toml"
+    path.write_text(f"[models.llama]\n{documented.group(1)}\n")
+    service = load_config(path).model("llama").hints.kinds()
+    simulated = build_parser().parse_args(["simulate"]).hints.split(",")
+    assert service == ("prefetch",) and tuple(simulated) == service
+    # the kinds follow the service's two switches (index_service/query.py)
+    assert HintsConfig().kinds() == ()
+    assert HintsConfig(sessions=True).kinds() == ("placement", "eviction")

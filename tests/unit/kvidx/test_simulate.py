@@ -303,7 +303,11 @@ def test_cli_kv_hints_json_and_bad_hint_flags(tmp_path, capsys):
         saved = p["prefill_tokens_saved"]
         assert saved > 0 and p["reuse_rate"] == round(saved / prompt, 6)
         assert p["bytes_moved"] == p["loaded_tokens"] * head["config"]["kv_bytes_per_token"]
-    assert set(head["policies"]["kv_hints"]["hints"]["prefetch"]) >= {"issued", "followed", "paid_off"}
+    # the default kinds are the service's once hints are on (test_config.py holds them equal): prefetch
+    hinted = head["policies"]["kv_hints"]["hints"]
+    assert set(hinted) == {"prefetch"} and head["config"]["hints"] == "prefetch"
+    assert set(hinted["prefetch"]) >= {"issued", "followed", "paid_off", "regretted", "saved_s", "lost_s",
+                                       "wasted_tokens", "wasted_s"}
     assert head["config"]["load_tps"]["DISK"] == 20000.0
     for bad in (["--hints", "placement,moving"], ["--hint-compliance", "2"], ["--load-tps", "DISK"],
                 ["--load-tps", "CPU=-1"]):
@@ -339,10 +343,14 @@ def test_kv_hints_placement_and_eviction_advice_are_issued_followed_and_counted(
         assert s["recall"] == 1.0 and s["over_credit"] == 0.0, s  # copies and advice show in the events
     p = busy.counters["hints"]["placement"]
     assert p["issued"] > 0 and p["followed"] == p["issued"] and 0 < p["paid_off"] <= p["followed"]
+    # the copies not reused are regretted and wasted; won is not measured for placement
+    assert p["regretted"] == p["followed"] - p["paid_off"] and p["saved_s"] is None
+    assert (p["wasted_tokens"] > 0) == (p["regretted"] > 0) and p["lost_s"] >= 0.0
     assert busy.counters["serving"]["bytes_moved"] > calm.counters["serving"]["bytes_moved"]
     e = calm.counters["hints"]["eviction"]
     assert e["issued"] > 0 and 0 < e["followed"] <= e["issued"]
     assert e["paid_off"] == e["followed"] - e["regretted"] and e["paid_off"] > 0
+    assert e["saved_s"] is None and (e["lost_s"] > 0) <= (e["regretted"] > 0)
 
 
 def test_cli_human_table_shows_tiers_bytes_and_hints(tmp_path, capsys):
@@ -354,3 +362,5 @@ def test_cli_human_table_shows_tiers_bytes_and_hints(tmp_path, capsys):
                      "--cpu-offload-blocks", "100", "--policies", "kv,kv_hints", "--hints", "prefetch"]) == 0
     out = capsys.readouterr().out
     assert "GPU share" in out and "GB moved" in out and "prefetch hints:" in out
+    line = next(x for x in out.splitlines() if "prefetch hints:" in x)
+    assert "regretted; won " in line and ", lost " in line and "s of load channel" in line
