@@ -128,6 +128,11 @@ class _StoreCollector:
             yield CounterMetricFamily("kvidx_fold_compiled_batches", "Event batches (redeliveries "
                                       "included) the compiled fold took; the rest: the Python fold",
                                       value=NATIVE_FOLD.folded)
+            yield CounterMetricFamily("kvidx_fold_reference_batches", "Event batches of compiled shards "
+                                      "the compiled fold handed to the Python fold (new replicas, pending "
+                                      "credit, foresight, host queues, partial blocks, copies, clears, new "
+                                      "groups or tiers)",
+                                      value=NATIVE_FOLD.declined)
         yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))
         core = GaugeMetricFamily("kvidx_core_info", "The index core that runs (maskmap: native | python)",
                                  labels=["maskmap"])

@@ -89,13 +89,19 @@ REGISTRY.register(CONSUMER_LAG)
 
 
 class _CompiledFold:
-    """How many batches the compiled fold took (kvidx.core.shard.NATIVE_FOLD), read at scrape time."""
+    """How many batches the compiled fold took and handed to the Python fold (kvidx.core.shard.NATIVE_FOLD),
+    read at scrape time."""
 
     def collect(self):
         if NATIVE_FOLD is not None:
             yield CounterMetricFamily("kvidx_worker_fold_compiled_batches", "Event batches (redeliveries "
                                       "included) the compiled fold took; the rest: the Python fold",
                                       value=NATIVE_FOLD.folded)
+            yield CounterMetricFamily("kvidx_worker_fold_reference_batches", "Event batches of compiled "
+                                      "shards the compiled fold handed to the Python fold (new replicas, "
+                                      "pending credit, foresight, host queues, partial blocks, copies, "
+                                      "clears, new groups or tiers)",
+                                      value=NATIVE_FOLD.declined)
 
 
 REGISTRY.register(_CompiledFold())

@@ -3,6 +3,7 @@ reports. The campaign itself runs in tests/integration/test_chaos.py."""
 
 import importlib.util
 import sys
+import time
 
 from tests.helpers import ROOT
 
@@ -150,5 +151,32 @@ def test_the_truth_knows_a_half_block_two_engine_blocks_share():
         assert truth.now("r", prompt_hashes(probe, chaos.INDEX_BLOCK)) == 48
         assert truth.now("r", prompt_hashes(a, chaos.INDEX_BLOCK)) == 64
         assert truth.now("r", prompt_hashes(b, chaos.INDEX_BLOCK)) == 64
+    finally:
+        e.close()
+
+
+def test_the_truth_keeps_a_shared_half_block_when_the_last_served_engine_block_goes_first():
+    """Eviction out of recency order (vLLM frees a request's blocks tail first; an offload tier drops
+    what it likes): the engine block that last stored an index block is gone, another engine block
+    holding the same first half is still cached, and the index block is still held. A checker that
+    kept one engine block per index block (the last one served) would say it is gone."""
+    from kvidx.core.hashing import prompt_hashes
+    from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests
+
+    e = SimVllmEngine(num_blocks=8, block_size=chaos.ENGINE_BLOCK, endpoint="tcp://127.0.0.1:*")
+    try:
+        truth = chaos.Truth({"r": e})
+        a = list(range(64))
+        b = list(range(48)) + list(range(500, 516))  # b's second engine block shares a's first half
+        truth.serve("r", a, [1])
+        truth.serve("r", b, [1])  # the last to store index block 2
+        b_second = chain_digests(b, chaos.ENGINE_BLOCK, e._root)[1]
+        with truth.lock:  # the engine drops b's second block, a's stays
+            state = truth.states["r"][-1]
+            assert b_second in state
+            truth.times["r"].append(time.time())
+            truth.states["r"].append(state - {b_second})
+        assert truth.now("r", prompt_hashes(b, chaos.INDEX_BLOCK)) == 48  # block 2 through a's
+        assert truth.now("r", prompt_hashes(a, chaos.INDEX_BLOCK)) == 64
     finally:
         e.close()

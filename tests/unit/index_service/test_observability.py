@@ -146,7 +146,8 @@ def test_relay_and_worker_series_registered():
               "kvidx_worker_apply_lag_seconds_bucket", "kvidx_worker_consumer_lag_messages"):
         assert n in names, n
     from kvidx.core.shard import NATIVE_FOLD  # the compiled fold's count, where it is built
-    assert ("kvidx_worker_fold_compiled_batches_total" in names) == (NATIVE_FOLD is not None)
+    for n in ("kvidx_worker_fold_compiled_batches_total", "kvidx_worker_fold_reference_batches_total"):
+        assert (n in names) == (NATIVE_FOLD is not None), n
 
 
 def test_dashboard_queries_exported_series():
