@@ -684,8 +684,9 @@ def _print_human(head: dict) -> None:
         for kind, h in p.get("hints", {}).items():
             won = "not measured" if h["saved_s"] is None else f"{h['saved_s']:.3f} s"
             print(f"{'':>14} {kind} hints: {h['issued']} issued, {h['followed']} followed, "
-                  f"{h['paid_off']} paid off, {h['regretted']} regretted; won {won}, lost {h['lost_s']:.3f} s"
-                  f"; wasted {h['wasted_tokens']} tokens, {h['wasted_s']:.3f} s of load channel")
+                  f"{h['paid_off']} paid off, {h['regretted']} regretted")
+            print(f"{'':>17}seconds won {won}, lost {h['lost_s']:.3f} s; wasted {h['wasted_tokens']} tokens, "
+                  f"{h['wasted_s']:.3f} s of load channel")
     if len(head.get("per_engine", {})) > 1 or len(head.get("per_tier", {})) > 1:
         for label, d in (("engine", head["per_engine"]), ("tier", head["per_tier"])):
             for k, v in d.items():

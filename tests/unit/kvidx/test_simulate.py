@@ -362,5 +362,8 @@ def test_cli_human_table_shows_tiers_bytes_and_hints(tmp_path, capsys):
                      "--cpu-offload-blocks", "100", "--policies", "kv,kv_hints", "--hints", "prefetch"]) == 0
     out = capsys.readouterr().out
     assert "GPU share" in out and "GB moved" in out and "prefetch hints:" in out
-    line = next(x for x in out.splitlines() if "prefetch hints:" in x)
-    assert "regretted; won " in line and ", lost " in line and "s of load channel" in line
+    lines = out.splitlines()
+    at = next(i for i, x in enumerate(lines) if "prefetch hints:" in x)
+    assert lines[at].endswith(" regretted") and "paid off" in lines[at]
+    seconds = lines[at + 1]
+    assert "seconds won " in seconds and ", lost " in seconds and "s of load channel" in seconds
