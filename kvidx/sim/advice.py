@@ -36,9 +36,10 @@ class EvictionLedger:
     """Eviction advice, counted per session (demote and drop of one session are one advice): issued,
     followed, regretted when the session came back through its advised blocks, paid off when it never did
     (its blocks were dead weight); lost_s, what each return's turn spent on the advised prefix beyond GPU
-    hits (kvidx/sim/serving.py's prefix_turn_s). That is an upper bound of the advice's cost: the LRU
-    could have evicted some of those blocks without it. What it won (the reloads its room spared other
-    sessions) needs the run without it: not measured."""
+    hits (kvidx/sim/serving.py's prefix_turn_s). Over, in that the LRU could have evicted some of those
+    blocks without the advice; under, in that it is the returning turn's own seconds, not the wait of
+    the requests queued behind it. What it won (the reloads its room spared other sessions) needs the
+    run without it: not measured."""
     serving: ServingModel
     index_block: int
     issued: set[SessionKey] = field(default_factory=set)

@@ -47,7 +47,8 @@ class HintCounts:
       without the copy);
     - eviction (kvidx/sim/advice.py's EvictionLedger): lost, what the advised prefix cost the returning
       sessions' turns.
-    Won is measured for prefetch only (the others report None)."""
+    All first order: a turn's own seconds, not what they add to the requests queued behind it. Won is
+    measured for prefetch only (the others report None)."""
     issued: int = 0
     followed: int = 0
     paid_off: int = 0
