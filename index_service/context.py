@@ -91,14 +91,15 @@ class ServiceContext:
         """The body (at most `limit` bytes, by default what max_tokens ids need) as the decoder's struct."""
         return decode(decoder, await self.read_body(request, limit or self.max_json_bytes, "JSON body"))
 
-    def respond(self, form: str, t0: float, model: str, prompt_tokens: int, answer: tuple[bytes, int, int],
-                blocks: int) -> Response:
-        """A lookup answer (QueryPipeline.answer_json: its bytes, best resumable tokens and replicas,
-        for a prompt of `blocks` hashes), counted in the metrics and logged at debug."""
-        body, best, replicas = answer
+    def respond(self, form: str, t0: float, model: str, prompt_tokens: int,
+                answer: tuple[bytes, int, int, int], blocks: int) -> Response:
+        """A lookup answer (QueryPipeline.answer_json: its bytes, best resumable tokens, replicas and
+        tokens below GPU memory, for a prompt of `blocks` hashes), counted in the metrics and logged
+        at debug."""
+        body, best, replicas, below_gpu = answer
         dt = time.perf_counter() - t0
         self.metrics.observe(form, 200, dt)
-        self.metrics.answered(model, prompt_tokens, best)
+        self.metrics.answered(model, prompt_tokens, best, below_gpu)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", kv(event="lookup", form=form, model=model,
                                prompt_tokens=prompt_tokens, blocks=blocks, replicas=replicas,

@@ -29,8 +29,9 @@ def lookup_responses(auth: tuple[int, ...]) -> dict:
 
 
 async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int], n: int, rank: bool,
-                        top_k: int | None, only: frozenset[int] | None = None) -> tuple[bytes, int, int]:
-    """The answer's JSON (bytes, best resumable tokens, replicas): from this instance's shard, with
+                        top_k: int | None, only: frozenset[int] | None = None) -> tuple[bytes, int, int, int]:
+    """The answer's JSON (bytes, best resumable tokens, replicas, tokens below GPU memory: the
+    `index.answer_json` tuple): from this instance's shard, with
     the replicas of the replica groups it does not hold asked of the instances that hold them
     (index_service.fanout) when the model is split; `only`: those groups' replicas of this shard."""
     feedback = ctx.app.state.feedback
@@ -57,7 +58,8 @@ async def answer_lookup(ctx: ServiceContext, shard: ModelShard, hashes: list[int
         index.merge_answer(answer, parts, gone, ctx.pipeline.pricer(shard.model), rank=rank, top_k=top_k,
                            prefetch_bytes=ctx.pipeline.prefetch_bytes(shard.model))
     replicas = answer.replicas
-    return encode(answer), replicas[0].resumable_tokens if replicas else 0, len(replicas)
+    return (encode(answer), replicas[0].resumable_tokens if replicas else 0, len(replicas),
+            index.below_gpu(replicas))
 
 
 async def json_lookup(ctx: ServiceContext, request: Request, form: str, rank: bool) -> Response:

@@ -8,6 +8,12 @@ Series:
 - kvidx_lookup_prompt_tokens_total{model}   prompt tokens looked up
 - kvidx_lookup_best_resumable_tokens_total{model}  best replica's resumable tokens, summed (hit rate =
                                             this / prompt tokens)
+- kvidx_lookup_below_gpu_tokens_total{model}  prompt tokens cached on some replica answered but on none
+                                            in GPU memory (the longest cached prefix minus the longest
+                                            GPU-resident one), summed: reuse served from below GPU
+- kvidx_working_set_blocks{model,tier}      distinct blocks any replica holds in the tier (the model's
+                                            lookup group; tier "any": in some tier), read at scrape
+- kvidx_working_set_tokens{model,tier}      the same in tokens (index blocks of the model's block size)
 - kvidx_index_blocks{model,group}           distinct blocks indexed (read from the shards at scrape)
 - kvidx_index_bytes{model}                  memory of the model's mask maps (compiled core only)
 - kvidx_replicas{model}                     replicas (replica, DP rank) known per model
@@ -31,6 +37,8 @@ kvidx_replica_series_omitted), read from the shards at scrape:
 - kvidx_replica_event_age_seconds           age of the last applied engine batch (freshness)
 - kvidx_replica_apply_lag_seconds           engine time to applied here, of the last batch
 - kvidx_replica_seq_gaps_total              batches missing between applied ones
+- kvidx_replica_blocks_removed_total        live entries its removal events took out (clears aside):
+                                            the rate is the replica's cache pressure
 - kvidx_replica_series_omitted              replicas left out of the per-replica series (over the cap)
 Label values: model and replica names come from the index (the engines' events, registrations and
 SGLang's feed: writers holding a token of scope write or admin when credentials are set, names checked
@@ -97,6 +105,12 @@ class _StoreCollector:
         cut = CounterMetricFamily("kvidx_foresight_discounted_lookups", "Lookups where eviction "
                                   "foresight (or a replica's own host loads) cut a replica's credit",
                                   labels=["model"])
+        working = GaugeMetricFamily("kvidx_working_set_blocks", "Distinct blocks held in the tier by any "
+                                    "replica, of the model's lookup group (full attention)",
+                                    labels=["model", "tier"])
+        working_tokens = GaugeMetricFamily("kvidx_working_set_tokens", "kvidx_working_set_blocks in tokens "
+                                           "(index blocks of the model's block size)",
+                                           labels=["model", "tier"])
         nbytes = GaugeMetricFamily("kvidx_index_bytes", "Memory of the index's mask maps (compiled core "
                                    "only: the Python reference would be walked to measure)", labels=["model"])
         now = time.time()
@@ -105,6 +119,9 @@ class _StoreCollector:
                 for gid, n in index.keys_by_group(shard):
                     blocks.add_metric([model, str(gid)], n)
                 replicas.add_metric([model], index.replica_count(shard))
+                for tier, n in index.working_set(shard).items():
+                    working.add_metric([model, tier], n)
+                    working_tokens.add_metric([model, tier], n * shard.block_size)
                 partial.add_metric([model], shard.tail_keys)
                 if MASKMAP_IMPLEMENTATION == "native":
                     nbytes.add_metric([model], index.index_size([shard])[1])
@@ -121,6 +138,8 @@ class _StoreCollector:
         yield age
         yield evicting
         yield cut
+        yield working
+        yield working_tokens
         yield nbytes
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)
@@ -160,6 +179,9 @@ class _StoreCollector:
                                 "Engine time to applied here, of the replica's last batch", labels=labels)
         gaps = CounterMetricFamily("kvidx_replica_seq_gaps", "Engine batches missing between applied ones",
                                    labels=labels)
+        removed = CounterMetricFamily("kvidx_replica_blocks_removed", "Live (block, tier, group) entries the "
+                                      "replica's removal events took out (rate: its cache pressure)",
+                                      labels=labels)
         with self.store.lock:
             live = [(model, st) for model, shard in self.store.shards.items()
                     for st in index.replicas(shard) if st.batches]
@@ -173,7 +195,8 @@ class _StoreCollector:
                 age.add_metric(key, max(0.0, now - st.engine_ts))
                 lag.add_metric(key, max(0.0, st.applied_ts - st.engine_ts))
                 gaps.add_metric(key, st.seq_gaps)
-        yield from (batches, blocks, age, lag, gaps)
+                removed.add_metric(key, st.removed)
+        yield from (batches, blocks, age, lag, gaps, removed)
         yield GaugeMetricFamily("kvidx_replica_series_omitted", "Replicas left out of the per-replica "
                                 "series (more than MAX_REPLICA_SERIES applied batches)", value=omitted)
 
@@ -245,6 +268,9 @@ class ServiceMetrics:
         self.best_resumable = Counter("kvidx_lookup_best_resumable_tokens",
                                       "Resumable tokens of the best replica, summed over lookups",
                                       ["model"], registry=self.registry)
+        self.below_gpu = Counter("kvidx_lookup_below_gpu_tokens", "Prompt tokens cached on some replica "
+                                 "but on none in GPU memory (host memory, disk, a shared cache), summed "
+                                 "over lookups", ["model"], registry=self.registry)
         self.credited = Counter("kvidx_routes_credited_tokens", "Tokens credited on the replicas routed to",
                                 ["model"], registry=self.registry)
         self.usage_prompt = Counter("kvidx_usage_prompt_tokens", "Prompt tokens of engine usage reports",
@@ -263,7 +289,7 @@ class ServiceMetrics:
         self.registry.register(_StoreCollector(store))
         self._latency = {f: self.latency.labels(form=f) for f in FORMS}
         self._counts: dict[tuple[str, int], Counter] = {}
-        self._per_model: dict[str, tuple[Counter, Counter]] = {}
+        self._per_model: dict[str, tuple[Counter, Counter, Counter]] = {}
 
     def observe(self, form: str, status: int, seconds: float | None = None) -> None:
         c = self._counts.get((form, status))
@@ -273,14 +299,17 @@ class ServiceMetrics:
         if seconds is not None:
             self._latency[form].observe(seconds)
 
-    def answered(self, model: str, prompt_tokens: int, best_resumable: int) -> None:
+    def answered(self, model: str, prompt_tokens: int, best_resumable: int, below_gpu: int = 0) -> None:
         """Only called for known models: label values never come from unchecked client input."""
         pm = self._per_model.get(model)
         if pm is None:
             pm = self._per_model[model] = (self.prompt_tokens.labels(model=model),
-                                           self.best_resumable.labels(model=model))
+                                           self.best_resumable.labels(model=model),
+                                           self.below_gpu.labels(model=model))
         pm[0].inc(prompt_tokens)
         pm[1].inc(best_resumable)
+        if below_gpu:
+            pm[2].inc(below_gpu)
 
     def fanout(self, seconds: float, missing_groups: int) -> None:
         self.fanout_seconds.observe(seconds)

@@ -150,8 +150,9 @@ class QueryPipeline:
 
     def answer_json(self, shard: ModelShard, hashes: list[int], n_tokens: int, rank: bool = False,
                     top_k: int | None = None, feedback: index.Feedback | None = None
-                    ) -> tuple[bytes, int, int]:
-        """`answer` as JSON (kvidx.index.answer_json): (bytes, best resumable tokens, replicas)."""
+                    ) -> tuple[bytes, int, int, int]:
+        """`answer` as JSON (kvidx.index.answer_json): (bytes, best resumable tokens, replicas, tokens
+        below GPU memory)."""
         self.check_top_k(top_k)
         model = shard.model
         return index.answer_json(shard, hashes, n_tokens, self.pricer(model), time.time(), rank=rank,

@@ -77,6 +77,9 @@ class ReplicaState(msgspec.Struct):
     group: int = 0  # the replica group its events come in (EventBatch.replica_group; kvidx.core.groups)
     host_tier: int = 0  # EventBatch.host_tier_blocks: loading a host block frees the host's oldest
     external_after_local: int = 0  # EventBatch.external_after_local, once seen (a sticky engine trait)
+    # (block, tier, group) entries its removal events took out, clears aside: the rate is the replica's
+    # cache pressure (evictions and demotions per second)
+    removed: int = 0
 
 
 class GroupIndex:
@@ -433,6 +436,7 @@ class ModelShard:
             st.router_keys -= gone
         elif gone:
             st.blocks -= gone
+            st.removed += gone
             st.group_blocks[ev.group] = st.group_blocks.get(ev.group, 0) - gone
         self.blocks_applied += len(ev.hashes)
 
@@ -488,8 +492,10 @@ class ModelShard:
     def stats(self) -> dict:
         return {
             "replicas": len(self.replicas),
+            # per tier, the distinct blocks held there by any replica: the working set by tier
             "groups": {gid: {"kind": g.kind, "blocks": len(g.any),
-                             "entries": sum(len(d) for d in g.tiers.values())}
+                             "entries": sum(len(d) for d in g.tiers.values()),
+                             "tiers": {TIERS[t]: len(d) for t, d in sorted(g.tiers.items())}}
                        for gid, g in self.groups.items()},
             "blocks_applied": self.blocks_applied,
             "tail_keys": self.tail_keys,

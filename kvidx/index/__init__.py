@@ -19,6 +19,7 @@ from kvidx.index.lookups import (  # noqa: F401 - the read side's one API
     Feedback,
     answer,
     answer_json,
+    below_gpu,
     credited,
     lookup,
     merge,
@@ -27,7 +28,7 @@ from kvidx.index.lookups import (  # noqa: F401 - the read side's one API
     queues,
     replica_plan,
 )
-from schemas.events import TIER_IDS
+from schemas.events import TIER_IDS, TIERS
 
 holders = slots_of  # the slots of a mask, lowest first
 HOST = ("CPU", "NODE_SHARED", "POOL")  # host memory: an engine's own, a node's, a Mooncake Store's "cpu"
@@ -80,6 +81,15 @@ def keys_total(shard: ModelShard | None) -> int:
 def keys_by_group(shard: ModelShard) -> list[tuple[int, int]]:
     """(group, distinct block keys it holds in any tier), by group."""
     return [(gid, len(g.any)) for gid, g in sorted(shard.groups.items())]
+
+
+def working_set(shard: ModelShard) -> dict[str, int]:
+    """tier -> distinct blocks of the lookup group (the first full-attention one) any replica holds
+    there; "any": in some tier (pools as stored)."""
+    g = shard._lookup_group(None)
+    if g is None:
+        return {}
+    return {**{TIERS[t]: len(m) for t, m in sorted(g.tiers.items())}, "any": len(g.any)}
 
 
 def prefix_hits(shard: ModelShard, hashes: list[int], tier: str | None = None) -> dict[int, int]:

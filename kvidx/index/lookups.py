@@ -10,6 +10,7 @@ these. Callers hold the store's lock as for any read; `now` is the caller's cloc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
@@ -87,10 +88,11 @@ def answer(shard: ModelShard, hashes: list[int], n_tokens: int, pricer: Pricer, 
 
 def answer_json(shard: ModelShard, hashes: list[int], n_tokens: int, pricer: Pricer, now: float, *,
                 rank: bool = False, top_k: int | None = None, feedback: Feedback | None = None,
-                prefetch_bytes: int | None = None) -> tuple[bytes, int, int]:
-    """`answer` as JSON: (bytes, the first replica's resumable tokens, how many replicas). Written by
-    the compiled core where the shard allows (kvidx.core.walk.lookup_json), else the typed answer encoded;
-    the same answer either way (tests/unit/index_service/test_answer_json.py)."""
+                prefetch_bytes: int | None = None) -> tuple[bytes, int, int, int]:
+    """`answer` as JSON: (bytes, the first replica's resumable tokens, how many replicas, its tokens
+    below GPU memory: `below_gpu`). Written by the compiled core where the shard allows
+    (kvidx.core.walk.lookup_json), else the typed answer encoded; the same answer either way
+    (tests/unit/index_service/test_answer_json.py)."""
     # feedback caps, and a rank's prefetch plan, need the structs
     if not _feedback_on(feedback, shard.model) and not (rank and prefetch_bytes is not None):
         fast = walk.lookup_json(shard, hashes, n_tokens, now, pricer.per_token, pricer.load_cost, rank,
@@ -100,7 +102,16 @@ def answer_json(shard: ModelShard, hashes: list[int], n_tokens: int, pricer: Pri
     out = answer(shard, hashes, n_tokens, pricer, now, rank=rank, top_k=top_k, feedback=feedback,
                  prefetch_bytes=prefetch_bytes)
     replicas = out.replicas
-    return _encode(out), replicas[0].resumable_tokens if replicas else 0, len(replicas)
+    return _encode(out), replicas[0].resumable_tokens if replicas else 0, len(replicas), below_gpu(replicas)
+
+
+def below_gpu(replicas: Sequence[ReplicaAnswer]) -> int:
+    """The prompt's tokens cached below GPU memory only, among the replicas answered: the longest
+    prefix cached in any tier minus the longest one in GPU memory (a replica's first tier run). A
+    signal for capacity: reuse the fleet serves from host memory, disk or a shared cache."""
+    cached = max((r.cached_tokens for r in replicas), default=0)
+    gpu = max((r.tiers[0].tokens for r in replicas if r.tiers and r.tiers[0].tier == "GPU"), default=0)
+    return max(0, cached - gpu)
 
 
 def merge(parts: list[list[ReplicaAnswer]], rank: bool = False, top_k: int | None = None

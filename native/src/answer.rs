@@ -211,7 +211,7 @@ pub fn lookup_json<'py>(
     top_k: Option<usize>,
     tails: Option<&Bound<'py, PyDict>>,
     fields: Option<&Bound<'py, ReplicaFields>>,
-) -> PyResult<(Bound<'py, PyBytes>, i64, usize)> {
+) -> PyResult<(Bound<'py, PyBytes>, i64, usize, i64)> {
     let bs = block_size;
     let rd = Reader { fields: fields.map(|f| f.get()) };
     let mut rows: Vec<Row<'py>> = Vec::with_capacity(states.len());
@@ -371,5 +371,6 @@ pub fn lookup_json<'py>(
     }
     out.extend_from_slice(b"]}");
     let best = rows.first().map(|r| r.resumable).unwrap_or(0);
-    Ok((PyBytes::new(py, &out), best, rows.len()))
+    let cached = rows.iter().map(|r| r.cached).max().unwrap_or(0);
+    Ok((PyBytes::new(py, &out), best, rows.len(), cached))
 }

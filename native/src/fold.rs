@@ -55,9 +55,9 @@ const B_EXTERNAL_AFTER_LOCAL: usize = 11;
 const B_REPLICA: usize = 12;
 const B_DP_RANK: usize = 13;
 
-const S_NAMES: [&str; 19] = ["slot", "epoch", "seq", "part", "duplicates", "seq_gaps", "host_tier", "lookahead",
+const S_NAMES: [&str; 20] = ["slot", "epoch", "seq", "part", "duplicates", "seq_gaps", "host_tier", "lookahead",
                              "blocks", "group_blocks", "unit", "group", "recompute", "block_size", "engine_ts",
-                             "relay_ts", "applied_ts", "batches", "external_after_local"];
+                             "relay_ts", "applied_ts", "batches", "external_after_local", "removed"];
 const S_SLOT: usize = 0;
 const S_EPOCH: usize = 1;
 const S_SEQ: usize = 2;
@@ -77,6 +77,7 @@ const S_RELAY_TS: usize = 15;
 const S_APPLIED_TS: usize = 16;
 const S_BATCHES: usize = 17;
 const S_EXTERNAL_AFTER_LOCAL: usize = 18;
+const S_REMOVED: usize = 19;
 
 // BlocksStored and BlocksRemoved share these first five; BlocksStored adds the last two
 const E_NAMES: [&str; 7] = ["tier", "group", "hashes", "tail", "router_keys", "copy", "block_size"];
@@ -112,6 +113,7 @@ struct Plan<'py> {
     block_size: Option<Bound<'py, PyAny>>,  // the engine's block size, when the batch names one
     slot: i64,
     blocks: i64,
+    removed: i64,
     unit: i64,
     seq_gaps: Option<i64>,  // the replica's new count, when the batch skipped some
     batches: i64,  // the replica's new count
@@ -122,6 +124,7 @@ struct Plan<'py> {
 /// Python fold has counted the events before it by then).
 struct Counts<'py> {
     blocks: i64,
+    removed: i64,
     unit: i64,
     applied: usize,
     groups: Vec<(Bound<'py, PyAny>, i64)>,  // group -> change of live entries, in first-change order
@@ -259,12 +262,13 @@ impl Folder {
             Some(v) if v > 0 => Some(Bound::from_borrowed_ptr(py, bs)),
             _ => return Ok(None),
         };
-        let (Some(slot), Some(blocks), Some(unit), Some(gaps), Some(batches)) =
-            (r_.int(s, S_SLOT), r_.int(s, S_BLOCKS), r_.int(s, S_UNIT), r_.int(s, S_SEQ_GAPS), r_.int(s, S_BATCHES))
+        let (Some(slot), Some(blocks), Some(removed), Some(unit), Some(gaps), Some(batches)) =
+            (r_.int(s, S_SLOT), r_.int(s, S_BLOCKS), r_.int(s, S_REMOVED), r_.int(s, S_UNIT), r_.int(s, S_SEQ_GAPS),
+             r_.int(s, S_BATCHES))
         else {
             return Ok(None);
         };
-        if [blocks, gaps, batches].iter().any(|v| !(-BIG..BIG).contains(v)) {
+        if [blocks, removed, gaps, batches].iter().any(|v| !(-BIG..BIG).contains(v)) {
             return Ok(None);
         }
         let gb = r_.get(s, S_GROUP_BLOCKS);
@@ -284,7 +288,8 @@ impl Folder {
             return Ok(None);
         }
         let group_blocks = Bound::from_borrowed_ptr(py, gb).cast_into::<PyDict>()?;
-        Ok(Some(Plan { steps, fields, block_size, slot, blocks, unit, seq_gaps, batches: batches + 1, group_blocks }))
+        Ok(Some(Plan { steps, fields, block_size, slot, blocks, removed, unit, seq_gaps, batches: batches + 1,
+                       group_blocks }))
     }
 
     /// The apply pass, event by event in the Python fold's order (a removal's journal entry before
@@ -329,6 +334,7 @@ impl Folder {
                     let any = any.cast::<MaskMap>()?.clone();
                     MaskMap::remove(d, s.hashes.as_any(), plan.slot, Some(others.as_any()), Some(any))?
                 };
+                c.removed += gone as i64;
                 -(gone as i64)
             };
             if n != 0 {
@@ -351,6 +357,9 @@ impl Folder {
         unsafe {
             if c.blocks != 0 {
                 self.replica.set_int(st, S_BLOCKS, plan.blocks + c.blocks)?;
+            }
+            if c.removed != 0 {
+                self.replica.set_int(st, S_REMOVED, plan.removed + c.removed)?;
             }
             if c.unit != plan.unit {
                 self.replica.set_int(st, S_UNIT, c.unit)?;
@@ -456,7 +465,7 @@ impl Folder {
             }
         };
         // from here on the batch is folded
-        let mut counts = Counts { blocks: 0, unit: plan.unit, applied: 0, groups: Vec::new() };
+        let mut counts = Counts { blocks: 0, removed: 0, unit: plan.unit, applied: 0, groups: Vec::new() };
         let done = Self::run_steps(journal, &plan, &mut counts);
         self.write_counts(shard, s, &plan, &counts)?;
         done?;

@@ -148,7 +148,7 @@ def test_lookup_answer_counts_the_partial_block_in_its_tier_and_block_hashes_do_
     (r,) = pipe.lookup(LookupRequest(model="m", token_ids=prompt)).replicas
     assert (r.cached_tokens, r.resumable_tokens) == (50, 50)
     assert [(t.tier, t.tokens) for t in r.tiers] == [("CPU", 50)]
-    body, best, n = pipe.answer_json(*pipe.prompt(LookupRequest(model="m", token_ids=prompt)))
+    body, best, n, _ = pipe.answer_json(*pipe.prompt(LookupRequest(model="m", token_ids=prompt)))
     assert best == 50 and json.loads(body)["replicas"][0]["cached_tokens"] == 50  # the typed answer
     hashes = prompt_hashes(prompt, 16)
     (r,) = pipe.lookup(LookupRequest(model="m", block_hashes=hashes, prompt_tokens=len(prompt))).replicas

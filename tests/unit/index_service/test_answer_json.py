@@ -14,6 +14,7 @@ import pytest
 import index_service.query as query_mod
 from index_service.query import QueryPipeline
 from index_service.store import ShardStore
+from kvidx import index
 from kvidx.core import maskmap, walk
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
@@ -51,9 +52,10 @@ def _store(r: random.Random, tier: str = "GPU") -> tuple[ShardStore, list[list[i
 
 def _both(pipe: QueryPipeline, shard, hashes, n, rank, top_k, monkeypatch):
     monkeypatch.setattr(query_mod.time, "time", lambda: NOW)
-    body, best, count = pipe.answer_json(shard, hashes, n, rank, top_k)
-    typed = msgspec.to_builtins(pipe.answer(shard, hashes, n, rank, top_k))
-    return json.loads(body), best, count, typed
+    body, best, count, below = pipe.answer_json(shard, hashes, n, rank, top_k)
+    answer = pipe.answer(shard, hashes, n, rank, top_k)
+    assert below == index.below_gpu(answer.replicas)  # the tokens below GPU memory: the typed answer's
+    return json.loads(body), best, count, msgspec.to_builtins(answer)
 
 
 @pytest.mark.skipif(not NATIVE, reason="kvidx_native is not built here")

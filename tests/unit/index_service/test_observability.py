@@ -169,3 +169,19 @@ def test_dashboard_queries_exported_series():
     for p in dash["panels"]:
         g = p["gridPos"]
         assert g["x"] + g["w"] <= 24
+
+
+def test_the_autoscaler_configuration_in_operations_md_queries_exported_series():
+    """docs/operations.md's KEDA example reads series the service exports (issue 41's signals)."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("## Autoscaling on the index's signals", 1)[1]
+    (yaml,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    used = set(re.findall(r"\bkvidx_[a-z_]+", yaml))
+    assert {"kvidx_lookup_below_gpu_tokens_total", "kvidx_replica_blocks_removed_total"} <= used
+    app = create_app(seeded_store(), max_tokens=64)
+    app.state.metrics.answered(MODEL, 10, 5, 3)
+    exported = sample_names(app.state.metrics.registry.collect())
+    missing = sorted(used - exported)
+    assert not missing, f"operations.md's autoscaler queries series nobody exports: {missing}"
+    table = set(re.findall(r"\bkvidx_[a-z_]+", section.split("```yaml")[0]))
+    assert not sorted(table - exported), "operations.md's signal table names series nobody exports"
