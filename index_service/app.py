@@ -63,7 +63,7 @@ from index_service.context import ServiceContext, kv, log
 from index_service.dynamo_api import DynamoRegistry, add_dynamo_routes
 from index_service.errors import one_error_shape
 from index_service.guard import DEFAULT_RATES
-from index_service.hot_path import DynamoQueryPath, HotPath, LookupApp
+from index_service.hot_path import HotPath, LookupApp
 from index_service.limits import Buckets, RateLimits
 from index_service.lmcache_api import add_lmcache_routes
 from index_service.lookup_routes import add_binary_lookup, add_json_lookup
@@ -129,10 +129,8 @@ def create_app(store: ShardStore, *, max_tokens: int = 1_000_000, auth_token: st
         add_dynamo_routes(app, store, dynamo, fanout, metrics)
     if lmcache_lookup is not None:
         add_lmcache_routes(app, ctx, lmcache_lookup)
-    app.hot = HotPath(ctx, credentials)  # the routers' lookups, before the middleware below
-    if dynamo is not None:
-        app.add_middleware(DynamoQueryPath, ctx=ctx, dynamo=dynamo)  # its /query, past the router
-    if conductor is not None:  # outside Dynamo's /query: its msgpack /query goes first
+    app.hot = HotPath(ctx, credentials, dynamo)  # the routers' lookups, before the middleware below
+    if conductor is not None:  # its msgpack /query (HotPath leaves it)
         app.add_middleware(ConductorPaths, store=store, registry=conductor, fanout=fanout, metrics=metrics)
     app.add_middleware(RateLimits, buckets=Buckets(DEFAULT_RATES if rate_limits is None else rate_limits),
                        credentials=credentials, refused=metrics.rate_limited)

@@ -53,7 +53,7 @@ READ, WRITE, ADMIN = "read", "write", "admin"
 SCOPES = (READ, WRITE, ADMIN)
 
 # the scope each path needs, whatever the method (a method the route lacks answers 405 once authorized);
-# None: open. Paths the middlewares take (hot_path, DynamoQueryPath, ConductorPaths) are here too.
+# None: open. Paths taken before the routes (hot_path, ConductorPaths) are here too.
 PATH_SCOPES: dict[str, str | None] = {
     "/healthz": None,
     "/metrics": None,

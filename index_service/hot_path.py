@@ -1,8 +1,9 @@
 """The lookups routers make on every request, taken straight to their handlers: POST /v1/lookup,
-/v1/rank and /v1/lookup/binary before the app's middleware stack (`LookupApp`: no route matching,
-dependency solving, error and body-limit middleware, about a quarter of a hashed lookup's CPU in the
-app), the bearer token checked here; Dynamo's POST /query, where its API is on, as a middleware after
-Mooncake conductor's (which takes the same path for msgpack bodies). The handlers are the very ones
+/v1/rank and /v1/lookup/binary, and Dynamo's POST /query and /query_by_hash where its API is on,
+before the app's middleware stack (`LookupApp`: no route matching, dependency solving, error and
+body-limit middleware, about a quarter of a hashed lookup's CPU in the app), the bearer token checked
+here. A msgpack /query is Mooncake conductor's (index_service.conductor_api.ConductorPaths, a
+middleware): left to it. The handlers are the very ones
 the FastAPI routes call (lookup_routes), so answers, errors, metrics and logs are the same; the
 routes stay registered for the OpenAPI document and for any method or path this does not take.
 Each class that takes paths before the app's routes lists them in `paths` ((method, path) pairs), so
@@ -17,11 +18,12 @@ from fastapi_offline import FastAPIOffline
 from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from index_service.auth import READ, Credentials
+from index_service.conductor_api import is_msgpack
 from index_service.context import ServiceContext
-from index_service.dynamo_api import query_handler
+from index_service.dynamo_api import MAX_QUERY_BODY, QueryByHashRequest, QueryRequest, query_handler
 from index_service.lookup_routes import binary_lookup, json_lookup
 
 _NO_PARAMS = QueryParams(b"")  # immutable: one for every request without a query string
@@ -85,19 +87,32 @@ class LookupRequest:
 
 
 class HotPath:
-    """The routers' lookups (and their bearer token, scope `read`), taken before the app's middleware."""
+    """The routers' lookups (and their bearer token, scope `read`), taken before the app's middleware.
+    `dynamo`: Dynamo's indexer API (index_service.dynamo_api.DynamoRegistry), when it is on."""
 
     paths = (("POST", "/v1/lookup"), ("POST", "/v1/rank"), ("POST", "/v1/lookup/binary"))
+    dynamo_paths = (("POST", "/query"), ("POST", "/query_by_hash"))
 
-    def __init__(self, ctx: ServiceContext, credentials: Credentials | None):
+    def __init__(self, ctx: ServiceContext, credentials: Credentials | None, dynamo=None):
         self.ctx = ctx
         self.credentials = credentials
-        # path -> (its handler, the largest body it reads: ServiceContext.read_body refuses more, 413)
+        # path -> (its handler, the largest body it reads: the handler refuses more, 413)
         self.routes = {
             "/v1/lookup": (lambda request: json_lookup(ctx, request, "json", rank=False), ctx.max_json_bytes),
             "/v1/rank": (lambda request: json_lookup(ctx, request, "rank", rank=True), ctx.max_json_bytes),
             "/v1/lookup/binary": (lambda request: binary_lookup(ctx, request), ctx.max_binary_bytes),
         }
+        if dynamo is not None:
+            self.paths = self.paths + self.dynamo_paths
+            for path, typ in (("/query", QueryRequest), ("/query_by_hash", QueryByHashRequest)):
+                self.routes[path] = (lambda request, typ=typ: query_handler(
+                    ctx.store, dynamo, request, ctx.fanout, typ, ctx.metrics), MAX_QUERY_BODY)
+
+    @staticmethod
+    def leaves(path: str, content_type: bytes | None) -> bool:
+        """Whether a request on a path taken here is left to the app all the same: a msgpack /query is
+        Mooncake conductor's."""
+        return path == "/query" and content_type is not None and is_msgpack(content_type.decode("latin-1"))
 
     @property
     def synchronous(self) -> bool:
@@ -120,6 +135,8 @@ class HotPath:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
         if route is None or scope["method"] != "POST":
             return False
+        if self.leaves(scope["path"], next((v for k, v in scope["headers"] if k == b"content-type"), None)):
+            return False
         response = await self.answer(route[0], LookupRequest(scope, receive))
         await response(scope, receive, send)
         return True
@@ -141,21 +158,3 @@ class LookupApp(FastAPI):
         if self.hot is not None and await self.hot.take(scope, receive, send):
             return
         await super().__call__(scope, receive, send)
-
-
-class DynamoQueryPath:
-    """Dynamo's POST /query past the router (a middleware: after Mooncake conductor's msgpack paths)."""
-
-    paths = (("POST", "/query"),)
-
-    def __init__(self, app: ASGIApp, ctx: ServiceContext, dynamo):
-        self.app = app
-        self.handler = lambda request: query_handler(ctx.store, dynamo, request, ctx.fanout,
-                                                     metrics=ctx.metrics)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/query" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        response = await self.handler(LookupRequest(scope, receive))
-        await response(scope, receive, send)

@@ -6,9 +6,10 @@ A lookup needs none of it: its body is read in full here, the same handler Looku
 calls (index_service.hot_path) runs to its answer without waiting for anything, and the answer is
 written to the socket at once.
 
-Taken here: POST /v1/lookup, /v1/rank and /v1/lookup/binary with a Content-Length within the form's
-limit, on a connection with no earlier response still being written, when the service answers alone
-(no replica groups split over instances: those lookups wait for the other instances' answers).
+Taken here: POST /v1/lookup, /v1/rank and /v1/lookup/binary (and Dynamo's /query and /query_by_hash
+where its API is on: index_service.hot_path) with a Content-Length within the form's limit, on a
+connection with no earlier response still being written, when the service answers alone (no replica
+groups split over instances: those lookups wait for the other instances' answers).
 Everything else (other paths and methods, chunked or oversized bodies, Expect: 100-continue,
 upgrades, a client not reading its answers) takes uvicorn's path unchanged, where LookupApp still
 takes lookups before the middleware. Keep-alive, its timeout, Connection: close, pipelining and the
@@ -81,12 +82,16 @@ class LookupProtocol(HttpToolsProtocol):
         if route is None:
             return None
         handler, body_limit = route
-        length = None
+        length = ctype = None
         for name, value in self.headers:
             if name == b"content-length":
                 length = value
+            elif name == b"content-type":
+                ctype = value
             elif name == b"transfer-encoding":
                 return None
+        if hot.leaves(path, ctype):
+            return None
         if length is None or not length.isdigit() or int(length) > body_limit:
             return None  # uvicorn's path streams it and refuses what is too large
         version = self.parser.get_http_version()

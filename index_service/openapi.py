@@ -64,7 +64,7 @@ APIS = {"dynamo": ("Dynamo's standalone KV indexer API", "dynamos-indexer-api"),
                    "sglangs-external-indexer-grpc")}
 _API_OF_MODULE = {"index_service.dynamo_api": "dynamo", "index_service.lmcache_api": "lmcache",
                   "index_service.sglang_indexer": "sglang"}
-_API_OF_MIDDLEWARE = {"ConductorPaths": "conductor", "DynamoQueryPath": "dynamo"}
+_API_OF_MIDDLEWARE = {"ConductorPaths": "conductor"}
 # (api, METHOD, path) -> (what it does, request content type or None, {status: answer})
 OPERATIONS: dict[tuple[str, str, str], tuple[str, str | None, dict[str, str]]] = {
     ("dynamo", "POST", "/register"): (
@@ -128,8 +128,10 @@ def served_routes(app: FastAPI) -> dict[tuple[str, str], set[str]]:
         api = _API_OF_MODULE.get(getattr(getattr(route, "endpoint", None), "__module__", ""), "kvidx")
         for method in methods - {"HEAD"}:
             served.setdefault((method, path), set()).add(api)
-    for method, path in getattr(getattr(app, "hot", None), "paths", ()):
-        served.setdefault((method, path), set()).add("kvidx")
+    hot = getattr(app, "hot", None)
+    for method, path in getattr(hot, "paths", ()):  # Dynamo's lookups too, where its API is on
+        api = "dynamo" if (method, path) in hot.dynamo_paths else "kvidx"
+        served.setdefault((method, path), set()).add(api)
     for middleware in app.user_middleware:
         cls = getattr(middleware, "cls", None)
         for method, path in getattr(cls, "paths", ()):

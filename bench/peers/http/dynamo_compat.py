@@ -107,8 +107,9 @@ def settled(base_url: str, prompt: list[int], timeout_s: float = 10.0):
 
 
 KVIDX_SERVER = """
-import sys, uvicorn
+import sys
 from index_service.app import create_app
+from index_service.http_protocol import serve
 from index_service.dynamo_api import DynamoRegistry
 from index_service.store import ShardStore
 from relays.managed import vllm_relay_starter
@@ -116,7 +117,7 @@ from relays.sinks import StoreSink
 store = ShardStore(16)
 store.ready = True
 app = create_app(store, dynamo=DynamoRegistry(vllm_relay_starter(StoreSink(store), lambda m: 16)))
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+serve(app, "127.0.0.1", int(sys.argv[1]), log_level="warning", access_log=False)  # as `kvidx serve` does
 """
 
 
@@ -125,14 +126,23 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def load(base_url: str, prompts: list[list[int]], pid: int, seconds: float, connections: int) -> dict:
-    """Closed loop: `connections` threads, each sending the prompts' /query in turn for `seconds`;
+def bodies_of(route: str, prompts: list[list[int]], block_size: int) -> list[bytes]:
+    """The routers' request bodies of `route` (/query: token ids; /query_by_hash: Dynamo's block hashes)."""
+    if route == "/query":
+        return [json.dumps({"token_ids": p, "model_name": MODEL}).encode() for p in prompts]
+    return [json.dumps({"block_hashes": [h - (1 << 64) if h >= 1 << 63 else h
+                                         for h in dynamo_local_hashes(pack_tokens(p), block_size)],
+                        "model_name": MODEL}).encode() for p in prompts]
+
+
+def load(base_url: str, bodies: list[bytes], pid: int, seconds: float, connections: int,
+         route: str = "/query") -> dict:
+    """Closed loop: `connections` threads, each sending the bodies to `route` in turn for `seconds`;
     lookups/s and the server's CPU per lookup."""
     import http.client
     import threading
 
     host, port = base_url.removeprefix("http://").split(":")
-    bodies = [json.dumps({"token_ids": p, "model_name": MODEL}).encode() for p in prompts]
     done = [0] * connections
     stop = time.monotonic() + seconds
 
@@ -140,7 +150,7 @@ def load(base_url: str, prompts: list[list[int]], pid: int, seconds: float, conn
         conn = http.client.HTTPConnection(host, int(port), timeout=10)
         i = k
         while time.monotonic() < stop:
-            conn.request("POST", "/query", body=bodies[i % len(bodies)],
+            conn.request("POST", route, body=bodies[i % len(bodies)],
                          headers={"Content-Type": "application/json"})
             r = conn.getresponse()
             r.read()
@@ -184,16 +194,30 @@ def bench(args) -> int:
             prompts.append(r["prompt_token_ids"])
         for base, _ in bases.values():
             settled(base, prompts[-1])
-        same = sum(query(bases["dynamo"][0], p) == query(bases["kvidx"][0], p) for p in prompts)
-        print(f"identical answers on the final state: {same} of {len(prompts)}", file=sys.stderr)
-        results = {}
+        ask = {"/query": lambda base, p: query(base, p),
+               "/query_by_hash": lambda base, p: query_by_hash(base, p, args.block_size)}
+        mismatches = {route: sum(f(bases["dynamo"][0], p) != f(bases["kvidx"][0], p) for p in prompts)
+                      for route, f in ask.items()}
+        print(f"answers that differ on the final state, of {len(prompts)}: {mismatches}", file=sys.stderr)
+        results: dict = {}
         for rnd in range(args.rounds):
-            for conns in (1, 4):
-                for name, (base, pid) in bases.items():
-                    res = load(base, prompts, pid, args.seconds, conns)
-                    results.setdefault(f"{name} x{conns}", []).append(res)
-                    print(f"round {rnd + 1} {name} {conns} connection(s): {res}", file=sys.stderr)
-        print(json.dumps({"identical": same, "queries": len(prompts), "results": results}))
+            for route in ask:
+                bodies = bodies_of(route, prompts, args.block_size)
+                for conns in (1, 4):
+                    for name, (base, pid) in bases.items():
+                        res = load(base, bodies, pid, args.seconds, conns, route)
+                        results.setdefault(route, {}).setdefault(f"{name} x{conns}", []).append(res)
+                        print(f"round {rnd + 1} {route} {name} {conns} connection(s): {res}", file=sys.stderr)
+
+        def median_cpu(route: str, name: str) -> float:
+            runs = sorted(r["server_cpu_us_per_lookup"] for r in results[route][f"{name} x4"])
+            return runs[len(runs) // 2]
+
+        routes = {route: {"kvidx_cpu_us": median_cpu(route, "kvidx"),
+                          "peer_cpu_us": median_cpu(route, "dynamo"), "mismatches": mismatches[route]}
+                  for route in ask}
+        print(json.dumps({"queries": len(prompts), "rounds": args.rounds, "connections": 4, "routes": routes,
+                          "results": results}))
         return 0
     finally:
         for p in procs:
@@ -283,9 +307,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=4,
                     help="dynserver --threads (default: 4, its production one)")
     ap.add_argument("--out", type=Path, help="the fixture to write")
-    ap.add_argument("--bench", action="store_true",
-                    help="instead: feed Dynamo's indexer and kvidx the same traffic and compare /query "
-                         "lookups/s and server CPU per lookup (closed loop, 1 and 4 connections)")
+    ap.add_argument("--bench", "--json", action="store_true",
+                    help="instead: feed Dynamo's indexer and kvidx the same traffic and compare /query and "
+                         "/query_by_hash lookups/s and server CPU per lookup (closed loop, 1 and 4 "
+                         "connections); the last line is JSON: {\"routes\": {ROUTE: {\"kvidx_cpu_us\", "
+                         "\"peer_cpu_us\", \"mismatches\"}}} (medians over rounds, 4 connections)")
     ap.add_argument("--dump", action="store_true",
                     help="instead: compare Dynamo's and kvidx's GET /dump on the same traffic (writes "
                          "Dynamo's, block by block, to --out), and check that a Dynamo indexer started "

@@ -40,7 +40,8 @@ def store() -> ShardStore:
     """Replica a: the prompt's 8 blocks in host memory (CPU) and its first 2 in GPU memory too;
     replica b: the first 3 in GPU memory, of which it then evicts the third."""
     s = ShardStore(index_block_size=BS)
-    s.apply(_batch("a", 0, [BlocksStored("CPU", 0, HASHES, None, 0), BlocksStored("GPU", 0, HASHES[:2], None, 0)]))
+    s.apply(_batch("a", 0, [BlocksStored("CPU", 0, HASHES, None, 0),
+                            BlocksStored("GPU", 0, HASHES[:2], None, 0)]))
     s.apply(_batch("b", 0, [BlocksStored("GPU", 0, HASHES[:3], None, 0)]))
     s.apply(_batch("b", 1, [BlocksRemoved("GPU", 0, HASHES[2:3])]))
     return s

@@ -210,3 +210,45 @@ def test_lookups_leave_no_garbage_cycles(served):
             gc.garbage.clear()
             gc.enable()
     assert garbage == []
+
+
+def test_dynamos_queries_are_taken_and_the_conductors_msgpack_query_is_not(taken):
+    """Dynamo's POST /query and /query_by_hash are answered in the protocol, as on uvicorn's path; a
+    msgpack /query is Mooncake conductor's (its middleware), never taken here."""
+    from index_service.conductor_api import ConductorRegistry
+    from index_service.dynamo_api import DynamoRegistry
+    from relays.managed import vllm_relay_starter
+    from relays.sinks import StoreSink
+
+    store = seeded_store()
+    starter = vllm_relay_starter(StoreSink(store), lambda model: 16)
+    dynamo, conductor = DynamoRegistry(starter), ConductorRegistry(starter)
+    app = create_app(store, dynamo=dynamo, conductor=conductor, max_tokens=4096)
+    cases = [("/query", msgspec.json.encode({"token_ids": TOKENS, "model_name": MODEL})),
+             ("/query_by_hash", msgspec.json.encode({"block_hashes": [1, -2, 3], "model_name": MODEL})),
+             ("/query", b'{"token_ids": [1]}'), ("/query", b"{")]
+    try:
+        with ServerThread(app) as url:
+            port = int(url.rsplit(":", 1)[1])
+            register = {"instance_id": 1, "endpoint": "tcp://127.0.0.1:9", "model_name": MODEL,
+                        "block_size": 16}
+            assert httpx.post(f"{url}/register", json=register).status_code == 201
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                for path, body in cases:
+                    sock.sendall(post(path, body, "Content-Type: application/json"))
+                    (status, _, got), = read_responses(sock, 1)
+                    sock.sendall(post(path, chunked(body), "Content-Type: application/json",
+                                      "Transfer-Encoding: chunked"))
+                    (want_status, _, want), = read_responses(sock, 1)
+                    assert (status, got) == (want_status, want), path
+                assert taken == [p for p, _ in cases]  # the first of each pair
+                msgpack_query = {"model": MODEL, "block_size": 16, "token_ids": TOKENS}
+                sock.sendall(post("/query", msgspec.msgpack.encode(msgpack_query),
+                                  "Content-Type: application/msgpack"))
+                (status, headers, got), = read_responses(sock, 1)
+                assert status == 200 and headers["content-type"] == "application/msgpack"
+                assert "instances" in msgspec.msgpack.decode(got)
+                assert len(taken) == len(cases)  # the conductor's was left to its middleware
+    finally:
+        dynamo.stop_all()
+        conductor.stop_all()
