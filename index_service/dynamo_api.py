@@ -566,17 +566,23 @@ async def _raw_body(request: Request, limit: int) -> bytes | Response:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
         return _text(415, "Expected request with `Content-Type: application/json`")
-    too_large = _text(413, "Failed to buffer the request body: length limit exceeded")
     cl = request.headers.get("content-length", "")
     if cl.isascii() and cl.isdigit() and int(cl) > limit:
-        return too_large  # refused before a byte of it is read
+        return _too_large()  # refused before a byte of it is read
+    whole = getattr(request, "whole_body", None)  # read in full already (index_service.hot_path)
+    if whole is not None:
+        return whole if len(whole) <= limit else _too_large()
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            return too_large
+            return _too_large()
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _too_large() -> Response:
+    return _text(413, "Failed to buffer the request body: length limit exceeded")
 
 
 def _decode_body(body: bytes, typ: type):
