@@ -47,6 +47,12 @@ Replica groups held by other instances (index_service.fanout):
 - kvidx_fanout_seconds                      histogram of the wait for the other instances' answers
 - kvidx_fanout_partial_total                lookups answered without some groups (no live holder,
                                             an error or the timeout: the answer says `partial`)
+Hints (the prefetch gate, kvidx.core.hints.PrefetchGate; per model whose hints.prefetch is on):
+- kvidx_hints_issued_total{model,kind}      plans issued (kind: prefetch)
+- kvidx_hints_declined_total{model,kind}    plans not issued: they could not pay (net gain <= margin)
+- kvidx_hints_throttled_total{model,kind}   plans that could, withheld while the kind's bets lose
+- kvidx_hint_payoff_ratio{model,kind}       paid-off share of the last 64 issued plans whose usage
+                                            report came (POST /v1/usage: the engine reused their tokens)
 Abuse:
 - kvidx_rate_limited_total{scope}           write and admin requests refused (429) past a client's
                                             budget (index_service.limits; scope: write or admin)
@@ -72,6 +78,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from index_service.store import ShardStore
 from kvidx import index
+from kvidx.core.hints import PrefetchGate
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
 from kvidx.core.shard import NATIVE_FOLD
 
@@ -80,6 +87,33 @@ FORMS = ("json", "binary", "rank", "routes", "lmcache")  # lmcache: LMCache's PO
 # Lookups take ~50 us (short prompt, binary) to a few ms (32k tokens as JSON on a loaded box).
 LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3,
                    10e-3, 20e-3, 50e-3)
+
+
+class _HintCollector:
+    """The prefetch gates' counts and pay-off ratios, read at scrape time (`gates`: the query pipeline's,
+    per model; ServiceMetrics.hint_gates)."""
+
+    def __init__(self, metrics: ServiceMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        labels = ["model", "kind"]
+        issued = CounterMetricFamily("kvidx_hints_issued", "Hints issued", labels=labels)
+        declined = CounterMetricFamily("kvidx_hints_declined", "Hints not issued: they could not pay "
+                                       "(net gain at most the margin)", labels=labels)
+        throttled = CounterMetricFamily("kvidx_hints_throttled", "Hints that could pay, withheld while the "
+                                        "kind's recent bets lose", labels=labels)
+        ratio = GaugeMetricFamily("kvidx_hint_payoff_ratio", "Paid-off share of the last issued hints whose "
+                                  "outcome is known", labels=labels)
+        for model, gate in sorted(self.metrics.hint_gates.items()):
+            key = [model, "prefetch"]
+            issued.add_metric(key, gate.issued)
+            declined.add_metric(key, gate.declined)
+            throttled.add_metric(key, gate.throttled)
+            r = gate.payoff_ratio
+            if r is not None:
+                ratio.add_metric(key, r)
+        yield from (issued, declined, throttled, ratio)
 
 
 class _StoreCollector:
@@ -287,6 +321,8 @@ class ServiceMetrics:
                                     registry=self.registry)
         self.store = store
         self.registry.register(_StoreCollector(store))
+        self.hint_gates: dict[str, PrefetchGate] = {}  # set to the query pipeline's (ServiceContext)
+        self.registry.register(_HintCollector(self))
         self._latency = {f: self.latency.labels(form=f) for f in FORMS}
         self._counts: dict[tuple[str, int], Counter] = {}
         self._per_model: dict[str, tuple[Counter, Counter, Counter]] = {}

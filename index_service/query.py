@@ -11,6 +11,7 @@ This is the routers' hot path: nothing here loops over tokens in Python.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import NoReturn
 
 from index_service.store import ShardStore
@@ -25,6 +26,7 @@ from index_service.wire import (
 )
 from kvidx import index
 from kvidx.core.hashing import prompt_hashes
+from kvidx.core.hints import PrefetchGate
 from kvidx.core.price import Pricer
 from kvidx.core.sessions import SessionTracker, advice_seconds
 from kvidx.core.shard import ModelShard
@@ -34,6 +36,9 @@ from schemas.routes import ROUTES_VERSION, RouteDecision
 from schemas.usage import USAGE_VERSION, UsageReport
 
 MAX_MODELS_LISTED = 10  # in the 404 for an unknown model
+# issued prefetch plans remembered for their usage reports: a few seconds of routing at thousands of
+# decisions a second (a report comes after the request's prefill); the oldest are forgotten first
+MAX_PREFETCHED = 10_000
 
 
 class QueryPipeline:
@@ -45,6 +50,9 @@ class QueryPipeline:
         self.max_tokens = max_tokens
         self.pricers: dict[str, Pricer] = {}  # per model, from the configuration
         self.trackers: dict[str, SessionTracker] = {}  # per model whose hints.sessions is on
+        self.gates: dict[str, PrefetchGate] = {}  # per model whose hints.prefetch is on
+        # issued plans awaiting their usage report: request id -> (model, the plan's last token)
+        self.prefetched: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def shard(self, model: str) -> ModelShard:
         shard = self.store.shards.get(model)
@@ -128,6 +136,23 @@ class QueryPipeline:
             pricer = self.pricers[model] = Pricer(self.store.config.model(model).price)
         return pricer
 
+    def gate(self, model: str) -> PrefetchGate:
+        """The model's prefetch gate (kvidx.core.hints.PrefetchGate), with its configured delay and margin."""
+        gate = self.gates.get(model)
+        if gate is None:
+            hints = self.store.config.model(model).hints
+            gate = self.gates[model] = PrefetchGate(hints.prefetch_delay_ms / 1000.0,
+                                                    hints.prefetch_margin_ms / 1000.0)
+        return gate
+
+    def hint_outcome(self, u: UsageReport) -> None:
+        """An engine's usage report for a request whose plan was issued: it paid off when the engine
+        reused the plan's tokens (the audit's rule, without the events: `kvidx audit` also checks that the
+        engine loaded them ahead); the gate's throttle learns it."""
+        issued = self.prefetched.pop(u.request_id, None)
+        if issued is not None and issued[0] == u.model:
+            self.gate(u.model).outcome(u.cached_tokens >= issued[1])
+
     def prefetch_bytes(self, model: str) -> int | None:
         """The model's KV bytes per token where the operator turned its prefetch hints on (hints.prefetch
         in its config: ranked answers then carry a plan), else None."""
@@ -166,7 +191,8 @@ class QueryPipeline:
     def route(self, req: RouteRequest) -> tuple[RouteDecision, bool, PrefetchHint | None]:
         """Record a routing decision as pending credit on its replica (published when the store has
         a publisher); False with it if the request id was applied already; and the replica's prefetch
-        plan where the model's hints are on (published on the hints topic when the store has one)."""
+        plan where the model's hints are on and the model's gate issues it (published on the hints topic
+        when the store has one)."""
         if not req.request_id or not req.replica:
             raise Reject(422, "request_id and replica must not be empty")
         ttl = self.store.config.pending_ttl_s if req.ttl_s is None else req.ttl_s
@@ -191,6 +217,12 @@ class QueryPipeline:
                                    hints.kv_bytes_per_token) if hints.prefetch and not elsewhere else None)
         queues = index.queues(shard, d.ts, pricer) if hints.sessions and not elsewhere else {}
         applied = self.store.apply_route(d)
+        if hint is not None and not (applied and self.gate(d.model).admit(hint, d.ts)):
+            hint = None  # a plan that cannot pay, or throttled (or a duplicate's: issued the first time)
+        if hint is not None:
+            self.prefetched[d.request_id] = (d.model, max(r.end for r in hint.runs))
+            if len(self.prefetched) > MAX_PREFETCHED:
+                self.prefetched.popitem(last=False)
         if applied and self.store.publish_route is not None:
             self.store.publish_route(d)
         if applied and hint is not None and self.store.publish_hint is not None:

@@ -43,6 +43,7 @@ async def record_usage(ctx: ServiceContext, request: Request) -> Response:
         req = await ctx.read_json(request, USAGE_DECODER, USAGE_MAX_BYTES)
         model = req.model
         u = usage_report(req)
+        ctx.pipeline.hint_outcome(u)
         publish = ctx.app.state.publish_usage
         if publish is not None:
             publish(u)

@@ -65,6 +65,12 @@ class HintsConfig(msgspec.Struct, forbid_unknown_fields=True):
     sessions: bool = False
     placement_tokens_per_s: float = 100_000.0  # a copy between replicas, for placements
     kv_bytes_per_token: int = 0  # for the bytes a hint moves (0: not reported)
+    # the prefetch gate (kvidx.core.hints.PrefetchGate, issue #41): a plan is issued only when the load it
+    # hides before the request's turn, net of the turn's wait for a late one, beats the margin; the delay
+    # is the decision to the engine loading (the hints topic and the actuator; `kvidx simulate
+    # --hint-delay-ms`'s default): measure yours with `kvidx audit` and raise it if it is longer
+    prefetch_delay_ms: float = 2.0
+    prefetch_margin_ms: float = 1.0  # kvidx.core.hints.MARGIN_S says why 1 ms
     # an LMCache controller that acts on the prefetch hints (kvidx/engines/lmcache/actuator.py): its
     # PULL socket, tcp://host:port; the LMCache instance id of each replica (default: the replica's name),
     # also for LMCache's POST /lookup (index_service/lmcache_api.py)

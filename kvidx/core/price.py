@@ -10,8 +10,6 @@ Computed for every replica of every lookup: kept to a few operations per replica
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
 
 from schemas.answers import Price, ReplicaAnswer
@@ -22,14 +20,6 @@ class PriceConfig(msgspec.Struct, forbid_unknown_fields=True):
     recompute_tokens_per_s: float = 8000.0
     load_tokens_per_s: dict[str, float] = msgspec.field(default_factory=lambda: {
         "GPU": 0.0, "CPU": 150_000.0, "DISK": 40_000.0, "NODE_SHARED": 100_000.0, "POOL": 25_000.0})
-
-
-@dataclass(frozen=True)
-class Overlap:
-    """A prefetch plan the replica follows with probability `compliance`, `delay_s` after the decision:
-    a followed plan's load overlaps the queue wait (max of the two, not their sum)."""
-    compliance: float
-    delay_s: float
 
 
 class Pricer:
@@ -56,23 +46,18 @@ class Pricer:
         queue_s = answer.inflight_prefill_tokens * self.per_token
         return Price(prefill, prefill_s, load_s, queue_s, total_s(prefill_s, load_s, queue_s))
 
-    def cost_s(self, answer: ReplicaAnswer | None, n_tokens: int, queue_s: float, queue_weight: float = 1.0,
-               overlap: Overlap | None = None) -> float:
+    def cost_s(self, answer: ReplicaAnswer | None, n_tokens: int, queue_s: float, queue_weight: float = 1.0
+               ) -> float:
         """The router's cost, in seconds, of sending an `n_tokens` prompt to `answer`'s replica (None:
         nothing cached there) whose queue the caller measured (`queue_s`, weighed by `queue_weight`)."""
         if answer is None or not answer.resumable_tokens:
             return total_s(n_tokens * self.per_token, 0.0, queue_s, queue_weight)
         p = self(answer, n_tokens)
-        return total_s(p.prefill_s, p.load_s, queue_s, queue_weight, overlap)
+        return total_s(p.prefill_s, p.load_s, queue_s, queue_weight)
 
 
-def total_s(prefill_s: float, load_s: float, queue_s: float, queue_weight: float = 1.0,
-            overlap: Overlap | None = None) -> float:
-    """A replica's total: its weighed queue, the load of its cached tokens (overlapping the real queue
-    where a prefetch plan is followed) and the prefill of the rest."""
-    if load_s and overlap is not None:
-        c = overlap.compliance
-        load_s = c * max(0.0, overlap.delay_s + load_s - queue_s) + (1 - c) * load_s
+def total_s(prefill_s: float, load_s: float, queue_s: float, queue_weight: float = 1.0) -> float:
+    """A replica's total: its weighed queue, the load of its cached tokens and the prefill of the rest."""
     return queue_weight * queue_s + load_s + prefill_s
 
 

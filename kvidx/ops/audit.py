@@ -35,6 +35,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvidx.core.hints import WINDOW
 from kvidx.kafka.log import add_kafka_args, bootstrap_of, iso, parse_time, read_range
 from kvidx.ops.hint_audit import audit_hints
 from kvidx.shadow import Agreement
@@ -232,7 +233,8 @@ def table(report: dict) -> str:
         lines.append(f"prefetch hints: {o['issued']} issued, {o['followed']} followed "
                      f"({_fmt(o['followed_rate'])}), {o['paid_off']} paid off ({_fmt(o['paid_off_rate'])}), "
                      f"{o['unreported']} without a usage report; {o['benefit_s']:g} s of load hidden by the "
-                     "paid-off ones")
+                     f"paid-off ones; pay-off ratio of the last {WINDOW}: "
+                     f"{_fmt(o.get('recent_paid_off_rate', 0.0))}")
         for kind in ("placement", "eviction"):
             k = h[kind]
             if k["issued"]:

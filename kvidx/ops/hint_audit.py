@@ -5,7 +5,9 @@ many the engines followed and how many paid off, per model, replica and time win
   GPU in that replica's events, `kvidx.events.v1`) between the hint and its deadline (+ `grace_s`):
   the engine loaded it while the request was queued, not at its turn;
 - paid off: followed, and the engine reused the prefetched prefix (its usage report for the same
-  request id, `kvidx.usage.v1`, counts at least the hint's last prefetched token as cached).
+  request id, `kvidx.usage.v1`, counts at least the hint's last prefetched token as cached). The pay-off
+  ratio overall, per window and of the last WINDOW plans (the span the service's gate throttles on:
+  kvidx.core.hints.PrefetchGate, which learns online from the usage reports alone).
 
 Blocks are the hint's own block hashes (the model's index block size), so nothing but hashes and
 counts is read. A hint without a usage report is counted `unreported` (it cannot have paid off).
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvidx.core.hints import WINDOW
 from schemas.events import BlocksRemoved, BlocksStored, EventBatch
 from schemas.hints import HintRecord
 from schemas.routes import RouteDecision
@@ -128,6 +131,7 @@ def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batc
     for u in usages:
         by_usage.setdefault(u.request_id, u)
     overall = HintTally()
+    paid_flags: list[bool] = []  # the prefetch plans' fates in time order, for the recent ratio
     groups: dict[str, dict] = {"by_model": {}, "by_replica": {}, "over_time": {}}
     sessions: list[HintRecord] = []  # eviction advice and placements
     for h in sorted(hints, key=lambda h: h.ts):
@@ -146,11 +150,15 @@ def audit_hints(hints: Iterable[HintRecord], usages: Iterable[UsageReport], batc
         end = max((r.end for r in h.runs), default=0)
         paid = followed and u is not None and u.cached_tokens >= end
         overall.add(h, followed, u is not None, paid)
+        paid_flags.append(paid)
         for name, key in (("by_model", h.model), ("by_replica", (h.model, h.replica, h.dp_rank)),
                           ("over_time", int((h.ts - t_from) // window_s))):
             groups[name].setdefault(key, HintTally()).add(h, followed, u is not None, paid)
     return {
-        "overall": overall.summary(),  # the prefetch plans
+        # the prefetch plans; recent_paid_off_rate: of the last WINDOW, the span the service's gate
+        # (kvidx.core.hints.PrefetchGate) throttles on
+        "overall": {**overall.summary(), "recent_paid_off_rate": round(sum(paid_flags[-WINDOW:]) / len(
+            paid_flags[-WINDOW:]), 6) if paid_flags else 0.0},
         **audit_session_hints(sessions, routes, batches),
         "by_model": [{"model": k, **t.summary()} for k, t in sorted(groups["by_model"].items())],
         "by_replica": [{"model": m, "replica": r, "dp_rank": d, **t.summary()}

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from kvidx.core.hints import prefetch_hint
+from kvidx.config import HintsConfig
+from kvidx.core.hints import PrefetchGate, prefetch_hint
 from kvidx.core.sessions import Session, SessionTracker
 from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests
 from kvidx.sim.serving import HintCounts, ServingModel
@@ -82,6 +83,8 @@ class HintFollower:
         self.rng = random.Random(cfg.seed + 2)  # its own draws: the routing draws stay the kv run's
         self.compliance = cfg.hint_compliance
         self.delay_s = cfg.hint_delay_ms / 1000.0
+        # the service's decision (kvidx.core.hints.PrefetchGate), at the service's default margin
+        self.gate = PrefetchGate(self.delay_s, HintsConfig().prefetch_margin_ms / 1000.0)
         self.serving = serving
         self.fleet = fleet
         self.index_block = cfg.index_block
@@ -102,15 +105,22 @@ class HintFollower:
 
     # ---- prefetch ----------------------------------------------------------------------------------
     def prefetch(self, ans: ReplicaAnswer | None, name: str, t: float) -> tuple[Any, float | None]:
-        """(the hint for `name`'s answer or None, the time the replica starts on it or None)."""
+        """(the hint for `name`'s answer or None, the time the replica starts on it or None): the plan,
+        issued where the gate says it can pay, as the service issues it."""
         if not self.prefetch_on or ans is None or not ans.resumable_tokens:
             return None, None
         sv = self.serving
         hint = prefetch_hint(ans, sv.pricer, sv.queue_s(name, t))
-        if hint is None:
+        if hint is None or not self.gate.admit(hint, t):
             return None, None
         sv.prefetch.issued += 1
         return hint, (t + self.delay_s if self._follows() else None)
+
+    def prefetched(self, saved_s: float | None) -> None:
+        """A followed plan's outcome (ServingModel.admit's seconds saved; None: none followed), learned
+        by the gate's throttle."""
+        if saved_s is not None:
+            self.gate.outcome(saved_s > 0)
 
     # ---- placement and eviction advice ---------------------------------------------------------------
     def ready_at(self, model: str, hashes: list[int] | None, replica: str) -> float:
@@ -200,7 +210,7 @@ class HintFollower:
         need the run without the hint)."""
         out = {}
         if self.prefetch_on:
-            out["prefetch"] = self.serving.prefetch.report()
+            out["prefetch"] = {**self.serving.prefetch.report(), **self.gate.report()}
         if self.placement_on:
             out["placement"] = {**self.placement.report(), "saved_s": None}
         if self.eviction_on:

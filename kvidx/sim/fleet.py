@@ -78,7 +78,7 @@ from kvidx import index as index_reads  # `index` names the simulator's index si
 from kvidx.client import KvidxClient, UnknownModel
 from kvidx.config import DEFAULT_HINT_KINDS, Config, ModelConfig, PoolConfig
 from kvidx.core.hashing import prompt_hashes
-from kvidx.core.price import Overlap, PriceConfig
+from kvidx.core.price import PriceConfig, total_s
 from kvidx.core.shard import ModelShard
 from kvidx.engines.contract import Frame
 from kvidx.engines.sglang.relay import SglangPublisherRelay
@@ -1070,22 +1070,28 @@ def _serving_model(cfg: FleetConfig, names: list[str], n_requests: int) -> Servi
 class _Router:
     """One routing policy over a model's replicas. The KV-aware one sends a request where the service's
     router cost (kvidx.core.price.Pricer.cost_s) is lowest, its queue the replica's queued prefill
-    weighed by `load_weight`; kv_hints prices the same but knows that a followed prefetch overlaps the
-    load with the queue wait (at the hints' compliance). Ties, and the random policy, draw from `rng`
-    (one draw per replica per request for kv and least_loaded)."""
+    weighed by `load_weight`; kv_hints prices the same but takes off the load a prefetch plan hides where
+    the gate (kvidx.core.hints.PrefetchGate) would issue it (at the hints' compliance). Ties, and the
+    random policy, draw from `rng` (one draw per replica per request for kv and least_loaded)."""
 
     def __init__(self, policy: str, cfg: FleetConfig, rng: random.Random, serving: ServingModel,
                  hints: HintFollower) -> None:
         self.policy = policy
         self.rng = rng
         self.serving = serving
-        self.overlap = Overlap(hints.compliance, hints.delay_s) if hints.prefetch_on else None
+        self.gate = hints.gate if hints.prefetch_on else None
+        self.compliance = hints.compliance
         self.load_weight = cfg.load_weight
         self.rr = {m: 0 for m in cfg.models}
 
     def _price(self, name: str, n: int, ans: ReplicaAnswer | None, t: float) -> float:
         sv = self.serving
-        return sv.pricer.cost_s(ans, n, max(0.0, sv.busy_until[name] - t), self.load_weight, self.overlap)
+        queue_s = max(0.0, sv.busy_until[name] - t)
+        if self.gate is None or ans is None or not ans.resumable_tokens:
+            return sv.pricer.cost_s(ans, n, queue_s, self.load_weight)
+        p = sv.pricer(ans, n)  # the load a plan the gate would issue hides, where the replica follows it
+        hidden = self.compliance * self.gate.expected_s(p.load_s, queue_s, (name, 0), t)
+        return total_s(p.prefill_s, p.load_s - hidden, queue_s, self.load_weight)
 
     def choose(self, model: str, reps: list[SimReplica], n: int, answers: dict[str, ReplicaAnswer],
                t: float) -> SimReplica:
@@ -1185,8 +1191,8 @@ def _replay_requests(requests: list[SimRequest], cfg: FleetConfig, clock: _Clock
         hint, followed_at = hints.prefetch(ans, chosen.name, t)
         ready_at = hints.ready_at(model, index.last_hashes, chosen.name)
         reused, reused_split = fleet.run_request(chosen, req, t)
-        serving.admit(i, chosen.name, t, n, reused, reused_split, len(req.output), hint, followed_at,
-                      ready_at)
+        hints.prefetched(serving.admit(i, chosen.name, t, n, reused, reused_split, len(req.output), hint,
+                                       followed_at, ready_at))
         hints.routed(model, req.prompt, req.output, index.last_hashes, chosen.name, t, reused, reused_split)
         accounts.add(i, t, n, chosen, reused, reused_split, credited, ans)
         if progress is not None and (i & 63) == 63:

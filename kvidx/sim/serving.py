@@ -136,10 +136,11 @@ class ServingModel:
 
     def admit(self, i: int, name: str, t: float, n: int, reused: int, split: dict[str, int], n_output: int,
               hint: PrefetchHint | None = None, followed_at: float | None = None, ready_at: float = 0.0
-              ) -> None:
+              ) -> float | None:
         """Queue request `i` (n prompt tokens at `t`, `reused` of them cached, `split` by the tier they
         came from) on `name`; `hint`, when the replica follows it, starts loading at `followed_at`; a
-        copy placed there for it is done at `ready_at`."""
+        copy placed there for it is done at `ready_at`. The followed hint's seconds saved (> 0: it paid
+        off), else None."""
         cost = self.load_cost
         start = max(t, self.busy_until[name], ready_at if reused else 0.0)
         hinted: dict[str, int] = {}
@@ -163,6 +164,7 @@ class ServingModel:
             prefetched_reused += pre
             wasted += h - pre  # hinted tokens the request did not reuse from that tier
         wait_s = 0.0
+        saved: float | None = None
         if followed_at is not None and hint is not None:
             p = self.prefetch
             p.followed += 1
@@ -197,6 +199,7 @@ class ServingModel:
         self.ttft[i] = end - t
         heapq.heappush(self.inflight[name], end + n_output * self.decode_s)
         self.served[name] += 1
+        return saved
 
     def report(self) -> dict:
         """The run's reuse by tier and bytes moved (the JSON's policies.<name> fields)."""

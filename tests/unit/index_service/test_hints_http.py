@@ -1,6 +1,7 @@
 """Prefetch hints through the service over real HTTP (issue #16): off by default; with a model's
 `hints.prefetch` on, /v1/rank answers carry the cheapest replica's prefetch plan and /v1/routes
-answers the chosen replica's, published on the hints topic in its versioned schema."""
+answers the chosen replica's where the gate issues it, published on the hints topic in its versioned
+schema; the gate's throttle learns from usage reports."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from index_service.app import create_app
 from index_service.store import ShardStore
 from kvidx.config import Config, HintsConfig, ModelConfig
 from kvidx.core.hashing import prompt_hashes
+from kvidx.core.hints import PROBE_EVERY
 from kvidx.core.sessions import SessionTracker
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
 from schemas.hints import HINTS_VERSION, decode_hint, encode_hint
@@ -57,6 +59,11 @@ def test_rank_and_routes_carry_the_prefetch_plan_and_the_topic_gets_it():
         # the default disk rate (40,000 tokens/s): 64 tokens in 1.6 ms; nothing queued yet
         assert plan["load_s"] == pytest.approx(64 / 40_000) and plan["deadline_s"] == 0.0
         assert rank["replicas"][0]["price"]["load_s"] == pytest.approx(plan["load_s"])
+        # routed to "r" with nothing queued there: the load would start 2 ms after the turn (the gate's
+        # delay), so the plan is not issued (issue #41)
+        r = c.post("/v1/routes", json={"request_id": "q", "model": MODEL, "replica": "r", "token_ids": P})
+        assert r.status_code == 202 and "prefetch" not in r.json()
+        # now 97 tokens of prefill are queued there (12 ms at 8,000 tokens/s): the 1.6 ms load is hidden
         r = c.post("/v1/routes", json={"request_id": "a", "model": MODEL, "replica": "r", "token_ids": P,
                                        "credited_tokens": 96})
         assert r.status_code == 202 and r.json()["prefetch"]["runs"] == plan["runs"]
@@ -79,10 +86,50 @@ def test_a_hints_record_of_another_version_is_refused():
     sent = []
     store.publish_hint = sent.append
     with ServerThread(create_app(store)) as base, httpx.Client(base_url=base) as c:
-        c.post("/v1/routes", json={"request_id": "a", "model": MODEL, "replica": "r", "token_ids": P})
+        for rid in ("q", "a"):  # the first queues prefill on "r", so the second's plan is issued
+            c.post("/v1/routes", json={"request_id": rid, "model": MODEL, "replica": "r", "token_ids": P})
     sent[0].v = HINTS_VERSION + 1
     with pytest.raises(ValueError, match="unsupported hints version"):
         decode_hint(encode_hint(sent[0]))
+
+
+def metric(text: str, name: str) -> float | None:
+    line = next((x for x in text.splitlines() if x.startswith(name + "{")), None)
+    return None if line is None else float(line.rsplit(" ", 1)[1])
+
+
+def test_the_gates_throttle_learns_from_usage_reports_and_its_ratio_is_on_metrics():
+    """Issued plans paid off when the engine's usage report reused their tokens; a model whose plans do
+    not pay is throttled (issue #41). The gate's counts and pay-off ratio on /metrics."""
+    store = store_with(HintsConfig(prefetch=True))
+    with ServerThread(create_app(store)) as base, httpx.Client(base_url=base) as c:
+        def route(rid: str) -> bool:
+            r = c.post("/v1/routes", json={"request_id": rid, "model": MODEL, "replica": "r", "token_ids": P,
+                                           "ttl_s": 60})
+            assert r.status_code == 202
+            return "prefetch" in r.json()
+
+        def usage(rid: str, cached: int) -> None:
+            r = c.post("/v1/usage", json={"request_id": rid, "model": MODEL, "replica": "r",
+                                          "prompt_tokens": 97, "cached_tokens": cached})
+            assert r.status_code == 202
+
+        assert not route("q")  # nothing queued: declined
+        text = c.get("/metrics").text
+        assert metric(text, "kvidx_hints_declined_total") == 1
+        assert metric(text, "kvidx_hint_payoff_ratio") is None
+        # every later decision finds the earlier ones' prefill queued (pending for 60 s): issued, until
+        # their engines report that they reused only the GPU blocks (32 tokens, not the plan's 96)
+        issued = []
+        for k in range(40):
+            issued.append(route(f"a{k}"))
+            usage(f"a{k}", 32)
+        # the first 16 bets lost: from then on one plan in PROBE_EVERY that could pay is issued
+        assert issued[:16] == [True] * 16 and sum(issued[16:]) == 24 // PROBE_EVERY
+        text = c.get("/metrics").text
+        assert metric(text, "kvidx_hint_payoff_ratio") == 0.0
+        assert metric(text, "kvidx_hints_issued_total") == 16 + 24 // PROBE_EVERY
+        assert metric(text, "kvidx_hints_throttled_total") == 24 - 24 // PROBE_EVERY
 
 
 def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic(monkeypatch):

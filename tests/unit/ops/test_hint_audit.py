@@ -45,6 +45,7 @@ def test_followed_and_paid_off_by_their_definitions():
     o = r["overall"]
     assert (o["issued"], o["followed"], o["paid_off"], o["unreported"]) == (6, 3, 1, 1)
     assert o["tokens"] == 6 * 64 and o["paid_off_tokens"] == 64 and o["benefit_s"] == 0.04
+    assert o["recent_paid_off_rate"] == round(1 / 6, 6)  # fewer than the gate's window: all of them
     reps = {x["replica"]: (x["issued"], x["followed"], x["paid_off"]) for x in r["by_replica"]}
     assert reps == {"r0": (3, 3, 1), "r1": (3, 0, 0)}
     assert [(w["window"], w["issued"]) for w in r["over_time"]] == [(0, 2), (1, 3), (2, 1)]
