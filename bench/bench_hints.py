@@ -44,6 +44,9 @@ GRID = [
       for r in ("20", "40", "80")],
     *[(f"agent loops, {r} req/s", [*CPU, "--workload", "agent", "--chat-rate", r], False)
       for r in ("20", "40", "80")],
+    # generated chat on GPU caches small enough that its reuse comes from the CPU and disk tiers too
+    *[(f"chat (tiers under load), {r} req/s", [*AGENT[4:], "--workload", "chat", "--chat-rate", r], False)
+      for r in ("20", "40", "80")],
     *[(f"bench agent loops (tiers under load), {r} req/s", [*AGENT, "--chat-rate", r], r == "120")
       for r in ("60", "90", "120")],
     ("bench Mooncake trace (tiers under load)", [*TRACE, "--speed", "1"], False),
@@ -78,14 +81,16 @@ def grid_row(label: str, kv: dict, hinted: dict, saturated: bool) -> str:
             f"{'met' if not missed else 'missed: ' + ', '.join(missed)} |")
 
 
-def grid(requests: int, jobs: int, root: Path) -> None:
+def grid(requests: int, jobs: int, root: Path, only: str = "") -> None:
+    """The grid's cells whose label contains `only` (all by default), one markdown row each."""
+    cells = [c for c in GRID if only in c[0]]
     print("| workload | mean s kv / kv_hints | p50 s | p99 s | reuse kv / kv_hints "
           "| prefetch issued/paid off/regretted | bar |")
     print("|---|---|---|---|---|---|---|")
-    for label, args, saturated in GRID:
+    for label, args, saturated in cells:
         both = run([*args, "--requests", str(requests)], "kv,kv_hints", jobs, root)
         print(grid_row(label, both["kv"], both["kv_hints"], saturated), flush=True)
-    for label, args, _ in GRID:
+    for label, args, _ in cells:
         print(f"<!-- {label}: kvidx simulate {' '.join(args)} --requests {requests} --policies kv,kv_hints "
               "--no-zero-delay -->")
 
@@ -110,9 +115,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="processes per run")
     ap.add_argument("--grid", action="store_true", help="issue #41's grid of kv vs kv_hints (default kinds)")
     ap.add_argument("--root", type=Path, default=ROOT, help="--grid: the source tree whose code runs")
+    ap.add_argument("--cells", default="", help="--grid: only the cells whose label contains this")
     a = ap.parse_args()
     if a.grid:
-        grid(a.requests, a.jobs, a.root)
+        grid(a.requests, a.jobs, a.root, a.cells)
         return
     print("| workload | router (hints) | TTFT p50 s | TTFT p99 s | p99 vs kv | reuse rate "
           "| GPU share of reused | GB moved | hints issued/followed/paid off |")
