@@ -28,7 +28,7 @@ from kvidx import index
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.hints import PrefetchGate
 from kvidx.core.price import Pricer
-from kvidx.core.sessions import SessionTracker, advice_seconds
+from kvidx.core.sessions import SessionTracker, worth_advising
 from kvidx.core.shard import ModelShard
 from schemas.answers import LookupAnswer, PrefetchHint
 from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
@@ -250,8 +250,11 @@ class QueryPipeline:
         cpu_s = pricer.load_cost.get("CPU", 0.0)
         for adv in tracker.eviction_advice(d.ts):
             # demoted blocks come back from host memory, dropped ones are recomputed; the room they free
-            # spares as many tokens of active sessions a reload from host memory
-            benefit_s, cost_s = advice_seconds(adv, cpu_s, per_token, cpu_s)
+            # spares as many tokens of active sessions a reload from host memory; issued where worth it
+            seconds = worth_advising(adv, cpu_s, per_token, cpu_s)
+            if seconds is None:
+                continue
+            benefit_s, cost_s = seconds
             publish(HintRecord(HINTS_VERSION, "eviction", "", d.model, adv.replica, 0, adv.hashes, block_size,
                                [], adv.tokens, cost_s, 0.0, benefit_s, adv.tokens * bytes_per_token, d.ts,
                                action=adv.action))

@@ -688,10 +688,12 @@ def _print_human(head: dict) -> None:
                   f"{h['paid_off']} paid off, {h['regretted']} regretted")
             print(f"{'':>17}seconds won {won}, lost {h['lost_s']:.3f} s; wasted {h['wasted_tokens']} tokens, "
                   f"{h['wasted_s']:.3f} s of load channel")
-            if "declined" in h:  # the gate (kvidx.core.hints.PrefetchGate)
+            if "payoff_ratio" in h:  # the prefetch gate (kvidx.core.hints.PrefetchGate)
                 ratio = "none yet" if h["payoff_ratio"] is None else f"{h['payoff_ratio']:.2f}"
                 print(f"{'':>17}not issued: {h['declined']} could not pay, {h['throttled']} throttled; "
                       f"pay-off ratio of the last {WINDOW} {ratio}")
+            elif "declined" in h:  # eviction advice (kvidx.core.sessions.worth_advising)
+                print(f"{'':>17}not issued: {h['declined']} not worth their class's return probability")
     if len(head.get("per_engine", {})) > 1 or len(head.get("per_tier", {})) > 1:
         for label, d in (("engine", head["per_engine"]), ("tier", head["per_tier"])):
             for k, v in d.items():

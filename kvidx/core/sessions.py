@@ -10,8 +10,11 @@ sessions pass through it (a system prompt: many; a conversation's own turns: one
 - Eviction advice, per replica, ranked by tokens freed: a session silent for longer than `idle_factor`
   x its gap (or than `idle_s` for one that never came back) is `demote` (its own blocks can leave GPU
   memory for a lower tier), and after `drop_factor` x that, `drop` (they can go); blocks other sessions
-  pass through are never named. A recurring session that is due back soon is `keep` (keep_advice: an
-  API for engines that pin; neither the service nor the simulator issues it yet).
+  pass through are never named. Each carries its class's return probability, learned online from the
+  sessions that came back after falling silent (per traffic class: how often the session had come
+  back), and is issued only where worth_advising says its benefit beats its expected cost. A
+  recurring session that is due back soon is `keep` (keep_advice: an API for engines that pin; neither
+  the service nor the simulator issues it yet).
 - Placement: a recurring session whose replica will still be busy when it is due back is worth copying
   ahead of its next prompt to the replica with the shortest queue, when the wait it avoids exceeds the
   copy's time.
@@ -38,9 +41,16 @@ class EvictionAdvice(msgspec.Struct):
     tokens: int  # their tokens (blocks x block size)
     idle_s: float  # how long the session has been silent
     gap_s: float  # its mean gap between prompts (0: it never came back)
-    # the share of demoted sessions that came back so far (Laplace: (returned + 1) / (demoted + 2)): what
-    # the advice risks; see advice_seconds for its benefit and cost in seconds
+    # the share of demoted sessions of its traffic class (SessionTracker.traffic_class) that came back so
+    # far (Laplace: (returned + 1) / (demoted + 2)): what the advice risks; see advice_seconds for its
+    # benefit and cost in seconds, and worth_advising for the decision
     p_return: float = 0.5
+
+
+# eviction advice is issued only when its benefit is at least twice its expected cost: the benefit (the
+# room it frees, priced as a reload it spares an active session) is an upper bound, as only a replica
+# short of room gains from it and its LRU would free part of that room anyway
+ADVICE_MARGIN = 2.0
 
 
 def advice_seconds(adv: EvictionAdvice, demote_reload_s: float, drop_reload_s: float,
@@ -51,6 +61,16 @@ def advice_seconds(adv: EvictionAdvice, demote_reload_s: float, drop_reload_s: f
     the advice sends them (demote: the tier below, `demote_reload_s`; drop: recompute, `drop_reload_s`)."""
     reload = demote_reload_s if adv.action == "demote" else drop_reload_s
     return adv.tokens * room_s, adv.p_return * adv.tokens * reload
+
+
+def worth_advising(adv: EvictionAdvice, demote_reload_s: float, drop_reload_s: float,
+                   room_s: float) -> tuple[float, float] | None:
+    """advice_seconds where the advice is worth issuing (benefit > ADVICE_MARGIN x cost), else None: the
+    one decision of the service (index_service/query.py) and the simulator (kvidx/sim/advice.py). A
+    demotion (reloaded from the tier its room is priced at) goes for a class of sessions that come back
+    less than half the time; a drop (recomputed) only for classes that almost never do."""
+    benefit, cost = advice_seconds(adv, demote_reload_s, drop_reload_s, room_s)
+    return (benefit, cost) if benefit > ADVICE_MARGIN * cost else None
 
 
 class PlacementHint(msgspec.Struct):
@@ -72,6 +92,7 @@ class Session:
     returns: int = 0
     gap_s: float = 0.0  # mean time between its prompts (0 until it comes back)
     advised: str = ""  # the last eviction advice given for it
+    advised_class: int = 0  # its traffic class when it was advised demote
     version: int = 0  # bumps at each prompt: stale entries of the due heap are skipped
 
 
@@ -88,6 +109,8 @@ class SessionTracker:
     _due: list[tuple[float, int, int]] = field(default_factory=list)  # (when to look again, sid, version)
     demoted: int = 0  # sessions advised demote
     returned: int = 0  # of those, sessions that came back
+    demoted_by: dict[int, int] = field(default_factory=dict)  # the same per traffic class
+    returned_by: dict[int, int] = field(default_factory=dict)
     _next: int = 0
 
     def find(self, hashes: Sequence[int]) -> Session | None:
@@ -110,6 +133,7 @@ class SessionTracker:
             gap = ts - s.last_ts
             if s.advised:
                 self.returned += 1
+                self.returned_by[s.advised_class] = self.returned_by.get(s.advised_class, 0) + 1
             s.gap_s = (s.gap_s * s.returns + gap) / (s.returns + 1)
             s.returns += 1
             if self.by_last.get(s.hashes[-1]) == s.sid:
@@ -125,6 +149,17 @@ class SessionTracker:
         heapq.heappush(self._due, (ts + self._idle_after(s), s.sid, s.version))
         return s
 
+    @staticmethod
+    def traffic_class(s: Session) -> int:
+        """The class whose return probability a session's advice is priced with: how often it came
+        back (0, 1, 2-3, 4 or more times): one-shot prompts seldom return, long chats and agent loops
+        mostly do, and the classes learn it from the traffic (SessionTracker.p_return)."""
+        return min(s.returns.bit_length(), 3)
+
+    def p_return(self, cls: int) -> float:
+        """The share of class `cls`'s sessions advised demote that came back (Laplace: 1/2 unmeasured)."""
+        return (self.returned_by.get(cls, 0) + 1) / (self.demoted_by.get(cls, 0) + 2)
+
     def _idle_after(self, s: Session) -> float:
         return max(self.idle_factor * s.gap_s, self.min_idle_s) if s.returns else self.idle_s
 
@@ -137,7 +172,7 @@ class SessionTracker:
         longer) drop, their own blocks; ranked per replica by tokens freed. A dropped session is
         forgotten (a later prompt of it starts a new one)."""
         out: list[EvictionAdvice] = []
-        p_return = (self.returned + 1) / (self.demoted + 2)  # as measured before this call's advice
+        p_return = {c: self.p_return(c) for c in range(4)}  # as measured before this call's advice
         while self._due and self._due[0][0] <= now:
             _, sid, version = heapq.heappop(self._due)
             s = self.sessions.get(sid)
@@ -146,12 +181,14 @@ class SessionTracker:
             own = self.own_blocks(s)
             dropped_by = s.last_ts + self._idle_after(s) * self.drop_factor
             action = "drop" if s.advised == "demote" or now >= dropped_by else "demote"
+            cls = s.advised_class if action == "drop" and s.advised else self.traffic_class(s)
             if own:
                 out.append(EvictionAdvice(s.replica, s.sid, action, own, len(own) * self.block_size,
-                                          now - s.last_ts, s.gap_s, p_return))
+                                          now - s.last_ts, s.gap_s, p_return[cls]))
             if action == "demote":
-                s.advised = "demote"
+                s.advised, s.advised_class = "demote", cls
                 self.demoted += 1
+                self.demoted_by[cls] = self.demoted_by.get(cls, 0) + 1
                 heapq.heappush(self._due, (dropped_by, sid, version))
             else:
                 self._forget(s)

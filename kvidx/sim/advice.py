@@ -24,7 +24,7 @@ import numpy as np
 
 from kvidx.config import HintsConfig
 from kvidx.core.hints import PrefetchGate, prefetch_hint
-from kvidx.core.sessions import Session, SessionTracker
+from kvidx.core.sessions import Session, SessionTracker, worth_advising
 from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests
 from kvidx.sim.serving import HintCounts, ServingModel
 from schemas.answers import ReplicaAnswer
@@ -48,6 +48,7 @@ class EvictionLedger:
     regretted: set[SessionKey] = field(default_factory=set)
     advised: dict[int, SessionKey] = field(default_factory=dict)  # the last block of an advised session
     lost_s: float = 0.0
+    declined: int = 0  # advice not issued: not worth it for its class's return probability
 
     def follow(self, key: SessionKey, last_block: int) -> None:
         self.followed.add(key)
@@ -178,6 +179,10 @@ class HintFollower:
 
     def _evict(self, model: str, adv: Any) -> None:
         key = (model, adv.session)
+        cpu_s = self.serving.load_cost.get("CPU", 0.0)  # priced as the service prices it
+        if worth_advising(adv, cpu_s, self.serving.pricer.per_token, cpu_s) is None:
+            self.eviction.declined += 1
+            return
         self.eviction.issued.add(key)
         rep = self.reps.get(adv.replica)
         if rep is None or not isinstance(rep.engine, SimVllmEngine) or not self._follows():
@@ -214,5 +219,6 @@ class HintFollower:
         if self.placement_on:
             out["placement"] = {**self.placement.report(), "saved_s": None}
         if self.eviction_on:
-            out["eviction"] = {**self.eviction.counts().report(), "saved_s": None}
+            out["eviction"] = {**self.eviction.counts().report(), "saved_s": None,
+                               "declined": self.eviction.declined}
         return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvidx.core.sessions import EvictionAdvice, SessionTracker, advice_seconds
+from kvidx.core.sessions import EvictionAdvice, SessionTracker, advice_seconds, worth_advising
 
 SYS = [1, 2, 3]  # a system prompt every session starts with
 
@@ -81,3 +81,29 @@ def test_eviction_advice_in_seconds_from_the_measured_return_rate():
     assert benefit == pytest.approx(16 * 0.001) and cost == pytest.approx(later[0].p_return * 16 * 0.001)
     drop = EvictionAdvice("r0", 0, "drop", [1], 16, 0.0, 0.0, 0.25)
     assert advice_seconds(drop, 0.001, 0.01, 0.001)[1] == pytest.approx(0.25 * 16 * 0.01)
+
+
+def test_advice_is_issued_only_for_classes_that_seldom_come_back():
+    """Issue #41: the return probability is learned per traffic class (how often a session came back),
+    and advice is issued only where its benefit is over twice its expected cost."""
+    t = SessionTracker(block_size=16, idle_s=10.0, min_idle_s=1.0)
+    for k in range(6):  # six one-prompt sessions fall silent and never return
+        t.observe(SYS + [100 + k], "r0", 0.0)
+    for k in range(6):  # six that came back once, fall silent, and all come back
+        t.observe(SYS + [200 + k], "r1", 0.0)
+        t.observe(SYS + [200 + k, 300 + k], "r1", 1.0)
+    t.eviction_advice(12.0)
+    for k in range(6):
+        t.observe(SYS + [200 + k, 300 + k, 400 + k], "r1", 13.0)
+    assert t.p_return(0) == 1 / 8 and t.p_return(1) == 7 / 8
+    t.observe(SYS + [500], "r0", 14.0)  # one of each class falls silent again
+    t.observe(SYS + [600], "r1", 14.0)
+    t.observe(SYS + [600, 601], "r1", 15.0)
+    advice = {a.replica: a for a in t.eviction_advice(30.0) if a.hashes[-1] in (500, 601)}
+    assert advice["r0"].p_return == 1 / 8 and advice["r1"].p_return == 7 / 8
+    # demote, its reload and its room priced alike (1 ms a token): worth it for the one-shot class only
+    assert worth_advising(advice["r0"], 0.001, 0.01, 0.001) == (16 * 0.001, pytest.approx(16 * 0.001 / 8))
+    assert worth_advising(advice["r1"], 0.001, 0.01, 0.001) is None
+    # a drop is recomputed at ten times the reload: not even for a class that returns 1 time in 8
+    drop = EvictionAdvice("r0", 0, "drop", [1], 16, 0.0, 0.0, 1 / 8)
+    assert worth_advising(drop, 0.001, 0.01, 0.001) is None

@@ -151,8 +151,10 @@ def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic(monkeyp
     for rep in ("busy", "idle"):
         store.apply(EventBatch(SCHEMA_VERSION, MODEL, rep, 0, 1, 0, now, now, 16, []))
     app = create_app(store)
-    # silent after 0.3 s (not 30 s, or 4 gaps and at least 5 s)
-    app.state.pipeline.trackers[MODEL] = SessionTracker(16, idle_s=0.3, min_idle_s=0.3)
+    # silent after 0.3 s (not 30 s, or 4 gaps and at least 5 s); as if 8 sessions of each class had
+    # fallen silent before and none came back (return probability 1/10: the advice is worth issuing)
+    app.state.pipeline.trackers[MODEL] = SessionTracker(16, idle_s=0.3, min_idle_s=0.3,
+                                                        demoted_by={0: 8, 1: 8})
     with ServerThread(app) as base, httpx.Client(base_url=base) as c:
         def route(rid: str, replica: str, tokens: list[int]) -> None:
             clock[0] += 0.01
