@@ -48,7 +48,9 @@ class HintCounts:
     - eviction (kvidx/sim/advice.py's EvictionLedger): lost, what the advised prefix cost the returning
       sessions' turns.
     All first order: a turn's own seconds, not what they add to the requests queued behind it. Won is
-    measured for prefetch only (the others report None)."""
+    measured for prefetch only (the others report None). Issued counts what the gates let through:
+    kvidx/sim/advice.py adds the plans and advice they declined (and the prefetch throttle's count and
+    pay-off ratio) to the report."""
     issued: int = 0
     followed: int = 0
     paid_off: int = 0
