@@ -42,6 +42,10 @@ def test_hints_published_and_audited(kafka_bootstrap, topics, capsys):
     try:
         with ServerThread(create_app(store, publish_usage=usage)) as url, httpx.Client(base_url=url) as c:
             for rid, tokens in prompts.items():
+                # a prompt with nothing cached queues its prefill there first: a plan is issued only
+                # where the request waits long enough to hide its load (the prefetch gate)
+                c.post("/v1/routes", json={"request_id": f"fill-{rid}", "model": "m", "replica": rid,
+                                           "token_ids": list(range(50_000, 50_097))})
                 r = c.post("/v1/routes", json={"request_id": rid, "model": "m", "replica": rid,
                                                "token_ids": tokens, "credited_tokens": 96})
                 assert r.status_code == 202 and r.json()["prefetch"]["tokens"] == 64

@@ -90,6 +90,10 @@ def test_the_service_acts_only_for_a_model_that_names_a_controller():
     try:
         with ServerThread(create_app(store)) as base, httpx.Client(base_url=base) as c:
             for model in ("hinted-only", "acted"):
+                # a prompt with nothing cached queues its prefill on r0 first: a plan is issued only
+                # where the request waits long enough to hide its load (the prefetch gate)
+                c.post("/v1/routes", json={"request_id": f"fill-{model}", "model": model, "replica": "r0",
+                                           "token_ids": list(range(50_000, 50_097))})
                 r = c.post("/v1/routes", json={"request_id": f"q-{model}", "model": model, "replica": "r0",
                                                "token_ids": TOKENS + [1]})
                 assert r.json()["prefetch"]["tokens"] == 64
