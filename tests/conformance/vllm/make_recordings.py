@@ -63,6 +63,10 @@ class Scenario(Workload):
     salts: bool = False              # a cache salt per conversation (two tenants and none)
     loras: bool = False              # a LoRA adapter per conversation (two adapters and the base)
     extra_args: dict[str, Any] = field(default_factory=dict)
+    # reset_prefix_cache (as vLLM's POST /reset_prefix_cache, running requests preempted) once this
+    # many jobs have started; 0: never. With `reset_connector`, the connector's tiers are reset too
+    reset_after: int = 0
+    reset_connector: bool = False
 
 
 SCENARIOS = {s.name: s for s in [
@@ -108,6 +112,17 @@ SCENARIOS = {s.name: s for s in [
              "Qwen3-Next-like hybrid + MTP + OffloadingConnector, self_describing_kv_events",
              block_size=None, offload_blocks=96, self_describing=True,
              spec={"method": "mtp", "num_speculative_tokens": 1}),
+    Scenario("reset", "llama", 96,
+             "llama, prefix caching; reset_prefix_cache (running requests preempted) once 60 jobs "
+             "have started", reset_after=60),
+    Scenario("cpu_offload_reset", "llama", 40,
+             "llama + OffloadingConnector (self-describing); a GPU-only reset_prefix_cache once 60 "
+             "jobs have started: the CPU tier keeps its blocks", offload_blocks=192,
+             self_describing=True, reset_after=60),
+    Scenario("cpu_offload_reset_all", "llama", 40,
+             "llama + OffloadingConnector (self-describing); reset_prefix_cache with "
+             "reset_connector once 60 jobs have started: both tiers emptied", offload_blocks=192,
+             self_describing=True, reset_after=60, reset_connector=True),
 ]}
 
 # ---------------------------------------------------------------- model configs (no weights)
@@ -569,6 +584,7 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
         job["t_send"] = time.time()
         job["req"] = req
         job.pop("lookup_at", None)  # a conversation's job dict carries its previous turn's
+        job.pop("preempted", None)
         sched.add_request(req)
         slots[rid] = job
 
@@ -588,19 +604,40 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
         submit(job)
         return True
 
+    # the reset: once `reset_after` jobs have started, no new turn starts (they wait in `deferred`)
+    # until vLLM's reset_prefix_cache succeeds between two steps, as the engine core runs a utility
+    # call: when no running request holds blocks and the connector's transfers are done
+    resetting = bool(s.reset_after)
+    deferred: list[dict[str, Any]] = []
+    idle_steps = 0
     while True:
-        while len(slots) < s.concurrency and next_job < len(jobs):
+        held_back = resetting and next_job >= s.reset_after  # turns wait for the reset
+        if held_back:
+            if sched.reset_prefix_cache(reset_connector=s.reset_connector):
+                held_back = resetting = False
+                for job in deferred:
+                    start_turn(job)
+                deferred.clear()
+            elif not sched.has_requests():
+                idle_steps += 1  # only the connector's transfers are left: steps until they finish
+                if idle_steps > 10_000:
+                    raise SystemExit(f"{s.name}: reset_prefix_cache never succeeded")
+        while len(slots) < s.concurrency and next_job < len(jobs) and not held_back:
             salt = ("tenant-a", "tenant-b", None)[next_job % 3] if s.salts else None
             lora = (LoRARequest("sql", 1, "/nonexistent/sql"), LoRARequest("chat", 2, "/nonexistent/chat"),
                     None)[next_job % 3] if s.loras else None  # the scheduler never loads the weights
             job = {"job": jobs[next_job], "turn": 0, "salt": salt, "lora": lora}
             next_job += 1
             start_turn(job)
-        if not sched.has_requests():
+        if not sched.has_requests() and not held_back:
             break
         out = sched.schedule()
         for rid, job in slots.items():  # the lookup that placed the request (not one it was skipped after)
-            if "lookup_at" not in job and rid in looked and job["req"].status != RequestStatus.WAITING:
+            req = job["req"]
+            if req.num_preemptions != job.get("preempted", 0):  # placed again by a later lookup
+                job["preempted"] = req.num_preemptions
+                job.pop("lookup_at", None)
+            if "lookup_at" not in job and rid in looked and req.status != RequestStatus.WAITING:
                 job["lookup_at"] = looked[rid]
         mro = runner.execute(out)
         outputs = sched.update_from_output(out, mro)
@@ -640,7 +677,10 @@ def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
                     records[-1]["lora"] = job["lora"].lora_name if job["lora"] else None
                 job["out"] = job.pop("gen")
                 job["turn"] += 1
-                start_turn(job)   # the conversation's next turn, if it has one
+                if resetting and next_job >= s.reset_after:
+                    deferred.append(job)  # its next turn after the reset
+                else:
+                    start_turn(job)   # the conversation's next turn, if it has one
     return records
 
 

@@ -26,12 +26,21 @@ SCENARIOS = sorted(p.name for p in FIXTURES.iterdir() if (p / "frames.jsonl").ex
 def test_every_kit_scenario_is_here():
     assert {"plain", "eagle", "cpu_offload", "cpu_offload_selfdesc", "eagle_cpu_offload", "gemma2_swa",
             "qwen3next_offload", "qwen3next_mtp_offload", "qwen3next_mtp_offload_selfdesc",
-            "cache_salt", "lora", "simple_offload", "simple_offload_lazy"} <= set(SCENARIOS)
+            "cache_salt", "lora", "simple_offload", "simple_offload_lazy", "reset", "cpu_offload_reset",
+            "cpu_offload_reset_all"} <= set(SCENARIOS)
 
 
-# at send, requests queued behind a full GPU (40 blocks) are looked up steps later, after evictions
-AT_SEND_OVER = {"simple_offload_lazy": 0.08}
-SET_ASIDE: dict[str, dict] = {}
+# at send, requests queued behind a full GPU (40 blocks) are looked up steps later, after evictions;
+# the requests sent before a reset and looked up after it were credited the state before it
+AT_SEND_OVER = {"simple_offload_lazy": 0.08, "reset": 0.03, "cpu_offload_reset_all": 0.03}
+AT_SEND_RECALL = {"cpu_offload_reset": 0.95}
+# a GPU-only reset with the offloading connector: one bare AllBlocksCleared, as when the connector's
+# tier is reset too (cpu_offload_reset_all), so kvidx clears every tier and credits the CPU blocks
+# the engine kept short until they are stored again (docs/engines.md): short, never long
+SHORT_AT_LOOKUP = {"cpu_offload_reset": 178}
+# ... and the CPU tier's later removals of the blocks it kept name hashes the relay's mirror forgot at
+# the clear: set aside, counted (nothing to retract)
+SET_ASIDE: dict[str, dict] = {"cpu_offload_reset": {"unknown_hash/removed": 53}}
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -41,10 +50,15 @@ def test_exact_at_the_engines_lookup_with_defaults(scenario):
     assert res.dead_letters == 0 and res.extra["set_aside"] == SET_ASIDE.get(scenario, {}), res.extra
     at = res.extra["at_lookup"]
     assert at["requests"] == 200 and at["reused_tokens"] > 0
-    assert at["exact_requests"] == at["requests"] and at["recall"] == 1.0 and at["over_credit"] == 0.0, at
+    assert at["over_credit"] == 0.0, at
+    if scenario in SHORT_AT_LOOKUP:
+        assert at["exact_requests"] == SHORT_AT_LOOKUP[scenario] and at["recall"] >= 0.9, at
+    else:
+        assert at["exact_requests"] == at["requests"] and at["recall"] == 1.0, at
     # at send: the same stream, only the timing of same-step stores and evictions (and queueing) apart
     s = res.agreement.summary()
-    assert s["recall"] >= 0.98 and s["over_credit"] <= AT_SEND_OVER.get(scenario, 0.015), s
+    assert s["recall"] >= AT_SEND_RECALL.get(scenario, 0.98), s
+    assert s["over_credit"] <= AT_SEND_OVER.get(scenario, 0.015), s
 
 
 def test_0_34_is_the_default_and_accepted():
