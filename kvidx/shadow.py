@@ -189,10 +189,23 @@ def at_lookup_agreement(adapter, recording: str | Path, reqs: list[dict], model:
     index's reading of the events; what the send-time figures add is timing: blocks another request
     stored or evicted in the step that scheduled this one, after the request was sent (no index
     holds those yet when a router asks)."""
-    frames, at = split_at_lookups(read_frames(recording), [tuple(r["lookup_at"]) for r in reqs
-                                                           if r.get("lookup_at")])
-    timed = sorted(({**r, "t_ns": at[tuple(r["lookup_at"])]} for r in reqs if r.get("lookup_at")),
-                   key=lambda r: r["t_ns"])
+    # per publisher (a DP engine has one per rank: the kit names each request's in `publisher`)
+    recorded = list(read_frames(recording))
+    endpoints = {f.endpoint for f in recorded}
+    if len(endpoints) > 1 and any(r.get("lookup_at") and r.get("publisher") not in endpoints for r in reqs):
+        raise ValueError("lookup cuts of a recording with several publishers need each request's "
+                         "`publisher` (one of the frames' endpoints)")
+    frames, at = [], {}
+    for ep in sorted({f.endpoint for f in recorded}):
+        mine, cut = split_at_lookups([f for f in recorded if f.endpoint == ep],
+                                     [tuple(r["lookup_at"]) for r in reqs
+                                      if r.get("lookup_at") and r.get("publisher", ep) == ep])
+        frames += mine
+        at.update({(ep, *k): t for k, t in cut.items()})
+    frames.sort(key=lambda f: f.recv_ns)
+    one = next(iter(endpoints), "")
+    timed = sorted(({**r, "t_ns": at[(r.get("publisher", one), *r["lookup_at"])]} for r in reqs
+                    if r.get("lookup_at")), key=lambda r: r["t_ns"])
     shard = ModelShard(model, index_block_size, unreported_eviction_kinds)
     return shadow_batches(adapter.replay(frames, model, index_block_size, options), timed, shard)
 

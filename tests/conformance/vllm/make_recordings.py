@@ -67,6 +67,10 @@ class Scenario(Workload):
     # many jobs have started; 0: never. With `reset_connector`, the connector's tiers are reset too
     reset_after: int = 0
     reset_connector: bool = False
+    # data-parallel ranks: one engine core each (its own scheduler, KV cache and publisher on the base
+    # port + rank, vLLM's offset rule), the jobs dealt out in turn; run one rank after the other (their
+    # caches and publishers are independent), so the recording holds each rank's stream whole
+    dp: int = 1
 
 
 SCENARIOS = {s.name: s for s in [
@@ -112,6 +116,9 @@ SCENARIOS = {s.name: s for s in [
              "Qwen3-Next-like hybrid + MTP + OffloadingConnector, self_describing_kv_events",
              block_size=None, offload_blocks=96, self_describing=True,
              spec={"method": "mtp", "num_speculative_tokens": 1}),
+    Scenario("dp2", "llama", 48,
+             "llama, prefix caching, 2 data-parallel ranks of 48 GPU blocks each (publishers on the "
+             "base port and the next), the jobs dealt out in turn", dp=2),
     Scenario("reset", "llama", 96,
              "llama, prefix caching; reset_prefix_cache (running requests preempted) once 60 jobs "
              "have started", reset_after=60),
@@ -447,15 +454,46 @@ class Runner:
 
 
 def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
+    os.environ.pop("PYTHONHASHSEED", None)
+    lines: list[str] = []
+    records: list[dict[str, Any]] = []
+    for rank in range(s.dp):
+        meta = record_rank(s, port, rank, lines, records)
+    d = out_dir / s.name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "frames.jsonl").write_text("".join(x + "\n" for x in lines))
+    if s.dp > 1:  # the ranks' requests in the order they were sent, numbered again
+        records = [{**r, "i": i} for i, r in enumerate(sorted(records, key=lambda r: r["t_send"]))]
+    with open(d / "requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    prompt = sum(r["prompt_tokens"] for r in records)
+    cached = sum(r["cached_tokens"] for r in records)
+    meta["counts"] = {"requests": len(records), "batches": len(lines),
+                      "prompt_tokens": prompt, "cached_tokens": cached,
+                      "cached_gpu": sum(r["cached_tokens_by_tier"]["GPU"] for r in records),
+                      "cached_cpu": sum(r["cached_tokens_by_tier"]["CPU"] for r in records),
+                      "preempted_requests": sum(1 for r in records if r["num_preemptions"])}
+    if s.dp > 1:
+        meta["engine"]["data_parallel_size"] = s.dp
+    (d / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"{s.name}: " + json.dumps(meta["counts"]), flush=True)
+    return meta
+
+
+def record_rank(s: Scenario, port: int, rank: int, lines: list[str], records: list[dict[str, Any]]
+                ) -> dict[str, Any]:
+    """One engine core (DP rank `rank` of `s.dp`) through its share of the jobs: its frames and
+    request records appended to `lines` and `records`; the scenario's metadata."""
     import vllm
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.structured_output import StructuredOutputManager
 
-    os.environ.pop("PYTHONHASHSEED", None)
     tmp = Path(tempfile.mkdtemp(prefix="kvidx-conf-"))
     try:
         vc = engine_config(s, tmp, port)
+        vc.parallel_config.data_parallel_index = rank  # the publisher's rank: its endpoint is port + rank
         sched_cfg, block, hash_block = kv_cache_config(vc, s)
         if s.offload_blocks:
             page = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
@@ -472,7 +510,7 @@ def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(hash_block, hash_fn, vc.num_hash_lookahead_tokens)
-        cap = Capture(f"tcp://127.0.0.1:{port}")
+        cap = Capture(f"tcp://127.0.0.1:{port + rank}")
         time.sleep(0.5)   # the SUB joins before the first batch
         published = [0]
         pub = sched.kv_event_publisher
@@ -485,28 +523,19 @@ def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
         runner = Runner(s, sched)
         meta = describe(s, vc, sched, sched_cfg, block, hash_block, vllm.__version__)
         print(f"{s.name}: " + json.dumps(meta["engine"]), flush=True)
-        records = drive(s, sched, runner, hasher, cap, published)
+        ranked = drive(s, sched, runner, hasher, cap, published, rank)
         sched.shutdown()
         cap.drain(published[0])
+        cap.sub.close(0)
         if cap.seqs != list(range(len(cap.seqs))):
             raise SystemExit(f"{s.name}: publisher sequence has gaps")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    d = out_dir / s.name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "frames.jsonl").write_text("".join(x + "\n" for x in cap.lines))
-    with open(d / "requests.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    prompt = sum(r["prompt_tokens"] for r in records)
-    cached = sum(r["cached_tokens"] for r in records)
-    meta["counts"] = {"requests": len(records), "batches": len(cap.lines),
-                      "prompt_tokens": prompt, "cached_tokens": cached,
-                      "cached_gpu": sum(r["cached_tokens_by_tier"]["GPU"] for r in records),
-                      "cached_cpu": sum(r["cached_tokens_by_tier"]["CPU"] for r in records),
-                      "preempted_requests": sum(1 for r in records if r["num_preemptions"])}
-    (d / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"{s.name}: " + json.dumps(meta["counts"]), flush=True)
+    if s.dp > 1:  # which engine core took each request, and whose stream its lookup_at counts in
+        for r in ranked:
+            r["dp_rank"], r["publisher"] = rank, cap.endpoint
+    lines += cap.lines
+    records += ranked
     return meta
 
 
@@ -546,14 +575,14 @@ def describe(s: Scenario, vc: Any, sched: Any, cfg: Any, block: int, hash_block:
 
 
 def drive(s: Scenario, sched: Any, runner: Runner, hasher: Any, cap: Capture,
-          published: list[int]) -> list[dict[str, Any]]:
+          published: list[int], rank: int = 0) -> list[dict[str, Any]]:
     """Up to `concurrency` jobs at a time; a conversation's next turn is sent when its previous
-    turn finishes, carrying that turn's output tokens."""
+    turn finishes, carrying that turn's output tokens. DP rank `rank` takes every `s.dp`-th job."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request, RequestStatus
 
-    jobs = workload(s)
+    jobs = workload(s)[rank::s.dp]
     slots: dict[str, dict[str, Any]] = {}
     records: list[dict[str, Any]] = []
     n_req = 0

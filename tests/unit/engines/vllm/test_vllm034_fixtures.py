@@ -9,6 +9,8 @@ the step that scheduled this one."""
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import pytest
 
@@ -27,12 +29,13 @@ def test_every_kit_scenario_is_here():
     assert {"plain", "eagle", "cpu_offload", "cpu_offload_selfdesc", "eagle_cpu_offload", "gemma2_swa",
             "qwen3next_offload", "qwen3next_mtp_offload", "qwen3next_mtp_offload_selfdesc",
             "cache_salt", "lora", "simple_offload", "simple_offload_lazy", "reset", "cpu_offload_reset",
-            "cpu_offload_reset_all"} <= set(SCENARIOS)
+            "cpu_offload_reset_all", "dp2"} <= set(SCENARIOS)
 
 
 # at send, requests queued behind a full GPU (40 blocks) are looked up steps later, after evictions;
 # the requests sent before a reset and looked up after it were credited the state before it
-AT_SEND_OVER = {"simple_offload_lazy": 0.08, "reset": 0.03, "cpu_offload_reset_all": 0.03}
+# dp2: 48 GPU blocks a rank, so more of a step's evictions fall before its lookups
+AT_SEND_OVER = {"simple_offload_lazy": 0.08, "reset": 0.03, "cpu_offload_reset_all": 0.03, "dp2": 0.05}
 AT_SEND_RECALL = {"cpu_offload_reset": 0.95}
 # a GPU-only reset with the offloading connector: one bare AllBlocksCleared, as when the connector's
 # tier is reset too (cpu_offload_reset_all), so kvidx clears every tier and credits the CPU blocks
@@ -84,3 +87,27 @@ def test_split_at_lookups_cuts_messages_where_the_engine_looked():
     assert 2000 < at[(2, 0)] < 4000 and at[(4, 0)] > 4000
     with pytest.raises(ValueError, match="has 2 events"):
         split_at_lookups(frames, [(1, 5)])
+
+
+def test_data_parallel_ranks_are_credited_apart(tmp_path):
+    """dp2: two engine cores (DP ranks 0 and 1), a publisher each on the base port and the next; each
+    request is credited on its own rank (exact above). Credited on the best of either rank instead,
+    the index would over-credit: the ranks' caches differ."""
+    d = FIXTURES / "dp2"
+    res, shard = run_shadow_engine("vllm", d / "frames.jsonl", d / "requests.jsonl")
+    assert sorted(st.dp_rank for st in shard.replicas.values()) == [0, 1]
+    reqs = [json.loads(x) for x in (d / "requests.jsonl").read_text().splitlines()]
+    assert {r["dp_rank"] for r in reqs} == {0, 1} and len({r["publisher"] for r in reqs}) == 2
+    (tmp_path / "requests.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k != "dp_rank"}) + "\n" for r in reqs))
+    anyrank, _ = run_shadow_engine("vllm", d / "frames.jsonl", tmp_path / "requests.jsonl")
+    assert anyrank.extra["at_lookup"]["over_credit"] > 0.01, anyrank.extra["at_lookup"]
+
+
+def test_lookup_cuts_of_several_publishers_need_each_requests_publisher(tmp_path):
+    d = FIXTURES / "dp2"
+    reqs = [json.loads(x) for x in (d / "requests.jsonl").read_text().splitlines()]
+    (tmp_path / "requests.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k != "publisher"}) + "\n" for r in reqs))
+    with pytest.raises(ValueError, match="several publishers need each request's `publisher`"):
+        run_shadow_engine("vllm", d / "frames.jsonl", tmp_path / "requests.jsonl")
