@@ -42,6 +42,9 @@ class Scenario(Workload):
     pool_pages: int  # the token pool, in pages
     about: str
     loras: bool = False  # a LoRA adapter per job (two adapters and the base model)
+    # attention-DP ranks: a tree, pool and publisher each (SGLang's port + attn_dp_rank endpoint), the
+    # jobs dealt out in turn, run one rank after the other (their caches and publishers are independent)
+    dp: int = 1
 
 
 SCENARIOS = {s.name: s for s in [
@@ -52,6 +55,8 @@ SCENARIOS = {s.name: s for s in [
              loras=True),
     Scenario("page1_lora", 1, 1536, "page size 1, LoRA adapters 'sql' / 'chat' / the base model",
              loras=True),
+    Scenario("page16_dp2", 16, 72, "page size 16, 2 attention-DP ranks of 72 pages each (publishers on "
+             "the base port and the next), the jobs dealt out in turn", dp=2),
 ]}
 
 LORAS = {"sql": "lora-id-1", "chat": "lora-id-2"}  # adapter name -> SGLang's lora_id (the extra_key)
@@ -101,6 +106,44 @@ def key(tokens: list[int], lora: str | None) -> Any:
 
 def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
     import sglang
+
+    lines: list[str] = []
+    records: list[dict[str, Any]] = []
+    published = 0
+    for rank in range(s.dp):
+        rank_lines, rank_records = record_rank(s, port, rank)
+        if s.dp > 1:  # which rank took each request, and whose stream its lookup_at counts in
+            for r in rank_records:
+                r["dp_rank"], r["publisher"] = rank, f"tcp://127.0.0.1:{port + rank}"
+        lines += rank_lines
+        records += rank_records
+        published += len(rank_lines)
+    if s.dp > 1:  # the ranks' requests in the order they were sent, numbered again
+        records = [{**r, "i": i} for i, r in enumerate(sorted(records, key=lambda r: r["t_send"]))]
+    P = s.page_size
+    d = out_dir / s.name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "frames.jsonl").write_text("".join(line + "\n" for line in lines))
+    (d / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = {"made_by": "tests/conformance/sglang/make_recordings.py (SGLang's own RadixCache, event "
+                       "recorder and ZmqEventPublisher; the scheduler's bookkeeping a stand-in)",
+            "release": sglang.__version__, "scenario": s.name, "about": s.about, "page_size": P,
+            "pool_tokens": s.pool_pages * P, "loras": LORAS if s.loras else None,
+            "workload": {"seed": s.seed, "convs": s.convs, "turns": s.turns, "one_shot": s.one_shot,
+                         "concurrency": s.concurrency, "max_tokens": s.max_tokens, "max_prompt": 500},
+            "counts": {"requests": len(records), "batches": published,
+                       "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+                       "cached_tokens": sum(r["cached_tokens"] for r in records)}}
+    if s.dp > 1:
+        meta["attn_dp_size"] = s.dp
+    (d / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"{s.name}: " + json.dumps(meta["counts"]), flush=True)
+    return meta
+
+
+def record_rank(s: Scenario, port: int, rank: int) -> tuple[list[str], list[dict[str, Any]]]:
+    """One scheduler's tree (attention-DP rank `rank` of `s.dp`) through its share of the jobs: the
+    frames its publisher sent and its request records."""
     import torch
     from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -115,8 +158,8 @@ def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
         names.register(SimpleNamespace(extra_key=lora_id, lora_id=lora_id), name)
     tree = RadixCache.create_simulated(mock_allocator=pool, page_size=s.page_size,
                                        enable_kv_cache_events=True, kv_event_lora_names=names)
-    pub = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://*:{port}", topic="kv")
-    cap = Capture(f"tcp://127.0.0.1:{port}")
+    pub = ZmqEventPublisher(attn_dp_rank=rank, endpoint=f"tcp://*:{port}", topic="kv")  # port + rank
+    cap = Capture(f"tcp://127.0.0.1:{port + rank}")
     time.sleep(0.5)  # the SUB joins before the first batch
     published = 0
     tree.kv_events.take()  # the AllBlocksCleared of the tree's own reset, before anyone listens
@@ -158,7 +201,7 @@ def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
         job.node = m.last_device_node
         tree.inc_lock_ref(job.node)
 
-    jobs = workload(s.seed, s.convs, s.turns, s.one_shot)
+    jobs = workload(s.seed, s.convs, s.turns, s.one_shot)[rank::s.dp]
     waiting: list[tuple[Job, dict]] = []
     running: list[tuple[Job, dict]] = []
     records: list[dict[str, Any]] = []
@@ -242,24 +285,10 @@ def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
             state["turn"] += 1
             submit(state)
     pub.shutdown()
+    cap.sub.close(0)
     if cap.seqs != list(range(len(cap.seqs))):
         raise SystemExit(f"{s.name}: publisher sequence has gaps")
-    d = out_dir / s.name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "frames.jsonl").write_text("".join(line + "\n" for line in cap.lines))
-    (d / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    meta = {"made_by": "tests/conformance/sglang/make_recordings.py (SGLang's own RadixCache, event "
-                       "recorder and ZmqEventPublisher; the scheduler's bookkeeping a stand-in)",
-            "release": sglang.__version__, "scenario": s.name, "about": s.about, "page_size": P,
-            "pool_tokens": s.pool_pages * P, "loras": LORAS if s.loras else None,
-            "workload": {"seed": s.seed, "convs": s.convs, "turns": s.turns, "one_shot": s.one_shot,
-                         "concurrency": s.concurrency, "max_tokens": s.max_tokens, "max_prompt": 500},
-            "counts": {"requests": len(records), "batches": published,
-                       "prompt_tokens": sum(r["prompt_tokens"] for r in records),
-                       "cached_tokens": sum(r["cached_tokens"] for r in records)}}
-    (d / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"{s.name}: " + json.dumps(meta["counts"]), flush=True)
-    return meta
+    return cap.lines, records
 
 
 def main() -> None:
