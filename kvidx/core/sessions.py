@@ -11,8 +11,9 @@ sessions pass through it (a system prompt: many; a conversation's own turns: one
   x its gap (or than `idle_s` for one that never came back) is `demote` (its own blocks can leave GPU
   memory for a lower tier), and after `drop_factor` x that, `drop` (they can go); blocks other sessions
   pass through are never named. Each carries its class's return probability, learned online from the
-  sessions that came back after falling silent (per traffic class: how often the session had come
-  back), and is issued only where worth_advising says its benefit beats its expected cost. A
+  demoted sessions whose blocks a later prompt came back through (the session's own next prompt or
+  another's; per traffic class: how often the session had come back), and is issued only where
+  worth_advising says its benefit beats its expected cost. A
   recurring session that is due back soon is `keep` (keep_advice: an API for engines that pin; neither
   the service nor the simulator issues it yet).
 - Placement: a recurring session whose replica will still be busy when it is due back is worth copying
@@ -51,6 +52,9 @@ class EvictionAdvice(msgspec.Struct):
 # room it frees, priced as a reload it spares an active session) is an upper bound, as only a replica
 # short of room gains from it and its LRU would free part of that room anyway
 ADVICE_MARGIN = 2.0
+# blocks of demoted sessions remembered until a prompt comes back through them (about 20 MB): the oldest
+# are forgotten first, and a return after that many later advised blocks counts as none
+MAX_ADVISED_BLOCKS = 200_000
 
 
 def advice_seconds(adv: EvictionAdvice, demote_reload_s: float, drop_reload_s: float,
@@ -111,6 +115,10 @@ class SessionTracker:
     returned: int = 0  # of those, sessions that came back
     demoted_by: dict[int, int] = field(default_factory=dict)  # the same per traffic class
     returned_by: dict[int, int] = field(default_factory=dict)
+    # a demoted session's own blocks -> its id, and its id -> its class until a prompt (its own next one,
+    # or any other session's) comes back through one of them: what the advice risked, learned per class
+    advised_blocks: dict[int, int] = field(default_factory=dict)
+    open_advice: dict[int, int] = field(default_factory=dict)
     _next: int = 0
 
     def find(self, hashes: Sequence[int]) -> Session | None:
@@ -124,6 +132,8 @@ class SessionTracker:
     def observe(self, hashes: Sequence[int], replica: str, ts: float) -> Session:
         """A routing decision: its prompt's block hashes, where it went, when. The session it continues
         (updated) or the one it starts."""
+        if self.advised_blocks:
+            self._came_back(hashes)
         s = self.find(hashes)
         if s is None:
             s = Session(self._next, [], replica, ts)
@@ -131,9 +141,6 @@ class SessionTracker:
             self.sessions[s.sid] = s
         else:
             gap = ts - s.last_ts
-            if s.advised:
-                self.returned += 1
-                self.returned_by[s.advised_class] = self.returned_by.get(s.advised_class, 0) + 1
             s.gap_s = (s.gap_s * s.returns + gap) / (s.returns + 1)
             s.returns += 1
             if self.by_last.get(s.hashes[-1]) == s.sid:
@@ -149,6 +156,29 @@ class SessionTracker:
         heapq.heappush(self._due, (ts + self._idle_after(s), s.sid, s.version))
         return s
 
+    def _came_back(self, hashes: Sequence[int]) -> None:
+        """A prompt through blocks of demoted sessions: each such advice counted returned, once."""
+        advised = self.advised_blocks
+        for sid in {advised.pop(h) for h in hashes if h in advised}:
+            cls = self.open_advice.pop(sid, None)
+            if cls is not None:
+                self.returned += 1
+                self.returned_by[cls] = self.returned_by.get(cls, 0) + 1
+
+    def _advised(self, sid: int, cls: int, own: list[int]) -> None:
+        """A demotion of session `sid` (class `cls`) of its blocks `own`, watched for a return."""
+        self.demoted += 1
+        self.demoted_by[cls] = self.demoted_by.get(cls, 0) + 1
+        self.open_advice.pop(sid, None)
+        self.open_advice[sid] = cls
+        advised = self.advised_blocks
+        for h in own:
+            advised[h] = sid
+        while len(advised) > MAX_ADVISED_BLOCKS:  # the oldest first (dicts keep insertion order)
+            del advised[next(iter(advised))]
+        while len(self.open_advice) > MAX_ADVISED_BLOCKS:
+            del self.open_advice[next(iter(self.open_advice))]
+
     @staticmethod
     def traffic_class(s: Session) -> int:
         """The class whose return probability a session's advice is priced with: how often it came
@@ -157,7 +187,8 @@ class SessionTracker:
         return min(s.returns.bit_length(), 3)
 
     def p_return(self, cls: int) -> float:
-        """The share of class `cls`'s sessions advised demote that came back (Laplace: 1/2 unmeasured)."""
+        """The share of class `cls`'s sessions advised demote that a prompt came back through (Laplace:
+        1/2 unmeasured)."""
         return (self.returned_by.get(cls, 0) + 1) / (self.demoted_by.get(cls, 0) + 2)
 
     def _idle_after(self, s: Session) -> float:
@@ -187,8 +218,8 @@ class SessionTracker:
                                           now - s.last_ts, s.gap_s, p_return[cls]))
             if action == "demote":
                 s.advised, s.advised_class = "demote", cls
-                self.demoted += 1
-                self.demoted_by[cls] = self.demoted_by.get(cls, 0) + 1
+                if own:
+                    self._advised(sid, cls, own)
                 heapq.heappush(self._due, (dropped_by, sid, version))
             else:
                 self._forget(s)

@@ -107,3 +107,14 @@ def test_advice_is_issued_only_for_classes_that_seldom_come_back():
     # a drop is recomputed at ten times the reload: not even for a class that returns 1 time in 8
     drop = EvictionAdvice("r0", 0, "drop", [1], 16, 0.0, 0.0, 1 / 8)
     assert worth_advising(drop, 0.001, 0.01, 0.001) is None
+
+
+def test_a_prompt_of_another_session_through_demoted_blocks_counts_as_their_return():
+    """What a demotion risks is any prompt through its blocks, not only the session's own next one."""
+    t = SessionTracker(block_size=16, idle_s=10.0, min_idle_s=1.0)
+    t.observe(SYS + [100, 101], "r0", 0.0)
+    t.observe(SYS + [200, 201], "r0", 0.0)
+    assert len(t.eviction_advice(11.0)) == 2 and t.p_return(0) == 1 / 4
+    t.observe(SYS + [100, 555], "r1", 12.0)  # a new conversation branching through block 100
+    t.observe(SYS + [100, 101, 7], "r1", 12.5)  # and the advised session itself: counted once
+    assert (t.demoted, t.returned) == (2, 1) and t.p_return(0) == 2 / 4
