@@ -42,9 +42,12 @@ SGLang's rules (sglang 0.5.23 wheel unless noted; ENGINES.md):
   kvidx.core.hashing.sglang_key; BlocksStored.router_keys), and its last copy's removal retracts it:
   what SGLang's external-indexer API answers from (index_service/sglang_indexer.py).
 - EAGLE (bigram keys): pages of token pairs are turned back into single tokens (the pairs' first
-  elements, kvidx.core.spec_decode.unpair_tokens) before anything else, so they hash as a plain
-  page of the same prefix; pairs that do not chain (a pair's second token is the next pair's first)
-  or a page mixing ints and pairs are dead letters (`broken_bigram_chain`, `bad_bigram`).
+  elements, kvidx.core.spec_decode.unpair_tokens) before anything else; the tree matches a page only
+  where the prompt goes on with its last pair's second token, so every index block is keyed with the
+  token after it (`lookahead_tokens` 1, as vLLM's lookahead hashing: a prompt sharing a page's tokens
+  but not the next one is not credited with it; without it the kit's EAGLE stream over-credited 29
+  of 200 requests by a page). Pairs that do not chain (a pair's second token is the next pair's
+  first) or a page mixing ints and pairs are dead letters (`broken_bigram_chain`, `bad_bigram`).
 The mirror is pure: no I/O, no clocks.
 """
 
@@ -101,6 +104,9 @@ class SglangMirror:
                       "orphan_blocks": 0, "cleared": 0, "ambiguous_parent": 0, "empty_stored": 0,
                       "bigram_pages": 0}
         self.recompute_tokens = 1  # prompt tokens the engine recomputes at the end (EAGLE: 2)
+        # EAGLE: a page of pairs is matched only where the prompt goes on with its last pair's second
+        # token, so every index block is keyed with the token after it (as vLLM's lookahead hashing)
+        self.lookahead_tokens = 0
         self._placed: dict[int, tuple] = {}  # <= 0.5.3: engine hash -> a different place seen
         # pages below the index block (the engine resumes at any page): the partial-block keys, and per
         # live page (engine hash, tier) [the page before it in its index block or None, its live
@@ -142,13 +148,15 @@ class SglangMirror:
             raise MirrorError("block_size_mismatch",
                               f"page size {P} and index block size {B}: one must divide the other")
         tokens = ev.token_ids
+        after = None  # EAGLE: the token after the last pair's first, which the page's key includes
         if is_bigram_page(tokens):  # EAGLE: token pairs -> single tokens (kvidx/core/spec_decode.py)
             try:
-                tokens, _next = unpair_tokens(tokens)
+                tokens, after = unpair_tokens(tokens)
             except SpecDecodeError as e:
                 raise MirrorError(e.reason, str(e)) from None
             self.stats["bigram_pages"] += nb
             self.recompute_tokens = 2  # EAGLE matches n-1 tokens as n-2 pairs: one more recomputed
+            self.lookahead_tokens = 1
         elif not all(type(t) is int for t in tokens):
             raise MirrorError("bad_bigram", "a page mixes single tokens and token pairs")
         if len(tokens) != nb * P:
@@ -175,7 +183,11 @@ class SglangMirror:
             depth_blocks = d0 + len(blocks)
         # canonical index blocks over (tokens since the last complete index block) + this chain
         stream = list(pending) + list(tokens)
-        extras = [[salt]] if salt and depth_blocks == 0 else None
+        extras: list | None = [[salt]] if salt and depth_blocks == 0 else None
+        if after is not None:  # each block keyed with the token after it (prompt_hashes(lookahead=1))
+            nexts = stream[B::B] + [after]
+            extras = [[*(extras[0] if k == 0 and extras else []), ["la", nexts[k]]]
+                      for k in range(len(stream) // B)]
         canon = chain(pack_tokens(stream), B, seed, extras)
         lp = len(pending)
 
@@ -185,7 +197,7 @@ class SglangMirror:
         refs = self.refs
         if P < B and self.tails is None:
             self.tails = PartialTails(B, P)
-        tails = self.tails if P < B else None
+        tails = self.tails if P < B and after is None else None  # (lookahead engines resume at blocks)
         seed0 = extra_seed(seed, [salt]) if salt and depth_blocks == 0 else seed  # block 0's seed
         packed_stream = pack_tokens(stream) if tails is not None else b""
         prev = parent if lp else None  # the page before this one in its index block

@@ -45,6 +45,7 @@ class Scenario(Workload):
     # attention-DP ranks: a tree, pool and publisher each (SGLang's port + attn_dp_rank endpoint), the
     # jobs dealt out in turn, run one rank after the other (their caches and publishers are independent)
     dp: int = 1
+    eagle: bool = False  # speculative decoding with EAGLE: the tree keys token pairs (bigrams)
 
 
 SCENARIOS = {s.name: s for s in [
@@ -55,6 +56,8 @@ SCENARIOS = {s.name: s for s in [
              loras=True),
     Scenario("page1_lora", 1, 1536, "page size 1, LoRA adapters 'sql' / 'chat' / the base model",
              loras=True),
+    Scenario("page16_eagle", 16, 96, "page size 16, EAGLE speculative decoding: the radix tree keys "
+             "token pairs (SGLang's bigram keys), its events pages of pairs", eagle=True),
     Scenario("page16_dp2", 16, 72, "page size 16, 2 attention-DP ranks of 72 pages each (publishers on "
              "the base port and the next), the jobs dealt out in turn", dp=2),
 ]}
@@ -99,9 +102,10 @@ class Job:
         self.prefilled = False
 
 
-def key(tokens: list[int], lora: str | None) -> Any:
+def key(tokens: list[int], lora: str | None, bigram: bool = False) -> Any:
+    """The tree's key of `tokens` (with EAGLE, as SGLang's scheduler makes it: a view of token pairs)."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    return RadixKey(array("q", tokens), LORAS.get(lora) if lora else None)
+    return RadixKey(array("q", tokens), LORAS.get(lora) if lora else None, is_bigram=bigram)
 
 
 def record_scenario(s: Scenario, out_dir: Path, port: int) -> dict[str, Any]:
@@ -147,6 +151,7 @@ def record_rank(s: Scenario, port: int, rank: int) -> tuple[list[str], list[dict
     import torch
     from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.events import KvEventLoraNames
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
@@ -156,8 +161,9 @@ def record_rank(s: Scenario, port: int, rank: int) -> tuple[list[str], list[dict
         # extra_key ends with the adapter's lora_id) and the adapter's load its id
         names.register(lora_id=lora_id, lora_name=name)
         names.register(SimpleNamespace(extra_key=lora_id, lora_id=lora_id), name)
-    tree = RadixCache.create_simulated(mock_allocator=pool, page_size=s.page_size,
-                                       enable_kv_cache_events=True, kv_event_lora_names=names)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=pool,
+                                      page_size=s.page_size, is_eagle=s.eagle, enable_kv_cache_events=True,
+                                      kv_event_lora_names=names))  # as create_simulated, with is_eagle
     pub = ZmqEventPublisher(attn_dp_rank=rank, endpoint=f"tcp://*:{port}", topic="kv")  # port + rank
     cap = Capture(f"tcp://127.0.0.1:{port + rank}")
     time.sleep(0.5)  # the SUB joins before the first batch
@@ -187,7 +193,7 @@ def record_rank(s: Scenario, port: int, rank: int) -> tuple[list[str], list[dict
     def insert(job: Job, tokens: list[int]) -> None:
         """RadixCache.checkpoint / cache_finished_req: the page-aligned tokens into the tree, the
         duplicate slots freed, the lock moved to the new node, the tree's slots taken."""
-        k = key(tokens, job.lora).page_aligned(P)
+        k = key(tokens, job.lora, s.eagle).page_aligned(P)
         n = len(k)
         values = torch.tensor(job.slots[:n], dtype=torch.int64)
         res = tree.insert(InsertParams(key=k, value=values, inserted_len=job.protected))
@@ -236,7 +242,8 @@ def record_rank(s: Scenario, port: int, rank: int) -> tuple[list[str], list[dict
         while waiting:
             job, state = waiting[0]
             job.lookup_at = [published, len(tree.kv_events._queue)]
-            m = tree.match_prefix(MatchPrefixParams(key=key(job.prompt[:len(job.prompt) - 1], job.lora)))
+            m = tree.match_prefix(MatchPrefixParams(key=key(job.prompt[:len(job.prompt) - 1], job.lora,
+                                                            s.eagle)))
             job.node = m.last_device_node
             tree.inc_lock_ref(job.node)
             prefix = tree.path_device_indices(job.node).tolist()

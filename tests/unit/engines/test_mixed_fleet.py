@@ -311,10 +311,12 @@ def _feed(eng: SimSglangEngine, relay: SglangPublisherRelay, shard: ModelShard, 
 
 
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.10"])
-def test_eagle_bigram_pages_hash_like_single_tokens(version):
-    """The same prefix gets the same index keys with or without drafting."""
+def test_eagle_bigram_pages_are_keyed_with_the_token_after_them(version):
+    """An EAGLE page is the same prefix as a plain one, keyed with the token after it (the tree matches
+    a page of pairs only where the prompt goes on with its last pair's second token): the relay keys
+    every index block with the next token (lookahead 1), as prompts are hashed for that model."""
     rng = random.Random(5)
-    shard = ModelShard(MODEL, IBS)
+    plain_shard, eagle_shard = ModelShard(MODEL, IBS), ModelShard(MODEL, IBS)
     plain = SimSglangEngine(num_pages=200, page_size=16, version=version, endpoint=None)
     eagle = EagleSglangEngine(num_pages=200, page_size=16, version=version, endpoint=None)
     r_plain = SglangPublisherRelay(MODEL, "plain", IBS, engine_version=version, epoch=0)
@@ -328,18 +330,37 @@ def test_eagle_bigram_pages_hash_like_single_tokens(version):
     first = raw[1][0]
     toks = first["token_ids"] if version == "0.5.23" else first[3]
     assert toks[0] == [prompt[0], prompt[1]] and len(toks) == (16 * 6 if version == "0.5.23" else 16)
-    _feed(plain, r_plain, shard)
-    _feed(eagle, r_eagle, shard)
-    want = set(prompt_hashes(prompt[:96], IBS))
-    assert r_plain.mirror.cached_index_blocks() == want
-    assert r_eagle.mirror.cached_index_blocks() == want
+    _feed(plain, r_plain, plain_shard)
+    _feed(eagle, r_eagle, eagle_shard)
+    assert r_plain.mirror.cached_index_blocks() == set(prompt_hashes(prompt[:96], IBS))
+    # 96 pairs name 97 tokens: 6 blocks, each with the token after it
+    assert r_eagle.mirror.cached_index_blocks() == set(prompt_hashes(prompt[:97], IBS, lookahead=1))
     assert r_eagle.mirror.stats["bigram_pages"] == 6 and r_plain.mirror.stats["bigram_pages"] == 0
+    assert (eagle_shard.lookahead, plain_shard.lookahead) == (1, 0)
     follow = system + [rng.randrange(30000) for _ in range(40)]
-    h = prompt_hashes(follow, IBS)
-    assert walk.credited(shard, h, len(follow), "eagle") \
-        == walk.credited(shard, h, len(follow), "plain") == 64
+    for shard, replica in ((plain_shard, "plain"), (eagle_shard, "eagle")):
+        h = prompt_hashes(follow, IBS, lookahead=shard.lookahead)  # as the service hashes it
+        assert walk.credited(shard, h, len(follow), replica) == 64
     # the engines' hashes differ (pairs vs tokens): only the canonical keys are shared
     assert eagle.published[0][2] != plain.published[0][2]
+
+
+def test_eagle_page_not_credited_where_the_prompt_leaves_it_at_its_end():
+    """A prompt with a cached page's 16 tokens but another token after them: the tree's last pair of
+    that page differs, so SGLang does not match the page (found by the conformance kit on SGLang
+    0.5.23's own radix cache: read as a plain page, 29 of 200 requests were credited a page too many)."""
+    rng = random.Random(7)
+    shard = ModelShard(MODEL, IBS)
+    eagle = EagleSglangEngine(num_pages=200, page_size=16, version="0.5.23", endpoint=None)
+    relay = SglangPublisherRelay(MODEL, "eagle", IBS, engine_version="0.5.23", epoch=0)
+    base = [rng.randrange(30000) for _ in range(100)]
+    eagle.serve(base)
+    _feed(eagle, relay, shard)
+    other = base[:64] + [(base[64] + 1) % 30000] + [rng.randrange(30000) for _ in range(40)]
+    want = eagle.cached_tokens_of(other)
+    assert want == 48  # pages 0-2: page 3's last pair (t63, t64) is not the prompt's
+    h = prompt_hashes(other, IBS, lookahead=shard.lookahead)
+    assert walk.credited(shard, h, len(other), "eagle") == want == eagle.serve(other)
 
 
 def test_eagle_randomized_agreement_and_bad_pairs():
@@ -354,7 +375,7 @@ def test_eagle_randomized_agreement_and_bad_pairs():
     reused_total = 0
     for prompt, output in workload_requests(21, 1500, systems=6, max_prompt=500, output_len=9):
         n = len(prompt)
-        credited = walk.credited(shard, prompt_hashes(prompt, IBS), n, "eagle")
+        credited = walk.credited(shard, prompt_hashes(prompt, IBS, lookahead=shard.lookahead), n, "eagle")
         want = eng.cached_tokens_of(prompt)
         assert credited == want, (n, credited, want)
         assert eng.serve(prompt, output) == want

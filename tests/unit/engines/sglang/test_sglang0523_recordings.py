@@ -15,7 +15,7 @@ from kvidx.shadow import run_shadow_engine
 from tests.helpers import FIXTURES
 
 D = FIXTURES / "sglang-0.5.23"
-EXACT = ["page16", "page64", "page16_lora", "page16_dp2"]
+EXACT = ["page16", "page64", "page16_lora", "page16_dp2", "page16_eagle"]
 SHORT = {"page1": (180, 0.9942), "page1_lora": (190, 0.9964)}  # exact requests, recall at lookup
 
 
