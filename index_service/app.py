@@ -32,8 +32,9 @@ Both answer 200:
 GET /healthz     200 {"status": "ok", "ready": true, "models": n, "batches_applied": n, "auth": "on"|"off"};
                  503 (status "not_ready") until the store was rebuilt. Open, like /metrics; every other
                  route needs a bearer token with its scope when credentials are set (index_service.auth).
-GET /v1/models   {"models": [{"model", "block_size", "replicas", "groups", "blocks_applied",
-                 "freshness": {...summary over replicas...}}]}
+GET /v1/models   {"models": [{"model", "block_size", "replicas", "groups" (per group: kind, blocks,
+                 entries, tiers: the working set by tier), "blocks_applied", "freshness": {...summary
+                 over replicas...}, "since_start": {this instance's token counters}}]}
 GET /metrics     Prometheus text (index_service.metrics).
 GET /openapi.json, /docs, /redoc: the API with every answer's schema (index_service.responses); the
                  docs pages' assets are served from here. Every error, FastAPI's own 404/405

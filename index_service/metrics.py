@@ -347,6 +347,23 @@ class ServiceMetrics:
         if below_gpu:
             pm[2].inc(below_gpu)
 
+    def model_totals(self) -> dict[str, dict[str, int]]:
+        """Per model, the token counters this instance kept since it started (GET /v1/models shows
+        them beside the working set): prompt tokens looked up, the best replica's resumable ones, those
+        cached below GPU memory only, credited on routes and reported reused by the engines."""
+        out: dict[str, dict[str, int]] = {}
+        for key, counter in (("lookup_prompt_tokens", self.prompt_tokens),
+                             ("lookup_best_resumable_tokens", self.best_resumable),
+                             ("lookup_below_gpu_tokens", self.below_gpu),
+                             ("routes_credited_tokens", self.credited),
+                             ("usage_prompt_tokens", self.usage_prompt),
+                             ("usage_reused_tokens", self.usage_reused)):
+            for family in counter.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        out.setdefault(sample.labels["model"], {})[key] = int(sample.value)
+        return out
+
     def fanout(self, seconds: float, missing_groups: int) -> None:
         self.fanout_seconds.observe(seconds)
         if missing_groups:

@@ -63,12 +63,14 @@ def add_status_routes(app: FastAPI, ctx: ServiceContext, auth: tuple[int, ...]) 
         groups some of which other instances hold (a lookup asks them), with no event here yet."""
         now = time.time()
         out = []
+        totals = metrics.model_totals()  # this instance's lookups, routes and usage reports, per model
         with store.lock:  # stats iterate the shards' dicts: not while a batch is folded
             names = set(store.shards) | {m for m in store.config.models if store.holds_part_of(m)}
             for model in sorted(names):
                 shard = store.shards.get(model) or store.settings.new_shard(model)
                 info = {"model": model, "block_size": shard.block_size, "lookahead_tokens": shard.lookahead,
-                        **shard.stats(), "freshness": freshness(shard, now)}
+                        **shard.stats(), "freshness": freshness(shard, now),
+                        "since_start": totals.get(model, {})}
                 if store.holds_part_of(model):
                     info["missing_groups"] = store.missing_groups(model)  # a lookup asks their holders
                 out.append(info)

@@ -65,12 +65,16 @@ class ModelInfo(msgspec.Struct):
     # send block_hashes hash with prompt_hashes(..., lookahead=lookahead_tokens)
     lookahead_tokens: int
     replicas: int
-    groups: dict[str, dict[str, Any]]  # per group id: kind, blocks, entries
+    groups: dict[str, dict[str, Any]]  # per group id: kind, blocks, entries, tiers (the working set by tier)
     blocks_applied: int
     # live partial-block keys (engines that resume inside blocks: SGLang small pages, TensorRT-LLM
     # partial reuse); lookups by token ids credit them to the token, by block hashes they cannot
     tail_keys: int
     freshness: ModelFreshness
+    # this instance's token counters since it started (the /metrics series of the same names):
+    # lookup_prompt_tokens, lookup_best_resumable_tokens, lookup_below_gpu_tokens,
+    # routes_credited_tokens, usage_prompt_tokens, usage_reused_tokens (absent: none yet)
+    since_start: dict[str, int] = {}
     # a model split in replica groups, some held by other instances: those (a lookup here asks them)
     missing_groups: list[int] | None = None
 

@@ -68,10 +68,15 @@ def test_prompt_tokens_cached_below_gpu_only_are_counted_per_lookup(store):
         for body in ({"model": MODEL, "token_ids": PROMPT}, {"model": MODEL, "token_ids": PROMPT[:2 * BS]}):
             assert httpx.post(f"{url}/v1/lookup", json=body).status_code == 200
         text = httpx.get(f"{url}/metrics").text
+        models = httpx.get(f"{url}/v1/models").json()["models"]
     # the whole prompt: a holds 8 blocks (2 on GPU, then CPU), b 2 on GPU: 128 cached, 32 on GPU ->
     # 96 below GPU only. The 2-block prompt: on GPU at both replicas -> 0.
     assert _sample(text, "kvidx_lookup_below_gpu_tokens_total", model=MODEL) == 6 * BS
     assert _sample(text, "kvidx_lookup_prompt_tokens_total", model=MODEL) == 10 * BS
+    # the same counts per model in /v1/models, beside the working set
+    (m,) = [m for m in models if m["model"] == MODEL]
+    assert m["since_start"]["lookup_below_gpu_tokens"] == 6 * BS
+    assert m["since_start"]["lookup_prompt_tokens"] == 10 * BS
 
 
 @pytest.mark.parametrize("compiled", [True, False])
