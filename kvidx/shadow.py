@@ -196,7 +196,7 @@ def at_lookup_agreement(adapter, recording: str | Path, reqs: list[dict], model:
         raise ValueError("lookup cuts of a recording with several publishers need each request's "
                          "`publisher` (one of the frames' endpoints)")
     frames, at = [], {}
-    for ep in sorted({f.endpoint for f in recorded}):
+    for ep in sorted(endpoints) or [""]:  # (an empty recording: its cuts fall after the last message)
         mine, cut = split_at_lookups([f for f in recorded if f.endpoint == ep],
                                      [tuple(r["lookup_at"]) for r in reqs
                                       if r.get("lookup_at") and r.get("publisher", ep) == ep])
