@@ -143,6 +143,21 @@ def _events_leader(cluster, names: dict, model: str) -> int:
     return cluster.leader(names["events"], partition)
 
 
+def _settled(cluster, names: dict, model: str, timeout_s: float = 60.0) -> None:
+    """Until every broker is back in the events partition's in-sync set: a resumed ex-leader answers
+    with its old high watermark for a moment (a follower started then can take the end for 0; the
+    follower's part, not this test's, noted in the stop's issue note)."""
+    partition = partition_for(shard_key(model, 0).encode(), 4)
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = admin.list_topics(names["events"], timeout=10).topics[names["events"]].partitions[partition]
+        if len(p.isrs) == len(p.replicas):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"partition {partition} of {names['events']} never back in sync")
+
+
 def test_play_through_a_paused_leader_delivers_every_batch(cluster):
     """The events partition's leader hangs for 30 s while the recording is played: the relay waits for
     the new leader and delivers everything (exit 0), and a fresh service answers as on one broker."""
@@ -159,6 +174,7 @@ def test_play_through_a_paused_leader_delivers_every_batch(cluster):
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["played_frames"] == PLAYED and summary["undelivered"] == 0, summary
+    _settled(cluster, names, "tiny")
     delivered_answers(cluster, names, "tiny")
 
 
