@@ -47,8 +47,8 @@ Replica groups held by other instances (index_service.fanout):
 - kvidx_fanout_seconds                      histogram of the wait for the other instances' answers
 - kvidx_fanout_partial_total                lookups answered without some groups (no live holder,
                                             an error or the timeout: the answer says `partial`)
-Hints (the prefetch gate, kvidx.core.hints.PrefetchGate; per model whose hints.prefetch is on):
-- kvidx_hints_issued_total{model,kind}      plans issued (kind: prefetch)
+Hints (the gates, kvidx.core.hints.PrefetchGate; per model whose hints.prefetch or hints.fetch is on):
+- kvidx_hints_issued_total{model,kind}      hints issued (kind: prefetch; fetch: Dynamo kv.fetch hints)
 - kvidx_hints_declined_total{model,kind}    plans not issued: they could not pay (net gain <= margin)
 - kvidx_hints_throttled_total{model,kind}   plans that could, withheld while the kind's bets lose
 - kvidx_hint_payoff_ratio{model,kind}       paid-off share of the last 64 issued plans whose usage
@@ -105,8 +105,8 @@ class _HintCollector:
                                         "kind's recent bets lose", labels=labels)
         ratio = GaugeMetricFamily("kvidx_hint_payoff_ratio", "Paid-off share of the last issued hints whose "
                                   "outcome is known", labels=labels)
-        for model, gate in sorted(self.metrics.hint_gates.items()):
-            key = [model, "prefetch"]
+        for (model, kind), gate in sorted(self.metrics.hint_gates.items()):
+            key = [model, kind]
             issued.add_metric(key, gate.issued)
             declined.add_metric(key, gate.declined)
             throttled.add_metric(key, gate.throttled)
@@ -321,7 +321,7 @@ class ServiceMetrics:
                                     registry=self.registry)
         self.store = store
         self.registry.register(_StoreCollector(store))
-        self.hint_gates: dict[str, PrefetchGate] = {}  # set to the query pipeline's (ServiceContext)
+        self.hint_gates: dict[tuple[str, str], PrefetchGate] = {}  # the query pipeline's
         self.registry.register(_HintCollector(self))
         self._latency = {f: self.latency.labels(form=f) for f in FORMS}
         self._counts: dict[tuple[str, int], Counter] = {}

@@ -25,6 +25,7 @@ from index_service.wire import (
     pack_tokens,
 )
 from kvidx import index
+from kvidx.core.fetch import FetchPlan, dynamo_kv_hint, fetch_plan
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.hints import PrefetchGate
 from kvidx.core.price import Pricer
@@ -33,6 +34,7 @@ from kvidx.core.shard import ModelShard
 from schemas.answers import LookupAnswer, PrefetchHint
 from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
 from schemas.routes import ROUTES_VERSION, RouteDecision
+from schemas.service import KvHint
 from schemas.usage import USAGE_VERSION, UsageReport
 
 MAX_MODELS_LISTED = 10  # in the 404 for an unknown model
@@ -50,9 +52,10 @@ class QueryPipeline:
         self.max_tokens = max_tokens
         self.pricers: dict[str, Pricer] = {}  # per model, from the configuration
         self.trackers: dict[str, SessionTracker] = {}  # per model whose hints.sessions is on
-        self.gates: dict[str, PrefetchGate] = {}  # per model whose hints.prefetch is on
-        # issued plans awaiting their usage report: request id -> (model, the plan's last token)
+        self.gates: dict[tuple[str, str], PrefetchGate] = {}  # per (model, kind) whose hints are on
+        # issued plans and fetch hints awaiting their usage report: request id -> (model, last token)
         self.prefetched: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self.fetched: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def shard(self, model: str) -> ModelShard:
         shard = self.store.shards.get(model)
@@ -136,22 +139,24 @@ class QueryPipeline:
             pricer = self.pricers[model] = Pricer(self.store.config.model(model).price)
         return pricer
 
-    def gate(self, model: str) -> PrefetchGate:
-        """The model's prefetch gate (kvidx.core.hints.PrefetchGate), with its configured delay and margin."""
-        gate = self.gates.get(model)
+    def gate(self, model: str, kind: str = "prefetch") -> PrefetchGate:
+        """The model's gate for a hint kind (kvidx.core.hints.PrefetchGate: prefetch plans, fetch hints),
+        with its configured delay and margin."""
+        gate = self.gates.get((model, kind))
         if gate is None:
             hints = self.store.config.model(model).hints
-            gate = self.gates[model] = PrefetchGate(hints.prefetch_delay_ms / 1000.0,
-                                                    hints.prefetch_margin_ms / 1000.0)
+            gate = self.gates[model, kind] = PrefetchGate(hints.prefetch_delay_ms / 1000.0,
+                                                          hints.prefetch_margin_ms / 1000.0)
         return gate
 
     def hint_outcome(self, u: UsageReport) -> None:
-        """An engine's usage report for a request whose plan was issued: it paid off when the engine
-        reused the plan's tokens (the audit's rule, without the events: `kvidx audit` also checks that the
-        engine loaded them ahead); the gate's throttle learns it."""
-        issued = self.prefetched.pop(u.request_id, None)
-        if issued is not None and issued[0] == u.model:
-            self.gate(u.model).outcome(u.cached_tokens >= issued[1])
+        """An engine's usage report for a request whose plan or fetch hint was issued: it paid off when the
+        engine reused the hint's tokens (the audit's rule, without the events: `kvidx audit` also checks
+        that the engine loaded them ahead); the kind's gate learns it."""
+        for kind, issued in (("prefetch", self.prefetched), ("fetch", self.fetched)):
+            hint = issued.pop(u.request_id, None)
+            if hint is not None and hint[0] == u.model:
+                self.gate(u.model, kind).outcome(u.cached_tokens >= hint[1])
 
     def prefetch_bytes(self, model: str) -> int | None:
         """The model's KV bytes per token where the operator turned its prefetch hints on (hints.prefetch
@@ -188,11 +193,12 @@ class QueryPipeline:
         shard, hashes, n = self.prompt(req)
         return self.answer(shard, hashes, n, rank, req.top_k, feedback)
 
-    def route(self, req: RouteRequest) -> tuple[RouteDecision, bool, PrefetchHint | None]:
+    def route(self, req: RouteRequest) -> tuple[RouteDecision, bool, PrefetchHint | None, KvHint | None]:
         """Record a routing decision as pending credit on its replica (published when the store has
-        a publisher); False with it if the request id was applied already; and the replica's prefetch
+        a publisher); False with it if the request id was applied already; the replica's prefetch
         plan where the model's hints are on and the model's gate issues it (published on the hints topic
-        when the store has one)."""
+        when the store has one); and its fetch hint in Dynamo's KvHint form where hints.fetch is on and
+        another replica's longer prefix is worth copying (kvidx.core.fetch)."""
         if not req.request_id or not req.replica:
             raise Reject(422, "request_id and replica must not be empty")
         ttl = self.store.config.pending_ttl_s if req.ttl_s is None else req.ttl_s
@@ -216,13 +222,16 @@ class QueryPipeline:
         hint = (index.replica_plan(shard, d.block_hashes, d.prompt_tokens, d.ts, d.replica, d.dp_rank, pricer,
                                    hints.kv_bytes_per_token) if hints.prefetch and not elsewhere else None)
         queues = index.queues(shard, d.ts, pricer) if hints.sessions and not elsewhere else {}
+        fetch = self._fetch_plan(shard, d, pricer) if hints.fetch and not elsewhere else None
         applied = self.store.apply_route(d)
+        kv_hint = None
+        if fetch is not None and applied and self.gate(d.model, "fetch").admit_net(fetch.net_s):
+            kv_hint = dynamo_kv_hint(d.request_id, fetch)
+            self._remember(self.fetched, d, fetch.tokens)
         if hint is not None and not (applied and self.gate(d.model).admit(hint, d.ts)):
             hint = None  # a plan that cannot pay, or throttled (or a duplicate's: issued the first time)
         if hint is not None:
-            self.prefetched[d.request_id] = (d.model, max(r.end for r in hint.runs))
-            if len(self.prefetched) > MAX_PREFETCHED:
-                self.prefetched.popitem(last=False)
+            self._remember(self.prefetched, d, max(r.end for r in hint.runs))
         if applied and self.store.publish_route is not None:
             self.store.publish_route(d)
         if applied and hint is not None and self.store.publish_hint is not None:
@@ -232,7 +241,23 @@ class QueryPipeline:
         if applied and hints.sessions:
             self._session_hints(d, shard.block_size, queues, hints.placement_tokens_per_s,
                                 hints.kv_bytes_per_token)
-        return d, applied, hint
+        return d, applied, hint, kv_hint
+
+    def _fetch_plan(self, shard: ModelShard, d: RouteDecision, pricer: Pricer) -> FetchPlan | None:
+        table = self.store.engine_hashes(d.model)
+        if table is None or not len(table):
+            return None
+        hints = self.store.config.model(d.model).hints
+        answers = index.lookup(shard, d.block_hashes, d.prompt_tokens, d.ts)
+        return fetch_plan(answers, d.replica, d.dp_rank, hints.fetch_endpoints, table, d.block_hashes,
+                          shard.block_size, pricer, hints.placement_tokens_per_s)
+
+    @staticmethod
+    def _remember(issued: OrderedDict[str, tuple[str, int]], d: RouteDecision, end: int) -> None:
+        """An issued hint kept for its usage report (the oldest forgotten past MAX_PREFETCHED)."""
+        issued[d.request_id] = (d.model, end)
+        if len(issued) > MAX_PREFETCHED:
+            issued.popitem(last=False)
 
     def _session_hints(self, d: RouteDecision, block_size: int, queues: dict[str, float],
                        copy_tps: float, bytes_per_token: int) -> None:

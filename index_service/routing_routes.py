@@ -25,13 +25,15 @@ async def record_route(ctx: ServiceContext, request: Request) -> Response:
     try:
         req = await ctx.read_json(request, ROUTE_DECODER)
         model = req.model
-        d, applied, hint = ctx.pipeline.route(req)
+        d, applied, hint, kv_hint = ctx.pipeline.route(req)
         if applied:
             ctx.metrics.routed(d.model, req.credited_tokens)
         ctx.metrics.observe("routes", 202, time.perf_counter() - t0)
         body = {"accepted": True, "duplicate": not applied, "expires_at": d.ts + d.ttl_s}
         if hint is not None:
             body["prefetch"] = msgspec.to_builtins(hint)
+        if kv_hint is not None:
+            body["kv_hint"] = msgspec.to_builtins(kv_hint)  # Dynamo's KvHint (kvidx.core.fetch)
         return json_response(body, 202)
     except Exception as e:  # noqa: BLE001
         return ctx.rejected("routes", e, model)

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvidx.config import Config, ShardSettings
+from kvidx.core.fetch import EngineHashes
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.shard import ModelShard
 from schemas.answers import PrefetchHint
@@ -49,6 +50,8 @@ class ShardStore:
         # set where a model's hints are acted on (an LMCache controller): (model, replica, hint, token ids)
         self.act_on_hint: Callable[[str, str, PrefetchHint, list[int]], None] | None = None
         self._seen_routes: OrderedDict[str, None] = OrderedDict()
+        # per model: its engine hashes for fetch hints (kvidx.core.fetch), None where hints.fetch is off
+        self._engine_hashes: dict[str, EngineHashes | None] = {}
 
     def block_size(self, model: str) -> int:
         return self.settings.block_size(model)
@@ -88,10 +91,22 @@ class ShardStore:
         """`model` is split in replica groups and some are held by other instances."""
         return bool(self.missing_groups(model))
 
+    def engine_hashes(self, model: str) -> EngineHashes | None:
+        """The model's engine hashes for fetch hints, kept from its batches; None where hints.fetch is off."""
+        try:
+            return self._engine_hashes[model]
+        except KeyError:
+            hints = self.config.model(model).hints
+            t = self._engine_hashes[model] = EngineHashes(hints.fetch_hashes_max) if hints.fetch else None
+            return t
+
     def _shard_of(self, batch: EventBatch) -> ModelShard | None:
         if self.groups is not None and batch.replica_group not in self.groups:
             self.skipped_batches += 1
             return None
+        table = self.engine_hashes(batch.model)
+        if table is not None:
+            table.observe(batch)
         return self.shard(batch.model)
 
     def apply(self, batch: EventBatch, now: float | None = None) -> bool:

@@ -76,6 +76,13 @@ class HintsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # also for LMCache's POST /lookup (index_service/lmcache_api.py)
     lmcache_controller: str = ""
     lmcache_instances: dict[str, str] = {}
+    # fetch hints (kvidx.core.fetch): a /v1/routes answer carries `kv_hint`, Dynamo's KvHint (kv.fetch@1.0),
+    # when another replica holds more of the prompt on GPU than the chosen one and copying it
+    # (at placement_tokens_per_s) beats recomputing it; sources are the replicas named here, each with
+    # its KV connector's control endpoint (Dynamo's `router_hint_source_control_endpoints`)
+    fetch: bool = False
+    fetch_endpoints: dict[str, str] = {}
+    fetch_hashes_max: int = 2_000_000  # engine hashes kept for the hints (kvidx.core.fetch.EngineHashes)
 
     def kinds(self) -> tuple[str, ...]:
         """The hint kinds the service issues with these settings (index_service/query.py): prefetch plans
@@ -161,6 +168,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             if h.lmcache_controller and not h.prefetch:
                 raise ValueError(f"model {name!r}: hints.lmcache_controller acts on prefetch plans: turn on "
                                  "hints.prefetch too")
+            if h.fetch and not h.fetch_endpoints:
+                raise ValueError(f"model {name!r}: hints.fetch needs hints.fetch_endpoints, each source "
+                                 "replica's control endpoint ({\"REPLICA\" = \"tcp://HOST:PORT\"})")
+            if h.fetch_hashes_max < 2:
+                raise ValueError(f"model {name!r}: hints.fetch_hashes_max must be at least 2")
 
 
 def load_config(path: str | Path | None) -> Config:

@@ -12,16 +12,38 @@ from typing import Any, Literal
 
 import msgspec
 
+from schemas.answers import PrefetchHint
+
 
 class Error(msgspec.Struct):
     """Every 4xx and 5xx: what is wrong, naming the field or the parameter."""
     error: str
 
 
+class KvHintAction(msgspec.Struct):
+    """One versioned action of a KvHint (Dynamo's dynamo_kv_router::kv_hints::KvHintAction)."""
+    action_id: str
+    action_type: str  # "kv.fetch"
+    action_version: str  # "1.0"
+    # kv.fetch@1.0: {"block_hashes": [u64, ...] (the source's engine block hashes, root-aligned),
+    # "source_control_endpoint": "tcp://HOST:PORT"}
+    payload: dict[str, Any]
+
+
+class KvHint(msgspec.Struct):
+    """Dynamo's KV hint (dynamo_kv_router::kv_hints::KvHint, protocol 0.1), as its serde JSON: a router
+    puts it in the request it sends the chosen worker (PreprocessedRequest.kv_hint)."""
+    protocol_version: str
+    message_id: str
+    actions: list[KvHintAction]
+
+
 class RouteAccepted(msgspec.Struct):
     accepted: bool
     duplicate: bool  # this request_id was already recorded
     expires_at: float  # epoch seconds: pending credit ends then unless the engine confirms it
+    prefetch: PrefetchHint | None = None  # hints.prefetch: the chosen replica's plan, if issued
+    kv_hint: KvHint | None = None  # hints.fetch: fetch a longer prefix from another replica, if issued
 
 
 class UsageAccepted(msgspec.Struct):

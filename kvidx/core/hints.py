@@ -119,7 +119,16 @@ class PrefetchGate:
         """Issue `hint` (made at `now`, its request expected to start in `hint.deadline_s`) or not; an
         issued plan holds its replica's load channel for `hint.load_s`."""
         key = (hint.replica, hint.dp_rank)
-        if self.net_gain_s(hint.load_s, hint.deadline_s, key, now) <= self.margin_s:
+        if not self.admit_net(self.net_gain_s(hint.load_s, hint.deadline_s, key, now)):
+            return False
+        start = now + max(self.delay_s, self.channel_free.get(key, 0.0) - now)
+        self.channel_free[key] = start + hint.load_s
+        return True
+
+    def admit_net(self, net_s: float) -> bool:
+        """Issue a bet expected to take `net_s` seconds off its request (gain net of cost) or not: the
+        margin, then the throttle (a fetch hint's whole decision, kvidx.core.fetch; a plan's last step)."""
+        if net_s <= self.margin_s:
             self.declined += 1
             return False
         if self.is_throttled:
@@ -127,8 +136,6 @@ class PrefetchGate:
             if self._candidates % self.probe_every:
                 self.throttled += 1
                 return False
-        start = now + max(self.delay_s, self.channel_free.get(key, 0.0) - now)
-        self.channel_free[key] = start + hint.load_s
         self.issued += 1
         return True
 

@@ -5,6 +5,7 @@ schema; the gate's throttle learns from usage reports."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -44,7 +45,7 @@ def test_hints_are_off_unless_the_operator_turns_them_on():
         rank = c.post("/v1/rank", json={"model": MODEL, "token_ids": P}).json()
         assert rank["replicas"][0]["resumable_tokens"] == 96 and "prefetch" not in rank
         r = c.post("/v1/routes", json={"request_id": "a", "model": MODEL, "replica": "r", "token_ids": P})
-        assert r.status_code == 202 and "prefetch" not in r.json()
+        assert r.status_code == 202 and "prefetch" not in r.json() and "kv_hint" not in r.json()
 
 
 def test_rank_and_routes_carry_the_prefetch_plan_and_the_topic_gets_it():
@@ -179,3 +180,41 @@ def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic(monkeyp
     assert advice == {("busy", tuple(hashes(list(range(10_000, 410_000))))): "demote",
                       ("idle", tuple(hashes(other)[2:])): "demote",
                       ("busy", tuple(hashes(turn1 + P[80:96])[2:])): "demote"}
+
+
+def test_routes_carry_dynamos_fetch_hint_when_another_replica_holds_more_on_gpu():
+    """hints.fetch on (issue #41 item 5): routed to "s", which holds 2 of P's 6 blocks, while "r" holds all
+    6 on GPU and has a control endpoint, the answer's `kv_hint` is Dynamo's KvHint (kv.fetch@1.0) naming
+    r's endpoint and r's engine hashes of the 6 blocks, root-aligned; its text is what Dynamo's own
+    constructors make (tests/fixtures/dynamo-1.6.1, bench/peers/http/kv_hint_check.py). The usage report
+    tells the fetch gate whether it paid off; /metrics counts the kind."""
+    cfg = Config(default=ModelConfig(hints=HintsConfig(fetch=True, fetch_endpoints={"r": "tcp://10.0.0.5:25000"})))
+    store = ShardStore(16, config=cfg)
+    h = hashes(P)
+    engine = [2**64 - 1 - i for i in range(6)]
+    now = time.time()
+    store.apply(EventBatch(SCHEMA_VERSION, MODEL, "r", 0, 1, 0, now, now, 16, [
+        BlocksStored("GPU", 0, h[:6], None, 0, engine_hashes=engine)]))
+    store.apply(EventBatch(SCHEMA_VERSION, MODEL, "s", 0, 1, 0, now, now, 16, [
+        BlocksStored("GPU", 0, h[:2], None, 0, engine_hashes=engine[:2])]))
+    with ServerThread(create_app(store)) as base, httpx.Client(base_url=base) as c:
+        r = c.post("/v1/routes", json={"request_id": "f1", "model": MODEL, "replica": "s", "token_ids": P})
+        assert r.status_code == 202
+        want = ('{"protocol_version":"0.1","message_id":"f1","actions":[{"action_id":"a1","action_type":'
+                '"kv.fetch","action_version":"1.0","payload":{"block_hashes":[' + ",".join(map(str, engine))
+                + '],"source_control_endpoint":"tcp://10.0.0.5:25000"}}]}')
+        assert r.json()["kv_hint"] == json.loads(want)
+        assert json.dumps(r.json()["kv_hint"], separators=(",", ":")) == want
+        # routed to "r" itself, or to "s" once "s" holds as much: nothing to fetch
+        r2 = c.post("/v1/routes", json={"request_id": "f2", "model": MODEL, "replica": "r", "token_ids": P})
+        assert "kv_hint" not in r2.json()
+        c.post("/v1/usage", json={"request_id": "f1", "model": MODEL, "replica": "s", "prompt_tokens": 97,
+                                  "cached_tokens": 96})
+        text = c.get("/metrics").text
+        assert 'kvidx_hints_issued_total{kind="fetch",model="m"} 1.0' in text
+        assert 'kvidx_hint_payoff_ratio{kind="fetch",model="m"} 1.0' in text
+
+
+def test_fetch_hints_need_their_sources_endpoints():
+    with pytest.raises(ValueError, match="hints.fetch needs hints.fetch_endpoints"):
+        Config(default=ModelConfig(hints=HintsConfig(fetch=True))).check()
