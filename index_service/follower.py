@@ -10,7 +10,8 @@ through any instance counts as pending credit on every instance.
 
 Ready (`/healthz` 200) means caught up: the snapshots applied and every message that was in the events
 topic (from the snapshots' offsets) and in the routes topic (from the look-back) when the follower
-started, folded; the end offsets are taken once, at start.
+started, folded; the end offsets are taken at start and read again, from the leaders the metadata
+names then, before ready (a paused and resumed ex-leader can answer the first read with its stale end).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class KafkaFollower(Background):
         self.routes_topic = routes_topic
         self.routes_lookback_s = routes_lookback_s
         self.undecodable = 0
+        self._confirmations = 0  # second reads of the end offsets before ready (_ready_if_confirmed)
         super().__init__()
 
     def run(self) -> None:
@@ -137,8 +139,9 @@ class KafkaFollower(Background):
                         ends[(tp.topic, tp.partition)] = hi
                 assignment += routes
             c.assign(assignment)
+            offsets = {(tp.topic, tp.partition): tp.offset for tp in assignment}
             if not ends:
-                self._ready(t0)
+                self._ready_if_confirmed(c, t0, ends, offsets)
             lag_at = 0.0
             status_at = time.monotonic() + self.status_every_s
             while not self.stop_event.is_set():
@@ -147,7 +150,7 @@ class KafkaFollower(Background):
                     lag_at = now + 1.0
                     self.store.consumer_lag = self._lag(c, parts)
                     if ends and self._passed(c, ends):  # no message left to see (retention took it)
-                        self._ready(t0)
+                        self._ready_if_confirmed(c, t0, ends, offsets)
                 if now >= status_at:
                     status_at = now + self.status_every_s
                     log.info("event=service_status ready=%s models=%d batches_applied=%d "
@@ -174,9 +177,47 @@ class KafkaFollower(Background):
                     if ends and msg.offset() + 1 >= ends.get(where, 0):
                         ends.pop(where, None)
                         if not ends:
-                            self._ready(t0)
+                            self._ready_if_confirmed(c, t0, ends, offsets)
         finally:
             c.close()
+
+    def _ready_if_confirmed(self, c: Consumer, t0: float, ends: dict[tuple[str, int], int],
+                            offsets: dict[tuple[str, int], int]) -> None:
+        """Ready, once a second read of the end offsets, from the partitions' leaders as the metadata
+        says now, finds nothing past the consumer's position; else those ends go into `ends` and the
+        follower reads on. The first read can be a stale one: a partition's leader paused and resumed
+        (a zombie) answers with its old high watermark until it learns it was replaced, and an instance
+        taking that for the end would be ready without events the new leader acknowledged (seen once in
+        CI, tests/integration/test_replication.py). Confirmed reads are bounded: the third says ready."""
+        if self.store.ready:
+            return
+        self._confirmations += 1
+        if self._confirmations <= 2:
+            more = self._ends_past_position(c, offsets)
+            if more:
+                ends.update(more)
+                log.info("event=end_offsets_moved partitions=%d: reading on before ready", len(more))
+                return
+        self._ready(t0)
+
+    def _ends_past_position(self, c: Consumer, offsets: dict[tuple[str, int], int]
+                            ) -> dict[tuple[str, int], int]:
+        """The end offsets, read again after a metadata refresh, of the assigned partitions the consumer
+        is not at the end of (`offsets`: where each was assigned from, for those it has not read yet)."""
+        for topic in sorted({t for t, _ in offsets}):
+            c.list_topics(topic, timeout=10)  # the partitions' leaders as the cluster says now
+        keys = [k for k, start in offsets.items() if start >= 0 or k[0] == self.events_topic]
+        positions = c.position([TopicPartition(t, p) for t, p in keys])
+        at = {(tp.topic, tp.partition): tp.offset for tp in positions}
+        more = {}
+        for key in keys:
+            lo, hi = watermarks(c, *key)
+            pos = at.get(key, -1)
+            if pos < 0:
+                pos = max(offsets[key], 0)
+            if hi > max(lo, pos):
+                more[key] = hi
+        return more
 
     def _check_retention(self, partition: int, folded: list[tuple[str, int]], low: int) -> None:
         """Say so (once, one line, counted in /healthz and /metrics) when the events topic's retention
