@@ -14,11 +14,14 @@ Target (DESIGN.md): ingest >= 250k block events/s (relay decode -> Kafka -> fold
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import statistics
 import sys
 import time
 
 import _common as c
+import msgspec
 import numpy as np
 
 from kvidx.core.shard import ModelShard
@@ -27,7 +30,9 @@ from kvidx.engines.contract import Frame
 from kvidx.engines.vllm.relay import VllmPublisherRelay
 from kvidx.engines.vllm.sim import SimVllmEngine
 from kvidx.engines.vllm.wire import BlockRemoved, BlockStored, decode_payload
-from schemas.events import decode_batch, encode_batch
+from schemas.events import BlocksRemoved as BlocksRemovedEv
+from schemas.events import BlocksStored as BlocksStoredEv
+from schemas.events import EventBatch, decode_batch, encode_batch
 
 TARGET = 250_000
 
@@ -98,6 +103,79 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
     figs.add("fold ModelShard.apply alone, block events/s", max(app), "blocks/s")
     figs.add("fold ModelShard.apply with eviction foresight (routes recorded), block events/s", max(fore),
              "blocks/s")
+
+
+def production_stream(timed: list[EventBatch], seed: int = 7) -> list[tuple[EventBatch, list[int] | None]]:
+    """The timed batches as a service instance that follows routes folds them (issue #40 item 1): each
+    batch that stores blocks comes after its prompt's route (pending credit and eviction foresight on:
+    every request through a router); a tenth of the batches also offload the blocks they evict to the
+    host tier (CPU stores: the group has two tiers, removals check the union); one in fifty carries a
+    partial-block key (vLLM's partial blocks under --prefix-match-unit: the Python fold's). (batch, the
+    route's hashes or None)."""
+    r = random.Random(seed)
+    out = []
+    for b in timed:
+        stored = [h for e in b.events if isinstance(e, BlocksStoredEv) for h in e.hashes]
+        removed = [h for e in b.events if isinstance(e, BlocksRemovedEv) for h in e.hashes]
+        events = list(b.events)
+        if removed and r.random() < 0.1:
+            events.append(BlocksStoredEv("CPU", 0, removed, None, 0))
+        if stored and r.random() < 0.02:
+            events.append(BlocksStoredEv("GPU", 0, [stored[-1] ^ 0x5A5A], None, 0, tail=True))
+        out.append((msgspec.structs.replace(b, events=events), stored or None))
+    return out
+
+
+def _fold_timed(shard: ModelShard, stream: list[tuple[EventBatch, list[int] | None]]) -> float:
+    """Seconds in `apply` alone (the routes recorded between the batches are not timed)."""
+    clock = time.perf_counter
+    spent = 0.0
+    for b, route in stream:
+        if route is not None:
+            shard.add_pending(b.replica, b.dp_rank, route, 16 * len(route), 0, 1e12)
+        t = clock()
+        shard.apply(b, 1.0)
+        spent += clock() - t
+    return spent
+
+
+def bench_production_fold(args, figs: c.Figures) -> dict:
+    """ModelShard.apply on the plain stream and on the production stream (production_stream), compiled
+    and Python, in one run: block events/s, best of --repeat, apply alone in both."""
+    warm, timed = c.batches_from_stream(args.replicas, args.capacity, 16, args.per_batch, args.events)
+    n_timed = sum(map(c.block_events, timed))
+    base = ModelShard(c.MODEL, 16)
+    for b in warm:
+        base.apply(b, 0.0)
+    snap = encode_snapshot(base)
+    del warm
+    plain = [(b, None) for b in timed]
+    prod = production_stream(timed)
+    n_prod = sum(c.block_events(b) for b, _ in prod)
+    rates: dict[str, list[float]] = {"plain_compiled": [], "production_compiled": [], "production_python": []}
+    for _ in range(args.repeat):
+        for name, stream, python_fold, n in (("plain_compiled", plain, False, n_timed),
+                                              ("production_compiled", prod, False, n_prod),
+                                              ("production_python", prod, True, n_prod)):
+            shard = _from_snapshot(snap, python_fold)
+            c.collect()
+            rates[name].append(n / _fold_timed(shard, stream))
+    best = {k: max(v) for k, v in rates.items()}
+    for k, v in best.items():
+        c.log(f"  {k}: {v:,.0f} block events/s (best of {args.repeat})")
+    ratio = best["production_compiled"] / best["plain_compiled"]
+    figs.add("fold ModelShard.apply, production stream compiled / plain compiled", ratio, "x", ">= 0.8",
+             f"routes before every store, 10 % offloads to CPU, 2 % partial-block keys; python "
+             f"{best['production_python']:,.0f}")
+    return best
+
+
+def _from_snapshot(snap: bytes, python_fold: bool) -> ModelShard:
+    """The warm shard, folding with the compiled fold or (`python_fold`) with ModelShard.fold_reference."""
+    shard = decode_snapshot(snap)
+    if python_fold:
+        vars(shard).pop("apply", None)  # the compiled fold bound in __init__: the class's apply is Python
+    return shard
 
 
 def bench_fold_scaling(args, figs: c.Figures) -> None:
@@ -264,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", default="", help="comma-separated load factors for the scaling series "
                    "(e.g. 1,2,4: x replicas and x block events per batch); empty: none")
     p.add_argument("--scale-events", type=int, default=1_000_000, help="timed block events per factor")
-    p.add_argument("--json", help="write the figures to this JSON file")
+    p.add_argument("--json", nargs="?", const="-", help="end with one JSON line of the production fold's "
+                   "figures ({plain_compiled, production_compiled, production_python}, block events/s); with "
+                   "a path, also write every figure to that file")
+    p.add_argument("--skip-production", action="store_true", help="no production-fold comparison")
     args = p.parse_args(argv)
     if args.quick:
         args.events, args.capacity, args.repeat, args.relay_requests = 300_000, 2048, 1, 200
@@ -272,13 +353,19 @@ def main(argv: list[str] | None = None) -> int:
     args.scale = c.parse_scale(args.scale)
     figs = c.Figures("fold")
     bench_worker_fold(args, figs)
+    production = None
+    if not args.skip_production:
+        c.log("production fold: the same stream with routes, a host tier and partial-block keys ...")
+        production = bench_production_fold(args, figs)
     if args.scale:
         c.log(f"fold scaling: x{', x'.join(f'{f:g}' for f in args.scale)} "
               f"({args.scale_events:,} events each)")
         bench_fold_scaling(args, figs)
     if not args.skip_relay:
         bench_relay(args, figs)
-    figs.write(args.json)
+    figs.write(None if args.json == "-" else args.json)
+    if args.json and production is not None:
+        print(json.dumps({k: round(v) for k, v in production.items()}))
     return 0
 
 

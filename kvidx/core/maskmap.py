@@ -229,6 +229,11 @@ class PyMaskMap(dict):
         get = super().get
         return [get(h, 0) for h in hashes]
 
+    def lacking(self, hashes: Iterable[int], slot: int) -> list[int]:
+        """The hashes whose mask lacks bit `slot` (absent ones included), in order."""
+        get, bit = super().get, 1 << slot
+        return [h for h in hashes if not get(h, 0) & bit]
+
     def walk(self, hashes: list[int]) -> dict[int, int]:
         """slot -> number of leading hashes it holds, for every slot holding hashes[0]."""
         return walk_masks(super().get, hashes if isinstance(hashes, list) else list(hashes))

@@ -12,6 +12,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvidx.core.maskmap import native_module
+
+# pending credit's per-block bookkeeping compiled where built (native/src/credits.rs; a route adds and a
+# store confirms every block of the prompt: the Python loops were most of the production fold's time)
+_native = native_module() if hasattr(native_module(), "credits_add") else None
+
 
 class _Credits:
     """Block hash -> the slots it is pending on, with a count of the live routes crediting each."""
@@ -23,6 +29,19 @@ class _Credits:
         self.refs: dict[tuple[int, int], int] = {}  # (hash, slot) -> live routes crediting it
 
     def add(self, slot: int, hashes) -> None:
+        if _native is not None:
+            _native.credits_add(self.refs, self.masks, slot, hashes)
+        else:
+            self.add_reference(slot, hashes)
+
+    def confirm(self, slot: int, hashes: list[int]) -> None:
+        if _native is not None:
+            _native.credits_confirm(self.refs, self.masks, slot, hashes)
+        else:
+            self.confirm_reference(slot, hashes)
+
+    # the pure-Python reference of the compiled add and confirm (native/src/credits.rs)
+    def add_reference(self, slot: int, hashes) -> None:
         bit = 1 << slot
         refs, masks = self.refs, self.masks
         for h in hashes:
@@ -30,7 +49,7 @@ class _Credits:
             refs[key] = refs.get(key, 0) + 1
             masks[h] = masks.get(h, 0) | bit
 
-    def confirm(self, slot: int, hashes: list[int]) -> None:
+    def confirm_reference(self, slot: int, hashes: list[int]) -> None:
         refs = self.refs
         for h in hashes:
             r = refs.get((h, slot))

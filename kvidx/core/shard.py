@@ -297,7 +297,8 @@ class ModelShard:
         """Fold one batch; False if it was already applied (a redelivery). On a shard of compiled maps
         the compiled fold (NATIVE_FOLD.apply, bound in __init__) stands in for this method: it folds a
         plain batch (whole-block stores and removals into known groups and tiers, by a known replica,
-        no pending credit, foresight or host queue) itself and hands any other to `fold_reference`."""
+        no host queue; with pending credit or foresight kept, one group, the routes' hooks called per
+        event) itself and hands any other to `fold_reference`."""
         return self.fold_reference(batch, now)
 
     def fold_reference(self, batch: EventBatch, now: float) -> bool:
@@ -388,23 +389,36 @@ class ModelShard:
                 st.router_keys += new
             self.blocks_applied += len(hashes)
             return
-        if self.pending.masks and g.kind in FULL_KINDS:
-            self.pending.confirm(st.slot, hashes)
-        elif self.pending.window_masks and g.kind in WINDOW_KINDS:
-            self.pending.confirm(st.slot, hashes, window=True)
         gb = st.group_blocks
-        if self.foresight.active and (len(self.groups) > 1 or g.kind in FULL_KINDS):
-            if len(self.groups) > 1 and not self.foresight.pooled:
-                self.foresight.pool()  # a hybrid model: its groups share each replica's block pool
-            self.foresight.stored(st.slot, gid, hashes, st.replica not in self.pool_readers,
-                                  st.blocks if self.foresight.pooled else gb.get(gid, 0),
-                                  g.kind in STATE_KINDS or (g.kind in WINDOW_KINDS and bool(g.window)))
+        self._stored_hooks(st, gid, g, hashes, st.blocks, gb.get(gid, 0))
         if new:
             st.blocks += new
             gb[gid] = gb.get(gid, 0) + new
         if ev.block_size and (not st.unit or ev.block_size < st.unit):
             st.unit = ev.block_size
         self.blocks_applied += len(hashes)
+
+    def _stored_hooks(self, st: ReplicaState, gid: int, g: GroupIndex, hashes: list[int], held: int,
+                      held_in_group: int) -> None:
+        """What a store of whole blocks tells the routes' side: they are no longer pending there, and
+        they take their place in the replica's eviction order (`held`, `held_in_group`: its live blocks
+        before the event). Called by both folds (the compiled one, NATIVE_FOLD, while routes are kept)."""
+        if self.pending.masks and g.kind in FULL_KINDS:
+            self.pending.confirm(st.slot, hashes)
+        elif self.pending.window_masks and g.kind in WINDOW_KINDS:
+            self.pending.confirm(st.slot, hashes, window=True)
+        if self.foresight.active and (len(self.groups) > 1 or g.kind in FULL_KINDS):
+            if len(self.groups) > 1 and not self.foresight.pooled:
+                self.foresight.pool()  # a hybrid model: its groups share each replica's block pool
+            self.foresight.stored(st.slot, gid, hashes, st.replica not in self.pool_readers,
+                                  held if self.foresight.pooled else held_in_group,
+                                  g.kind in STATE_KINDS or (g.kind in WINDOW_KINDS and bool(g.window)))
+
+    def _removed_hooks(self, st: ReplicaState, gid: int, g: GroupIndex, hashes: list[int]) -> None:
+        """Blocks whose removal took entries out (`gone`): foresight drops those gone from every tier.
+        Called by both folds."""
+        # foresight orders the union: only blocks gone from every tier
+        self.foresight.removed(st.slot, gid, g.any.lacking(hashes, st.slot) if len(g.tiers) > 1 else hashes)
 
     def _remove(self, ev: BlocksRemoved, st: ReplicaState) -> None:
         g = self.groups.get(ev.group)
@@ -424,11 +438,7 @@ class ModelShard:
         else:  # retract from the union only where no other tier still holds the block there
             gone = d.remove(ev.hashes, st.slot, [m for t, m in g.tiers.items() if t != tid], g.any)
         if gone and self.foresight.slots and not ev.tail and not ev.router_keys:
-            left = ev.hashes
-            if len(g.tiers) > 1:  # foresight orders the union: only blocks gone from every tier
-                bit = slot_bit(st.slot)
-                left = [h for h, m in zip(left, g.any.masks(left), strict=True) if not m & bit]
-            self.foresight.removed(st.slot, ev.group, left)
+            self._removed_hooks(st, ev.group, g, ev.hashes)
         if ev.tail:
             st.tails -= gone
             self.tail_keys -= gone

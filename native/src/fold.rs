@@ -3,10 +3,14 @@
 //!
 //! Plain: stores and removals of whole blocks (no copy, partial-block tail or router keys) into
 //! groups and tiers the shard already has, by a batch that changes neither the replica's host tier
-//! nor its lookahead; the caller checks the shard's side (no pending credit, foresight or host
-//! queue). Everything else is declined before anything changes, and the Python fold does it. The
-//! state a batch leaves is the same either way: tests/unit/core/test_native_fold.py folds random
-//! streams both ways and compares every field and every map.
+//! nor its lookahead; on the shard's side, no host queue for the replica. A shard that keeps pending
+//! credit or eviction foresight (a service following routes) is folded here too when it has one
+//! group: each store and removal calls the shard's Python hooks where the Python fold does
+//! (`ModelShard._stored_hooks`, `_removed_hooks`, then `Foresight.settle`), so both keep the same
+//! routes' state; a hybrid model's pooled foresight stays with the Python fold. Everything else is
+//! declined before anything changes, and the Python fold does it. The state a batch leaves is the
+//! same either way: tests/unit/core/test_native_fold.py folds random streams both ways, routes and
+//! lookups interleaved, and compares every field, every map, the pending credit and every order.
 //!
 //! Why it reads fields by offset: per batch (one engine event of ~20 blocks, the common case) the
 //! Python fold spent as long on its bookkeeping (the duplicate check, the counts, the replica's
@@ -37,9 +41,9 @@ unsafe fn flag(p: *mut ffi::PyObject) -> Option<bool> {
 }
 
 // field indices, in the order of the names given to Layout::of
-const B_NAMES: [&str; 14] = ["epoch", "seq", "part", "events", "host_tier_blocks", "lookahead_tokens",
+const B_NAMES: [&str; 15] = ["epoch", "seq", "part", "events", "host_tier_blocks", "lookahead_tokens",
                              "replica_group", "recompute_tokens", "block_size", "engine_ts", "relay_ts",
-                             "external_after_local", "replica", "dp_rank"];
+                             "external_after_local", "replica", "dp_rank", "copies_removed"];
 const B_EPOCH: usize = 0;
 const B_SEQ: usize = 1;
 const B_PART: usize = 2;
@@ -54,6 +58,7 @@ const B_RELAY_TS: usize = 10;
 const B_EXTERNAL_AFTER_LOCAL: usize = 11;
 const B_REPLICA: usize = 12;
 const B_DP_RANK: usize = 13;
+const B_COPIES_REMOVED: usize = 14;
 
 const S_NAMES: [&str; 20] = ["slot", "epoch", "seq", "part", "duplicates", "seq_gaps", "host_tier", "lookahead",
                              "blocks", "group_blocks", "unit", "group", "recompute", "block_size", "engine_ts",
@@ -101,6 +106,7 @@ struct Step<'py> {
     hashes: Bound<'py, PyList>,
     // None: a removal from a group or tier the shard never had (a no-op, not counted)
     target: Option<(Bound<'py, PyDict>, Bound<'py, MaskMap>, Bound<'py, PyAny>)>,  // (tiers, map, any)
+    group: Option<Bound<'py, PyAny>>,  // the GroupIndex, for the routes' hooks
     block_size: i64,
 }
 
@@ -128,6 +134,15 @@ struct Counts<'py> {
     unit: i64,
     applied: usize,
     groups: Vec<(Bound<'py, PyAny>, i64)>,  // group -> change of live entries, in first-change order
+}
+
+/// The routes' side of a shard that keeps pending credit or eviction foresight: the fold calls the
+/// shard's Python hooks (`ModelShard._stored_hooks`, `_removed_hooks`, `Foresight.settle`) where the
+/// Python fold does, so both keep the same state.
+struct Hooks<'py> {
+    shard: &'py Bound<'py, PyAny>,
+    st: &'py Bound<'py, PyAny>,
+    foresight: Bound<'py, PyAny>,
 }
 
 // bounds within which the fold's arithmetic cannot overflow (a batch or replica beyond them: declined)
@@ -202,7 +217,8 @@ impl Folder {
                 None => self.last_tier.bind(py).clone(),
             };
             let mut target = None;
-            if let Some(g) = groups.get_item(&gid)? {
+            let group = groups.get_item(&gid)?;
+            if let Some(g) = &group {
                 if !self.group.is(g.as_ptr()) {
                     return Ok(None);
                 }
@@ -225,7 +241,7 @@ impl Folder {
             if store && target.is_none() {
                 return Ok(None);  // a new group or tier: made by the Python fold
             }
-            steps.push(Step { store, gid, tid, hashes, target, block_size });
+            steps.push(Step { store, gid, tid, hashes, target, group, block_size });
         }
         Ok(Some(steps))
     }
@@ -294,7 +310,8 @@ impl Folder {
 
     /// The apply pass, event by event in the Python fold's order (a removal's journal entry before
     /// it, a store's after it); stops at an event that fails, as the Python fold does.
-    fn run_steps<'py>(journal: &Bound<'py, PyAny>, plan: &Plan<'py>, c: &mut Counts<'py>) -> PyResult<()> {
+    fn run_steps<'py>(journal: &Bound<'py, PyAny>, plan: &Plan<'py>, c: &mut Counts<'py>,
+                      hooks: Option<&Hooks<'py>>) -> PyResult<()> {
         let py = journal.py();
         let touched = if journal.is_none() { None } else { Some(journal.getattr(pyo3::intern!(py, "touched"))?) };
         let touch = |s: &Step<'py>| -> PyResult<()> {  // ChangeJournal.touch
@@ -316,6 +333,17 @@ impl Folder {
                 if !any.is(d) {
                     any.cast::<MaskMap>()?.try_borrow_mut()?.store(s.hashes.as_any(), plan.slot)?;
                 }
+                if let (Some(h), Some(g)) = (hooks, &s.group) {
+                    // the live blocks before this event: the replica's, as the Python fold counts them
+                    let in_group = c.groups.iter().find(|x| x.0.is(&s.gid) || x.0.eq(&s.gid).unwrap_or(false))
+                        .map_or(0, |x| x.1);
+                    let before: i64 = match plan.group_blocks.get_item(&s.gid)? {
+                        Some(v) => v.extract()?,
+                        None => 0,
+                    };
+                    h.shard.call_method1(intern!(py, "_stored_hooks"),
+                                         (h.st, &s.gid, g, &s.hashes, plan.blocks + c.blocks, before + in_group))?;
+                }
                 if s.block_size != 0 && (c.unit == 0 || s.block_size < c.unit) {
                     c.unit = s.block_size;
                 }
@@ -335,6 +363,11 @@ impl Folder {
                     MaskMap::remove(d, s.hashes.as_any(), plan.slot, Some(others.as_any()), Some(any))?
                 };
                 c.removed += gone as i64;
+                if let (Some(h), Some(g)) = (hooks, &s.group) {
+                    if gone != 0 && h.foresight.getattr(intern!(py, "slots"))?.is_truthy()? {
+                        h.shard.call_method1(intern!(py, "_removed_hooks"), (h.st, &s.gid, g, &s.hashes))?;
+                    }
+                }
                 -(gone as i64)
             };
             if n != 0 {
@@ -382,8 +415,9 @@ impl Folder {
 
     /// The fold of one batch without the reference: Some(done) if it folded it (or counted a
     /// redelivery), None if not plain (nothing changed). Plain on the shard's side too: the batch's
-    /// epoch within the clock's skew, its replica known and its epoch within it too, no pending
-    /// credit or foresight kept, no host queue for the replica (the reference's work, each of them).
+    /// epoch within the clock's skew, its replica known and its epoch within it too, no host queue for
+    /// the replica; with pending credit or foresight kept, one group and no copies' evictions (the
+    /// routes' hooks then run per event).
     fn try_apply<'py>(&self, shard: &Bound<'py, PyAny>, batch: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>)
                       -> PyResult<Option<bool>> {
         let py = shard.py();
@@ -412,12 +446,10 @@ impl Folder {
         }
         let pending = shard.getattr(intern!(py, "pending"))?;
         let foresight = shard.getattr(intern!(py, "foresight"))?;
-        if pending.getattr(intern!(py, "masks"))?.is_truthy()?
+        let routes = pending.getattr(intern!(py, "masks"))?.is_truthy()?
             || pending.getattr(intern!(py, "window_masks"))?.is_truthy()?
             || foresight.getattr(intern!(py, "active"))?.is_truthy()?
-            || foresight.getattr(intern!(py, "slots"))?.is_truthy()? {
-            return Ok(None);
-        }
+            || foresight.getattr(intern!(py, "slots"))?.is_truthy()?;
         let host_orders = shard.getattr(intern!(py, "host_orders"))?;
         if host_orders.is_truthy()? {
             // SAFETY: `st` is exactly a ReplicaState; its slot field is null-checked before use
@@ -428,15 +460,28 @@ impl Folder {
         }
         let Ok(groups) = shard.getattr(intern!(py, "groups"))?.cast_into::<PyDict>() else { return Ok(None) };
         let journal = shard.getattr(intern!(py, "journal"))?;
-        self.fold_plain(shard, &groups, &journal, batch, &st, now)
+        if !routes {
+            return self.fold_plain(shard, &groups, &journal, batch, &st, now, None);
+        }
+        // routes kept: one group (a hybrid model's pooled order is the reference's) and no copies'
+        // evictions to uncount (copies are declined as events too)
+        // SAFETY: `batch` is exactly an EventBatch; the field is null-checked before use
+        let copies = unsafe { self.batch.get(b, B_COPIES_REMOVED) };
+        if groups.len() != 1 || copies.is_null() || unsafe { ffi::PyDict_CheckExact(copies) } == 0
+            || unsafe { ffi::PyDict_Size(copies) } != 0 {
+            return Ok(None);
+        }
+        let hooks = Hooks { shard, st: &st, foresight };
+        self.fold_plain(shard, &groups, &journal, batch, &st, now, Some(&hooks))
     }
 
     /// The fold of a plain batch into replica `st` (see try_apply): Some(True) folded, Some(False) a
     /// redelivery (st.duplicates counted), None: not plain, nothing changed. An event that fails
     /// raises after the counts of those before it are written, as the Python fold leaves them.
+    #[allow(clippy::too_many_arguments)]
     fn fold_plain<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, journal: &Bound<'py, PyAny>,
-                       batch: &Bound<'py, PyAny>, st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>)
-                       -> PyResult<Option<bool>> {
+                       batch: &Bound<'py, PyAny>, st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>,
+                       hooks: Option<&Hooks<'py>>) -> PyResult<Option<bool>> {
         let (b, s) = (batch.as_ptr(), st.as_ptr());
         if !self.batch.is(b) || !self.replica.is(s) {
             return Ok(None);
@@ -466,9 +511,16 @@ impl Folder {
         };
         // from here on the batch is folded
         let mut counts = Counts { blocks: 0, removed: 0, unit: plan.unit, applied: 0, groups: Vec::new() };
-        let done = Self::run_steps(journal, &plan, &mut counts);
+        let done = Self::run_steps(journal, &plan, &mut counts, hooks);
         self.write_counts(shard, s, &plan, &counts)?;
         done?;
+        if let Some(h) = hooks {  // the batch's end: the eviction orders it grew settle (Foresight.settle)
+            let py = shard.py();
+            if h.foresight.getattr(intern!(py, "slots"))?.is_truthy()?
+                && h.foresight.getattr(intern!(py, "grown"))?.is_truthy()? {
+                h.foresight.call_method0(intern!(py, "settle"))?;
+            }
+        }
         // SAFETY: `st` is exactly a ReplicaState; the values written are the batch's, owned by the plan
         // and checked to be ints and floats, and `now` (a float)
         unsafe {

@@ -13,6 +13,7 @@
 //! cache misses of an event (~20 hashes, buckets all over a table of megabytes) overlap instead of
 //! following one another.
 
+mod credits;
 mod answer;
 mod fold;
 mod layout;
@@ -713,6 +714,25 @@ impl MaskMap {
         Ok(self.m.clear_slot(slot_of(slot)?))
     }
 
+    /// The hashes whose mask lacks bit `slot` (absent ones included), in order.
+    fn lacking<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>, slot: i64) -> PyResult<Bound<'py, PyList>> {
+        let s = slot_of(slot)?;
+        let hs = Hashes::of(hashes)?;
+        let m = &self.m;
+        let mut at = Vec::new();  // the run's keys are the map's own: the caller's hashes by index
+        hs.run(0, &mut at, |_, h| m.prefetch(h, s), |o, i, h| {
+            if !m.has_bit(h, s) {
+                o.push(i);
+            }
+            Ok(true)
+        })?;
+        let out = PyList::empty(py);
+        for i in at {
+            out.append(hashes.get_item(i)?)?;
+        }
+        Ok(out)
+    }
+
     /// The mask of every hash (0 for an absent one).
     fn masks<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let hs = Hashes::of(hashes)?;
@@ -1029,5 +1049,7 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::split_token_ids, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::token_reader, m)?)?;
+    m.add_function(wrap_pyfunction!(credits::credits_add, m)?)?;
+    m.add_function(wrap_pyfunction!(credits::credits_confirm, m)?)?;
     Ok(())
 }

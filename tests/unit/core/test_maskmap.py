@@ -119,6 +119,7 @@ def operations(h: st.SearchStrategy, s: st.SearchStrategy) -> st.SearchStrategy:
         st.tuples(st.just("or_into"), i, i),
         st.tuples(st.just("copy"), i, i),
         st.tuples(st.just("masks"), i, hl),
+        st.tuples(st.just("lacking"), i, hl, s),
         st.tuples(st.just("walk"), i, hl),
     )
 
@@ -180,6 +181,8 @@ def apply(maps: list, op: tuple):
             return None
         if name == "masks":
             return d.masks(args[0])
+        if name == "lacking":
+            return d.lacking(args[0], args[1])
         if name == "walk":
             return d.walk(args[0])
     except (ValueError, KeyError, OverflowError, TypeError) as e:

@@ -1,9 +1,10 @@
 """The compiled fold of plain batches (native/src/fold.rs, `kvidx.core.shard.NATIVE_FOLD`) against the
 Python fold it stands in for (`ModelShard.apply`, the reference): random streams mixing plain batches
 with everything the compiled fold declines (copies, partial-block tails, router keys, clears, host
-tiers, lookahead, new groups and tiers), redeliveries, gaps and a change journal, folded both ways,
-must leave the same state after every batch: every replica's fields, the counts, every map and the
-journal."""
+tiers, lookahead, new groups and tiers), redeliveries, gaps and a change journal, with routes (pending
+credit, eviction foresight) and lookups interleaved, folded both ways, must leave the same state after
+every batch: every replica's fields, the counts, every map, the journal, the pending credit and every
+eviction order."""
 
 import random
 
@@ -32,11 +33,11 @@ class ReferenceShard(ModelShard):
     new_map = PyMaskMap
 
 
-def _event(r: random.Random, chains: list[list[int]], rare: bool):
+def _event(r: random.Random, chains: list[list[int]], rare: bool, hybrid: bool = True):
     c = r.choice(chains)
     k = r.randint(1, len(c))
     tier = r.choice(["GPU", "CPU", "DISK", "NVME?"]) if r.random() < 0.3 else "GPU"
-    group = 1 if r.random() < 0.15 else 0
+    group = 1 if hybrid and r.random() < 0.15 else 0
     kind = "sliding_window" if group else "full_attention"
     extra = {}
     if rare and r.random() < 0.3:
@@ -54,13 +55,14 @@ def _event(r: random.Random, chains: list[list[int]], rare: bool):
     return ReplicaCleared("reset", tier=r.choice(["", "CPU"]))
 
 
-def _stream(r: random.Random, n_replicas: int, chains: list[list[int]], n: int) -> list[EventBatch]:
+def _stream(r: random.Random, n_replicas: int, chains: list[list[int]], n: int,
+            hybrid: bool = True) -> list[EventBatch]:
     seqs: dict[str, int] = {}
     out = []
     for _ in range(n):
         rep = f"r{r.randrange(n_replicas)}"
         rare = r.random() < 0.15
-        events = [_event(r, chains, rare) for _ in range(r.choice([1, 1, 1, 2, 3]))]
+        events = [_event(r, chains, rare, hybrid) for _ in range(r.choice([1, 1, 1, 2, 3]))]
         seq = seqs.get(rep, -1) + 1
         x = r.random()
         if x < 0.05:  # a redelivery
@@ -93,7 +95,22 @@ def _state(shard: ModelShard) -> dict:
         "blocks_applied": shard.blocks_applied, "tail_keys": shard.tail_keys, "lookahead": shard.lookahead,
         "host_orders": sorted(shard.host_orders), "maps": maps, "any": anys, "journal": journal,
         "groups": {gid: (g.kind, g.window) for gid, g in shard.groups.items()},
+        "pending": _pending(shard), "foresight": _foresight(shard),
     }
+
+
+def _pending(shard: ModelShard) -> tuple:
+    p = shard.pending
+    return (dict(p.masks), dict(p._blocks.refs), dict(p.window_masks), dict(p._window.refs), dict(p.inflight),
+            list(p._queue))
+
+
+def _foresight(shard: ModelShard) -> tuple:
+    f = shard.foresight
+    orders = {k: (r.order.head(len(r.order)), dict(r.unconfirmed), r.peak, r.full, r.untrusted,
+                  dict(r.copies), r.extra, r.transient, dict(r.markers), r.evicting)
+              for k, r in f.slots.items()}
+    return f.active, f.pooled, f.version, len(f.grown), orders, list(f._expiries)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -120,18 +137,54 @@ def _batch(seq: int, hashes: list[int]) -> EventBatch:
     return EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, seq, 1.0, 1.0, 16, [ev])
 
 
-def test_compiled_fold_declines_while_pending_credit_or_foresight_is_kept():
+@pytest.mark.parametrize("seed", range(8))
+def test_with_routes_and_lookups_interleaved_the_compiled_fold_leaves_the_python_folds_state(seed):
+    """The production fold (issue #40 item 1): a service following routes keeps pending credit and
+    eviction foresight; routes and lookups (which expire credit and foresight) come between batches.
+    Half the seeds keep one group (the compiled fold takes those batches, calling the routes' hooks);
+    the others are hybrid (pooled foresight: the Python fold's)."""
+    from kvidx.core import walk
+    r = random.Random(100 + seed)
+    hybrid = bool(seed % 2)
+    n_replicas = r.choice([2, 5, 64, 70])
+    chains = [[r.getrandbits(64) for _ in range(r.randint(1, 24))] for _ in range(10)]
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16), ReferenceShard("m", 16)]
+    if seed % 4 == 0:
+        for s in shards:
+            s.track_changes()
+    folded0 = NATIVE_FOLD.folded
+    for i, b in enumerate(_stream(r, n_replicas, chains, 500, hybrid)):
+        now = 3.0 + i * 0.25
+        if r.random() < 0.3:  # a route: pending credit and the prefill's place in the eviction order
+            c = r.choice(chains)
+            rep, k = f"r{r.randrange(n_replicas)}", r.randint(1, len(c))
+            expires, credited = now + r.uniform(0.1, 4.0), r.randrange(0, 16 * k)
+            for s in shards:
+                s.add_pending(rep, 0, c[:k], 16 * k + 3, credited, expires)
+        assert len({s.apply(b, now) for s in shards}) == 1
+        if r.random() < 0.2:  # a lookup: expires credit and foresight as of now
+            c = r.choice(chains)
+            answers = [msgspec.to_builtins(walk.lookup(s, c, 16 * len(c) + 1, now)) for s in shards]
+            assert answers[0] == answers[1] == answers[2], f"batch {i}"
+        native, *others = (_state(s) for s in shards)
+        for other in others:
+            assert native == other, f"batch {i}: {b}"
+    if not hybrid:
+        assert NATIVE_FOLD.folded - folded0 > 250  # most batches took the compiled fold
+
+
+def test_with_pending_credit_the_compiled_fold_confirms_as_the_python_fold():
     shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
     first = _batch(0, [1, 2])
     for s in shards:
         s.apply(first, 1.0)
         s.add_pending("a", 0, [1, 2, 3, 4], 64, 32, 100.0)  # blocks 3, 4 pending on replica a
-    declined0 = NATIVE_FOLD.declined
+    declined0, folded0 = NATIVE_FOLD.declined, NATIVE_FOLD.folded
     b = _batch(1, [3])
     assert [s.apply(b, 2.0) for s in shards] == [True, True]
-    assert NATIVE_FOLD.declined == declined0 + 1  # the shard's side: the Python fold's
+    assert (NATIVE_FOLD.declined, NATIVE_FOLD.folded) == (declined0, folded0 + 1)  # compiled, with hooks
     assert _state(shards[0]) == _state(shards[1])
-    assert shards[0].pending.masks == shards[1].pending.masks  # the store confirmed block 3 in both
+    assert shards[0].pending.masks == {4: 1}  # the store confirmed block 3 in both
 
 
 def test_a_field_of_another_type_is_declined_not_misread():
@@ -177,7 +230,7 @@ def test_sequence_numbers_at_the_edge_of_64_bits_fold_alike():
     assert shards[0].replicas[("a", 0)].seq_gaps == top - 1
 
 
-def test_eviction_foresight_alone_keeps_the_python_fold():
+def test_eviction_foresight_is_kept_by_the_compiled_fold_too():
     shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
     for s in shards:
         s.apply(_batch(0, [1, 2]), 1.0)
@@ -185,5 +238,21 @@ def test_eviction_foresight_alone_keeps_the_python_fold():
     declined0, folded0 = NATIVE_FOLD.declined, NATIVE_FOLD.folded
     for s in shards:
         s.apply(_batch(1, [3]), 2.0)
-    assert (NATIVE_FOLD.declined, NATIVE_FOLD.folded) == (declined0 + 1, folded0)
+    assert (NATIVE_FOLD.declined, NATIVE_FOLD.folded) == (declined0, folded0 + 1)  # the second is Python's
     assert _state(shards[0]) == _state(shards[1])
+    assert shards[0].foresight.slots[(0, 0)].order.head(3) == [3]  # the order starts with the route's side
+
+
+def test_a_hybrid_model_under_foresight_keeps_the_python_fold():
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
+    two = EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, 0, 1.0, 1.0, 16, [
+        BlocksStored("GPU", 0, [1], None, 0),
+        BlocksStored("GPU", 1, [1], None, 0, group_kind="sliding_window", sliding_window=32)])
+    for s in shards:
+        s.apply(two, 1.0)
+        s.foresight.active = True
+    declined0 = NATIVE_FOLD.declined
+    for s in shards:
+        s.apply(_batch(1, [3]), 2.0)
+    assert NATIVE_FOLD.declined == declined0 + 1  # pooled foresight: the reference's
+    assert _state(shards[0]) == _state(shards[1]) and shards[0].foresight.pooled
