@@ -283,7 +283,7 @@ class QueryPipeline:
             publish(HintRecord(HINTS_VERSION, "eviction", "", d.model, adv.replica, 0, adv.hashes, block_size,
                                [], adv.tokens, cost_s, 0.0, benefit_s, adv.tokens * bytes_per_token, d.ts,
                                action=adv.action))
-        p = tracker.placement(s, queues, copy_tps, bytes_per_token)
+        p = tracker.placement(s, queues, copy_tps, bytes_per_token, room_s=cpu_s)
         if p is not None:
             publish(HintRecord(HINTS_VERSION, "placement", d.request_id, d.model, p.source, 0, p.hashes,
                                block_size, [], p.tokens, p.copy_s, 0.0, p.benefit_s, p.bytes, d.ts,

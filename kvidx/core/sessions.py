@@ -17,8 +17,8 @@ sessions pass through it (a system prompt: many; a conversation's own turns: one
   recurring session that is due back soon is `keep` (keep_advice: an API for engines that pin; neither
   the service nor the simulator issues it yet).
 - Placement: a recurring session whose replica will still be busy when it is due back is worth copying
-  ahead of its next prompt to the replica with the shortest queue, when the wait it avoids exceeds the
-  copy's time.
+  ahead of its next prompt to the replica with the shortest queue, when the wait it avoids, weighed by
+  its class's return probability, exceeds the copy's time and the room it takes at the target.
 
 Known ambiguity: a first prompt that ends exactly where many conversations branch (a system prompt and
 nothing else) is continued by the next conversation through it; its blocks stop being anyone's own as
@@ -247,11 +247,14 @@ class SessionTracker:
                 self.passes.pop(h, None)
 
     def placement(self, s: Session, queue_s: dict[str, float], transfer_tokens_per_s: float,
-                  bytes_per_token: int = 0) -> PlacementHint | None:
+                  bytes_per_token: int = 0, room_s: float = 0.0) -> PlacementHint | None:
         """Where to copy recurring session `s`'s prompt ahead of its next one: the replica with the
-        shortest queue, when the wait it avoids is longer than the copy; None otherwise (or for a session
-        that never came back). The wait avoided is the queue still left at its own replica when the
-        session is due back (queues drain while it is away: now less its mean gap), less the target's."""
+        shortest queue, when the wait it is expected to avoid beats what it costs; None otherwise (or for a
+        session that never came back). The wait avoided is the queue still left at its own replica when
+        the session is due back (queues drain while it is away: now less its mean gap), less the
+        target's, expected as far as sessions of its class come back (p_return, learned online); the cost
+        is the copy's time and the room it takes at the target: as many tokens of others pushed out of
+        GPU memory, priced `room_s` a token (a reload from the tier below)."""
         if not s.returns or not s.hashes or s.replica not in queue_s:
             return None
         target = min((r for r in queue_s if r != s.replica), key=queue_s.__getitem__, default=None)
@@ -261,7 +264,7 @@ class SessionTracker:
         copy_s = tokens / transfer_tokens_per_s
         gap = s.gap_s
         benefit = max(0.0, queue_s[s.replica] - gap) - max(0.0, queue_s[target] - gap)
-        if benefit <= copy_s:
+        if self.p_return(self.traffic_class(s)) * benefit <= copy_s + tokens * room_s:
             return None
         return PlacementHint(s.replica, target, list(s.hashes), tokens, copy_s, benefit,
                              tokens * bytes_per_token)

@@ -194,7 +194,8 @@ class HintFollower:
     def _place(self, model: str, s: Session, tracker: SessionTracker, t: float) -> None:
         sv = self.serving
         names = [r.name for r in self.fleet.engines[model] if isinstance(r.engine, SimVllmEngine)]
-        hint = tracker.placement(s, {n: sv.queue_s(n, t) for n in names}, self.placement_tps)
+        hint = tracker.placement(s, {n: sv.queue_s(n, t) for n in names}, self.placement_tps,
+                                 room_s=sv.load_cost.get("CPU", 0.0))  # priced as the service prices it
         if hint is None:
             return
         self.placement.issued += 1

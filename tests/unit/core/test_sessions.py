@@ -66,6 +66,22 @@ def test_placement_only_when_the_wait_avoided_exceeds_the_copy():
     assert t.placement(s, {"r0": 0.9, "r1": 0.0}, 1000.0) is None  # drained before it is back
 
 
+def test_placement_weighs_the_wait_by_the_return_rate_and_counts_the_room_it_takes():
+    """Issue #41: a copy pays only if the session comes back (its class's measured rate, 1/2 unmeasured)
+    and costs the room it takes at the target, priced per token."""
+    t = SessionTracker(block_size=16)
+    t.observe(SYS + [10], "r0", 0.0)
+    s = t.observe(SYS + [10, 11], "r0", 1.0)  # 80 tokens, 0.08 s to copy; 0.8 s of wait avoided
+    queues = {"r0": 2.0, "r2": 1.2}
+    assert t.placement(s, queues, 1000.0) is not None  # 1/2 x 0.8 s > 0.08 s
+    # 0.08 s + 80 x 4 ms of room: 0.4 s, all of the 0.4 s expected
+    assert t.placement(s, queues, 1000.0, room_s=0.004) is None
+    assert t.placement(s, queues, 1000.0, room_s=0.003) is not None
+    cls = t.traffic_class(s)
+    t.demoted_by[cls], t.returned_by[cls] = 98, 0  # its class almost never comes back: 1/100
+    assert t.placement(s, queues, 1000.0) is None  # 0.008 s expected < 0.08 s copy
+
+
 def test_eviction_advice_in_seconds_from_the_measured_return_rate():
     t = SessionTracker(block_size=16, idle_s=10.0, min_idle_s=1.0)
     for k in range(4):  # four one-prompt sessions, all silent by 11 s
