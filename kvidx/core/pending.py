@@ -40,7 +40,18 @@ class _Credits:
         else:
             self.confirm_reference(slot, hashes)
 
-    # the pure-Python reference of the compiled add and confirm (native/src/credits.rs)
+    def release(self, slot: int, hashes) -> None:
+        """One route crediting each of `hashes` on `slot` expired."""
+        if _native is not None:
+            _native.credits_release(self.refs, self.masks, slot, hashes)
+        else:
+            self.release_reference(slot, hashes)
+
+    # the pure-Python reference of the compiled add, confirm and release (native/src/credits.rs)
+    def release_reference(self, slot: int, hashes) -> None:
+        for h in hashes:
+            self.drop(h, slot, 1)
+
     def add_reference(self, slot: int, hashes) -> None:
         bit = 1 << slot
         refs, masks = self.refs, self.masks
@@ -101,10 +112,8 @@ class PendingCredits:
         while q and q[0][0] <= now:
             _, slot, hashes, window, prefill = q.popleft()
             self.inflight[slot] = self.inflight.get(slot, 0) - prefill
-            for h in hashes:
-                self._blocks.drop(h, slot, 1)
-            for h in window:
-                self._window.drop(h, slot, 1)
+            self._blocks.release(slot, hashes)
+            self._window.release(slot, window)
             n += 1
         return n
 

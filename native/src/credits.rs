@@ -60,3 +60,36 @@ pub fn credits_confirm(refs: &Bound<'_, PyDict>, masks: &Bound<'_, PyDict>, slot
     }
     Ok(())
 }
+
+/// release(refs, masks, slot, hashes): one route crediting each hash on `slot` expired: its count
+/// drops by one, and at zero the count and the bit go (`_Credits.drop(h, slot, 1)` for each).
+#[pyfunction]
+pub fn credits_release(refs: &Bound<'_, PyDict>, masks: &Bound<'_, PyDict>, slot: &Bound<'_, PyInt>,
+                       hashes: &Bound<'_, PyAny>) -> PyResult<()> {
+    let py = refs.py();
+    let mut keep: Option<Bound<'_, PyAny>> = None;
+    for h in hashes.try_iter()? {
+        let h = h?;
+        let key = PyTuple::new(py, [h.as_any(), slot.as_any()])?;
+        let Some(r) = refs.get_item(&key)? else { continue };
+        let r: i64 = r.extract()?;
+        if r > 1 {
+            refs.set_item(key, r - 1)?;
+            continue;
+        }
+        refs.del_item(key)?;
+        let keep = match &keep {
+            Some(k) => k,
+            None => keep.insert(1i64.into_pyobject(py)?.lshift(slot)?.bitnot()?),
+        };
+        if let Some(m) = masks.get_item(&h)? {
+            let left = m.bitand(keep)?;
+            if left.is_truthy()? {
+                masks.set_item(h, left)?;
+            } else {
+                masks.del_item(h)?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1051,5 +1051,6 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tokens::token_reader, m)?)?;
     m.add_function(wrap_pyfunction!(credits::credits_add, m)?)?;
     m.add_function(wrap_pyfunction!(credits::credits_confirm, m)?)?;
+    m.add_function(wrap_pyfunction!(credits::credits_release, m)?)?;
     Ok(())
 }

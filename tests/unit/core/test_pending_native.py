@@ -1,6 +1,6 @@
 """Pending credit's compiled bookkeeping (native/src/credits.rs) against its Python reference
-(`_Credits.add_reference`, `confirm_reference`): random routes, confirmations and expiries over slots
-past 64 bits, both ways, must leave the same counts and masks after every step."""
+(`_Credits.add_reference`, `confirm_reference`, `release_reference`): random routes, confirmations and
+expiries over slots past 64 bits, both ways, must leave the same counts and masks after every step."""
 
 import random
 
@@ -27,11 +27,8 @@ def test_compiled_add_and_confirm_leave_the_references_state(seed):
         elif x < 0.85:
             native.confirm(slot, run)
             ref.confirm_reference(slot, run)
-        else:  # a route expires: its counts dropped by the Python code both share
-            for h in run:
-                n = ref.refs.get((h, slot), 0)
-                if n:
-                    ref.drop(h, slot, 1)
-                    native.drop(h, slot, 1)
+        else:  # a route expires: one count each
+            native.release(slot, tuple(run))
+            ref.release_reference(slot, run)
         assert native.refs == ref.refs and native.masks == ref.masks, f"step {step}"
     assert ref.masks  # something stayed pending: the comparison saw both kinds of state
