@@ -35,30 +35,7 @@ pub fn credits_add(refs: &Bound<'_, PyDict>, masks: &Bound<'_, PyDict>, slot: &B
 #[pyfunction]
 pub fn credits_confirm(refs: &Bound<'_, PyDict>, masks: &Bound<'_, PyDict>, slot: &Bound<'_, PyInt>,
                        hashes: &Bound<'_, PyAny>) -> PyResult<()> {
-    let py = refs.py();
-    let mut keep: Option<Bound<'_, PyAny>> = None;  // ~(1 << slot), made on the first hit
-    for h in hashes.try_iter()? {
-        let h = h?;
-        let key = PyTuple::new(py, [h.as_any(), slot.as_any()])?;
-        let Some(r) = refs.get_item(&key)? else { continue };
-        if !r.is_truthy()? {
-            continue;
-        }
-        refs.del_item(key)?;
-        let keep = match &keep {
-            Some(k) => k,
-            None => keep.insert(1i64.into_pyobject(py)?.lshift(slot)?.bitnot()?),
-        };
-        if let Some(m) = masks.get_item(&h)? {
-            let left = m.bitand(keep)?;
-            if left.is_truthy()? {
-                masks.set_item(h, left)?;
-            } else {
-                masks.del_item(h)?;
-            }
-        }
-    }
-    Ok(())
+    drop_counts(refs, masks, slot, hashes, false)
 }
 
 /// release(refs, masks, slot, hashes): one route crediting each hash on `slot` expired: its count
@@ -66,15 +43,26 @@ pub fn credits_confirm(refs: &Bound<'_, PyDict>, masks: &Bound<'_, PyDict>, slot
 #[pyfunction]
 pub fn credits_release(refs: &Bound<'_, PyDict>, masks: &Bound<'_, PyDict>, slot: &Bound<'_, PyInt>,
                        hashes: &Bound<'_, PyAny>) -> PyResult<()> {
+    drop_counts(refs, masks, slot, hashes, true)
+}
+
+/// Drops each hash's count on `slot` (one route's with `one`, else all of them); a count gone takes
+/// the slot's bit from the hash's mask.
+fn drop_counts(refs: &Bound<'_, PyDict>, masks: &Bound<'_, PyDict>, slot: &Bound<'_, PyInt>,
+               hashes: &Bound<'_, PyAny>, one: bool) -> PyResult<()> {
     let py = refs.py();
-    let mut keep: Option<Bound<'_, PyAny>> = None;
+    let mut keep: Option<Bound<'_, PyAny>> = None;  // ~(1 << slot), made on the first count gone
     for h in hashes.try_iter()? {
         let h = h?;
         let key = PyTuple::new(py, [h.as_any(), slot.as_any()])?;
         let Some(r) = refs.get_item(&key)? else { continue };
-        let r: i64 = r.extract()?;
-        if r > 1 {
-            refs.set_item(key, r - 1)?;
+        if one {
+            let r: i64 = r.extract()?;
+            if r > 1 {
+                refs.set_item(key, r - 1)?;
+                continue;
+            }
+        } else if !r.is_truthy()? {
             continue;
         }
         refs.del_item(key)?;
