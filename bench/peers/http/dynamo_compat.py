@@ -76,6 +76,38 @@ def connect_publisher(base_url: str, block_size: int, ctx: zmq.Context) -> zmq.S
     return pub
 
 
+CONDUCTOR_PROFILE = {"strategy": "vllm_v1", "algorithm": "sha256_cbor", "python_hash_seed": "0",
+                     "index_projection": "low64_be"}
+
+
+def connect_conductor_publisher(base_url: str, block_size: int, ctx: zmq.Context) -> zmq.Socket:
+    """As connect_publisher, registered through Mooncake conductor's msgpack POST /register instead."""
+    import msgspec
+    pub = ctx.socket(zmq.XPUB)
+    pub.linger = 2000
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    body = {"endpoint": f"tcp://127.0.0.1:{port}", "type": "vLLM", "modelname": MODEL,
+            "instance_id": "engine-a", "block_size": block_size, "dp_rank": 0,
+            "hash_profile": CONDUCTOR_PROFILE}
+    req = urllib.request.Request(f"{base_url}/register", data=msgspec.msgpack.encode(body),
+                                 headers={"Content-Type": "application/msgpack"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        if r.status != 200:
+            raise SystemExit(f"conductor register failed: {r.status}")
+    if not pub.poll(15_000):
+        raise SystemExit("the conductor's relay never subscribed to the publisher")
+    pub.recv()
+    return pub
+
+
+def conductor_bodies(prompts: list[list[int]], block_size: int) -> list[bytes]:
+    """Mooncake conductor's POST /query bodies (msgpack; token ids as a bin of int32 LE, as it sends them)."""
+    import msgspec
+    import numpy as np
+    return [msgspec.msgpack.encode({"model": MODEL, "block_size": block_size,
+                                    "token_ids": np.asarray(p, dtype="<i4").tobytes()}) for p in prompts]
+
+
 def steps(recording: Path):
     frames = read_frames(recording / "frames.jsonl")
     requests = [json.loads(line) for line in (recording / "requests.jsonl").read_text().splitlines() if line]
@@ -93,14 +125,23 @@ def query_by_hash(base_url: str, prompt: list[int], block_size: int):
     return post(f"{base_url}/query_by_hash", {"block_hashes": hashes, "model_name": MODEL})[1]
 
 
-def settled(base_url: str, prompt: list[int], timeout_s: float = 10.0):
+def conductor_query(base_url: str, prompt: list[int], block_size: int) -> bytes:
+    """Mooncake conductor's POST /query answer (msgpack, raw)."""
+    req = urllib.request.Request(f"{base_url}/query", data=conductor_bodies([prompt], block_size)[0],
+                                 headers={"Content-Type": "application/msgpack"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read()
+
+
+def settled(base_url: str, prompt: list[int], timeout_s: float = 10.0, ask=None):
     """The answer once it is the same three times 50 ms apart (the indexer applies events
-    asynchronously, with no sequence number to wait for)."""
+    asynchronously, with no sequence number to wait for); `ask(base_url, prompt)`: Dynamo's /query."""
+    ask = ask or query
     deadline = time.monotonic() + timeout_s
-    seen = [query(base_url, prompt)]
+    seen = [ask(base_url, prompt)]
     while time.monotonic() < deadline:
         time.sleep(0.05)
-        seen.append(query(base_url, prompt))
+        seen.append(ask(base_url, prompt))
         if len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3]:
             return seen[-1]
     raise SystemExit("answers did not settle")
@@ -114,9 +155,11 @@ from index_service.dynamo_api import DynamoRegistry
 from index_service.store import ShardStore
 from relays.managed import vllm_relay_starter
 from relays.sinks import StoreSink
+from index_service.conductor_api import ConductorRegistry
 store = ShardStore(16)
 store.ready = True
-app = create_app(store, dynamo=DynamoRegistry(vllm_relay_starter(StoreSink(store), lambda m: 16)))
+starter = vllm_relay_starter(StoreSink(store), lambda m: 16)
+app = create_app(store, dynamo=DynamoRegistry(starter), conductor=ConductorRegistry(starter))
 serve(app, "127.0.0.1", int(sys.argv[1]), log_level="warning", access_log=False)  # as `kvidx serve` does
 """
 
@@ -136,7 +179,7 @@ def bodies_of(route: str, prompts: list[list[int]], block_size: int) -> list[byt
 
 
 def load(base_url: str, bodies: list[bytes], pid: int, seconds: float, connections: int,
-         route: str = "/query") -> dict:
+         route: str = "/query", content_type: str = "application/json") -> dict:
     """Closed loop: `connections` threads, each sending the bodies to `route` in turn for `seconds`;
     lookups/s and the server's CPU per lookup."""
     import http.client
@@ -150,8 +193,7 @@ def load(base_url: str, bodies: list[bytes], pid: int, seconds: float, connectio
         conn = http.client.HTTPConnection(host, int(port), timeout=10)
         i = k
         while time.monotonic() < stop:
-            conn.request("POST", route, body=bodies[i % len(bodies)],
-                         headers={"Content-Type": "application/json"})
+            conn.request("POST", route, body=bodies[i % len(bodies)], headers={"Content-Type": content_type})
             r = conn.getresponse()
             r.read()
             assert r.status == 200
@@ -174,7 +216,9 @@ def bench(args) -> int:
     """Both servers fed the same traffic, then the same closed-loop load on /query, one after the other."""
     ctx = zmq.Context()
     servers = {"dynamo": [args.dynserver, "--port", "{port}", "--threads", str(args.threads)],
-               "kvidx": [sys.executable, "-c", KVIDX_SERVER, "{port}"]}
+               "kvidx": [sys.executable, "-c", KVIDX_SERVER, "{port}"],
+               # the same traffic registered through Mooncake conductor's API, for its msgpack /query
+               "kvidx_conductor": [sys.executable, "-c", KVIDX_SERVER, "{port}"]}
     procs = []
     try:
         bases = {}
@@ -185,15 +229,19 @@ def bench(args) -> int:
             procs.append(p)
             bases[name] = (f"http://127.0.0.1:{port}", p.pid)
             wait_up(bases[name][0])
-        pubs = {name: connect_publisher(base, args.block_size, ctx) for name, (base, _) in bases.items()}
+        pubs = {name: (connect_conductor_publisher if name == "kvidx_conductor" else connect_publisher)(
+            base, args.block_size, ctx) for name, (base, _) in bases.items()}
         prompts = []
         for frames, r in steps(args.recording):
             for f in frames:
                 for pub in pubs.values():
                     pub.send_multipart([f.topic, f.seq.to_bytes(8, "big"), f.payload])
             prompts.append(r["prompt_token_ids"])
-        for base, _ in bases.values():
-            settled(base, prompts[-1])
+        for name, (base, _) in bases.items():
+            if name != "kvidx_conductor":
+                settled(base, prompts[-1])
+        conductor = bases.pop("kvidx_conductor")
+        settled(conductor[0], prompts[-1], ask=lambda base, p: conductor_query(base, p, args.block_size))
         ask = {"/query": lambda base, p: query(base, p),
                "/query_by_hash": lambda base, p: query_by_hash(base, p, args.block_size)}
         mismatches = {route: sum(f(bases["dynamo"][0], p) != f(bases["kvidx"][0], p) for p in prompts)
@@ -209,6 +257,11 @@ def bench(args) -> int:
                         results.setdefault(route, {}).setdefault(f"{name} x{conns}", []).append(res)
                         print(f"round {rnd + 1} {route} {name} {conns} connection(s): {res}", file=sys.stderr)
 
+            bodies = conductor_bodies(prompts, args.block_size)
+            res = load(conductor[0], bodies, conductor[1], args.seconds, 4, "/query", "application/msgpack")
+            results.setdefault("conductor /query", {}).setdefault("kvidx x4", []).append(res)
+            print(f"round {rnd + 1} conductor /query (msgpack) kvidx 4 connection(s): {res}", file=sys.stderr)
+
         def median_cpu(route: str, name: str) -> float:
             runs = sorted(r["server_cpu_us_per_lookup"] for r in results[route][f"{name} x4"])
             return runs[len(runs) // 2]
@@ -216,8 +269,11 @@ def bench(args) -> int:
         routes = {route: {"kvidx_cpu_us": median_cpu(route, "kvidx"),
                           "peer_cpu_us": median_cpu(route, "dynamo"), "mismatches": mismatches[route]}
                   for route in ask}
+        # no conductor to run here (Mooncake's is C++ in a branch): its /query beside Dynamo's /query
+        other = {"conductor /query": {"kvidx_cpu_us": median_cpu("conductor /query", "kvidx"),
+                                      "dynamo_query_cpu_us": median_cpu("/query", "dynamo")}}
         print(json.dumps({"queries": len(prompts), "rounds": args.rounds, "connections": 4, "routes": routes,
-                          "results": results}))
+                          "other_apis": other, "results": results}))
         return 0
     finally:
         for p in procs:
