@@ -79,7 +79,8 @@ class HintsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # fetch hints (kvidx.core.fetch): a /v1/routes answer carries `kv_hint`, Dynamo's KvHint (kv.fetch@1.0),
     # when another replica holds more of the prompt on GPU than the chosen one and copying it
     # (at placement_tokens_per_s) beats recomputing it; sources are the replicas named here, each with
-    # its KV connector's control endpoint (Dynamo's `router_hint_source_control_endpoints`)
+    # its KV connector's control endpoint (Dynamo's `router_hint_source_control_endpoints`; "REPLICA#RANK"
+    # for a DP rank other than 0)
     fetch: bool = False
     fetch_endpoints: dict[str, str] = {}
     fetch_hashes_max: int = 2_000_000  # engine hashes kept for the hints (kvidx.core.fetch.EngineHashes)

@@ -23,7 +23,7 @@ from schemas.answers import ReplicaAnswer
 from schemas.events import BlocksStored, EventBatch
 from schemas.service import KvHint, KvHintAction
 
-__all__ = ["EngineHashes", "FetchPlan", "dynamo_kv_hint", "fetch_plan"]
+__all__ = ["EngineHashes", "FetchPlan", "dynamo_kv_hint", "fetch_plan", "source_endpoint"]
 
 KV_HINT_PROTOCOL_VERSION = "0.1"  # dynamo_kv_router::kv_hints (1.6.1)
 KV_FETCH_ACTION = ("kv.fetch", "1.0")
@@ -121,7 +121,7 @@ def fetch_plan(answers: list[ReplicaAnswer], replica: str, dp_rank: int, endpoin
             held = a.resumable_tokens
             break
     for a in answers:  # best first: the first eligible source holds the most
-        endpoint = endpoints.get(a.replica)
+        endpoint = source_endpoint(endpoints, a.replica, a.dp_rank)
         if a.replica == replica or not endpoint or a.resumable_tokens <= held:
             continue
         gpu = a.tiers[0].tokens if a.tiers and a.tiers[0].tier == "GPU" else 0
@@ -136,6 +136,12 @@ def fetch_plan(answers: list[ReplicaAnswer], replica: str, dp_rank: int, endpoin
         return FetchPlan(a.replica, a.dp_rank, endpoint, engine, tokens, held, extra * pricer.per_token,
                          extra / copy_tokens_per_s)
     return None
+
+
+def source_endpoint(endpoints: dict[str, str], replica: str, dp_rank: int) -> str | None:
+    """A replica's control endpoint for fetches: "REPLICA#RANK" names one DP rank's (each rank keeps its
+    own KV cache), "REPLICA" rank 0's."""
+    return endpoints.get(f"{replica}#{dp_rank}") or (endpoints.get(replica) if dp_rank == 0 else None)
 
 
 def dynamo_kv_hint(message_id: str, plan: FetchPlan) -> KvHint:

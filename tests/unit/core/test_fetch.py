@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 
 from kvidx.config import PriceConfig
-from kvidx.core.fetch import EngineHashes, FetchPlan, dynamo_kv_hint, fetch_plan
+from kvidx.core.fetch import EngineHashes, FetchPlan, dynamo_kv_hint, fetch_plan, source_endpoint
 from kvidx.core.price import Pricer
 from schemas.answers import Freshness, ReplicaAnswer, Tier
 from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
@@ -96,3 +96,10 @@ def test_the_plan_fetches_the_longest_gpu_prefix_a_source_with_an_endpoint_holds
     # engines hashing apart: no hint
     t.conflicts = 1
     assert fetch_plan(answers, "me", 0, ends, t, h, 16, pricer, 1e5) is None
+
+
+def test_a_dp_ranks_endpoint_is_its_own():
+    ends = {"a": "tcp://a:1", "b#1": "tcp://b1:1"}
+    assert source_endpoint(ends, "a", 0) == "tcp://a:1"
+    assert source_endpoint(ends, "a", 1) is None  # another rank's cache: not rank 0's endpoint
+    assert source_endpoint(ends, "b", 1) == "tcp://b1:1" and source_endpoint(ends, "b", 0) is None
