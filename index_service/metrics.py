@@ -47,8 +47,9 @@ Replica groups held by other instances (index_service.fanout):
 - kvidx_fanout_seconds                      histogram of the wait for the other instances' answers
 - kvidx_fanout_partial_total                lookups answered without some groups (no live holder,
                                             an error or the timeout: the answer says `partial`)
-Hints (the gates, kvidx.core.hints.PrefetchGate; per model whose hints.prefetch or hints.fetch is on):
-- kvidx_hints_issued_total{model,kind}      hints issued (kind: prefetch; fetch: Dynamo kv.fetch hints)
+Hints (the gates, kvidx.core.hints.PrefetchGate; per model and kind whose hints are on):
+- kvidx_hints_issued_total{model,kind}      hints issued (kind: prefetch; fetch: Dynamo kv.fetch hints;
+                                            placement and eviction: hints.sessions' kinds)
 - kvidx_hints_declined_total{model,kind}    plans not issued: they could not pay (net gain <= margin)
 - kvidx_hints_throttled_total{model,kind}   plans that could, withheld while the kind's bets lose
 - kvidx_hint_payoff_ratio{model,kind}       paid-off share of the last 64 issued plans whose usage

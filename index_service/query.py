@@ -29,7 +29,7 @@ from kvidx.core.fetch import FetchPlan, dynamo_kv_hint, fetch_plan
 from kvidx.core.hashing import prompt_hashes
 from kvidx.core.hints import PrefetchGate
 from kvidx.core.price import Pricer
-from kvidx.core.sessions import SessionTracker, worth_advising
+from kvidx.core.sessions import SessionTracker
 from kvidx.core.shard import ModelShard
 from schemas.answers import LookupAnswer, PrefetchHint
 from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
@@ -266,6 +266,9 @@ class QueryPipeline:
         tracker = self.trackers.get(d.model)
         if tracker is None:
             tracker = self.trackers[d.model] = SessionTracker(block_size)
+        # the kinds' throttles on /metrics (kvidx_hints_*{kind}) with the prefetch gate's
+        self.gates[d.model, "placement"] = tracker.placement_gate
+        self.gates[d.model, "eviction"] = tracker.eviction_gate
         s = tracker.observe(d.block_hashes, d.replica, d.ts)
         publish = self.store.publish_hint
         if publish is None:
@@ -276,7 +279,7 @@ class QueryPipeline:
         for adv in tracker.eviction_advice(d.ts):
             # demoted blocks come back from host memory, dropped ones are recomputed; the room they free
             # spares as many tokens of active sessions a reload from host memory; issued where worth it
-            seconds = worth_advising(adv, cpu_s, per_token, cpu_s)
+            seconds = tracker.worth_advising(adv, cpu_s, per_token, cpu_s)
             if seconds is None:
                 continue
             benefit_s, cost_s = seconds

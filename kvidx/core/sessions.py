@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvidx.core.hints import PrefetchGate
+
 
 class EvictionAdvice(msgspec.Struct):
     replica: str
@@ -119,6 +121,12 @@ class SessionTracker:
     # or any other session's) comes back through one of them: what the advice risked, learned per class
     advised_blocks: dict[int, int] = field(default_factory=dict)
     open_advice: dict[int, int] = field(default_factory=dict)
+    # the kinds' throttles (kvidx.core.hints.PrefetchGate, margin 0: the rules below decide what can pay):
+    # a placement paid off when the session's next prompt went to its target; a demotion when the
+    # session stayed silent until its drop, and lost when a prompt came back through its blocks
+    placement_gate: PrefetchGate = field(default_factory=lambda: PrefetchGate(0.0, 0.0))
+    eviction_gate: PrefetchGate = field(default_factory=lambda: PrefetchGate(0.0, 0.0))
+    placed: dict[int, str] = field(default_factory=dict)  # session id -> its placement's target
     _next: int = 0
 
     def find(self, hashes: Sequence[int]) -> Session | None:
@@ -140,6 +148,9 @@ class SessionTracker:
             self._next += 1
             self.sessions[s.sid] = s
         else:
+            target = self.placed.pop(s.sid, None)
+            if target is not None:
+                self.placement_gate.outcome(replica == target)
             gap = ts - s.last_ts
             s.gap_s = (s.gap_s * s.returns + gap) / (s.returns + 1)
             s.returns += 1
@@ -164,6 +175,7 @@ class SessionTracker:
             if cls is not None:
                 self.returned += 1
                 self.returned_by[cls] = self.returned_by.get(cls, 0) + 1
+                self.eviction_gate.outcome(False)
 
     def _advised(self, sid: int, cls: int, own: list[int]) -> None:
         """A demotion of session `sid` (class `cls`) of its blocks `own`, watched for a return."""
@@ -212,6 +224,8 @@ class SessionTracker:
             own = self.own_blocks(s)
             dropped_by = s.last_ts + self._idle_after(s) * self.drop_factor
             action = "drop" if s.advised == "demote" or now >= dropped_by else "demote"
+            if s.advised == "demote" and s.sid in self.open_advice:
+                self.eviction_gate.outcome(True)  # silent until its drop: the demotion paid off
             cls = s.advised_class if action == "drop" and s.advised else self.traffic_class(s)
             if own:
                 out.append(EvictionAdvice(s.replica, s.sid, action, own, len(own) * self.block_size,
@@ -235,7 +249,17 @@ class SessionTracker:
         out.sort(key=lambda a: (a.replica, -a.tokens))
         return out
 
+    def worth_advising(self, adv: EvictionAdvice, demote_reload_s: float, drop_reload_s: float,
+                       room_s: float) -> tuple[float, float] | None:
+        """`worth_advising`, then the kind's throttle: the decision of the service and the simulator."""
+        seconds = worth_advising(adv, demote_reload_s, drop_reload_s, room_s)
+        if seconds is None or not self.eviction_gate.admit_net(seconds[0] - ADVICE_MARGIN * seconds[1]):
+            return None
+        return seconds
+
     def _forget(self, s: Session) -> None:
+        if self.placed.pop(s.sid, None) is not None:
+            self.placement_gate.outcome(False)  # the session never came back to its copy
         del self.sessions[s.sid]
         if s.hashes and self.by_last.get(s.hashes[-1]) == s.sid:
             del self.by_last[s.hashes[-1]]
@@ -264,7 +288,9 @@ class SessionTracker:
         copy_s = tokens / transfer_tokens_per_s
         gap = s.gap_s
         benefit = max(0.0, queue_s[s.replica] - gap) - max(0.0, queue_s[target] - gap)
-        if self.p_return(self.traffic_class(s)) * benefit <= copy_s + tokens * room_s:
-            return None
+        if not self.placement_gate.admit_net(self.p_return(self.traffic_class(s)) * benefit
+                                             - copy_s - tokens * room_s):
+            return None  # it cannot pay, or the kind's recent copies went unused (throttled)
+        self.placed[s.sid] = target
         return PlacementHint(s.replica, target, list(s.hashes), tokens, copy_s, benefit,
                              tokens * bytes_per_token)

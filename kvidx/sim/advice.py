@@ -24,7 +24,7 @@ import numpy as np
 
 from kvidx.config import HintsConfig
 from kvidx.core.hints import PrefetchGate, prefetch_hint
-from kvidx.core.sessions import Session, SessionTracker, worth_advising
+from kvidx.core.sessions import Session, SessionTracker
 from kvidx.engines.vllm.sim import SimVllmEngine, chain_digests
 from kvidx.sim.serving import HintCounts, ServingModel
 from schemas.answers import ReplicaAnswer
@@ -152,7 +152,7 @@ class HintFollower:
         self.prompts[key] = (prompt, output, list(hashes))
         if self.eviction_on:
             for adv in tracker.eviction_advice(t):
-                self._evict(model, adv)
+                self._evict(model, adv, tracker)
         if self.placement_on:
             self._place(model, s, tracker, t)
         if len(self.prompts) > 2 * len(tracker.sessions) + 64:  # the sessions the tracker forgot
@@ -177,10 +177,10 @@ class HintFollower:
         below = range(len(prompt) // self.engine_block, len(digests))
         return [digests[i] for i in [*wanted, *below] if i < len(digests)]
 
-    def _evict(self, model: str, adv: Any) -> None:
+    def _evict(self, model: str, adv: Any, tracker: SessionTracker) -> None:
         key = (model, adv.session)
         cpu_s = self.serving.load_cost.get("CPU", 0.0)  # priced as the service prices it
-        if worth_advising(adv, cpu_s, self.serving.pricer.per_token, cpu_s) is None:
+        if tracker.worth_advising(adv, cpu_s, self.serving.pricer.per_token, cpu_s) is None:
             self.eviction.declined += 1
             return
         self.eviction.issued.add(key)

@@ -134,3 +134,37 @@ def test_a_prompt_of_another_session_through_demoted_blocks_counts_as_their_retu
     t.observe(SYS + [100, 555], "r1", 12.0)  # a new conversation branching through block 100
     t.observe(SYS + [100, 101, 7], "r1", 12.5)  # and the advised session itself: counted once
     assert (t.demoted, t.returned) == (2, 1) and t.p_return(0) == 2 / 4
+
+
+def test_placements_whose_sessions_go_elsewhere_throttle_the_kind():
+    """Issue #41: a copy paid off when the session's next prompt went to its target; once most of the
+    last ones did not, only one placement in PROBE_EVERY that could pay is issued."""
+    from kvidx.core.hints import MIN_OUTCOMES, PROBE_EVERY
+    t = SessionTracker(block_size=16)
+    issued = []
+    for k in range(40):
+        first = [1000 * k + 1]
+        t.observe(first, "r0", 0.0)
+        s = t.observe(first + [1000 * k + 2], "r0", 1.0)  # it came back: recurring
+        issued.append(t.placement(s, {"r0": 2.0, "r2": 1.2}, 1000.0) is not None)
+        if issued[-1]:
+            t.observe(first + [1000 * k + 2, 1000 * k + 3], "r0", 2.0)  # not to the copy's target
+    assert issued[:MIN_OUTCOMES] == [True] * MIN_OUTCOMES
+    assert sum(issued[MIN_OUTCOMES:]) == (40 - MIN_OUTCOMES) // PROBE_EVERY
+    assert t.placement_gate.payoff_ratio == 0.0 and t.placement_gate.throttled > 0
+
+
+def test_demotions_that_come_back_throttle_eviction_advice_and_silent_ones_pay():
+    t = SessionTracker(block_size=16, idle_s=1.0, min_idle_s=1.0)
+    adv = EvictionAdvice("r0", 0, "demote", [1, 2], 32, 5.0, 0.0, p_return=0.0)
+    assert t.worth_advising(adv, 0.001, 0.002, 0.001) is not None  # nothing to lose: issued
+    t.observe([7, 8], "r0", 0.0)
+    [a] = t.eviction_advice(1.5)  # silent 1.5 s: demote
+    assert a.action == "demote"
+    t.observe([7, 8, 9], "r1", 2.0)  # it came back through its demoted blocks: that bet lost
+    assert list(t.eviction_gate.outcomes) == [False]
+    t.observe([50, 51], "r0", 3.0)
+    assert [x.action for x in t.eviction_advice(4.5)] == ["demote"]
+    # [50, 51] silent until its drop: that demotion paid off ([7, 8, 9], silent too, is demoted now)
+    assert sorted(x.action for x in t.eviction_advice(10.0)) == ["demote", "drop"]
+    assert list(t.eviction_gate.outcomes) == [False, True]

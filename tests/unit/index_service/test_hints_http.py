@@ -172,6 +172,10 @@ def test_sessions_give_placements_and_eviction_advice_on_the_hints_topic(monkeyp
         assert placements[0].block_hashes == hashes(turn1 + P[80:96]) and placements[0].benefit_s > 1.0
         clock[0] += 0.5
         route("x", "idle", list(range(20_000, 20_040)))  # any decision: the tracker looks at the silent
+        text = c.get("/metrics").text  # the kinds' throttles beside the prefetch gate's
+        n_advice = sum(h.kind == "eviction" for h in sent)
+        assert f'kvidx_hints_issued_total{{kind="eviction",model="{MODEL}"}} {float(n_advice)}' in text
+        assert f'kvidx_hints_issued_total{{kind="placement",model="{MODEL}"}} 1.0' in text
     advice = {(h.replica, tuple(h.block_hashes)): h.action for h in sent if h.kind == "eviction"}
     # each with its benefit (room for active sessions) and expected cost (reload if it comes back), in s
     assert all(h.benefit_s > 0 and 0 < h.load_s < h.benefit_s for h in sent if h.kind == "eviction")
