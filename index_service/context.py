@@ -65,7 +65,7 @@ class ServiceContext:
         self.metrics = metrics
         self.max_tokens = max_tokens
         self.pipeline = QueryPipeline(store, max_tokens)
-        metrics.hint_gates = self.pipeline.gates  # their pay-off ratios on /metrics
+        metrics.hint_gates = self.pipeline.hint_gates  # their pay-off ratios on /metrics
         self.fanout = None  # index_service.fanout.Fanout: the instances holding the other replica groups
         self.reject_log = RejectLog()
         # The largest JSON body that can hold max_tokens ids (10 digits, a comma and a space each) plus

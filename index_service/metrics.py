@@ -73,6 +73,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -91,8 +92,8 @@ LATENCY_BUCKETS = (50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6, 1e-3, 1.5e-3, 
 
 
 class _HintCollector:
-    """The prefetch gates' counts and pay-off ratios, read at scrape time (`gates`: the query pipeline's,
-    per model; ServiceMetrics.hint_gates)."""
+    """The hint gates' counts and pay-off ratios, read at scrape time (ServiceMetrics.hint_gates: the query
+    pipeline's, per model and kind)."""
 
     def __init__(self, metrics: ServiceMetrics):
         self.metrics = metrics
@@ -106,7 +107,7 @@ class _HintCollector:
                                         "kind's recent bets lose", labels=labels)
         ratio = GaugeMetricFamily("kvidx_hint_payoff_ratio", "Paid-off share of the last issued hints whose "
                                   "outcome is known", labels=labels)
-        for (model, kind), gate in sorted(self.metrics.hint_gates.items()):
+        for (model, kind), gate in sorted(self.metrics.hint_gates().items()):
             key = [model, kind]
             issued.add_metric(key, gate.issued)
             declined.add_metric(key, gate.declined)
@@ -322,7 +323,8 @@ class ServiceMetrics:
                                     registry=self.registry)
         self.store = store
         self.registry.register(_StoreCollector(store))
-        self.hint_gates: dict[tuple[str, str], PrefetchGate] = {}  # the query pipeline's
+        # (model, kind) -> gate, read at scrape time: the query pipeline's (ServiceContext)
+        self.hint_gates: Callable[[], dict[tuple[str, str], PrefetchGate]] = dict
         self.registry.register(_HintCollector(self))
         self._latency = {f: self.latency.labels(form=f) for f in FORMS}
         self._counts: dict[tuple[str, int], Counter] = {}

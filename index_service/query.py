@@ -31,7 +31,7 @@ from kvidx.core.hints import PrefetchGate
 from kvidx.core.price import Pricer
 from kvidx.core.sessions import SessionTracker
 from kvidx.core.shard import ModelShard
-from schemas.answers import LookupAnswer, PrefetchHint
+from schemas.answers import LookupAnswer, PrefetchHint, ReplicaAnswer
 from schemas.hints import HINTS_VERSION, HintRecord, PrefetchRunRecord
 from schemas.routes import ROUTES_VERSION, RouteDecision
 from schemas.service import KvHint
@@ -149,6 +149,14 @@ class QueryPipeline:
                                                           hints.prefetch_margin_ms / 1000.0)
         return gate
 
+    def hint_gates(self) -> dict[tuple[str, str], PrefetchGate]:
+        """(model, kind) -> its gate: prefetch and fetch here, placement and eviction in the model's
+        session tracker (their counts and pay-off ratios on /metrics)."""
+        out = dict(self.gates)
+        for model, t in self.trackers.items():
+            out[model, "placement"], out[model, "eviction"] = t.placement_gate, t.eviction_gate
+        return out
+
     def hint_outcome(self, u: UsageReport) -> None:
         """An engine's usage report for a request whose plan or fetch hint was issued: it paid off when the
         engine reused the hint's tokens (the audit's rule, without the events: `kvidx audit` also checks
@@ -219,10 +227,14 @@ class QueryPipeline:
         hints = self.store.config.model(shard.model).hints
         # the plan and the queues from the replicas' state before this decision's own pending credit
         pricer = self.pricer(shard.model)
-        hint = (index.replica_plan(shard, d.block_hashes, d.prompt_tokens, d.ts, d.replica, d.dp_rank, pricer,
-                                   hints.kv_bytes_per_token) if hints.prefetch and not elsewhere else None)
+        answers = (index.lookup(shard, d.block_hashes, d.prompt_tokens, d.ts)
+                   if (hints.prefetch or hints.fetch) and not elsewhere else None)  # one lookup, both plans
+        hint = None
+        if hints.prefetch and answers is not None:
+            hint = index.replica_plan(answers, d.prompt_tokens, d.replica, d.dp_rank, pricer,
+                                      hints.kv_bytes_per_token)
         queues = index.queues(shard, d.ts, pricer) if hints.sessions and not elsewhere else {}
-        fetch = self._fetch_plan(shard, d, pricer) if hints.fetch and not elsewhere else None
+        fetch = self._fetch_plan(shard, d, pricer, answers) if hints.fetch and answers is not None else None
         applied = self.store.apply_route(d)
         kv_hint = None
         if fetch is not None and applied and self.gate(d.model, "fetch").admit_net(fetch.net_s):
@@ -243,12 +255,12 @@ class QueryPipeline:
                                 hints.kv_bytes_per_token)
         return d, applied, hint, kv_hint
 
-    def _fetch_plan(self, shard: ModelShard, d: RouteDecision, pricer: Pricer) -> FetchPlan | None:
+    def _fetch_plan(self, shard: ModelShard, d: RouteDecision, pricer: Pricer,
+                    answers: list[ReplicaAnswer]) -> FetchPlan | None:
         table = self.store.engine_hashes(d.model)
         if table is None or not len(table):
             return None
         hints = self.store.config.model(d.model).hints
-        answers = index.lookup(shard, d.block_hashes, d.prompt_tokens, d.ts)
         return fetch_plan(answers, d.replica, d.dp_rank, hints.fetch_endpoints, table, d.block_hashes,
                           shard.block_size, pricer, hints.placement_tokens_per_s)
 
@@ -266,9 +278,6 @@ class QueryPipeline:
         tracker = self.trackers.get(d.model)
         if tracker is None:
             tracker = self.trackers[d.model] = SessionTracker(block_size)
-        # the kinds' throttles on /metrics (kvidx_hints_*{kind}) with the prefetch gate's
-        self.gates[d.model, "placement"] = tracker.placement_gate
-        self.gates[d.model, "eviction"] = tracker.eviction_gate
         s = tracker.observe(d.block_hashes, d.replica, d.ts)
         publish = self.store.publish_hint
         if publish is None:

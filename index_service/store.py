@@ -50,8 +50,10 @@ class ShardStore:
         # set where a model's hints are acted on (an LMCache controller): (model, replica, hint, token ids)
         self.act_on_hint: Callable[[str, str, PrefetchHint, list[int]], None] | None = None
         self._seen_routes: OrderedDict[str, None] = OrderedDict()
-        # per model: its engine hashes for fetch hints (kvidx.core.fetch), None where hints.fetch is off
+        # per model: its engine hashes for fetch hints (kvidx.core.fetch), None where hints.fetch is off;
+        # the fold looks only where some model has them on
         self._engine_hashes: dict[str, EngineHashes | None] = {}
+        self._fetch_hints = any(m.hints.fetch for m in (self.config.default, *self.config.models.values()))
 
     def block_size(self, model: str) -> int:
         return self.settings.block_size(model)
@@ -104,8 +106,7 @@ class ShardStore:
         if self.groups is not None and batch.replica_group not in self.groups:
             self.skipped_batches += 1
             return None
-        table = self.engine_hashes(batch.model)
-        if table is not None:
+        if self._fetch_hints and (table := self.engine_hashes(batch.model)) is not None:
             table.observe(batch)
         return self.shard(batch.model)
 

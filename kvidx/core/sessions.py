@@ -251,11 +251,10 @@ class SessionTracker:
 
     def worth_advising(self, adv: EvictionAdvice, demote_reload_s: float, drop_reload_s: float,
                        room_s: float) -> tuple[float, float] | None:
-        """`worth_advising`, then the kind's throttle: the decision of the service and the simulator."""
-        seconds = worth_advising(adv, demote_reload_s, drop_reload_s, room_s)
-        if seconds is None or not self.eviction_gate.admit_net(seconds[0] - ADVICE_MARGIN * seconds[1]):
-            return None
-        return seconds
+        """`worth_advising`'s rule (benefit over ADVICE_MARGIN x cost) as the kind's gate applies it, then
+        its throttle: the decision of the service and the simulator."""
+        benefit, cost = advice_seconds(adv, demote_reload_s, drop_reload_s, room_s)
+        return (benefit, cost) if self.eviction_gate.admit_net(benefit - ADVICE_MARGIN * cost) else None
 
     def _forget(self, s: Session) -> None:
         if self.placed.pop(s.sid, None) is not None:

@@ -149,10 +149,11 @@ def prefetch_plan(replica: ReplicaAnswer, pricer: Pricer, bytes_per_token: int) 
     return prefetch_hint(replica, pricer, queue_s, bytes_per_token)
 
 
-def replica_plan(shard: ModelShard, hashes: list[int], n_tokens: int, now: float, replica: str, dp_rank: int,
-                 pricer: Pricer, bytes_per_token: int) -> PrefetchHint | None:
-    """The prefetch plan of the replica a router chose for a prompt: its answer's tier runs, priced."""
-    for a in walk.lookup(shard, hashes, n_tokens, now, None):
+def replica_plan(answers: list[ReplicaAnswer], n_tokens: int, replica: str, dp_rank: int, pricer: Pricer,
+                 bytes_per_token: int) -> PrefetchHint | None:
+    """The prefetch plan of the replica a router chose for a prompt (`answers`: the prompt's `lookup`):
+    its answer's tier runs, priced."""
+    for a in answers:
         if a.replica == replica and a.dp_rank == dp_rank:
             a.price = pricer(a, n_tokens)
             return prefetch_plan(a, pricer, bytes_per_token)
