@@ -211,6 +211,8 @@ class DynamoRegistry:
         self.workers: dict[int, Worker] = {}
         self.block_sizes: dict[tuple[str, str], int] = {}  # (model, routing group) -> block size
         self.lock = threading.Lock()
+        # called (under the lock) after a worker or DP rank is added or dropped: the lookup front's sync
+        self.on_change: Callable[[], None] | None = None
 
     # ---- registration ---------------------------------------------------------------------------
     def register(self, req: RegisterRequest) -> tuple[int, dict]:
@@ -304,6 +306,8 @@ class DynamoRegistry:
         listener = Listener(reg.endpoint, reg.replay_endpoint, reg.owner,
                             "pending" if reg.owner == self.owner else "active")
         self.workers.setdefault(reg.instance_id, Worker(*key)).listeners[reg.dp_rank] = listener
+        if self.on_change is not None:
+            self.on_change()
         return listener
 
     def _drop(self, iid: int, rank: int) -> Listener | None:
@@ -314,6 +318,8 @@ class DynamoRegistry:
             key = (w.model_name, w.routing_group)
             if not any((x.model_name, x.routing_group) == key for x in self.workers.values()):
                 self.block_sizes.pop(key, None)  # Dynamo drops the indexer with its last worker
+        if listener is not None and self.on_change is not None:
+            self.on_change()
         return listener
 
     def _start(self, reg: Registration, listener: Listener) -> None:
@@ -419,9 +425,17 @@ class DynamoRegistry:
     def instances(self, model_name: str, routing_group: str) -> dict[str, int]:
         """kvidx replica name (the endpoint) -> instance id, for the workers of one (model, group)."""
         with self.lock:
-            return {x.endpoint: iid for iid, w in self.workers.items()
-                    if (w.model_name, w.routing_group) == (model_name, routing_group)
-                    for x in w.listeners.values()}
+            return self._instances(model_name, routing_group)
+
+    def _instances(self, model_name: str, routing_group: str) -> dict[str, int]:
+        return {x.endpoint: iid for iid, w in self.workers.items()
+                if (w.model_name, w.routing_group) == (model_name, routing_group)
+                for x in w.listeners.values()}
+
+    def groups(self) -> list[tuple[str, str, int, dict[str, int]]]:
+        """Every (model, routing group) with workers: (model, group, block size, replica -> instance
+        id). Called under the lock (`on_change`) or takes it."""
+        return [(m, g, bs, self._instances(m, g)) for (m, g), bs in self.block_sizes.items()]
 
     def dump(self) -> dict[str, dict]:
         """Dynamo's GET /dump (services/indexer/server.rs dump_registry): per "model:routing_group" the
@@ -561,11 +575,19 @@ async def _body(request: Request, typ: type, limit: int):
     return body if isinstance(body, Response) else _decode_body(body, typ)
 
 
-async def _raw_body(request: Request, limit: int) -> bytes | Response:
-    """The body's bytes (415 and 413 as axum's Json<T>)."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+def _media_error(content_type: str) -> Response | None:
+    """415 as axum's Json<T> for a body that is not JSON, else None."""
+    ctype = content_type.split(";")[0].strip().lower()
     if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
         return _text(415, "Expected request with `Content-Type: application/json`")
+    return None
+
+
+async def _raw_body(request: Request, limit: int) -> bytes | Response:
+    """The body's bytes (415 and 413 as axum's Json<T>)."""
+    refused = _media_error(request.headers.get("content-type", ""))
+    if refused is not None:
+        return refused
     cl = request.headers.get("content-length", "")
     if cl.isascii() and cl.isdigit() and int(cl) > limit:
         return _too_large()  # refused before a byte of it is read
@@ -612,16 +634,10 @@ async def query_handler(store: ShardStore, registry: DynamoRegistry, request, fa
     from their shards for those groups; a group no holder answered for in time is counted in
     kvidx_fanout_partial_total (`metrics`): Dynamo's answer has no field for it."""
     raw = await _raw_body(request, MAX_QUERY_BODY)
-    req = raw if isinstance(raw, Response) else _decode_body(raw, typ)
-    if isinstance(req, Response):
-        return req
-    if typ is QueryByHashRequest and req.cache_salt is not None:  # Dynamo: the salt is in the hashes
-        return _json(400, {"error": "cache_salt is not accepted by /query_by_hash; block_hashes must "
-                                    "already include the intended cache salt"})
-    try:
-        only = local_groups(request.query_params)
-    except Reject as e:
-        return _json(e.status, {"error": e.error})
+    read = raw if isinstance(raw, Response) else _read_query(raw, typ, request.query_params)
+    if isinstance(read, Response):
+        return read
+    req, only = read
     missing = store.missing_groups(req.model_name) if fanout is not None and only is None else []
     t0 = time.perf_counter()
     asked = asyncio.ensure_future(fanout.gather_raw(request.scope["path"], missing, raw)) if missing else None
@@ -643,6 +659,36 @@ async def query_handler(store: ShardStore, registry: DynamoRegistry, request, fa
         if metrics is not None:
             metrics.fanout(time.perf_counter() - t0, len(gone))
     return _json(status, body)
+
+
+def _read_query(body: bytes, typ: type, query_params) -> tuple[Any, frozenset[int] | None] | Response:
+    """A query body's request and the replica groups it asks of (`?local=1&groups=`), or its 400/422."""
+    req = _decode_body(body, typ)
+    if isinstance(req, Response):
+        return req
+    if typ is QueryByHashRequest and req.cache_salt is not None:  # Dynamo: the salt is in the hashes
+        return _json(400, {"error": "cache_salt is not accepted by /query_by_hash; block_hashes must "
+                                    "already include the intended cache salt"})
+    try:
+        return req, local_groups(query_params)
+    except Reject as e:
+        return _json(e.status, {"error": e.error})
+
+
+def answer_query(store: ShardStore, registry: DynamoRegistry, typ: type, content_type: str, body: bytes,
+                 query_params) -> Response:
+    """POST /query (typ QueryRequest) or /query_by_hash (QueryByHashRequest) with its body read,
+    answered from this instance's shards alone: `query_handler` without the fan-out (the lookup
+    front's fallback, index_service.lookup_front)."""
+    refused = _media_error(content_type) or (_too_large() if len(body) > MAX_QUERY_BODY else None)
+    if refused is not None:
+        return refused
+    read = _read_query(body, typ, query_params)
+    if isinstance(read, Response):
+        return read
+    with store.lock:
+        status, out = score_response(store, registry, *read)
+    return _json(status, out)
 
 
 def merge_scores(parts: list[dict]) -> dict:

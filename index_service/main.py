@@ -77,6 +77,7 @@ def serve(args) -> int:
         sys.exit(f"error: {args.host}:{args.port} is in use (another kvidx serve?): pass --port N")
     if args.ops_port is not None and (args.ops_port == args.port or port_in_use(args.host, args.ops_port)):
         sys.exit(f"error: --ops-port {args.ops_port} is in use (or is --port): pass another port")
+    _check_lookup_port(args, tls)
     sglang_addresses = _sglang_indexer_addresses(args.sglang_indexer, args.host, args.port)
     t = topic_names(args.topic_prefix)
     settings = shard_settings(args)
@@ -170,6 +171,16 @@ def serve(args) -> int:
                     i.remote = remote_prefix(fanout, i.model, loop)
 
             app.router.on_startup.append(connect_sglang_fanout)
+    front = None
+    if args.lookup_port is not None:  # Dynamo's queries from the compiled core's threads
+        from index_service.lookup_front import FrontCollector, LookupFront
+
+        try:
+            front = LookupFront(args.host, args.lookup_port, store, dynamo, credentials)
+        except (OSError, RuntimeError) as e:
+            sys.exit(f"error: --lookup-port {args.lookup_port}: {e}")
+        app.state.metrics.registry.register(FrontCollector(front))
+        log.info("event=lookup_front url=http://%s:%d routes=POST /query,/query_by_hash", args.host, front.port)
     apis = ["kvidx", "dynamo", "conductor", *(["lmcache"] if args.lmcache_lookup else []),
             *(["sglang-grpc"] if sglang else [])]
     log_auth_state(credentials, apis)
@@ -181,6 +192,8 @@ def serve(args) -> int:
         serve_http(app, args.host, args.port, ops=ops, log_level="warning",
               **(tls.uvicorn_options() if tls is not None else {}))
     finally:
+        if front is not None:
+            front.close()
         for server in grpc_servers:
             server.stop(2)
         if feed is not None:
@@ -198,6 +211,22 @@ def serve(args) -> int:
             p.close(max(0.1, deadline - time.monotonic()))
         actuators.close()
     return 0
+
+
+def _check_lookup_port(args, tls) -> None:
+    """--lookup-port's limits, each a one-line exit."""
+    p = args.lookup_port
+    if p is None:
+        return
+    if not 0 <= p < 65536 or p in (args.port, args.ops_port):
+        sys.exit(f"error: --lookup-port {p}: give a free port other than --port and --ops-port")
+    if tls is not None:
+        sys.exit("error: --lookup-port serves plain HTTP; with --tls-cert, Dynamo's queries are on --port")
+    if args.groups:
+        sys.exit("error: --lookup-port answers from this instance's shards alone; with --groups (a split "
+                 "model), Dynamo's queries are on --port, which asks the other instances")
+    if p and port_in_use(args.host, p):
+        sys.exit(f"error: --lookup-port {p} is in use: pass another port")
 
 
 def allow_list(args, config):

@@ -54,6 +54,9 @@ class ShardStore:
         # the fold looks only where some model has them on
         self._engine_hashes: dict[str, EngineHashes | None] = {}
         self._fetch_hints = any(m.hints.fetch for m in (self.config.default, *self.config.models.values()))
+        # called under the lock after anything that may change a shard's maps or slots: the lookup
+        # front's sync (index_service.lookup_front)
+        self.on_change: Callable[[], None] | None = None
 
     def block_size(self, model: str) -> int:
         return self.settings.block_size(model)
@@ -69,6 +72,7 @@ class ShardStore:
                 self.settings.registered_pools[pool] = list(readers)
             for shard in self.shards.values():
                 self.settings.configure(shard)
+            self._changed()
 
     def shard(self, model: str) -> ModelShard:
         s = self.shards.get(model)
@@ -116,7 +120,10 @@ class ShardStore:
             if shard is None:
                 return False
             self.batches_applied += 1
-            return shard.apply(batch, time.time() if now is None else now)
+            try:
+                return shard.apply(batch, time.time() if now is None else now)
+            finally:
+                self._changed()
 
     def fold(self, raw: bytes, partition: int = -1, offset: int = -1, now: float | None = None) -> bool:
         """An events-topic message folded in (kvidx.core.fold); False if it was undecodable."""
@@ -125,13 +132,20 @@ class ShardStore:
                 fold_message(self._shard_of, raw, time.time() if now is None else now, partition, offset)
             except Undecodable:
                 return False
+            finally:
+                self._changed()
             self.batches_applied += 1
             return True
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def put(self, shard: ModelShard) -> None:
         self.settings.configure(shard)
         with self.lock:
             self.shards[shard.model] = shard
+            self._changed()
 
     def put_group(self, shard: ModelShard) -> bool:
         """A replica group's shard (a snapshot): merged into its model's (the first one becomes it);
@@ -145,6 +159,7 @@ class ShardStore:
                 self.shards[shard.model] = shard
             else:
                 mine.absorb(shard)
+            self._changed()
         return True
 
     def apply_route(self, d: RouteDecision) -> bool:
@@ -161,4 +176,5 @@ class ShardStore:
             self.routes_applied += 1
             self.shard(d.model).add_pending(d.replica, d.dp_rank, d.block_hashes, d.prompt_tokens,
                                             d.credited_tokens, d.ts + d.ttl_s)
+            self._changed()
             return True

@@ -199,6 +199,12 @@ def _add_serve(sub) -> None:
                         "(read, write, admin). FILE: lines `name scope[,scope] token`, or one bare token "
                         "granting every scope; read again when it changes (docs/operations.md, Security). "
                         "Or set $KVIDX_API_TOKEN (one token, every scope). Without either every API is open")
+    s.add_argument("--lookup-port", type=int, default=None, metavar="PORT",
+                   help="also answer Dynamo's POST /query and /query_by_hash on this port (same --host) "
+                        "from the compiled core's own threads, one per connection, without the GIL: the "
+                        "instance answers those from all its cores, on one copy of the index, with the "
+                        "same answers, errors and tokens as --port (plain HTTP; not with --tls-cert or "
+                        "--groups; docs/scaling.md)")
     s.add_argument("--ops-port", type=int, default=None, metavar="PORT",
                    help="serve GET /healthz and /metrics open on this port (same --host) for probes and "
                         "scrapers; on --port they then need a token of scope read too")

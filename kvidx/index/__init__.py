@@ -135,6 +135,29 @@ def tier_reach(shard: ModelShard, hashes: list[int], lower_levels: Sequence[Sequ
     return out
 
 
+def tier_maps(shard: ModelShard, lower_levels: Sequence[Sequence[str]] = (HOST, DISK)):
+    """(the lookup group's GPU map or None, each lower level's maps): what `tier_reach` reads, for a
+    reader of the maps themselves (index_service.lookup_front); None without a lookup group."""
+    g = shard._lookup_group(None)
+    if g is None:
+        return None
+    return (g.tiers.get(TIER_IDS["GPU"]),
+            [[g.tiers[TIER_IDS[t]] for t in tiers if TIER_IDS[t] in g.tiers] for tiers in lower_levels])
+
+
+def slot_table(shard: ModelShard) -> list[tuple[str, int] | None]:
+    """slot -> (replica, DP rank), None for a free slot."""
+    return [(st.replica, st.dp_rank) if st is not None else None for st in shard.by_slot]
+
+
+def view_signature(shard: ModelShard) -> tuple:
+    """Objects (compared with `is`) and sizes that change whenever `tier_maps` or `slot_table` would
+    answer differently: its lookup group and tier maps, its slot list and length, its block size."""
+    g = shard._lookup_group(None)
+    return (g, tuple(g.tiers.values()) if g is not None else (), shard.by_slot, len(shard.by_slot),
+            shard.block_size)
+
+
 def pool_slots(shard: ModelShard) -> int:
     """The mask of the slots that are shared pools (the deployment's [pools]), 0 without pools."""
     return shard._pools()[0] if shard.pool_readers else 0

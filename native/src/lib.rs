@@ -16,6 +16,7 @@
 mod credits;
 mod answer;
 mod fold;
+mod front;
 mod layout;
 mod masks;
 mod order;
@@ -30,6 +31,8 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyMemoryView, PySlice, PyTuple
 use masks::Masks;
 use table::{mix, unmix};
 use twox_hash::XxHash3_64;
+use std::sync::Arc;
+use parking_lot::RwLock;
 
 // Every key below is a *mixed* hash (table::mix of the block hash): mixed once where it comes from
 // Python, unmixed where it goes back.
@@ -452,29 +455,40 @@ fn read_u64(b: &[u8], i: usize) -> u64 {
 /// Canonical block hash (u64) -> slot bitmask (a positive int: bit i set = replica slot i holds the
 /// block). Dict-like, plus the batched operations of the shard's fold and lookup walk.
 #[pyclass(name = "MaskMap", module = "kvidx_native")]
-#[derive(Clone, Default)]
-struct MaskMap {
-    m: Masks,
+#[derive(Default)]
+pub struct MaskMap {
+    // shared with the lookup front's threads (front.rs), which read it without the GIL
+    pub(crate) m: Shared,
+}
+
+/// A map's masks behind a readers-writer lock: the fold writes under the GIL, the front's threads
+/// read without it. Never taken twice by one thread (a waiting writer would block the second read).
+pub type Shared = Arc<RwLock<Masks>>;
+
+impl Clone for MaskMap {
+    fn clone(&self) -> Self {
+        MaskMap { m: Arc::new(RwLock::new(self.m.read().clone())) }
+    }
 }
 
 impl MaskMap {
     /// Appends stored key `k` (value `v`) in `export`'s layout of `words` words a mask; an error
     /// naming the words needed if its mask needs more.
     #[inline]
-    fn put(&self, k: u64, v: u64, words: usize, keys: &mut Vec<u8>, masks: &mut Vec<u8>) -> PyResult<()> {
+    fn put(m: &Masks, k: u64, v: u64, words: usize, keys: &mut Vec<u8>, masks: &mut Vec<u8>) -> PyResult<()> {
         keys.extend_from_slice(&unmix(k).to_le_bytes());
-        if self.m.narrow().is_some() {
+        if m.narrow().is_some() {
             masks.extend_from_slice(&v.to_le_bytes());
             masks.resize(masks.len() + 8 * (words - 1), 0);
             return Ok(());
         }
-        self.put_mask(&self.m.words_of(k, v), words, masks)
+        Self::put_mask(m, &m.words_of(k, v), words, masks)
     }
 
     /// Appends a mask's words, padded to `words`; the error of `export` if it needs more.
-    fn put_mask(&self, mw: &[u64], words: usize, masks: &mut Vec<u8>) -> PyResult<()> {
+    fn put_mask(m: &Masks, mw: &[u64], words: usize, masks: &mut Vec<u8>) -> PyResult<()> {
         if mw.len() > words {
-            let need = self.m.entries().map(|(k, v)| self.m.words_of(k, v).len()).max().unwrap_or(1);
+            let need = m.entries().map(|(k, v)| m.words_of(k, v).len()).max().unwrap_or(1);
             return Err(PyValueError::new_err(format!("a mask needs {need} words, more than {words}")));
         }
         for w in 0..words {
@@ -499,7 +513,7 @@ impl MaskMap {
             let (h, mask): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
             let h = mix(u64_of(&h)?);
             let m = mask_from_py(&mask)?;
-            self.m.insert(h, &m);
+            self.m.write().insert(h, &m);
         }
         Ok(())
     }
@@ -523,7 +537,7 @@ impl MaskMap {
     fn get<'py>(&self, py: Python<'py>, h: &Bound<'py, PyAny>, default: &Bound<'py, PyTuple>
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Some(k) = key_of(h) {
-            if let Some(m) = get_py(&self.m, py, k)? {
+            if let Some(m) = get_py(&self.m.read(), py, k)? {
                 return Ok(m);
             }
         }
@@ -536,7 +550,7 @@ impl MaskMap {
 
     fn __getitem__<'py>(&self, py: Python<'py>, h: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         if let Some(k) = key_of(h) {
-            if let Some(m) = get_py(&self.m, py, k)? {
+            if let Some(m) = get_py(&self.m.read(), py, k)? {
                 return Ok(m);
             }
         }
@@ -546,12 +560,12 @@ impl MaskMap {
     fn __setitem__(&mut self, h: &Bound<'_, PyAny>, mask: &Bound<'_, PyAny>) -> PyResult<()> {
         let h = mix(u64_of(h)?);
         let m = mask_from_py(mask)?;
-        self.m.insert(h, &m);
+        self.m.write().insert(h, &m);
         Ok(())
     }
 
     fn __delitem__(&mut self, h: &Bound<'_, PyAny>) -> PyResult<()> {
-        match key_of(h).and_then(|k| self.m.remove(k)) {
+        match key_of(h).and_then(|k| self.m.write().remove(k)) {
             Some(_) => Ok(()),
             None => Err(PyKeyError::new_err(h.clone().unbind())),
         }
@@ -565,7 +579,7 @@ impl MaskMap {
             return Err(PyTypeError::new_err(format!("pop expected at most 2 arguments, got {}",
                                                     1 + default.len())));
         }
-        match key_of(h).and_then(|k| self.m.remove(k)) {
+        match key_of(h).and_then(|k| self.m.write().remove(k)) {
             Some(m) => mask_to_py(py, &m),
             None if default.len() == 1 => default.get_item(0),
             None => Err(PyKeyError::new_err(h.clone().unbind())),
@@ -573,11 +587,11 @@ impl MaskMap {
     }
 
     fn __len__(&self) -> usize {
-        self.m.len()
+        self.m.read().len()
     }
 
     fn __contains__(&self, h: &Bound<'_, PyAny>) -> bool {
-        key_of(h).is_some_and(|k| self.m.contains(k))
+        key_of(h).is_some_and(|k| self.m.read().contains(k))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -585,29 +599,31 @@ impl MaskMap {
     }
 
     fn __repr__(&self) -> String {
-        format!("MaskMap(<{} entries>)", self.m.len())
+        format!("MaskMap(<{} entries>)", self.m.read().len())
     }
 
     fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.m.entries().map(|(k, _)| unmix(k)))
+        PyList::new(py, self.m.read().entries().map(|(k, _)| unmix(k)))
     }
 
     fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        if self.m.narrow().is_some() {
-            return PyList::new(py, self.m.entries().map(|(_, v)| v));
+        let m = self.m.read();
+        if m.narrow().is_some() {
+            return PyList::new(py, m.entries().map(|(_, v)| v));
         }
         let out = PyList::empty(py);
-        for (k, _) in self.m.entries() {
-            out.append(get_py(&self.m, py, k)?)?;
+        for (k, _) in m.entries() {
+            out.append(get_py(&m, py, k)?)?;
         }
         Ok(out)
     }
 
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let m = self.m.read();
         let out = PyList::empty(py);
-        for (k, _) in self.m.entries() {
+        for (k, _) in m.entries() {
             out.append(PyTuple::new(py, [unmix(k).into_pyobject(py)?.into_any(),
-                                         get_py(&self.m, py, k)?.unwrap()])?)?;
+                                         get_py(&m, py, k)?.unwrap()])?)?;
         }
         Ok(out)
     }
@@ -639,7 +655,7 @@ impl MaskMap {
     }
 
     fn clear(&mut self) {
-        self.m = Masks::default();
+        *self.m.write() = Masks::default();
     }
 
     // ---- batched ------------------------------------------------------------------------------
@@ -649,7 +665,8 @@ impl MaskMap {
     fn store(&mut self, hashes: &Bound<'_, PyAny>, slot: i64) -> PyResult<usize> {
         let s = slot_of(slot)?;
         let hs = Hashes::of(hashes)?;
-        let mut st = (&mut self.m, 0usize);
+        let mut guard = self.m.write();
+        let mut st = (&mut *guard, 0usize);
         hs.run(0, &mut st, |st, h| st.0.prefetch(h, s), |st, _, h| {
             st.1 += st.0.set_bit(h, s) as usize;
             Ok(true)
@@ -672,9 +689,10 @@ impl MaskMap {
         let hs = Hashes::of(hashes)?;
         let mut dropped = Vec::new();
         let gone = {
-            let mut me = slf.try_borrow_mut()?;
+            let me = slf.try_borrow_mut()?;
+            let mut guard = me.m.write();
             let keep = union.is_some();
-            let mut st = (&mut me.m, 0usize, &mut dropped);
+            let mut st = (&mut *guard, 0usize, &mut dropped);
             hs.run(0, &mut st, |st, h| st.0.prefetch(h, s), |st, _, h| {
                 if st.0.clear_bit(h, s) {
                     st.1 += 1;
@@ -689,19 +707,21 @@ impl MaskMap {
         if let Some(u) = union {
             if !others.is_empty() {
                 let os = others.iter().map(|o| o.try_borrow()).collect::<Result<Vec<_>, _>>()?;
-                let held = |h: u64| os.iter().any(|o| o.m.has_bit(h, s));
+                let gs: Vec<_> = os.iter().map(|o| o.m.read()).collect();
+                let held = |h: u64| gs.iter().any(|o| o.has_bit(h, s));
                 if dropped.len() <= 4 * AHEAD {
                     for &h in &dropped {
-                        for o in &os {
-                            o.m.prefetch(h, s);
+                        for o in &gs {
+                            o.prefetch(h, s);
                         }
                     }
                 }
                 dropped.retain(|&h| !held(h));
             }
-            let mut um = u.try_borrow_mut()?;
+            let um = u.try_borrow_mut()?;
+            let mut guard = um.m.write();
             let hs = Hashes::Vec(dropped, Default::default());
-            hs.run(0, &mut um.m, |m, h| m.prefetch(h, s), |m, _, h| {
+            hs.run(0, &mut *guard, |m, h| m.prefetch(h, s), |m, _, h| {
                 m.clear_bit(h, s);
                 Ok(true)
             })?;
@@ -711,14 +731,15 @@ impl MaskMap {
 
     /// Clears bit `slot` everywhere; how many entries had it.
     fn clear_slot(&mut self, slot: i64) -> PyResult<usize> {
-        Ok(self.m.clear_slot(slot_of(slot)?))
+        Ok(self.m.write().clear_slot(slot_of(slot)?))
     }
 
     /// The hashes whose mask lacks bit `slot` (absent ones included), in order.
     fn lacking<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>, slot: i64) -> PyResult<Bound<'py, PyList>> {
         let s = slot_of(slot)?;
         let hs = Hashes::of(hashes)?;
-        let m = &self.m;
+        let guard = self.m.read();
+        let m = &*guard;
         let mut at = Vec::new();  // the run's keys are the map's own: the caller's hashes by index
         hs.run(0, &mut at, |_, h| m.prefetch(h, s), |o, i, h| {
             if !m.has_bit(h, s) {
@@ -736,7 +757,8 @@ impl MaskMap {
     /// The mask of every hash (0 for an absent one).
     fn masks<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         let hs = Hashes::of(hashes)?;
-        let m = &self.m;
+        let guard = self.m.read();
+        let m = &*guard;
         if let Some(t) = m.narrow() {
             let mut out = Vec::with_capacity(hs.len());
             hs.run(0, &mut out, |_, h| t.prefetch(h), |o, _, h| {
@@ -766,7 +788,8 @@ impl MaskMap {
             Some(h) => h?,
         };
         let n = hs.len();
-        let m = &self.m;
+        let guard = self.m.read();
+        let m = &*guard;
         // the walk first, then the dict: (slot, depth) in the order the reference inserts them
         let mut out: Vec<(usize, usize)> = Vec::new();
         if let Some(t) = m.narrow() {
@@ -822,17 +845,18 @@ impl MaskMap {
             return Ok(());
         }
         let me = slf.try_borrow()?;
-        let mut o = other.try_borrow_mut()?;
-        let o = &mut o.m;
-        if me.m.narrow().is_some() && o.narrow().is_some() {
-            o.reserve(me.m.len());
-            for (k, v) in me.m.entries() {
+        let me = me.m.read();
+        let o = other.try_borrow_mut()?;
+        let mut o = o.m.write();
+        if me.narrow().is_some() && o.narrow().is_some() {
+            o.reserve(me.len());
+            for (k, v) in me.entries() {
                 o.or_in(k, &[v]);
             }
             return Ok(());
         }
-        for (k, v) in me.m.entries() {
-            o.or_in(k, &me.m.words_of(k, v));
+        for (k, v) in me.entries() {
+            o.or_in(k, &me.words_of(k, v));
         }
         Ok(())
     }
@@ -842,11 +866,12 @@ impl MaskMap {
     /// words each, in the same order (snapshot.py `_pack_masks`); ValueError if a mask needs more.
     fn export<'py>(&self, py: Python<'py>, words: i64) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         let words = words_arg(words)?;
-        let n = self.m.len();
+        let m = self.m.read();
+        let n = m.len();
         let mut keys = Vec::with_capacity(n * 8);
         let mut masks = Vec::with_capacity(n * 8 * words);
-        for (k, v) in self.m.entries() {
-            self.put(k, v, words, &mut keys, &mut masks)?;
+        for (k, v) in m.entries() {
+            Self::put(&m, k, v, words, &mut keys, &mut masks)?;
         }
         Ok((PyBytes::new(py, &keys), PyBytes::new(py, &masks)))
     }
@@ -863,8 +888,9 @@ impl MaskMap {
         let shift = 64 - bits;
         let hi = if last == 1u64 << bits { None } else { Some(last << shift) };
         let (mut keys, mut masks) = (Vec::new(), Vec::new());
-        for (k, v) in self.m.range(first << shift, hi) {
-            self.put(k, v, words, &mut keys, &mut masks)?;
+        let m = self.m.read();
+        for (k, v) in m.range(first << shift, hi) {
+            Self::put(&m, k, v, words, &mut keys, &mut masks)?;
         }
         Ok((PyBytes::new(py, &keys), PyBytes::new(py, &masks)))
     }
@@ -878,10 +904,11 @@ impl MaskMap {
             }
             let n = kb.len() / 8;
             let mut masks = Vec::with_capacity(n * 8 * words);
+            let m = self.m.read();
             for i in 0..n {
                 let k = mix(read_u64(kb, i));
-                match self.m.value(k) {
-                    Some(v) => self.put_mask(&self.m.words_of(k, v), words, &mut masks)?,
+                match m.value(k) {
+                    Some(v) => Self::put_mask(&m, &m.words_of(k, v), words, &mut masks)?,
                     None => masks.resize(masks.len() + 8 * words, 0),
                 }
             }
@@ -893,7 +920,8 @@ impl MaskMap {
     /// deletes the key): a snapshot delta's changes.
     fn assign(&mut self, keys: &Bound<'_, PyAny>, masks: &Bound<'_, PyAny>, words: i64) -> PyResult<()> {
         let words = words_arg(words)?;
-        let m = &mut self.m;
+        let mut guard = self.m.write();
+        let m = &mut *guard;
         with_bytes(keys, |kb| {
             with_bytes(masks, |mb| {
                 check_layout(kb, mb, words)?;
@@ -917,7 +945,8 @@ impl MaskMap {
     /// ORs in the entries of `export`'s layout (a zero mask adds nothing).
     fn load(&mut self, keys: &Bound<'_, PyAny>, masks: &Bound<'_, PyAny>, words: i64) -> PyResult<()> {
         let words = words_arg(words)?;
-        let m = &mut self.m;
+        let mut guard = self.m.write();
+        let m = &mut *guard;
         with_bytes(keys, |kb| {
             with_bytes(masks, |mb| {
                 check_layout(kb, mb, words)?;
@@ -945,12 +974,12 @@ impl MaskMap {
     /// Makes room for `n` entries in all without growing (a rebuild that knows its size: keys loaded
     /// in stored order would otherwise crowd the low buckets of a table sized for fewer).
     fn reserve(&mut self, n: usize) {
-        self.m.reserve(n);
+        self.m.write().reserve(n);
     }
 
     /// An estimate of the heap bytes held (table capacities, not just the live entries).
     fn memory_bytes(&self) -> usize {
-        self.m.memory_bytes()
+        self.m.read().memory_bytes()
     }
 }
 
@@ -1044,6 +1073,7 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fold::Folder>()?;
     m.add_class::<fold::ShardFold>()?;
     m.add_class::<answer::ReplicaFields>()?;
+    m.add_class::<front::LookupFront>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
     m.add_function(wrap_pyfunction!(chain_array, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;

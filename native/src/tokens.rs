@@ -524,6 +524,12 @@ fn skip_value(raw: &[u8], mut i: usize) -> Option<usize> {
 /// are; the caller decodes them (so a bad member still gets the ordinary error).
 #[pyfunction]
 pub fn split_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let (rest, ids) = split_ids(raw)?;
+    Some((PyBytes::new(py, &rest), PyBytes::new(py, &ids)))
+}
+
+/// `split_token_ids` without Python: (the object without "token_ids", the ids packed).
+pub fn split_ids(raw: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
     const KEY: &[u8] = b"\"token_ids\"";
     let mut i = skip_ws(raw, 0);
     if raw.get(i) != Some(&b'{') {
@@ -574,6 +580,5 @@ pub fn split_token_ids<'py>(py: Python<'py>, raw: &[u8]) -> Option<(Bound<'py, P
         return None;
     }
     rest.push(b'}');
-    let ids = ids?;
-    Some((PyBytes::new(py, &rest), PyBytes::new(py, &ids)))
+    Some((rest, ids?))
 }
