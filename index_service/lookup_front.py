@@ -57,7 +57,7 @@ class LookupFront:
                  credentials: Credentials | None = None, max_connections: int = 1024):
         native = native_front()
         if native is None:
-            raise RuntimeError("--lookup-port needs the compiled core (native/; bash scripts/setup.sh builds it)")
+            raise RuntimeError("--lookup-port needs the compiled core (native/: scripts/setup.sh builds it)")
         self.store, self.registry, self.credentials = store, registry, credentials
         self._seen: dict[str, tuple] = {}  # model -> the view_signature pushed
         self._tokens: tuple[bytes, ...] | None = None
@@ -81,7 +81,7 @@ class LookupFront:
         for model, shard in self.store.shards.items():
             sig = index.view_signature(shard)
             old = seen.get(model)
-            if old is not None and len(old) == len(sig) and all(a is b for a, b in zip(old, sig)):
+            if old is not None and _same(old, sig):
                 continue
             seen[model] = sig
             maps = index.tier_maps(shard, LEVELS)
@@ -138,8 +138,8 @@ class LookupFront:
             if refused is not None:
                 return refused.response()
             self.sync_tokens()  # a token the threads do not hold yet: added to the file since
-        return answer_query(self.store, self.registry, typ, headers.get(b"content-type", b"").decode("latin-1"),
-                            body, QueryParams(url.query))
+        content_type = headers.get(b"content-type", b"").decode("latin-1")
+        return answer_query(self.store, self.registry, typ, content_type, body, QueryParams(url.query))
 
     def stats(self) -> dict[str, int]:
         return self.native.stats()
@@ -149,6 +149,13 @@ class LookupFront:
         self.native.close()
         self.store.on_change = None
         self.registry.on_change = None
+
+
+def _same(old: tuple, new: tuple) -> bool:
+    """Two view signatures alike: the same objects (`is`), equal sizes."""
+    (g0, maps0, slots0, *sizes0), (g1, maps1, slots1, *sizes1) = old, new
+    return (g0 is g1 and slots0 is slots1 and sizes0 == sizes1 and len(maps0) == len(maps1)
+            and all(a is b for a, b in zip(maps0, maps1, strict=True)))
 
 
 class FrontCollector:

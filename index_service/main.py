@@ -180,7 +180,8 @@ def serve(args) -> int:
         except (OSError, RuntimeError) as e:
             sys.exit(f"error: --lookup-port {args.lookup_port}: {e}")
         app.state.metrics.registry.register(FrontCollector(front))
-        log.info("event=lookup_front url=http://%s:%d routes=POST /query,/query_by_hash", args.host, front.port)
+        log.info("event=lookup_front url=http://%s:%d routes=POST /query,/query_by_hash", args.host,
+                 front.port)
     apis = ["kvidx", "dynamo", "conductor", *(["lmcache"] if args.lmcache_lookup else []),
             *(["sglang-grpc"] if sglang else [])]
     log_auth_state(credentials, apis)

@@ -151,8 +151,8 @@ def slot_table(shard: ModelShard) -> list[tuple[str, int] | None]:
 
 
 def view_signature(shard: ModelShard) -> tuple:
-    """Objects (compared with `is`) and sizes that change whenever `tier_maps` or `slot_table` would
-    answer differently: its lookup group and tier maps, its slot list and length, its block size."""
+    """(lookup group, its tier maps, slot list, slot count, block size): objects (compared with `is`)
+    and sizes that change whenever `tier_maps` or `slot_table` would answer differently."""
     g = shard._lookup_group(None)
     return (g, tuple(g.tiers.values()) if g is not None else (), shard.by_slot, len(shard.by_slot),
             shard.block_size)

@@ -159,7 +159,11 @@ from index_service.conductor_api import ConductorRegistry
 store = ShardStore(16)
 store.ready = True
 starter = vllm_relay_starter(StoreSink(store), lambda m: 16)
-app = create_app(store, dynamo=DynamoRegistry(starter), conductor=ConductorRegistry(starter))
+dynamo = DynamoRegistry(starter)
+app = create_app(store, dynamo=dynamo, conductor=ConductorRegistry(starter))
+if len(sys.argv) > 2:  # --lookup-port: Dynamo's queries from the compiled threads too
+    from index_service.lookup_front import LookupFront
+    front = LookupFront("127.0.0.1", int(sys.argv[2]), store, dynamo)
 serve(app, "127.0.0.1", int(sys.argv[1]), log_level="warning", access_log=False)  # as `kvidx serve` does
 """
 
@@ -215,8 +219,9 @@ def load(base_url: str, bodies: list[bytes], pid: int, seconds: float, connectio
 def bench(args) -> int:
     """Both servers fed the same traffic, then the same closed-loop load on /query, one after the other."""
     ctx = zmq.Context()
+    front_port = free_port()
     servers = {"dynamo": [args.dynserver, "--port", "{port}", "--threads", str(args.threads)],
-               "kvidx": [sys.executable, "-c", KVIDX_SERVER, "{port}"],
+               "kvidx": [sys.executable, "-c", KVIDX_SERVER, "{port}", str(front_port)],
                # the same traffic registered through Mooncake conductor's API, for its msgpack /query
                "kvidx_conductor": [sys.executable, "-c", KVIDX_SERVER, "{port}"]}
     procs = []
@@ -229,6 +234,8 @@ def bench(args) -> int:
             procs.append(p)
             bases[name] = (f"http://127.0.0.1:{port}", p.pid)
             wait_up(bases[name][0])
+        # the same process's --lookup-port (its CPU is the process's: loads run one at a time)
+        front = ("kvidx_front", (f"http://127.0.0.1:{front_port}", bases["kvidx"][1]))
         pubs = {name: (connect_conductor_publisher if name == "kvidx_conductor" else connect_publisher)(
             base, args.block_size, ctx) for name, (base, _) in bases.items()}
         prompts = []
@@ -241,11 +248,15 @@ def bench(args) -> int:
             if name != "kvidx_conductor":
                 settled(base, prompts[-1])
         conductor = bases.pop("kvidx_conductor")
+        bases[front[0]] = front[1]
         settled(conductor[0], prompts[-1], ask=lambda base, p: conductor_query(base, p, args.block_size))
         ask = {"/query": lambda base, p: query(base, p),
                "/query_by_hash": lambda base, p: query_by_hash(base, p, args.block_size)}
         mismatches = {route: sum(f(bases["dynamo"][0], p) != f(bases["kvidx"][0], p) for p in prompts)
                       for route, f in ask.items()}
+        front_mismatches = {route: sum(f(bases["dynamo"][0], p) != f(bases["kvidx_front"][0], p)
+                                       for p in prompts) for route, f in ask.items()}
+        print(f"--lookup-port answers that differ: {front_mismatches}", file=sys.stderr)
         print(f"answers that differ on the final state, of {len(prompts)}: {mismatches}", file=sys.stderr)
         results: dict = {}
         for rnd in range(args.rounds):
@@ -266,8 +277,12 @@ def bench(args) -> int:
             runs = sorted(r["server_cpu_us_per_lookup"] for r in results[route][f"{name} x4"])
             return runs[len(runs) // 2]
 
-        routes = {route: {"kvidx_cpu_us": median_cpu(route, "kvidx"),
-                          "peer_cpu_us": median_cpu(route, "dynamo"), "mismatches": mismatches[route]}
+        # kvidx_cpu_us: `kvidx serve --lookup-port`, the compiled threads (what a Dynamo router is pointed
+        # at); kvidx_port_cpu_us: the same queries on --port (the Python service)
+        routes = {route: {"kvidx_cpu_us": median_cpu(route, "kvidx_front"),
+                          "peer_cpu_us": median_cpu(route, "dynamo"),
+                          "mismatches": mismatches[route] + front_mismatches[route],
+                          "kvidx_port_cpu_us": median_cpu(route, "kvidx")}
                   for route in ask}
         # no conductor to run here (Mooncake's is C++ in a branch): its /query beside Dynamo's /query
         other = {"conductor /query": {"kvidx_cpu_us": median_cpu("conductor /query", "kvidx"),

@@ -159,7 +159,8 @@ def served():
         fleet.register(i)
     for p in fleet.prompts[:10]:
         fleet.store_prompt(fleet.replicas[0], p)
-    creds = Credentials(parse_credentials("router read rrrrrrrrrrrrrrrrrrrr\nwriter write wwwwwwwwwwwwwwwwwwww\n"))
+    creds = Credentials(parse_credentials("router read rrrrrrrrrrrrrrrrrrrr\n"
+                                          "writer write wwwwwwwwwwwwwwwwwwww\n"))
     front = LookupFront("127.0.0.1", 0, fleet.store, fleet.registry, creds)
     try:
         yield fleet, front, f"http://127.0.0.1:{front.port}"
@@ -192,10 +193,12 @@ def test_http_answers_errors_and_tokens(served):
         assert r.status_code == 415
         r = c.post("/query", json={"token_ids": [-1], "model_name": "m"}, headers=ok)
         assert r.status_code == 422
-        r = c.post("/query_by_hash", json={"block_hashes": [1], "model_name": "m", "cache_salt": "x"}, headers=ok)
+        salted = {"block_hashes": [1], "model_name": "m", "cache_salt": "x"}
+        r = c.post("/query_by_hash", json=salted, headers=ok)
         assert r.status_code == 400 and "cache_salt" in r.json()["error"]
         r = c.post("/query", json={**body, "model_name": "other"}, headers=ok)
-        assert (r.status_code, r.json()) == (404, {"error": "no indexer for model=other routing_group=default"})
+        assert r.status_code == 404
+        assert r.json() == {"error": "no indexer for model=other routing_group=default"}
         r = c.get("/query", headers=ok)
         assert r.status_code == 405
         r = c.get("/workers", headers=ok)
@@ -229,7 +232,33 @@ def test_pipelining_expect_and_bad_heads(served):
     assert _raw(front.port, b"NOT HTTP\r\n\r\n").startswith(b"HTTP/1.1 400")
     chunked = req.replace(b"content-length: %d" % len(body), b"transfer-encoding: chunked")
     assert _raw(front.port, chunked).startswith(b"HTTP/1.1 411")
-    assert _raw(front.port, b"POST /query HTTP/1.1\r\n" + b"x-a: b\r\n" * 2000 + b"\r\n").startswith(b"HTTP/1.1 431")
+    huge = b"POST /query HTTP/1.1\r\n" + b"x-a: b\r\n" * 2000 + b"\r\n"
+    assert _raw(front.port, huge).startswith(b"HTTP/1.1 431")
     closing = req.replace(b"host: x\r\n", b"host: x\r\nconnection: close\r\n")
     out = _raw(front.port, closing * 2)  # answered once, then closed
     assert out.count(b"HTTP/1.1 200") == 1 and b"connection: close" in out
+
+
+def test_views_are_pushed_only_when_they_change(monkeypatch):
+    fleet = Fleet(300, 5)  # slot counts above the small ints Python caches
+    front = LookupFront("127.0.0.1", 0, fleet.store, fleet.registry)
+    pushed = []
+    try:
+        for r in fleet.replicas:
+            fleet.store_prompt(r, fleet.prompts[0])
+        monkeypatch.setattr(front, "native", _Spy(front.native, pushed))
+        fleet.store_prompt(fleet.replicas[5], fleet.prompts[1])  # same slots, same maps
+        assert pushed == []
+        fleet.batch("tcp://new:1", [BlocksStored("GPU", 0, prompt_hashes(fleet.prompts[2], 16), None, 0)])
+        assert pushed == ["set_model"]  # a new slot
+    finally:
+        front.close()
+
+
+class _Spy:
+    def __init__(self, native, calls: list):
+        self.native, self.calls = native, calls
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.native, name)

@@ -1,0 +1,235 @@
+"""Lookups per host as cores grow: one `kvidx serve` deployment unit (one process, one copy of the
+index) answering Dynamo's POST /query closed-loop on 1 core, then on 2 (more with --cores), pinned
+with sched_setaffinity, the same state and queries each time. Two fronts of the same process: its
+--lookup-port (index_service/lookup_front.py: compiled threads reading the maps without the GIL) and
+its --port (the Python service, one core by the GIL), for contrast.
+
+The state: the head of the public Mooncake conversation trace as real token ids (each 512-token trace
+block is 512 pseudo-random tokens seeded by its hash id, so equal ids are equal prefixes), the first
+--requests routed over --replicas replicas by their first blocks and stored on the GPU (every third
+also in host memory on the next replica); the queries are the next requests' prompts, capped at
+--max-tokens, as Dynamo routers send them (token ids). The load is bench/loadgen (Rust, std only,
+~2 us of CPU a request: built here with cargo), so the client, not Python, is cheap; on a host with
+no core to spare (2 cores, measuring 2) it runs on the server's cores and takes some of their time:
+the figure is then a floor. Prints a table and ends with one JSON line:
+{"cores": {"1": LOOKUPS_PER_S, "2": ...}, "rss_mb": {"1": X, "2": Y}, "port": {...}, ...}.
+
+    .venv/bin/python bench/bench_cores.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common
+from _common import load_trace, log
+
+ROOT = _common.ROOT
+LOADGEN = ROOT / "bench" / "loadgen"
+MODEL = "bench-model"
+BLOCK = 16
+
+
+def trace_prompts(n: int, max_tokens: int) -> list[list[int]]:
+    """The trace's first `n` requests as token ids (module docstring)."""
+    blocks: dict[int, list[int]] = {}
+    out = []
+    for length, ids in load_trace(n):
+        toks: list[int] = []
+        for h in ids:
+            b = blocks.get(h)
+            if b is None:
+                rng = random.Random(h)
+                b = blocks[h] = [rng.randrange(32_000) for _ in range(512)]
+            toks += b
+        out.append(toks[: min(length, max_tokens)])
+    return out
+
+
+def replica(i: int) -> str:
+    return f"tcp://10.0.{i // 200}.1:{5000 + i % 200}"
+
+
+def serve(args) -> int:
+    """--serve: the deployment unit (a store, Dynamo's registry, the lookup front and the Python
+    service), the state folded in, then serving until killed."""
+    from index_service.app import create_app
+    from index_service.dynamo_api import DynamoRegistry, RegisterRequest
+    from index_service.http_protocol import serve as serve_http
+    from index_service.lookup_front import LookupFront
+    from index_service.store import ShardStore
+    from kvidx.core.hashing import prompt_hashes
+    from schemas.events import SCHEMA_VERSION, BlocksStored, EventBatch
+
+    store = ShardStore(BLOCK)
+    store.ready = True
+    dynamo = DynamoRegistry(None)
+    for i in range(args.replicas):
+        status, body = dynamo.register(RegisterRequest(instance_id=i + 1, endpoint=replica(i),
+                                                       model_name=MODEL, block_size=BLOCK))
+        assert status == 201, body
+    prompts = trace_prompts(args.requests, args.max_tokens)
+    seq = [0] * args.replicas
+    for k, p in enumerate(prompts[: args.requests - args.queries]):
+        r = hash(tuple(p[:4 * 512])) % args.replicas
+        hashes = prompt_hashes(p, BLOCK)
+        for tier, rr in (("GPU", r), *((("CPU", (r + 1) % args.replicas),) if k % 3 == 0 else ())):
+            seq[rr] += 1
+            store.apply(EventBatch(SCHEMA_VERSION, MODEL, replica(rr), 0, 1, seq[rr], 0.0, 0.0, BLOCK,
+                                   [BlocksStored(tier, 0, hashes, None, 0)]))
+    del prompts  # the harness's token lists: the RSS measured is the service's
+    front = LookupFront("127.0.0.1", args.front_port, store, dynamo)
+    print(json.dumps({"ready": True, "front": front.port}), flush=True)
+    serve_http(create_app(store, dynamo=dynamo), "127.0.0.1", args.port, log_level="warning",
+               access_log=False)
+    return 0
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` on `cpus` (threads it makes later inherit their maker's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # a thread that ended
+
+
+def loadgen() -> Path:
+    exe = LOADGEN / "target" / "release" / "kvidx-loadgen"
+    log("building bench/loadgen (cargo, seconds) ...")
+    subprocess.run(["cargo", "build", "--release", "-q", "--manifest-path", str(LOADGEN / "Cargo.toml")],
+                   check=True)
+    return exe
+
+
+def run(exe: Path, port: int, bodies: Path, pid: int, cpus: set[int], client_cpus: set[int],
+        connections: int, seconds: float, depth: int) -> dict:
+    pin(pid, cpus)
+    c0 = cpu_s(pid)
+    p = subprocess.run(["taskset", "-c", ",".join(map(str, sorted(client_cpus))), str(exe),
+                        f"127.0.0.1:{port}", "/query", str(bodies), str(connections), str(seconds),
+                        str(depth)],
+                       capture_output=True, text=True, check=True)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    cpu = cpu_s(pid) - c0
+    if out["errors"]:
+        raise SystemExit(f"{out['errors']} requests failed on port {port}")
+    return {"lookups_per_s": round(out["lookups"] / out["seconds"]),
+            "server_cores": round(cpu / out["seconds"], 2),
+            "server_cpu_us": round(cpu / max(1, out["lookups"]) * 1e6, 1), "rss_mb": round(rss_mb(pid), 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cores", default=None, help="core counts to measure, e.g. 1,2,4 (default: 1 and "
+                    "every doubling up to the host's, and the host's)")
+    ap.add_argument("--replicas", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=3000, help="trace requests: stored, then queried")
+    ap.add_argument("--queries", type=int, default=1000, help="of --requests, the last ones are the queries")
+    ap.add_argument("--max-tokens", type=int, default=8192, help="prompt length cap (tokens)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="per run")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    ap.add_argument("--connections-per-core", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=1, help="requests in flight per connection (1: closed loop)")
+    ap.add_argument("--json", action="store_true", help="end with the JSON line (always printed)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--front-port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(args)
+    host = sorted(os.sched_getaffinity(0))
+    if args.cores:
+        counts = sorted({int(c) for c in args.cores.split(",")})
+    else:
+        counts = sorted({1, *(2 ** k for k in range(1, 10) if 2 ** k <= len(host)), len(host)})
+    if counts[-1] > len(host):
+        ap.error(f"--cores {counts[-1]}: this host has {len(host)}")
+    exe = loadgen()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log(f"building the state: {args.requests - args.queries} trace requests, {args.replicas} replicas ...")
+    t0 = time.monotonic()
+    server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(port),
+                               "--replicas", str(args.replicas), "--requests", str(args.requests),
+                               "--queries", str(args.queries), "--max-tokens", str(args.max_tokens)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        ready = json.loads(server.stdout.readline())
+        front = ready["front"]
+        import urllib.request
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the Python service did not start") from None
+                time.sleep(0.2)
+        log(f"  state built in {time.monotonic() - t0:.1f} s, rss {rss_mb(server.pid):.0f} MB")
+        prompts = trace_prompts(args.requests, args.max_tokens)[args.requests - args.queries:]
+        bodies = Path(f"/tmp/kvidx-bench-cores-{os.getpid()}.jsonl")
+        bodies.write_text("".join(json.dumps({"token_ids": p, "model_name": MODEL}) + "\n" for p in prompts))
+        res: dict[str, dict[int, list[dict]]] = {"front": {}, "port": {}}
+        for rnd in range(args.rounds):
+            for k in counts:
+                cpus = set(host[:k])
+                client = set(host[k:]) or set(host)  # no core to spare: shares the server's
+                for name, p in (("front", front), ("port", port)):
+                    conns = args.connections_per_core * k
+                    r = run(exe, p, bodies, server.pid, cpus, client, conns, args.seconds, args.depth)
+                    res[name].setdefault(k, []).append(r)
+                    log(f"round {rnd + 1} {name:5s} {k} core(s), {conns} connections: {r}")
+        bodies.unlink()
+
+        def med(name: str, k: int, key: str) -> float:
+            xs = sorted(r[key] for r in res[name][k])
+            return xs[len(xs) // 2]
+
+        print(f"\n{'cores':>5} | {'--lookup-port lookups/s':>23} | {'x 1 core':>8} | {'server cores':>12} | "
+              f"{'us CPU/lookup':>13} | {'RSS MB':>6} | {'--port lookups/s':>16} | {'x 1 core':>8}")
+        for k in counts:
+            print(f"{k:>5} | {med('front', k, 'lookups_per_s'):>23,.0f} | "
+                  f"{med('front', k, 'lookups_per_s') / med('front', counts[0], 'lookups_per_s'):>8.2f} | "
+                  f"{med('front', k, 'server_cores'):>12.2f} | {med('front', k, 'server_cpu_us'):>13.1f} | "
+                  f"{med('front', k, 'rss_mb'):>6.0f} | {med('port', k, 'lookups_per_s'):>16,.0f} | "
+                  f"{med('port', k, 'lookups_per_s') / med('port', counts[0], 'lookups_per_s'):>8.2f}")
+        spare = len(host) > counts[-1]
+        print(json.dumps({
+            "cores": {str(k): med("front", k, "lookups_per_s") for k in counts},
+            "rss_mb": {str(k): med("front", k, "rss_mb") for k in counts},
+            "server_cores": {str(k): med("front", k, "server_cores") for k in counts},
+            "cpu_us_per_lookup": {str(k): med("front", k, "server_cpu_us") for k in counts},
+            "port": {str(k): med("port", k, "lookups_per_s") for k in counts},
+            "client_on_server_cores": not spare, "replicas": args.replicas, "queries": args.queries,
+            "machine": _common.machine_info()}))
+        return 0
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
