@@ -34,6 +34,7 @@ from index_service.dynamo_api import (
 )
 from index_service.store import ShardStore
 from kvidx import index
+from kvidx.core.maskmap import native_module
 
 log = logging.getLogger("kvidx.index_service")
 
@@ -42,12 +43,9 @@ LEVELS = (("CPU",), ("DISK", "NODE_SHARED", "POOL"))  # dynamo_api._LOWER: Dynam
 
 
 def native_front():
-    """kvidx_native.LookupFront, None where the compiled core is not built."""
-    try:
-        from kvidx_native import LookupFront
-    except ImportError:
-        return None
-    return LookupFront
+    """kvidx_native.LookupFront, None where the compiled core is not built or not used (KVIDX_NATIVE=0:
+    the maps are then the pure-Python reference's, which its threads cannot read)."""
+    return getattr(native_module(), "LookupFront", None)
 
 
 class LookupFront:

@@ -1,7 +1,8 @@
 """Dynamo's API on `kvidx serve` over a real broker: a worker registered on one instance is known to
 every instance (the compacted registrations topic) and answered alike, survives the restart of the
 instance that runs its relay (the relay starts again and follows the engine), and an /unregister on
-any instance stops the relay where it runs and retracts the replica."""
+any instance stops the relay where it runs and retracts the replica. Instance b also answers Dynamo's
+queries on --lookup-port (the compiled threads), alike."""
 
 import os
 import signal
@@ -26,10 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(bootstrap, prefix, port, name, log_path):
+def serve(bootstrap, prefix, port, name, log_path, *extra):
     return subprocess.Popen(
         [sys.executable, "-m", "kvidx.cli", "serve", "--bootstrap", bootstrap, "--topic-prefix", prefix,
-         "--port", str(port), "--instance-name", name],
+         "--port", str(port), "--instance-name", name, *extra],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(log_path, "a"),
         stderr=subprocess.STDOUT)
 
@@ -73,9 +74,11 @@ def start(kafka_bootstrap, topics, tmp_path):
 def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstrap, topics, tmp_path):
     engine, work, pa, pb, log, a = start(kafka_bootstrap, topics, tmp_path)
     b = None
+    pl = free_port()
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{pa}", timeout=10) as ca, \
-                httpx.Client(base_url=f"http://127.0.0.1:{pb}", timeout=10) as cb:
+                httpx.Client(base_url=f"http://127.0.0.1:{pb}", timeout=10) as cb, \
+                httpx.Client(base_url=f"http://127.0.0.1:{pl}", timeout=10) as cl:
             wait_for(lambda: healthy(ca), 60, "instance a ready")
             r = ca.post("/register", json={"instance_id": 1, "endpoint": engine.endpoint, "model_name": "m",
                                            "block_size": 16, "replay_endpoint": engine.replay_endpoint})
@@ -84,10 +87,12 @@ def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstra
                 engine.serve(p, o)
             wait_for(lambda: "1" in scores(ca, work[19][0]), 30, "a's relay folded through Kafka")
             # another instance learns the registration from the topic and answers alike
-            b = serve(kafka_bootstrap, topics["prefix"], pb, "b", log)
+            b = serve(kafka_bootstrap, topics["prefix"], pb, "b", log, "--lookup-port", str(pl))
             wait_for(lambda: healthy(cb) and [w["instance_id"] for w in cb.get("/workers").json()] == [1], 60,
                      "b knows the registration")
             wait_for(lambda: all(scores(cb, p) == scores(ca, p) for p, _ in work[:20]), 30, "b answers as a")
+            assert all(scores(cl, p) == scores(cb, p) for p, _ in work[:20])  # b's --lookup-port too
+            assert 'kvidx_lookup_front_requests_total{answered="query"} 20.0' in cb.get("/metrics").text
             # a restarts: it takes its registration up again, and its relay follows the engine again
             a.send_signal(signal.SIGTERM)
             a.wait(30)
@@ -99,11 +104,13 @@ def test_registrations_reach_every_instance_and_survive_a_restart(kafka_bootstra
                 engine.serve(p, o)
             wait_for(lambda: "1" in scores(cb, work[-1][0]) and "1" in scores(ca, work[-1][0]), 30,
                      "the restarted relay's events")
+            wait_for(lambda: all(scores(cl, p) == scores(cb, p) for p, _ in work), 30, "--lookup-port alike")
             # an /unregister on b (not the owner): a stops its relay and retracts the replica
             assert cb.post("/unregister", json={"instance_id": 1, "model_name": "m"}).status_code == 200
             wait_for(lambda: ca.get("/workers").json() == [] and cb.get("/workers").json() == [], 30,
                      "both instances forgot it")
-            assert scores(ca, work[-1][0]) == scores(cb, work[-1][0]) == {"status": 404}
+            gone = [scores(c, work[-1][0]) for c in (ca, cb, cl)]
+            assert gone == [{"status": 404}] * 3
             wait_for(lambda: retracted(ca, work[-1][0]), 30, "the replica retracted from the index")
     finally:
         stop(a, b, engine)
