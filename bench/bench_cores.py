@@ -121,18 +121,26 @@ def loadgen() -> Path:
 def run(exe: Path, port: int, bodies: Path, pid: int, cpus: set[int], client_cpus: set[int],
         connections: int, seconds: float, depth: int) -> dict:
     pin(pid, cpus)
-    c0 = cpu_s(pid)
+    c0, k0 = cpu_s(pid), _children_cpu_s()
     p = subprocess.run(["taskset", "-c", ",".join(map(str, sorted(client_cpus))), str(exe),
                         f"127.0.0.1:{port}", "/query", str(bodies), str(connections), str(seconds),
                         str(depth)],
                        capture_output=True, text=True, check=True)
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    cpu = cpu_s(pid) - c0
+    cpu, client_cpu = cpu_s(pid) - c0, _children_cpu_s() - k0
     if out["errors"]:
         raise SystemExit(f"{out['errors']} requests failed on port {port}")
     return {"lookups_per_s": round(out["lookups"] / out["seconds"]),
             "server_cores": round(cpu / out["seconds"], 2),
-            "server_cpu_us": round(cpu / max(1, out["lookups"]) * 1e6, 1), "rss_mb": round(rss_mb(pid), 1)}
+            "server_cpu_us": round(cpu / max(1, out["lookups"]) * 1e6, 1), "rss_mb": round(rss_mb(pid), 1),
+            "client_cores": round(client_cpu / out["seconds"], 2)}
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)  # the load generators that ended
+    return r.ru_utime + r.ru_stime
 
 
 def main() -> int:
@@ -146,7 +154,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8192, help="prompt length cap (tokens)")
     ap.add_argument("--seconds", type=float, default=5.0, help="per run")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
-    ap.add_argument("--connections-per-core", type=int, default=4)
+    ap.add_argument("--connections-per-core", type=int, default=8,
+                    help="closed-loop connections per core measured (enough to keep the cores busy)")
     ap.add_argument("--depth", type=int, default=1, help="requests in flight per connection (1: closed loop)")
     ap.add_argument("--json", action="store_true", help="end with the JSON line (always printed)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
