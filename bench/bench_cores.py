@@ -22,13 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import time
+import zlib
+from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 import _common
+import numpy as np
 from _common import load_trace, log
 
 ROOT = _common.ROOT
@@ -37,20 +40,11 @@ MODEL = "bench-model"
 BLOCK = 16
 
 
-def trace_prompts(n: int, max_tokens: int) -> list[list[int]]:
-    """The trace's first `n` requests as token ids (module docstring)."""
-    blocks: dict[int, list[int]] = {}
-    out = []
+def trace_prompts(n: int, max_tokens: int) -> Iterator[np.ndarray]:
+    """The trace's first `n` requests as token ids (module docstring), one at a time."""
     for length, ids in load_trace(n):
-        toks: list[int] = []
-        for h in ids:
-            b = blocks.get(h)
-            if b is None:
-                rng = random.Random(h)
-                b = blocks[h] = [rng.randrange(32_000) for _ in range(512)]
-            toks += b
-        out.append(toks[: min(length, max_tokens)])
-    return out
+        blocks = [np.random.default_rng(h).integers(0, 32_000, 512, dtype=np.uint32) for h in ids]
+        yield np.concatenate(blocks)[: min(length, max_tokens)] if blocks else np.zeros(0, np.uint32)
 
 
 def replica(i: int) -> str:
@@ -75,16 +69,15 @@ def serve(args) -> int:
         status, body = dynamo.register(RegisterRequest(instance_id=i + 1, endpoint=replica(i),
                                                        model_name=MODEL, block_size=BLOCK))
         assert status == 201, body
-    prompts = trace_prompts(args.requests, args.max_tokens)
     seq = [0] * args.replicas
-    for k, p in enumerate(prompts[: args.requests - args.queries]):
-        r = hash(tuple(p[:4 * 512])) % args.replicas
+    stored = islice(trace_prompts(args.requests, args.max_tokens), args.requests - args.queries)
+    for k, p in enumerate(stored):
+        r = zlib.crc32(p[:4 * 512].tobytes()) % args.replicas  # by the first 4 trace blocks
         hashes = prompt_hashes(p, BLOCK)
         for tier, rr in (("GPU", r), *((("CPU", (r + 1) % args.replicas),) if k % 3 == 0 else ())):
             seq[rr] += 1
             store.apply(EventBatch(SCHEMA_VERSION, MODEL, replica(rr), 0, 1, seq[rr], 0.0, 0.0, BLOCK,
                                    [BlocksStored(tier, 0, hashes, None, 0)]))
-    del prompts  # the harness's token lists: the RSS measured is the service's
     front = LookupFront("127.0.0.1", args.front_port, store, dynamo)
     print(json.dumps({"ready": True, "front": front.port}), flush=True)
     serve_http(create_app(store, dynamo=dynamo), "127.0.0.1", args.port, log_level="warning",
@@ -198,9 +191,11 @@ def main() -> int:
                     raise SystemExit("the Python service did not start") from None
                 time.sleep(0.2)
         log(f"  state built in {time.monotonic() - t0:.1f} s, rss {rss_mb(server.pid):.0f} MB")
-        prompts = trace_prompts(args.requests, args.max_tokens)[args.requests - args.queries:]
+        prompts = islice(trace_prompts(args.requests, args.max_tokens), args.requests - args.queries, None)
         bodies = Path(f"/tmp/kvidx-bench-cores-{os.getpid()}.jsonl")
-        bodies.write_text("".join(json.dumps({"token_ids": p, "model_name": MODEL}) + "\n" for p in prompts))
+        with open(bodies, "w") as f:
+            for p in prompts:
+                f.write(json.dumps({"token_ids": p.tolist(), "model_name": MODEL}) + "\n")
         res: dict[str, dict[int, list[dict]]] = {"front": {}, "port": {}}
         for rnd in range(args.rounds):
             for k in counts:
