@@ -47,6 +47,11 @@ Replica groups held by other instances (index_service.fanout):
 - kvidx_fanout_seconds                      histogram of the wait for the other instances' answers
 - kvidx_fanout_partial_total                lookups answered without some groups (no live holder,
                                             an error or the timeout: the answer says `partial`)
+--lookup-port (index_service.lookup_front), when it is on:
+- kvidx_lookup_front_requests_total{answered}  requests on it, by who answered: the compiled threads
+                                            (query, query_by_hash) or the Python handler (fallback)
+- kvidx_lookup_front_connections            connections open on it (a thread each)
+- kvidx_lookup_front_refused_connections_total  connections refused past its limit (1,024)
 Hints (the gates, kvidx.core.hints.PrefetchGate; per model and kind whose hints are on):
 - kvidx_hints_issued_total{model,kind}      hints issued (kind: prefetch; fetch: Dynamo kv.fetch hints;
                                             placement and eviction: hints.sessions' kinds)
