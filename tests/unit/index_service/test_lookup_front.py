@@ -262,3 +262,28 @@ class _Spy:
     def __getattr__(self, name):
         self.calls.append(name)
         return getattr(self.native, name)
+
+
+@pytest.mark.parametrize("kw,error", [
+    ({"lookup_port": 8080}, "other than --port"),
+    ({"lookup_port": 9090, "ops_port": 9090}, "other than --port"),
+    ({"tls": True}, "plain HTTP"),
+    ({"groups": "0,1"}, "--groups"),
+])
+def test_the_operators_mistakes_are_one_line(kw, error):
+    from types import SimpleNamespace
+
+    from index_service.main import _check_lookup_port
+
+    args = SimpleNamespace(lookup_port=kw.get("lookup_port", 0), port=8080, ops_port=kw.get("ops_port"),
+                           groups=kw.get("groups"), host="127.0.0.1")
+    with pytest.raises(SystemExit) as e:
+        _check_lookup_port(args, object() if kw.get("tls") else None)
+    assert str(e.value).startswith("error: --lookup-port") and error in str(e.value)
+    with socket.socket() as s:  # a port in use
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = SimpleNamespace(lookup_port=s.getsockname()[1], port=8080, ops_port=None, groups=None,
+                               host="127.0.0.1")
+        with pytest.raises(SystemExit, match="is in use"):
+            _check_lookup_port(busy, None)
