@@ -639,6 +639,9 @@ fn connection(st: &State, mut s: TcpStream) {
         if s.write_all(&out).is_err() || head.close {
             return;
         }
+        if buf.capacity() > 1 << 20 && buf.len() < 1 << 16 {
+            buf.shrink_to(1 << 16); // a large body's room is not kept by an idle connection
+        }
     }
 }
 
