@@ -193,3 +193,22 @@ def test_credentials_secret_and_ops_port(tmp_path):
              and d["metadata"]["labels"]["app.kubernetes.io/component"] == "service"][0]
     (c,) = plain["spec"]["template"]["spec"]["containers"]
     assert c["args"][0] == "serve" and "--auth-token-file" not in c["args"] and "--ops-port" not in c["args"]
+
+
+def test_lookup_port(tmp_path):
+    """service.lookupPort passes --lookup-port to every instance and opens it on the pods and the Service;
+    a set holding only some groups cannot have it (kvidx serve refuses the combination)."""
+    values = {**FOUR, "service": {"sets": [{"name": "all", "groups": "", "replicas": 2}], "lookupPort": 8081}}
+    lint = helm("lint", values=values, tmp=tmp_path)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    docs = render(values, tmp_path)
+    (d,) = [d for d in docs if d["kind"] == "Deployment"
+            and d["metadata"]["labels"]["app.kubernetes.io/component"] == "service"]
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    assert _arg(c["args"], "--lookup-port") == "8081"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["lookup"] == 8081
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    assert {"name": "lookup", "port": 8081, "targetPort": "lookup"} in svc["spec"]["ports"]
+    split = {**FOUR, "service": {**FOUR["service"], "lookupPort": 8081}}  # sets holding some groups
+    r = helm("template", "kv", values=split, tmp=tmp_path)
+    assert r.returncode != 0 and "service.lookupPort" in r.stderr, r.stderr
