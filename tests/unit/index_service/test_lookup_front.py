@@ -287,3 +287,50 @@ def test_the_operators_mistakes_are_one_line(kw, error):
                                host="127.0.0.1")
         with pytest.raises(SystemExit, match="is in use"):
             _check_lookup_port(busy, None)
+
+
+def test_queries_from_threads_while_the_fold_writes():
+    """The threads read the maps while the fold writes them (no GIL on the readers' side): no crash,
+    no deadlock, every answer well-formed, and once the writes stop the answers are the handler's."""
+    import threading
+
+    fleet = Fleet(90, 11)
+    for i in range(80):
+        fleet.register(i)
+    front = LookupFront("127.0.0.1", 0, fleet.store, fleet.registry)
+    rng = random.Random(11)
+    bodies = _bodies(fleet, rng)
+    stop, answered, bad = threading.Event(), [0], []
+
+    def ask(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            path, body = bodies[i % len(bodies)]
+            out = front.native.answer(path, body, None)  # the GIL released while it walks
+            if out is not None:
+                try:
+                    assert set(json.loads(out)) == {"frequencies", "instances", "scores"}
+                except (ValueError, AssertionError) as e:
+                    bad.append(e)
+                answered[0] += 1
+            i += 3
+
+    readers = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
+    try:
+        for t in readers:
+            t.start()
+        for step in range(300):
+            fleet.store_prompt(rng.choice(fleet.replicas), rng.choice(fleet.prompts),
+                               upto=rng.randrange(1, 30))
+            if step % 3 == 0:
+                fleet.evict(rng.choice(fleet.replicas), rng.choice(fleet.prompts))
+            if step % 100 == 50:
+                fleet.batch(rng.choice(fleet.replicas), [ReplicaCleared("restart")])
+                fleet.register(80 + step // 100)
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(30)
+        front.close()
+    assert not any(t.is_alive() for t in readers) and not bad and answered[0] > 100, answered
+    assert _check(front, fleet, rng) > 0  # settled: the handler's answers
