@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,9 @@ import numpy as np
 from _common import load_trace, log
 
 ROOT = _common.ROOT
+sys.path.insert(0, str(ROOT / "bench" / "peers" / "http"))
+from dynamo_compat import free_port, post  # noqa: E402  (the peers' harness: the same requests)
+
 LOADGEN = ROOT / "bench" / "loadgen"
 MODEL = "bench-model"
 BLOCK = 16
@@ -113,19 +115,6 @@ def wait_up(url: str, what: str) -> None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"{what} did not start") from None
             time.sleep(0.2)
-
-
-def post(url: str, body: dict) -> tuple[int, object]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def feed_engines(args, bases: list[str]) -> list:
@@ -269,9 +258,7 @@ def main() -> int:
     if counts[-1] > len(host):
         ap.error(f"--cores {counts[-1]}: this host has {len(host)}")
     exe = loadgen()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log(f"building the state: {args.requests - args.queries} trace requests, {args.replicas} replicas ...")
     t0 = time.monotonic()
     server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(port),
@@ -286,9 +273,7 @@ def main() -> int:
         servers = {"front": (front, server.pid), "port": (port, server.pid)}
         mismatches = None
         if args.dynserver:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                dport = s.getsockname()[1]
+            dport = free_port()
             cmd = [args.dynserver, "--port", str(dport), "--threads", str(args.dynserver_threads)]
             peer = subprocess.Popen(cmd,
                                     stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
