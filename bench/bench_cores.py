@@ -127,9 +127,12 @@ def feed_engines(args, bases: list[str]) -> list:
                              replay_endpoint="tcp://127.0.0.1:*") for _ in range(args.replicas)]
     for i, e in enumerate(engines):
         for base in bases:
-            status, body = post(f"{base}/register", {"instance_id": i + 1, "endpoint": e.endpoint,
-                                                     "replay_endpoint": e.replay_endpoint,
-                                                     "model_name": MODEL, "block_size": BLOCK})
+            reg = {"instance_id": i + 1, "endpoint": e.endpoint, "replay_endpoint": e.replay_endpoint,
+                   "model_name": MODEL, "block_size": BLOCK}
+            status, body = post(f"{base}/register", reg)
+            while status == 429:  # kvidx's admin routes are rate-limited per client: wait as told
+                time.sleep(0.06)
+                status, body = post(f"{base}/register", reg)
             if status != 201:
                 raise SystemExit(f"{base}/register: {status} {body}")
     time.sleep(2.0)  # the listeners subscribe (a batch they miss is replayed all the same)

@@ -160,7 +160,7 @@ store = ShardStore(16)
 store.ready = True
 starter = vllm_relay_starter(StoreSink(store), lambda m: 16)
 dynamo = DynamoRegistry(starter)
-app = create_app(store, dynamo=dynamo, conductor=ConductorRegistry(starter))
+app = create_app(store, dynamo=dynamo, conductor=ConductorRegistry(starter), lmcache_lookup="llama")
 if len(sys.argv) > 2:  # --lookup-port: Dynamo's queries from the compiled threads too
     from index_service.lookup_front import LookupFront
     front = LookupFront("127.0.0.1", int(sys.argv[2]), store, dynamo)
@@ -272,6 +272,11 @@ def bench(args) -> int:
             res = load(conductor[0], bodies, conductor[1], args.seconds, 4, "/query", "application/msgpack")
             results.setdefault("conductor /query", {}).setdefault("kvidx x4", []).append(res)
             print(f"round {rnd + 1} conductor /query (msgpack) kvidx 4 connection(s): {res}", file=sys.stderr)
+            # LMCache's controller lookup (--lmcache-lookup: kvidx's whole lookup, in LMCache's terms)
+            bodies = [json.dumps({"tokens": p}).encode() for p in prompts]
+            res = load(bases["kvidx"][0], bodies, bases["kvidx"][1], args.seconds, 4, "/lookup")
+            results.setdefault("lmcache /lookup", {}).setdefault("kvidx x4", []).append(res)
+            print(f"round {rnd + 1} lmcache /lookup kvidx 4 connection(s): {res}", file=sys.stderr)
 
         def median_cpu(route: str, name: str) -> float:
             runs = sorted(r["server_cpu_us_per_lookup"] for r in results[route][f"{name} x4"])
@@ -285,8 +290,9 @@ def bench(args) -> int:
                           "kvidx_port_cpu_us": median_cpu(route, "kvidx")}
                   for route in ask}
         # no conductor to run here (Mooncake's is C++ in a branch): its /query beside Dynamo's /query
-        other = {"conductor /query": {"kvidx_cpu_us": median_cpu("conductor /query", "kvidx"),
-                                      "dynamo_query_cpu_us": median_cpu("/query", "dynamo")}}
+        other = {api: {"kvidx_cpu_us": median_cpu(api, "kvidx"),
+                       "dynamo_query_cpu_us": median_cpu("/query", "dynamo")}
+                 for api in ("conductor /query", "lmcache /lookup")}
         print(json.dumps({"queries": len(prompts), "rounds": args.rounds, "connections": 4, "routes": routes,
                           "other_apis": other, "results": results}))
         return 0
