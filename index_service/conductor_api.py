@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl
@@ -234,6 +235,8 @@ class ConductorRegistry:
         self.others: list = []  # registries whose endpoints are taken too (`feeds(endpoint)`)
         self.max_registrations = max_registrations
         self.max_models = max_models
+        # called (under the lock) after a service is added or dropped: the lookup front's sync
+        self.on_change: Callable[[], None] | None = None
 
     # ---- registration ---------------------------------------------------------------------------
     def register(self, body: bytes) -> tuple[int, dict]:
@@ -344,6 +347,8 @@ class ConductorRegistry:
             ctx = self.contexts[svc.context] = Context(svc.profile)
         ctx.instances.setdefault(svc.instance_id, set()).add(svc.dp_rank)
         self.services[svc.key] = svc
+        if self.on_change is not None:
+            self.on_change()
 
     def _drop(self, key: str) -> Service | None:
         """Under the lock: the service gone from the registry and its context."""
@@ -355,7 +360,21 @@ class ConductorRegistry:
                 self.contexts[svc.context].instances.pop(svc.instance_id, None)
         if svc is not None and not any(s.context == svc.context for s in self.services.values()):
             self.contexts.pop(svc.context, None)  # reclaimed with its last service
+        if svc is not None and self.on_change is not None:
+            self.on_change()
         return svc
+
+    def context_table(self) -> list[tuple]:
+        """Every prefix context as `answer` reads it: (tenant, model, LoRA, block size, [(instance id,
+        [(DP rank, its service's endpoint or None)])]), ids in answer order. Under the lock."""
+        out = []
+        for (tenant, model, lora, bs), ctx in self.contexts.items():
+            endpoints = {(s.instance_id, s.dp_rank): s.endpoint for s in self.services.values()
+                         if s.context == (tenant, model, lora, bs)}
+            ids = sorted(ctx.instances, key=str.encode)
+            out.append((tenant, model, lora, bs,
+                        [(i, [(r, endpoints.get((i, r))) for r in sorted(ctx.instances[i])]) for i in ids]))
+        return out
 
     def apply_record(self, key: str, rec: ConductorService | None) -> None:
         """A conductor record of the registrations topic (every instance's, this one's echoes included): a
@@ -762,19 +781,38 @@ class ConductorPaths:
         except Invalid as e:
             return reply(e.status, e.body)
 
-    async def query(self, body: bytes, params: dict[str, str]) -> Response:
-        """POST /query. A model split in replica groups: the groups this instance does not hold are asked
-        of their holders, whose parts (per replica its GPU cursor, per tier the blocks held) are merged
-        before the cursors are read; a group no holder answered for in time is left out, counted in
-        kvidx_fanout_partial_total (the conductor's answer has no field for it)."""
+    def _read_query(self, body: bytes, params: dict[str, str]
+                    ) -> tuple[QueryArgs, frozenset[int] | None] | Response:
+        """The query and the replica groups it asks of (`?local=1&groups=`), or its error."""
         try:
             only = local_groups(params)
         except Reject as e:
             return reply(422, {"error": e.error, "reason": "invalid_value", "field": "groups"})
         try:
-            q = self.registry.parse_query(body)
+            return self.registry.parse_query(body), only
         except Invalid as e:
             return reply(e.status, e.body)
+
+    def query_here(self, body: bytes, params: dict[str, str]) -> Response:
+        """POST /query answered from this instance's shards alone (`query` without the fan-out: the
+        lookup front's fallback, index_service.lookup_front)."""
+        read = self._read_query(body, params)
+        if isinstance(read, Response):
+            return read
+        q, only = read
+        if only:
+            return reply(200, {"reach": Reach(self.store, q, only).part()})
+        return reply(200, self.registry.answer(self.store, q))
+
+    async def query(self, body: bytes, params: dict[str, str]) -> Response:
+        """POST /query. A model split in replica groups: the groups this instance does not hold are asked
+        of their holders, whose parts (per replica its GPU cursor, per tier the blocks held) are merged
+        before the cursors are read; a group no holder answered for in time is left out, counted in
+        kvidx_fanout_partial_total (the conductor's answer has no field for it)."""
+        read = self._read_query(body, params)
+        if isinstance(read, Response):
+            return read
+        q, only = read
         if only:  # another instance's fan-out: this instance's part, for those groups
             return reply(200, {"reach": Reach(self.store, q, only).part()})
         missing = (self.store.missing_groups(q.model) if self.fanout is not None and only is None

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.datastructures import QueryParams
 from starlette.responses import Response
 
 from index_service.auth import READ, Credentials
+from index_service.conductor_api import MAX_BODY as CONDUCTOR_MAX_BODY
+from index_service.conductor_api import ConductorPaths, is_msgpack, reply
 from index_service.dynamo_api import (
     MAX_QUERY_BODY,
     DynamoRegistry,
@@ -38,7 +40,7 @@ from kvidx.core.maskmap import native_module
 
 log = logging.getLogger("kvidx.index_service")
 
-ROUTES = {"/query": QueryRequest, "/query_by_hash": QueryByHashRequest}
+ROUTES = {"/query": QueryRequest, "/query_by_hash": QueryByHashRequest}  # and the conductor's /query
 LEVELS = (("CPU",), ("DISK", "NODE_SHARED", "POOL"))  # dynamo_api._LOWER: Dynamo's host, then the rest
 
 
@@ -52,11 +54,13 @@ class LookupFront:
     """The front on `port` over `store` and Dynamo's `registry` (module docstring)."""
 
     def __init__(self, host: str, port: int, store: ShardStore, registry: DynamoRegistry,
-                 credentials: Credentials | None = None, max_connections: int = 1024):
+                 credentials: Credentials | None = None, max_connections: int = 1024,
+                 conductor: ConductorPaths | None = None):
         native = native_front()
         if native is None:
             raise RuntimeError("--lookup-port needs the compiled core (native/: scripts/setup.sh builds it)")
         self.store, self.registry, self.credentials = store, registry, credentials
+        self.conductor = conductor  # Mooncake conductor's msgpack /query, where its API is on
         self._seen: dict[str, tuple] = {}  # model -> the view_signature pushed
         self._tokens: tuple[bytes, ...] | None = None
         self._stop = threading.Event()
@@ -65,6 +69,10 @@ class LookupFront:
         with registry.lock:
             registry.on_change = self.sync_registry
             self.sync_registry()
+        if conductor is not None:
+            with conductor.registry.lock:
+                conductor.registry.on_change = self.sync_contexts
+                self.sync_contexts()
         with store.lock:
             store.on_change = self.sync_store
             self.sync_store()
@@ -85,8 +93,9 @@ class LookupFront:
             maps = index.tier_maps(shard, LEVELS)
             if maps is None:
                 self.native.drop_model(model)
-            else:
-                self.native.set_model(model, shard.block_size, maps[0], maps[1], index.slot_table(shard))
+            else:  # the conductor's levels: host memory, then disk (conductor_api.Reach)
+                self.native.set_model(model, shard.block_size, maps[0], maps[1], index.tier_maps(shard)[1],
+                                      index.slot_table(shard), index.has_pools(shard))
         for model in [m for m in seen if m not in self.store.shards]:
             del seen[model]
             self.native.drop_model(model)
@@ -94,6 +103,10 @@ class LookupFront:
     def sync_registry(self) -> None:
         """Pushes Dynamo's registrations (under the registry's lock)."""
         self.native.set_groups(self.registry.groups())
+
+    def sync_contexts(self) -> None:
+        """Pushes the conductor's prefix contexts (under its registry's lock)."""
+        self.native.set_contexts(self.conductor.registry.context_table())
 
     def sync_tokens(self) -> None:
         """Pushes the Authorization values of the tokens with scope read (all when there are no
@@ -137,6 +150,10 @@ class LookupFront:
                 return refused.response()
             self.sync_tokens()  # a token the threads do not hold yet: added to the file since
         content_type = headers.get(b"content-type", b"").decode("latin-1")
+        if self.conductor is not None and url.path == "/query" and is_msgpack(content_type):
+            if len(body) > CONDUCTOR_MAX_BODY:
+                return reply(413, {"error": "request body too large"})
+            return self.conductor.query_here(body, dict(parse_qsl(url.query)))
         return answer_query(self.store, self.registry, typ, content_type, body, QueryParams(url.query))
 
     def stats(self) -> dict[str, int]:
@@ -147,13 +164,15 @@ class LookupFront:
         self.native.close()
         self.store.on_change = None
         self.registry.on_change = None
+        if self.conductor is not None:
+            self.conductor.registry.on_change = None
 
 
 def _same(old: tuple, new: tuple) -> bool:
     """Two view signatures alike: the same objects (`is`), equal sizes."""
-    (g0, maps0, slots0, *sizes0), (g1, maps1, slots1, *sizes1) = old, new
-    return (g0 is g1 and slots0 is slots1 and sizes0 == sizes1 and len(maps0) == len(maps1)
-            and all(a is b for a, b in zip(maps0, maps1, strict=True)))
+    (g0, maps0, slots0, pools0, *sizes0), (g1, maps1, slots1, pools1, *sizes1) = old, new
+    return (g0 is g1 and slots0 is slots1 and pools0 is pools1 and sizes0 == sizes1
+            and len(maps0) == len(maps1) and all(a is b for a, b in zip(maps0, maps1, strict=True)))
 
 
 class FrontCollector:
@@ -169,6 +188,7 @@ class FrontCollector:
                                        labels=["answered"])
         answered.add_metric(["query"], s["fast_query"])
         answered.add_metric(["query_by_hash"], s["fast_query_by_hash"])
+        answered.add_metric(["conductor_query"], s["fast_conductor_query"])
         answered.add_metric(["fallback"], s["fallback"])
         yield answered
         yield GaugeMetricFamily("kvidx_lookup_front_connections", "Open connections on --lookup-port",

@@ -173,15 +173,17 @@ def serve(args) -> int:
             app.router.on_startup.append(connect_sglang_fanout)
     front = None
     if args.lookup_port is not None:  # Dynamo's queries from the compiled core's threads
+        from index_service.conductor_api import ConductorPaths
         from index_service.lookup_front import FrontCollector, LookupFront
 
         try:
-            front = LookupFront(args.host, args.lookup_port, store, dynamo, credentials)
+            front = LookupFront(args.host, args.lookup_port, store, dynamo, credentials,
+                                conductor=ConductorPaths(None, store, conductor))
         except (OSError, RuntimeError) as e:
             sys.exit(f"error: --lookup-port {args.lookup_port}: {e}")
         app.state.metrics.registry.register(FrontCollector(front))
-        log.info("event=lookup_front url=http://%s:%d routes=POST /query,/query_by_hash", args.host,
-                 front.port)
+        log.info("event=lookup_front url=http://%s:%d routes=POST /query,/query_by_hash (Dynamo's; the "
+                 "conductor's msgpack /query)", args.host, front.port)
     apis = ["kvidx", "dynamo", "conductor", *(["lmcache"] if args.lmcache_lookup else []),
             *(["sglang-grpc"] if sglang else [])]
     log_auth_state(credentials, apis)

@@ -151,11 +151,17 @@ def slot_table(shard: ModelShard) -> list[tuple[str, int] | None]:
 
 
 def view_signature(shard: ModelShard) -> tuple:
-    """(lookup group, its tier maps, slot list, slot count, block size): objects (compared with `is`)
-    and sizes that change whenever `tier_maps` or `slot_table` would answer differently."""
+    """(lookup group, its tier maps, slot list, pools' readers, slot count, block size): objects
+    (compared with `is`) and sizes that change whenever `tier_maps`, `slot_table` or `has_pools` would
+    answer differently."""
     g = shard._lookup_group(None)
-    return (g, tuple(g.tiers.values()) if g is not None else (), shard.by_slot, len(shard.by_slot),
-            shard.block_size)
+    return (g, tuple(g.tiers.values()) if g is not None else (), shard.by_slot, shard.pool_readers,
+            len(shard.by_slot), shard.block_size)
+
+
+def has_pools(shard: ModelShard) -> bool:
+    """Whether the model has shared pools (the deployment's [pools] or a registered Mooncake Store)."""
+    return bool(shard.pool_readers)
 
 
 def pool_slots(shard: ModelShard) -> int:

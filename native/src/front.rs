@@ -26,6 +26,7 @@ use pyo3::types::{PyBytes, PyDict};
 use serde::Deserialize;
 use twox_hash::XxHash3_64;
 
+use crate::conductor::{self, ConductorContext};
 use crate::masks::Masks;
 use crate::table::mix;
 use crate::tokens::split_ids;
@@ -40,12 +41,16 @@ const MAX_HEAD: usize = 16 << 10; // request line and headers
 const IDLE: Duration = Duration::from_secs(5); // keep-alive timeout (uvicorn's default)
 const STACK: usize = 256 << 10;
 const EMPTY: &[u8] = br#"{"frequencies":[],"instances":{},"scores":{}}"#;
+const JSON: &str = "application/json";
+const MSGPACK: &str = "application/msgpack";
 
-struct ModelView {
-    block_size: usize,
-    gpu: Option<Shared>,
-    levels: Vec<Vec<Shared>>, // each lower level continues where the faster ones stopped
-    slots: Vec<Option<(String, u32)>>, // slot -> (replica, DP rank)
+pub struct ModelView {
+    pub block_size: usize,
+    pub gpu: Option<Shared>,
+    levels: Vec<Vec<Shared>>, // Dynamo's: each lower level continues where the faster ones stopped
+    pub conductor_levels: Vec<Vec<Shared>>, // the conductor's: host memory, then disk
+    pub pools: bool,                        // the model has shared pools (the conductor's are Python's)
+    pub slots: Vec<Option<(String, u32)>>,  // slot -> (replica, DP rank)
 }
 
 struct GroupView {
@@ -56,13 +61,14 @@ struct GroupView {
 struct State {
     models: RwLock<HashMap<String, Arc<ModelView>>>,
     groups: RwLock<HashMap<String, Arc<GroupView>>>, // "model\0routing_group"
+    contexts: RwLock<HashMap<String, Arc<ConductorContext>>>, // conductor.rs context_key
     tokens: RwLock<Option<Vec<Vec<u8>>>>,            // accepted Authorization values; None: open
     fallback: Py<PyAny>,
     max_body: usize,
     max_connections: usize,
     open: AtomicUsize,
     stop: AtomicBool,
-    fast: [AtomicU64; 2], // answered here: /query, /query_by_hash
+    fast: [AtomicU64; 3], // answered here: /query, /query_by_hash, the conductor's /query
     fallen: AtomicU64,    // answered by the Python handler
     refused: AtomicU64,   // connections over max_connections
 }
@@ -125,7 +131,7 @@ fn salt_seed(parent: u64, salt: &str) -> u64 {
 }
 
 /// hashing.prompt_hashes of packed tokens (no multimodal items, no lookahead).
-fn prompt_hashes(packed: &[u8], block_size: usize, lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
+pub fn prompt_hashes(packed: &[u8], block_size: usize, lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
     let mut h = match lora {
         Some(l) if !l.is_empty() => xxh(&[b"lora\0", l.as_bytes()].concat(), ROOT_SEED),
         _ => ROOT_SEED,
@@ -154,7 +160,7 @@ fn dynamo_keys(local: &[i64]) -> Vec<u64> {
 }
 
 /// depth[slot] = how many leading keys the slot holds (MaskMap.walk).
-fn walk_into(m: &Masks, keys: &[u64], depth: &mut [u32]) {
+pub fn walk_into(m: &Masks, keys: &[u64], depth: &mut [u32]) {
     let n = keys.len();
     let mut put = |slot: usize, d: usize| {
         if let Some(x) = depth.get_mut(slot) {
@@ -372,8 +378,9 @@ struct Head {
 }
 
 impl State {
-    /// The answer made here, or None for the fallback.
-    fn fast(&self, head: &Head, body: &[u8]) -> Option<Vec<u8>> {
+    /// The answer made here (its body, its content type, its route's counter), or None for the
+    /// fallback.
+    fn fast(&self, head: &Head, body: &[u8]) -> Option<(Vec<u8>, &'static str, usize)> {
         if head.method != "POST" {
             return None;
         }
@@ -389,10 +396,21 @@ impl State {
             }
         }
         let ct = head.content_type.as_deref()?;
+        if !by_hash && is_msgpack(ct) {  // Mooncake conductor's /query (conductor_api.is_msgpack)
+            let q = conductor::parse(body)?;
+            let ctx = self.contexts.read().get(&q.key).cloned();
+            let mv = self.models.read().get(&q.model).cloned();
+            return Some((conductor::answer(&q, ctx.as_deref(), mv.as_deref())?, MSGPACK, 2));
+        }
         let base = ct.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
         if !base.eq_ignore_ascii_case(b"application/json") {
             return None;
         }
+        self.dynamo(by_hash, body).map(|a| (a, JSON, by_hash as usize))
+    }
+
+    /// Dynamo's /query or /query_by_hash, a JSON body.
+    fn dynamo(&self, by_hash: bool, body: &[u8]) -> Option<Vec<u8>> {
         // (model, its group, the keys to walk, tokens a key covers), or the model's empty answer
         let (model, group, hashes, per_key): (String, Arc<GroupView>, Vec<u64>, Option<i64>) = if by_hash {
             let q: ByHash = serde_json::from_slice(body).ok()?;
@@ -446,6 +464,10 @@ impl State {
             })
         })
     }
+}
+
+fn is_msgpack(content_type: &[u8]) -> bool {
+    content_type.windows(MSGPACK.len()).any(|w| w == MSGPACK.as_bytes())
 }
 
 fn reason(status: u16) -> &'static str {
@@ -599,6 +621,9 @@ fn connection(st: &State, mut s: TcpStream) {
         };
         let refuse = if head.chunked {
             Some(text(411, "the lookup port reads bodies with a Content-Length (no chunked bodies)"))
+        } else if head.content_length > st.max_body && head.content_type.as_deref().is_some_and(is_msgpack) {
+            Some((413, vec![("content-type".into(), MSGPACK.into())],
+                  b"\x81\xa5error\xb6request body too large".to_vec()))  // the conductor's
         } else if head.content_length > st.max_body {
             Some(text(413, "Failed to buffer the request body: length limit exceeded"))
         } else {
@@ -621,10 +646,9 @@ fn connection(st: &State, mut s: TcpStream) {
         }
         let body = &buf[n..n + head.content_length];
         match st.fast(&head, body) {
-            Some(answer) => {
-                let i = (head.target.len() > "/query".len()) as usize;
-                st.fast[i].fetch_add(1, Ordering::Relaxed);
-                let hs = [("content-type".to_string(), "application/json".to_string())];
+            Some((answer, ctype, route)) => {
+                st.fast[route].fetch_add(1, Ordering::Relaxed);
+                let hs = [("content-type".to_string(), ctype.to_string())];
                 respond(&mut out, 200, &hs, &answer, head.close);
             }
             None => {
@@ -665,13 +689,14 @@ impl LookupFront {
         let st = Arc::new(State {
             models: RwLock::new(HashMap::new()),
             groups: RwLock::new(HashMap::new()),
+            contexts: RwLock::new(HashMap::new()),
             tokens: RwLock::new(None),
             fallback,
             max_body,
             max_connections,
             open: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
-            fast: [AtomicU64::new(0), AtomicU64::new(0)],
+            fast: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
             fallen: AtomicU64::new(0),
             refused: AtomicU64::new(0),
         });
@@ -712,13 +737,21 @@ impl LookupFront {
     }
 
     /// A model's view: its index block size, its lookup group's GPU map (None: none yet), the maps of
-    /// each lower level, and its slots' (replica, DP rank) (None for a free slot).
+    /// each lower level for Dynamo's answer and for the conductor's, its slots' (replica, DP rank)
+    /// (None for a free slot), and whether it has shared pools.
+    #[allow(clippy::too_many_arguments)]
     fn set_model(&self, model: String, block_size: usize, gpu: Option<Bound<'_, MaskMap>>,
-                 levels: Vec<Vec<Bound<'_, MaskMap>>>, slots: Vec<Option<(String, u32)>>) {
+                 levels: Vec<Vec<Bound<'_, MaskMap>>>, conductor_levels: Vec<Vec<Bound<'_, MaskMap>>>,
+                 slots: Vec<Option<(String, u32)>>, pools: bool) {
+        let shared = |ls: &Vec<Vec<Bound<'_, MaskMap>>>| -> Vec<Vec<Shared>> {
+            ls.iter().map(|l| l.iter().map(|m| m.borrow().m.clone()).collect()).collect()
+        };
         let view = ModelView {
             block_size,
             gpu: gpu.map(|m| m.borrow().m.clone()),
-            levels: levels.iter().map(|l| l.iter().map(|m| m.borrow().m.clone()).collect()).collect(),
+            levels: shared(&levels),
+            conductor_levels: shared(&conductor_levels),
+            pools,
             slots,
         };
         self.st.models.write().insert(model, Arc::new(view));
@@ -737,6 +770,16 @@ impl LookupFront {
         *self.st.groups.write() = table;
     }
 
+    /// The conductor's prefix contexts, all of them: (tenant, model, LoRA, block size, [(instance id,
+    /// [(DP rank, its service's endpoint or None)])]), instance ids in the order answers list them.
+    #[allow(clippy::type_complexity)]
+    fn set_contexts(&self, contexts: Vec<(String, String, String, i64, Vec<(String, Vec<(u32, Option<String>)>)>)>) {
+        let table = contexts.into_iter().map(|(t, m, l, bs, instances)| {
+            (conductor::context_key(&t, &m, &l, bs), Arc::new(ConductorContext { instances }))
+        }).collect();
+        *self.st.contexts.write() = table;
+    }
+
     /// The Authorization values answered here (b"Bearer <token>" of each token of scope read); None:
     /// no credentials (every request is answered).
     fn set_tokens(&self, tokens: Option<Vec<Vec<u8>>>) {
@@ -748,6 +791,7 @@ impl LookupFront {
         let d = PyDict::new(py);
         d.set_item("fast_query", self.st.fast[0].load(Ordering::Relaxed))?;
         d.set_item("fast_query_by_hash", self.st.fast[1].load(Ordering::Relaxed))?;
+        d.set_item("fast_conductor_query", self.st.fast[2].load(Ordering::Relaxed))?;
         d.set_item("fallback", self.st.fallen.load(Ordering::Relaxed))?;
         d.set_item("connections", self.st.open.load(Ordering::Relaxed))?;
         d.set_item("refused_connections", self.st.refused.load(Ordering::Relaxed))?;
@@ -755,8 +799,9 @@ impl LookupFront {
     }
 
     /// The fast answer to a request, None where the fallback would answer (tests).
-    fn answer<'py>(&self, py: Python<'py>, path: &str, body: &[u8], authorization: Option<Vec<u8>>
-    ) -> Option<Bound<'py, PyBytes>> {
+    #[pyo3(signature = (path, body, authorization, content_type="application/json"))]
+    fn answer<'py>(&self, py: Python<'py>, path: &str, body: &[u8], authorization: Option<Vec<u8>>,
+                   content_type: &str) -> Option<Bound<'py, PyBytes>> {
         let head = Head {
             method: "POST".into(),
             target: path.into(),
@@ -764,14 +809,14 @@ impl LookupFront {
             content_length: body.len(),
             chunked: false,
             expect_continue: false,
-            content_type: Some(b"application/json".to_vec()),
+            content_type: Some(content_type.as_bytes().to_vec()),
             authorization,
             headers: Vec::new(),
         };
         let st = self.st.clone();
         let body = body.to_vec();
         let out = py.detach(move || st.fast(&head, &body));
-        out.map(|a| PyBytes::new(py, &a))
+        out.map(|a| PyBytes::new(py, &a.0))
     }
 
     /// Stops taking connections; open ones end after their request or idle timeout.

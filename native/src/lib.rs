@@ -13,6 +13,7 @@
 //! cache misses of an event (~20 hashes, buckets all over a table of megabytes) overlap instead of
 //! following one another.
 
+mod conductor;
 mod credits;
 mod answer;
 mod fold;

@@ -159,11 +159,13 @@ from index_service.conductor_api import ConductorRegistry
 store = ShardStore(16)
 store.ready = True
 starter = vllm_relay_starter(StoreSink(store), lambda m: 16)
-dynamo = DynamoRegistry(starter)
-app = create_app(store, dynamo=dynamo, conductor=ConductorRegistry(starter), lmcache_lookup="llama")
-if len(sys.argv) > 2:  # --lookup-port: Dynamo's queries from the compiled threads too
+dynamo, conductor = DynamoRegistry(starter), ConductorRegistry(starter)
+app = create_app(store, dynamo=dynamo, conductor=conductor, lmcache_lookup="llama")
+if len(sys.argv) > 2:  # --lookup-port: the queries from the compiled threads too
+    from index_service.conductor_api import ConductorPaths
     from index_service.lookup_front import LookupFront
-    front = LookupFront("127.0.0.1", int(sys.argv[2]), store, dynamo)
+    front = LookupFront("127.0.0.1", int(sys.argv[2]), store, dynamo,
+                        conductor=ConductorPaths(None, store, conductor))
 serve(app, "127.0.0.1", int(sys.argv[1]), log_level="warning", access_log=False)  # as `kvidx serve` does
 """
 
@@ -219,11 +221,11 @@ def load(base_url: str, bodies: list[bytes], pid: int, seconds: float, connectio
 def bench(args) -> int:
     """Both servers fed the same traffic, then the same closed-loop load on /query, one after the other."""
     ctx = zmq.Context()
-    front_port = free_port()
+    front_port, conductor_front_port = free_port(), free_port()
     servers = {"dynamo": [args.dynserver, "--port", "{port}", "--threads", str(args.threads)],
                "kvidx": [sys.executable, "-c", KVIDX_SERVER, "{port}", str(front_port)],
                # the same traffic registered through Mooncake conductor's API, for its msgpack /query
-               "kvidx_conductor": [sys.executable, "-c", KVIDX_SERVER, "{port}"]}
+               "kvidx_conductor": [sys.executable, "-c", KVIDX_SERVER, "{port}", str(conductor_front_port)]}
     procs = []
     try:
         bases = {}
@@ -248,8 +250,14 @@ def bench(args) -> int:
             if name != "kvidx_conductor":
                 settled(base, prompts[-1])
         conductor = bases.pop("kvidx_conductor")
+        conductor_front = (f"http://127.0.0.1:{conductor_front_port}", conductor[1])
         bases[front[0]] = front[1]
         settled(conductor[0], prompts[-1], ask=lambda base, p: conductor_query(base, p, args.block_size))
+        bs = args.block_size
+        conductor_mismatches = sum(conductor_query(conductor[0], p, bs)
+                                   != conductor_query(conductor_front[0], p, bs) for p in prompts)
+        print(f"conductor /query: --lookup-port answers that differ from --port's: {conductor_mismatches}",
+              file=sys.stderr)
         ask = {"/query": lambda base, p: query(base, p),
                "/query_by_hash": lambda base, p: query_by_hash(base, p, args.block_size)}
         mismatches = {route: sum(f(bases["dynamo"][0], p) != f(bases["kvidx"][0], p) for p in prompts)
@@ -269,9 +277,11 @@ def bench(args) -> int:
                         print(f"round {rnd + 1} {route} {name} {conns} connection(s): {res}", file=sys.stderr)
 
             bodies = conductor_bodies(prompts, args.block_size)
-            res = load(conductor[0], bodies, conductor[1], args.seconds, 4, "/query", "application/msgpack")
-            results.setdefault("conductor /query", {}).setdefault("kvidx x4", []).append(res)
-            print(f"round {rnd + 1} conductor /query (msgpack) kvidx 4 connection(s): {res}", file=sys.stderr)
+            for name, (base, pid) in (("kvidx", conductor), ("kvidx_front", conductor_front)):
+                res = load(base, bodies, pid, args.seconds, 4, "/query", "application/msgpack")
+                results.setdefault("conductor /query", {}).setdefault(f"{name} x4", []).append(res)
+                print(f"round {rnd + 1} conductor /query (msgpack) {name} 4 connection(s): {res}",
+                      file=sys.stderr)
             # LMCache's controller lookup (--lmcache-lookup: kvidx's whole lookup, in LMCache's terms)
             bodies = [json.dumps({"tokens": p}).encode() for p in prompts]
             res = load(bases["kvidx"][0], bodies, bases["kvidx"][1], args.seconds, 4, "/lookup")
@@ -293,6 +303,8 @@ def bench(args) -> int:
         other = {api: {"kvidx_cpu_us": median_cpu(api, "kvidx"),
                        "dynamo_query_cpu_us": median_cpu("/query", "dynamo")}
                  for api in ("conductor /query", "lmcache /lookup")}
+        other["conductor /query"]["kvidx_lookup_port_cpu_us"] = median_cpu("conductor /query", "kvidx_front")
+        other["conductor /query"]["lookup_port_mismatches"] = conductor_mismatches
         print(json.dumps({"queries": len(prompts), "rounds": args.rounds, "connections": 4, "routes": routes,
                           "other_apis": other, "results": results}))
         return 0
