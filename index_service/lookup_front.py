@@ -1,11 +1,13 @@
-"""`kvidx serve --lookup-port PORT`: Dynamo's POST /query and /query_by_hash answered on PORT by the
-compiled core's own HTTP threads (kvidx_native.LookupFront, native/src/front.rs), one per connection,
+"""`kvidx serve --lookup-port PORT`: Dynamo's POST /query and /query_by_hash, and Mooncake conductor's
+msgpack POST /query (a model without shared pools), answered on PORT by the compiled core's own HTTP
+threads (kvidx_native.LookupFront, native/src/front.rs, conductor.rs), one per connection,
 reading the service's mask maps without the GIL: one instance answers from all its cores, on one copy
 of the index (a readers-writer lock per map; the fold takes it for its writes).
 
 What a query reads besides the maps is pushed here when it changes: a model's block size, its lookup
 group's tier maps and its slots' (replica, DP rank), after every batch that changed them
-(ShardStore.on_change, a few attribute reads a batch); Dynamo's registrations (DynamoRegistry.on_change);
+(ShardStore.on_change, a few attribute reads a batch); Dynamo's registrations (DynamoRegistry.on_change)
+and the conductor's prefix contexts (ConductorRegistry.on_change);
 the tokens of scope `read`, when the credentials file changes. A request the threads do not answer
 themselves (an error, a token they do not hold, a model or group they were not told of, another body
 form) is answered by `fallback`, the service's own handler, with the GIL: every answer and error is

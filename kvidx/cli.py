@@ -200,8 +200,9 @@ def _add_serve(sub) -> None:
                         "granting every scope; read again when it changes (docs/operations.md, Security). "
                         "Or set $KVIDX_API_TOKEN (one token, every scope). Without either every API is open")
     s.add_argument("--lookup-port", type=int, default=None, metavar="PORT",
-                   help="also answer Dynamo's POST /query and /query_by_hash on this port (same --host) "
-                        "from the compiled core's own threads, one per connection, without the GIL: the "
+                   help="also answer Dynamo's POST /query and /query_by_hash, and Mooncake conductor's "
+                        "msgpack /query, on this port (same --host) from the compiled core's own threads, "
+                        "one per connection, without the GIL: the "
                         "instance answers those from all its cores, on one copy of the index, with the "
                         "same answers, errors and tokens as --port (plain HTTP; not with --tls-cert or "
                         "--groups; docs/scaling.md)")

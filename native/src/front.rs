@@ -1,11 +1,11 @@
-//! The lookup front (`kvidx serve --lookup-port`): Dynamo's POST /query and /query_by_hash answered
-//! by Rust threads that read the index's mask maps without the GIL, one thread per connection, so a
+//! The lookup front (`kvidx serve --lookup-port`): Dynamo's POST /query and /query_by_hash, and Mooncake
+//! conductor's msgpack POST /query (conductor.rs), answered by Rust threads that read the index's mask maps without the GIL, one thread per connection, so a
 //! deployment unit answers from all its cores (index_service/lookup_front.py wires it; docs/scaling.md).
 //!
 //! The index is the service's own: the maps are shared with the fold (lib.rs `Shared`: a readers-writer
 //! lock per map), and Python pushes what else a query reads when it changes: per model its block size,
 //! its lookup group's tier maps and its slots' (replica, DP rank); per (model, routing group) Dynamo's
-//! block size and replica -> instance id; the tokens of scope `read`. A request this front does not
+//! block size and replica -> instance id; the conductor's prefix contexts; the tokens of scope `read`. A request this front does not
 //! answer itself - an error, a body of another form, a model or group it has not been told of, a
 //! token it does not know, any other path - goes to `fallback`, the service's own Python handler (with
 //! the GIL), so every answer and error is the ordinary one. The fast answer is held byte for byte to
