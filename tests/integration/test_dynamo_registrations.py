@@ -139,9 +139,11 @@ def test_conductor_registrations_survive_a_restart_and_reach_every_instance(kafk
     reg = {"endpoint": engine.endpoint, "replay_endpoint": engine.replay_endpoint, "type": "vLLM",
            "modelname": "m", "instance_id": "engine-a", "block_size": 16, "dp_rank": 0,
            "hash_profile": PROFILE}
+    pl = free_port()
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{pa}", timeout=10) as ca, \
-                httpx.Client(base_url=f"http://127.0.0.1:{pb}", timeout=10) as cb:
+                httpx.Client(base_url=f"http://127.0.0.1:{pb}", timeout=10) as cb, \
+                httpx.Client(base_url=f"http://127.0.0.1:{pl}", timeout=10) as cl:
             wait_for(lambda: healthy(ca), 60, "instance a ready")
             assert conductor(ca, "/register", reg)[0] == 200
             for p, o in work[:20]:
@@ -150,7 +152,7 @@ def test_conductor_registrations_survive_a_restart_and_reach_every_instance(kafk
             a.send_signal(signal.SIGKILL)  # the registration was kept before /register answered
             a.wait(30)
             a = serve(kafka_bootstrap, topics["prefix"], pa, "a", log)
-            b = serve(kafka_bootstrap, topics["prefix"], pb, "b", log)
+            b = serve(kafka_bootstrap, topics["prefix"], pb, "b", log, "--lookup-port", str(pl))
             wait_for(lambda: healthy(ca) and healthy(cb), 60, "a and b ready")
             for c in (ca, cb):
                 wait_for(lambda c=c: [s["InstanceID"] for s in conductor(c, "/services")[1]["services"]]
@@ -160,6 +162,7 @@ def test_conductor_registrations_survive_a_restart_and_reach_every_instance(kafk
             wait_for(lambda: conductor_gpu(ca, work[-1][0]) > 0 and
                      conductor_gpu(cb, work[-1][0]) == conductor_gpu(ca, work[-1][0]), 30,
                      "the restarted relay's events, on both")
+            assert all(conductor_gpu(cl, p) == conductor_gpu(cb, p) for p, _ in work)  # b's --lookup-port
             code, body = conductor(cb, "/unregister", {"instance_id": "engine-a", "dp_rank": 0})
             assert code == 200 and body["removed_instances"] == ["engine-a|default|0"]
             wait_for(lambda: conductor(ca, "/services")[1]["services"] == [], 30, "a forgot it")
