@@ -3,6 +3,7 @@
 //! without shared pools. Anything else - a body of another form (an array of token ids, a duplicate
 //! or unknown key, a name with control characters), a model with pools - is the handler's (None).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use crate::front::{prompt_hashes, ModelView};
@@ -20,7 +21,7 @@ pub struct ConductorContext {
 pub struct Query<'a> {
     pub model: String,
     block_size: usize,
-    tokens: &'a [u8],
+    tokens: Cow<'a, [u8]>, // little-endian int32s
     pub key: String, // tenant \0 model \0 lora \0 block size: the context's
     lora: String,
     salt: Option<String>,
@@ -31,6 +32,7 @@ enum Value<'a> {
     Str(&'a str),
     Int(i64),
     Bin(&'a [u8]),
+    Ints(Vec<u8>), // an array of int32s, packed little-endian
     Nil,
 }
 
@@ -76,24 +78,53 @@ impl<'a> Reader<'a> {
         std::str::from_utf8(self.take(n)?).ok()
     }
 
-    /// A value of the kinds a plain query has; None for any other (arrays, maps, floats, ...).
-    fn value(&mut self) -> Option<Value<'a>> {
+    /// An int, None for any other value.
+    fn int(&mut self) -> Option<i64> {
         let t = *self.take(1)?.first()?;
         Some(match t {
-            0x00..=0x7f => Value::Int(t as i64),
-            0xe0..=0xff => Value::Int(t as i8 as i64),
+            0x00..=0x7f => t as i64,
+            0xe0..=0xff => t as i8 as i64,
+            0xcc => self.be(1)? as i64,
+            0xcd => self.be(2)? as i64,
+            0xce => self.be(4)? as i64,
+            0xcf => i64::try_from(self.be(8)?).ok()?,
+            0xd0 => self.be(1)? as u8 as i8 as i64,
+            0xd1 => self.be(2)? as u16 as i16 as i64,
+            0xd2 => self.be(4)? as u32 as i32 as i64,
+            0xd3 => self.be(8)? as i64,
+            _ => return None,
+        })
+    }
+
+    /// A value of the kinds a plain query has (an array only of ints); None for any other (maps,
+    /// floats, nested arrays, ...).
+    fn value(&mut self) -> Option<Value<'a>> {
+        let t = *self.b.get(self.i)?;
+        if matches!(t, 0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3) {
+            return self.int().map(Value::Int);
+        }
+        self.i += 1;
+        Some(match t {
             0xc0 => Value::Nil,
-            0xcc => Value::Int(self.be(1)? as i64),
-            0xcd => Value::Int(self.be(2)? as i64),
-            0xce => Value::Int(self.be(4)? as i64),
-            0xcf => Value::Int(i64::try_from(self.be(8)?).ok()?),
-            0xd0 => Value::Int(self.be(1)? as u8 as i8 as i64),
-            0xd1 => Value::Int(self.be(2)? as u16 as i16 as i64),
-            0xd2 => Value::Int(self.be(4)? as u32 as i32 as i64),
-            0xd3 => Value::Int(self.be(8)? as i64),
             0xc4 | 0xc5 | 0xc6 => {
                 let n = self.be(1 << (t - 0xc4))? as usize;
                 Value::Bin(self.take(n)?)
+            }
+            0x90..=0x9f | 0xdc | 0xdd => {
+                let n = match t {
+                    0xdc => self.be(2)? as usize,
+                    0xdd => self.be(4)? as usize,
+                    _ => (t & 0x0f) as usize,
+                };
+                if n > MAX_QUERY_TOKENS || n > self.b.len() - self.i {
+                    return None; // each element is a byte at least: refused before it costs memory
+                }
+                let mut packed = Vec::with_capacity(4 * n);
+                for _ in 0..n {
+                    let v = self.int()?; // never a nested value: no recursion a body could deepen
+                    packed.extend_from_slice(&i32::try_from(v).ok()?.to_le_bytes());
+                }
+                Value::Ints(packed)
             }
             _ => {
                 let n = self.str_len(t)?;
@@ -125,7 +156,10 @@ pub fn parse(body: &[u8]) -> Option<Query<'_>> {
         match (k, r.value()?) {
             ("model", Value::Str(v)) if !v.is_empty() && plain_name(v) => model = Some(v.to_string()),
             ("block_size", Value::Int(v)) if (1..=MAX_BLOCK_SIZE).contains(&v) => bs = Some(v as usize),
-            ("token_ids", Value::Bin(v)) if v.len() % 4 == 0 && v.len() <= 4 * MAX_QUERY_TOKENS => tokens = Some(v),
+            ("token_ids", Value::Bin(v)) if v.len() % 4 == 0 && v.len() <= 4 * MAX_QUERY_TOKENS => {
+                tokens = Some(Cow::Borrowed(v))
+            }
+            ("token_ids", Value::Ints(v)) => tokens = Some(Cow::Owned(v)),
             ("tenant_id", Value::Str(v)) => tenant = if v.is_empty() { "default".into() } else { v.to_string() },
             ("lora_name", Value::Str(v)) => lora = v.to_string(),
             ("instance_id", Value::Str(v)) => instance = Some(v.to_string()),

@@ -346,12 +346,17 @@ def _conductor_bodies(fleet: Fleet, rng: random.Random) -> list[bytes]:
         return msgspec.msgpack.encode({"model": "m", "block_size": 32,
                                        "token_ids": np.asarray(tokens, "<i4").tobytes(), **kw})
 
+    def array(tokens) -> bytes:  # token ids as a msgpack array, not a bin
+        return msgspec.msgpack.encode({"model": "m", "block_size": 32, "token_ids": tokens})
+
     out = [body(p[: rng.randrange(len(p) + 1)]) for p in fleet.prompts]
     p = fleet.prompts[0]
     out += [body(p, lora_name="", tenant_id="", cache_salt=None), body(p, cache_salt="s" * 40),
             body(p, instance_id="engine-3"), body(p, instance_id="nobody"), body(p, block_size=48),
             body(p, block_size=40), body(p, block_size=64), body(p, tenant_id="other"), body([]),
-            msgspec.msgpack.encode({"model": "m", "block_size": 32, "token_ids": p[:64]})]  # an array
+            array(p[:64]), array([-5, (1 << 31) - 1] * 40), array([1 << 31] * 40), array([[1]] * 40),
+            b"\x83\xa5model\xa1m\xaablock_size\x20\xa9token_ids" + b"\x91" * 100_000 + b"\x01"]  # deep
+    out += [array(p[: rng.randrange(len(p) + 1)]) for p in fleet.prompts[:10]]
     return out
 
 
