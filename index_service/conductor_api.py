@@ -364,13 +364,17 @@ class ConductorRegistry:
             self.on_change()
         return svc
 
+    def _endpoints(self, context: tuple[str, str, str, int]) -> dict[tuple[str, int], str]:
+        """(instance id, DP rank) -> its service's endpoint, for one context. Under the lock."""
+        return {(s.instance_id, s.dp_rank): s.endpoint for s in self.services.values()
+                if s.context == context}
+
     def context_table(self) -> list[tuple]:
         """Every prefix context as `answer` reads it: (tenant, model, LoRA, block size, [(instance id,
         [(DP rank, its service's endpoint or None)])]), ids in answer order. Under the lock."""
         out = []
         for (tenant, model, lora, bs), ctx in self.contexts.items():
-            endpoints = {(s.instance_id, s.dp_rank): s.endpoint for s in self.services.values()
-                         if s.context == (tenant, model, lora, bs)}
+            endpoints = self._endpoints((tenant, model, lora, bs))
             ids = sorted(ctx.instances, key=str.encode)
             out.append((tenant, model, lora, bs,
                         [(i, [(r, endpoints.get((i, r))) for r in sorted(ctx.instances[i])]) for i in ids]))
@@ -577,8 +581,7 @@ class ConductorRegistry:
             ids = sorted(ctx.instances, key=str.encode) if q.instance is None else \
                 ([q.instance] if q.instance in ctx.instances else [])
             ranks = {i: sorted(ctx.instances[i]) for i in ids}
-            endpoints = {(s.instance_id, s.dp_rank): s.endpoint for s in self.services.values()
-                         if s.context == (q.tenant, q.model, q.lora, q.block_size)}
+            endpoints = self._endpoints((q.tenant, q.model, q.lora, q.block_size))
         reach = Reach(store, q)
         for part in parts:
             reach.merge(part)

@@ -486,7 +486,7 @@ def live_replica(store: ShardStore, model: str, replica: str) -> bool:
 
 # ---- the query --------------------------------------------------------------------------------------
 # Dynamo's tiers below the GPU: host memory, disk + "external" (as Dynamo folds them)
-_LOWER = (("CPU",), ("DISK", "NODE_SHARED", "POOL"))
+LOWER_LEVELS = (("CPU",), ("DISK", "NODE_SHARED", "POOL"))  # Dynamo's host memory, then the rest
 
 
 def dump_blocks(dump: dict) -> dict[str, list[list]]:
@@ -542,7 +542,7 @@ def score_response(store: ShardStore, registry: DynamoRegistry, req: QueryReques
         return 200, empty
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, dict] = {}
-    for slot, reach in index.tier_reach(shard, hashes, _LOWER).items():  # each lower tier continues
+    for slot, reach in index.tier_reach(shard, hashes, LOWER_LEVELS).items():  # each lower tier continues
         st = index.replica_at(shard, slot)
         if st is None or st.replica not in names or (only and st.group not in only):
             continue

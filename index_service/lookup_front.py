@@ -30,6 +30,7 @@ from index_service.auth import READ, Credentials
 from index_service.conductor_api import MAX_BODY as CONDUCTOR_MAX_BODY
 from index_service.conductor_api import ConductorPaths, is_msgpack, reply
 from index_service.dynamo_api import (
+    LOWER_LEVELS,
     MAX_QUERY_BODY,
     DynamoRegistry,
     QueryByHashRequest,
@@ -43,7 +44,6 @@ from kvidx.core.maskmap import native_module
 log = logging.getLogger("kvidx.index_service")
 
 ROUTES = {"/query": QueryRequest, "/query_by_hash": QueryByHashRequest}  # and the conductor's /query
-LEVELS = (("CPU",), ("DISK", "NODE_SHARED", "POOL"))  # dynamo_api._LOWER: Dynamo's host, then the rest
 
 
 def native_front():
@@ -92,7 +92,7 @@ class LookupFront:
             if old is not None and _same(old, sig):
                 continue
             seen[model] = sig
-            maps = index.tier_maps(shard, LEVELS)
+            maps = index.tier_maps(shard, LOWER_LEVELS)
             if maps is None:
                 self.native.drop_model(model)
             else:  # the conductor's levels: host memory, then disk (conductor_api.Reach)

@@ -30,7 +30,7 @@ use crate::conductor::{self, ConductorContext};
 use crate::masks::Masks;
 use crate::table::mix;
 use crate::tokens::split_ids;
-use crate::{MaskMap, Shared};
+use crate::{chain_blocks, MaskMap, Shared};
 
 // kvidx/core/hashing.py
 const ROOT_SEED: u64 = 0x6B76_6964_7831;
@@ -132,19 +132,20 @@ fn salt_seed(parent: u64, salt: &str) -> u64 {
 
 /// hashing.prompt_hashes of packed tokens (no multimodal items, no lookahead).
 pub fn prompt_hashes(packed: &[u8], block_size: usize, lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
-    let mut h = match lora {
+    let root = match lora {
         Some(l) if !l.is_empty() => xxh(&[b"lora\0", l.as_bytes()].concat(), ROOT_SEED),
         _ => ROOT_SEED,
     };
-    let salt = salt.filter(|s| !s.is_empty());
-    packed.chunks_exact(4 * block_size).enumerate().map(|(i, c)| {
-        let seed = match salt {
-            Some(s) if i == 0 => salt_seed(h, s),
-            _ => h,
-        };
-        h = xxh(c, seed);
-        h
-    }).collect()
+    let step = 4 * block_size;
+    match salt.filter(|s| !s.is_empty()) {
+        Some(s) if packed.len() >= step => {  // the salt is an extra key of the first block only
+            let first = xxh(&packed[..step], salt_seed(root, s));
+            let mut out = vec![first];
+            out.extend(chain_blocks(&packed[step..], step, first));
+            out
+        }
+        _ => chain_blocks(packed, step, root),
+    }
 }
 
 /// hashing.dynamo_keys: Dynamo's local hashes chained into the keys its relays publish.

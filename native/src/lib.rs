@@ -1040,15 +1040,18 @@ fn chain_vec(py: Python<'_>, packed: &Bound<'_, PyAny>, block_size: i64, parent:
     }
     let step = block_size as usize * 4;
     with_bytes(packed, |b| {
-        let run = || {
-            let mut h = parent;
-            b.chunks_exact(step).map(|c| {
-                h = XxHash3_64::oneshot_with_seed(h, c);
-                h
-            }).collect::<Vec<u64>>()
-        };
+        let run = || chain_blocks(b, step, parent);
         Ok(if b.len() >= 1 << 16 { py.detach(run) } else { run() })
     })
+}
+
+/// The hashes of `b`'s whole `step`-byte blocks, each seeded by the one before (`parent` first).
+pub fn chain_blocks(b: &[u8], step: usize, parent: u64) -> Vec<u64> {
+    let mut h = parent;
+    b.chunks_exact(step).map(|c| {
+        h = XxHash3_64::oneshot_with_seed(h, c);
+        h
+    }).collect()
 }
 
 /// Canonical hashes of the full blocks of `packed` (little-endian uint32 tokens), chained from
