@@ -140,5 +140,10 @@ def test_two_instances_pending_credit_tiers_and_pools(fleet):
                 and ans["sim-0"]["tiers"] == [{"tier": "POOL", "tokens": 64}]
                 and ans["sim-1"]["cached_tokens"] == 64 and "pool-1" not in ans)
     wait_for(tiers_ok, timeout=10, what="tiers and pool credit on instance B")
+
+    def tiered_on_a():  # instance A follows the topic on its own: it may fold these batches a moment later
+        ans = {x["replica"]: x for x in a.post("/v1/lookup", json=hashes_req).json()["replicas"]}
+        return "tiered" in ans and [x["tier"] for x in ans["tiered"]["tiers"]] == ["GPU", "CPU"]
+    wait_for(tiered_on_a, timeout=10, what="the tiered replica on instance A")
     ans = a.post("/v1/lookup", json=hashes_req).json()["replicas"]
     assert next(x for x in ans if x["replica"] == "tiered")["price"]["load_s"] > 0  # CPU part costs a load
