@@ -83,10 +83,12 @@ _native = native_module()
 Order: type = getattr(_native, "Order", None) or PyOrder
 
 
-class Recency:
+class PyRecency:
     """One (slot, group): its blocks oldest first (an Order), those routed but not yet reported
     (hash -> expiry, also in the order), their extra physical copies, and what the slot showed of its
-    capacity."""
+    capacity. The pure-Python reference of kvidx_native.Recency (the same methods; the compiled fold
+    calls that one's without a Python frame), and the one a pooled slot keeps (its keys carry the
+    group in bits above 64)."""
 
     __slots__ = ("order", "unconfirmed", "peak", "full", "untrusted", "copies", "extra", "transient",
                  "markers", "evicting")
@@ -127,6 +129,101 @@ class Recency:
         """The room the slot's blocks take: reported blocks and their extra copies."""
         return len(self.order) - len(self.unconfirmed) + self.extra
 
+    def stored(self, hashes: list[int], deepest_first: bool) -> None:
+        """The engine reported these blocks (Foresight.stored)."""
+        if self.unconfirmed:  # routed blocks keep the place the route gave them
+            _drain(map(self.unconfirmed.pop, hashes, repeat(None)))
+        if self.markers:
+            self.release(hashes)
+        self.order.append(hashes, deepest_first)
+
+    def removed(self, hashes: list[int]) -> None:
+        """These blocks left the slot (Foresight.removed)."""
+        gone = self.order.discard(hashes)
+        if self.untrusted:  # blocks the order never saw are going: once all have, the order is whole
+            self.untrusted = max(0, self.untrusted - (len(hashes) - gone))
+        if self.unconfirmed:
+            _drain(map(self.unconfirmed.pop, hashes, repeat(None)))
+        if self.markers:
+            self.release(hashes)
+        if self.copies:  # the last copy went: any extra ones left uncounted go with it
+            for h in hashes:
+                self.extra -= self.copies.pop(h, 0)
+        self.full = True
+        self.evicting = True
+
+    def copied(self, hashes: list[int], deepest_first: bool) -> None:
+        """Extra physical copies of held blocks (Foresight.copied)."""
+        order, copies = self.order, self.copies
+        run = [h for h in hashes if h in order]
+        for h in run:
+            copies[h] = copies.get(h, 0) + 1
+        self.extra += len(run)
+        order.touch(run, deepest_first)
+
+    def uncopied(self, hashes: list[int]) -> None:
+        """An extra copy of each of these blocks was evicted (Foresight.uncopied)."""
+        copies = self.copies
+        for h in hashes:
+            c = copies.get(h)
+            if c:
+                self.extra -= 1
+                if c > 1:
+                    copies[h] = c - 1
+                else:
+                    del copies[h]
+
+    def routed(self, touched: list[int], incoming: list[int], expires: float, deepest_first: bool,
+               transient: int = 0) -> list[int]:
+        """A route (Foresight.routed); the incoming blocks not already reported here, now unconfirmed."""
+        order, un = self.order, self.unconfirmed
+        if self.untrusted:  # held blocks the order had not seen: known now
+            self.untrusted = max(0, self.untrusted - sum(1 for h in touched if h not in order))
+        new = [h for h in incoming if h in un or h not in order]  # not already reported there
+        order.append(touched + incoming, deepest_first, move_existing=True)
+        for h in new:
+            un[h] = max(un.get(h, 0.0), expires)
+        if new and transient > 0:
+            self.markers[new[0]] = self.markers.get(new[0], 0) + transient
+            self.transient += transient
+        return new
+
+    def expire(self, hashes, now: float) -> None:
+        """A route's unconfirmed blocks whose expiry passed leave the order."""
+        un = self.unconfirmed
+        gone = [h for h in hashes if (t := un.get(h)) is not None and t <= now]
+        for h in gone:
+            del un[h]
+        if self.markers:
+            self.release(gone)
+        self.order.discard(gone)
+
+    def settle(self, pooled: bool) -> None:
+        """At a batch's end (Foresight.settle): the most the slot was seen holding."""
+        if self.held() > self.peak or (self.evicting and pooled):
+            self.peak = self.held()
+        self.evicting = False
+
+    def doomed(self, room: int) -> list[int]:
+        """The held blocks in-flight prefills taking `room` (overflow()) will evict, oldest first (a
+        block goes once all its copies have)."""
+        out: list[int] = []
+        un, copies = self.unconfirmed, self.copies
+        for h in self.order.head(room + len(un)):  # routed blocks are not held yet
+            if h in un:
+                continue
+            room -= 1 + copies.get(h, 0)
+            if room < 0:
+                break
+            out.append(h)
+            if not room:
+                break
+        return out
+
+
+# the recency class: the compiled one where built (its order compiled too); property tests pin the
+# pure-Python reference
+Recency: type = getattr(_native, "Recency", None) or PyRecency
 
 _POOL = -1  # a pooled slot's one Recency: its group id
 _SHIFT = 64  # a pooled key: (group << 64) | hash
@@ -140,7 +237,7 @@ class Foresight:
         self.grown: list[Recency] = []  # stored to in the batch being folded (settle)
         # pooled slots: the batch's stored runs, (slot key) -> group -> (freed early, runs) (settle)
         self._runs: dict[tuple[int, int], dict[int, tuple[bool, list[list[int]]]]] = {}
-        self.order_type = Order
+        self.recency_type: type = Recency  # a slot's Recency (pooled slots: PyRecency, whatever this is)
         self.slots: dict[tuple[int, int], Recency] = {}  # (slot, group) -> its order
         self._expiries: deque[tuple[float, tuple[int, int], tuple[int, ...]]] = deque()  # routes, by expiry
         self.version = 0  # bumped on every change: lookups reuse the doomed masks until then
@@ -168,7 +265,7 @@ class Foresight:
         r = self.slots.get(key)
         if r is None:
             # pooled keys pass 64 bits: the dict order (compiled orders take one u64 hash)
-            r = self.slots[key] = Recency(held, PyOrder if self.pooled else self.order_type)
+            r = self.slots[key] = PyRecency(held) if self.pooled else self.recency_type(held)
         return r
 
     # ---- the fold ------------------------------------------------------------------------------
@@ -182,11 +279,7 @@ class Foresight:
             return
         key, hashes = self._at(slot, gid, hashes)
         r = self.recency(key, held_before)
-        if r.unconfirmed:  # routed blocks keep the place the route gave them
-            _drain(map(r.unconfirmed.pop, hashes, repeat(None)))
-        if r.markers:
-            r.release(hashes)
-        r.order.append(hashes, deepest_first)
+        r.stored(hashes, deepest_first)
         if self.pooled:
             self._runs.setdefault(key, {}).setdefault(gid, (freed_early, []))[1].append(hashes)
         self.grown.append(r)
@@ -217,9 +310,7 @@ class Foresight:
             r.order.touch(early + finish)
         self._runs.clear()
         for r in self.grown:
-            if r.held() > r.peak or (r.evicting and self.pooled):
-                r.peak = r.held()
-            r.evicting = False
+            r.settle(self.pooled)
         self.grown.clear()
 
     def copied(self, slot: int, gid: int, hashes: list[int], deepest_first: bool) -> None:
@@ -229,12 +320,7 @@ class Foresight:
         r = self.slots.get(key)
         if r is None or not hashes:
             return
-        order, copies = r.order, r.copies
-        run = [h for h in hashes if h in order]
-        for h in run:
-            copies[h] = copies.get(h, 0) + 1
-        r.extra += len(run)
-        order.touch(run, deepest_first)
+        r.copied(hashes, deepest_first)
         self.grown.append(r)
         self.version += 1
 
@@ -244,15 +330,7 @@ class Foresight:
         r = self.slots.get(key)
         if r is None:
             return
-        copies = r.copies
-        for h in hashes:
-            c = copies.get(h)
-            if c:
-                r.extra -= 1
-                if c > 1:
-                    copies[h] = c - 1
-                else:
-                    del copies[h]
+        r.uncopied(hashes)
         self.version += 1
 
     def removed(self, slot: int, gid: int, hashes: list[int]) -> None:
@@ -261,18 +339,7 @@ class Foresight:
         r = self.slots.get(key)
         if r is None or not hashes:
             return
-        gone = r.order.discard(hashes)
-        if r.untrusted:  # blocks the order never saw are going: once all have, the order is whole
-            r.untrusted = max(0, r.untrusted - (len(hashes) - gone))
-        if r.unconfirmed:
-            _drain(map(r.unconfirmed.pop, hashes, repeat(None)))
-        if r.markers:
-            r.release(hashes)
-        if r.copies:  # the last copy went: any extra ones left uncounted go with it
-            for h in hashes:
-                r.extra -= r.copies.pop(h, 0)
-        r.full = True
-        r.evicting = True
+        r.removed(hashes)
         self.version += 1
 
     def cleared(self, slot: int) -> None:
@@ -293,18 +360,9 @@ class Foresight:
         r = self.slots.get(key)
         if r is None:
             return  # nothing reported there yet: no order to keep, no capacity known
-        order, un = r.order, r.unconfirmed
-        if r.untrusted:  # held blocks the order had not seen: known now
-            r.untrusted = max(0, r.untrusted - sum(1 for h in touched if h not in order))
-        new = [h for h in incoming if h in un or h not in order]  # not already reported there
-        order.append(touched + incoming, deepest_first, move_existing=True)
-        for h in new:
-            un[h] = max(un.get(h, 0.0), expires)
+        new = r.routed(touched, incoming, expires, deepest_first, transient)
         if new:
             self._expiries.append((expires, key, tuple(new)))
-            if transient > 0:
-                r.markers[new[0]] = r.markers.get(new[0], 0) + transient
-                r.transient += transient
         self.version += 1
 
     def expire(self, now: float) -> None:
@@ -314,13 +372,7 @@ class Foresight:
             r = self.slots.get(key)
             if r is None:
                 continue
-            un = r.unconfirmed
-            gone = [h for h in hashes if (t := un.get(h)) is not None and t <= now]
-            for h in gone:
-                del un[h]
-            if r.markers:
-                r.release(gone)
-            r.order.discard(gone)
+            r.expire(hashes, now)
             self.version += 1
 
     # ---- lookups ---------------------------------------------------------------------------------
@@ -339,22 +391,13 @@ class Foresight:
                 continue
             bit = 1 << slot
             g = masks.setdefault(gid, {}) if gid != _POOL else {}
-            un, copies = r.unconfirmed, r.copies
-            n = 0
-            for h in r.order.head(room + len(un)):  # oldest first; routed blocks are not held yet
-                if h in un:
-                    continue
-                room -= 1 + copies.get(h, 0)  # the block goes once all its copies have
-                if room < 0:
-                    break
+            doomed = r.doomed(room)
+            for h in doomed:
                 if gid == _POOL:  # a pooled key: the group is in its high bits
                     g = masks.setdefault(h >> _SHIFT, {})
                     h &= _LOW
                 g[h] = g.get(h, 0) | bit
-                n += 1
-                if not room:
-                    break
-            pressure[slot] = pressure.get(slot, 0) + n
+            pressure[slot] = pressure.get(slot, 0) + len(doomed)
         self._doomed = (self.version, masks, pressure)
         return masks, pressure
 

@@ -14,13 +14,11 @@ from collections import deque
 
 from kvidx.core.maskmap import native_module
 
-# pending credit's per-block bookkeeping compiled where built (native/src/credits.rs; a route adds and a
-# store confirms every block of the prompt: the Python loops were most of the production fold's time)
-_native = native_module() if hasattr(native_module(), "credits_add") else None
 
-
-class _Credits:
-    """Block hash -> the slots it is pending on, with a count of the live routes crediting each."""
+class PyCredits:
+    """Block hash -> the slots it is pending on, with a count of the live routes crediting each: the
+    pure-Python reference of kvidx_native.Credits (native/src/credits.rs: the same methods, the masks
+    a mask map; the compiled fold confirms a store's blocks there without a Python frame)."""
 
     __slots__ = ("masks", "refs")
 
@@ -29,30 +27,6 @@ class _Credits:
         self.refs: dict[tuple[int, int], int] = {}  # (hash, slot) -> live routes crediting it
 
     def add(self, slot: int, hashes) -> None:
-        if _native is not None:
-            _native.credits_add(self.refs, self.masks, slot, hashes)
-        else:
-            self.add_reference(slot, hashes)
-
-    def confirm(self, slot: int, hashes: list[int]) -> None:
-        if _native is not None:
-            _native.credits_confirm(self.refs, self.masks, slot, hashes)
-        else:
-            self.confirm_reference(slot, hashes)
-
-    def release(self, slot: int, hashes) -> None:
-        """One route crediting each of `hashes` on `slot` expired."""
-        if _native is not None:
-            _native.credits_release(self.refs, self.masks, slot, hashes)
-        else:
-            self.release_reference(slot, hashes)
-
-    # the pure-Python reference of the compiled add, confirm and release (native/src/credits.rs)
-    def release_reference(self, slot: int, hashes) -> None:
-        for h in hashes:
-            self.drop(h, slot, 1)
-
-    def add_reference(self, slot: int, hashes) -> None:
         bit = 1 << slot
         refs, masks = self.refs, self.masks
         for h in hashes:
@@ -60,14 +34,19 @@ class _Credits:
             refs[key] = refs.get(key, 0) + 1
             masks[h] = masks.get(h, 0) | bit
 
-    def confirm_reference(self, slot: int, hashes: list[int]) -> None:
+    def confirm(self, slot: int, hashes: list[int]) -> None:
         refs = self.refs
         for h in hashes:
             r = refs.get((h, slot))
             if r:
-                self.drop(h, slot, r)
+                self._drop(h, slot, r)
 
-    def drop(self, h: int, slot: int, n: int) -> None:
+    def release(self, slot: int, hashes) -> None:
+        """One route crediting each of `hashes` on `slot` expired."""
+        for h in hashes:
+            self._drop(h, slot, 1)
+
+    def _drop(self, h: int, slot: int, n: int) -> None:
         key = (h, slot)
         r = self.refs.get(key, 0) - n
         if r > 0:
@@ -82,10 +61,15 @@ class _Credits:
                 self.masks.pop(h, None)
 
 
+_native = native_module()
+# the credits class: the compiled one where built; property tests pin the pure-Python reference
+Credits: type = getattr(_native, "Credits", None) or PyCredits
+
+
 class PendingCredits:
-    def __init__(self) -> None:
-        self._blocks = _Credits()
-        self._window = _Credits()
+    def __init__(self, credits: type | None = None) -> None:
+        self._blocks = (credits or Credits)()
+        self._window = (credits or Credits)()
         self.masks = self._blocks.masks  # block hash -> slots it is pending on
         self.window_masks = self._window.masks  # the same for sliding-window groups: last windows only
         # by expiry: (expires, slot, hashes, window hashes, prefill tokens)

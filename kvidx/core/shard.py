@@ -28,10 +28,10 @@ import msgspec
 import numpy as np
 
 from kvidx.core import walk
-from kvidx.core.foresight import Foresight, HostLoads
+from kvidx.core.foresight import Foresight, HostLoads, PyRecency
 from kvidx.core.maskmap import MaskMap, native_module
 from kvidx.core.masks import slot_bit
-from kvidx.core.pending import PendingCredits
+from kvidx.core.pending import PendingCredits, PyCredits
 from kvidx.core.snapshot import ChangeJournal, shift_masks
 from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, window_blocks
 from schemas.answers import Tier
@@ -109,7 +109,7 @@ class GroupIndex:
 # the compiled fold of a plain batch (native/src/fold.rs), on shards of compiled maps; `apply` below is
 # the reference, and folds whatever it declines
 NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, GroupIndex, TIER_IDS,
-                              _LAST_TIER, MAX_EPOCH_SKEW_MS) if _native is not None else None)
+                              _LAST_TIER, MAX_EPOCH_SKEW_MS, FULL_KINDS) if _native is not None else None)
 
 
 class ModelShard:
@@ -140,8 +140,13 @@ class ModelShard:
         # every replica attached to it (topology from configuration)
         self.pool_readers: dict[str, frozenset[str]] = {}
         self._pool_cache: tuple[int, dict[int, int]] | None = None  # (pool slot mask, pool bits -> readers)
-        self.pending = PendingCredits()
+        # pending credit and foresight compiled on a shard of compiled maps (the compiled fold keeps
+        # them without a Python frame); a shard of reference maps keeps the references of all three
+        native = _native is not None and self.new_map is _native.MaskMap
+        self.pending = PendingCredits(None if native else PyCredits)
         self.foresight = Foresight()  # what in-flight prefills will evict (kvidx.core.foresight)
+        if not native:
+            self.foresight.recency_type = PyRecency
         # slot -> its host tier in offload order, for replicas whose host loads free the host's oldest
         # (EventBatch.host_tier_blocks; kvidx.core.walk.onboard_cut). Kept from a replica's start only: after
         # a restore the order is unknown and nothing is cut

@@ -25,8 +25,10 @@ use pyo3::prelude::*;
 use pyo3::intern;
 use pyo3::types::{PyDict, PyList, PyTuple, PyType, PyWeakrefMethods, PyWeakrefReference};
 
+use crate::credits::Credits;
 use crate::layout::Layout;
-use crate::MaskMap;
+use crate::recency::Recency;
+use crate::{mixed_of, prefetched, MaskMap};
 
 /// A field that is True (a bool; anything else counts as not plain: the caller declines).
 #[inline(always)]
@@ -60,9 +62,10 @@ const B_REPLICA: usize = 12;
 const B_DP_RANK: usize = 13;
 const B_COPIES_REMOVED: usize = 14;
 
-const S_NAMES: [&str; 20] = ["slot", "epoch", "seq", "part", "duplicates", "seq_gaps", "host_tier", "lookahead",
+const S_NAMES: [&str; 22] = ["slot", "epoch", "seq", "part", "duplicates", "seq_gaps", "host_tier", "lookahead",
                              "blocks", "group_blocks", "unit", "group", "recompute", "block_size", "engine_ts",
-                             "relay_ts", "applied_ts", "batches", "external_after_local", "removed"];
+                             "relay_ts", "applied_ts", "batches", "external_after_local", "removed", "tails",
+                             "router_keys"];
 const S_SLOT: usize = 0;
 const S_EPOCH: usize = 1;
 const S_SEQ: usize = 2;
@@ -83,6 +86,8 @@ const S_APPLIED_TS: usize = 16;
 const S_BATCHES: usize = 17;
 const S_EXTERNAL_AFTER_LOCAL: usize = 18;
 const S_REMOVED: usize = 19;
+const S_TAILS: usize = 20;
+const S_ROUTER_KEYS: usize = 21;
 
 // BlocksStored and BlocksRemoved share these first five; BlocksStored adds the last two
 const E_NAMES: [&str; 7] = ["tier", "group", "hashes", "tail", "router_keys", "copy", "block_size"];
@@ -94,9 +99,19 @@ const E_ROUTER_KEYS: usize = 4;
 const E_COPY: usize = 5;
 const E_BLOCK_SIZE: usize = 6;
 
-const G_NAMES: [&str; 2] = ["tiers", "any"];
+const G_NAMES: [&str; 3] = ["tiers", "any", "kind"];
 const G_TIERS: usize = 0;
 const G_ANY: usize = 1;
+const G_KIND: usize = 2;
+
+/// What an event's keys are: blocks, partial-block keys (BlocksStored.tail) or router keys (counted
+/// apart, no routes' hooks).
+#[derive(Clone, Copy, PartialEq)]
+enum Keys {
+    Blocks,
+    Tails,
+    Router,
+}
 
 /// One event of the batch, read by the check pass and used by the apply pass.
 struct Step<'py> {
@@ -104,6 +119,8 @@ struct Step<'py> {
     gid: Bound<'py, PyAny>,
     tid: Bound<'py, PyAny>,
     hashes: Bound<'py, PyList>,
+    ms: Vec<u64>,  // the hashes, mixed (converted once for every map and the routes' side)
+    keys: Keys,
     // None: a removal from a group or tier the shard never had (a no-op, not counted)
     target: Option<(Bound<'py, PyDict>, Bound<'py, MaskMap>, Bound<'py, PyAny>)>,  // (tiers, map, any)
     group: Option<Bound<'py, PyAny>>,  // the GroupIndex, for the routes' hooks
@@ -131,6 +148,8 @@ struct Plan<'py> {
 struct Counts<'py> {
     blocks: i64,
     removed: i64,
+    tails: i64,
+    router_keys: i64,
     unit: i64,
     applied: usize,
     groups: Vec<(Bound<'py, PyAny>, i64)>,  // group -> change of live entries, in first-change order
@@ -143,6 +162,105 @@ struct Hooks<'py> {
     shard: &'py Bound<'py, PyAny>,
     st: &'py Bound<'py, PyAny>,
     foresight: Bound<'py, PyAny>,
+    native: Option<Routes<'py>>,
+}
+
+/// The routes' side kept compiled (a full-attention group, compiled credits, per-group foresight):
+/// the hooks' work done here, without a Python frame per event (the hooks are its reference).
+struct Routes<'py> {
+    credits: Bound<'py, Credits>,
+    slots: Bound<'py, PyDict>,  // Foresight.slots
+    grown: Bound<'py, PyList>,  // Foresight.grown
+    active: bool,  // Foresight.active
+    deepest_first: bool,  // the replica is not a shared pool
+    bumps: std::cell::Cell<i64>,  // changes to add to Foresight.version at the batch's end
+}
+
+impl<'py> Routes<'py> {
+    /// `ModelShard._stored_hooks` for a store of whole blocks: confirmed, no longer pending there; in
+    /// the replica's eviction order (Foresight.stored; `held`: its live blocks in the group before).
+    fn stored(&self, h: &Hooks<'py>, slot: usize, s: &Step<'py>, held: i64) -> PyResult<()> {
+        let py = self.slots.py();
+        self.credits.try_borrow_mut()?.confirm_ms(py, slot, &s.ms)?;
+        if !self.active || s.ms.is_empty() {
+            return Ok(());
+        }
+        let key = PyTuple::new(py, [slot.into_pyobject(py)?.into_any(), s.gid.clone()])?;
+        let r = match self.slots.get_item(&key)? {
+            Some(r) => r,
+            None => h.foresight.call_method1(intern!(py, "recency"), (&key, held))?,
+        };
+        let Ok(rn) = r.cast::<Recency>() else {  // a reference order (set by a test): its own method
+            h.foresight.call_method1(intern!(py, "stored"), (slot, &s.gid, &s.hashes, self.deepest_first, held))?;
+            return Ok(());
+        };
+        rn.try_borrow_mut()?.stored_ms(py, &s.ms, self.deepest_first)?;
+        self.grown.append(&r)?;
+        self.bumps.set(self.bumps.get() + 1);
+        Ok(())
+    }
+
+    /// `ModelShard._removed_hooks`: the blocks gone from every tier leave the eviction order
+    /// (Foresight.removed).
+    fn removed(&self, h: &Hooks<'py>, slot: usize, s: &Step<'py>, tiers: bool, any: &Bound<'py, PyAny>)
+               -> PyResult<()> {
+        let py = self.slots.py();
+        let key = PyTuple::new(py, [slot.into_pyobject(py)?.into_any(), s.gid.clone()])?;
+        let Some(r) = self.slots.get_item(&key)? else { return Ok(()) };
+        let Ok(rn) = r.cast::<Recency>() else {
+            h.shard.call_method1(intern!(py, "_removed_hooks"), (h.st, &s.gid, s.group.as_ref(), &s.hashes))?;
+            return Ok(());
+        };
+        let lacking;
+        let ms: &[u64] = if tiers {  // only those no tier holds there any more
+            let a = any.cast::<MaskMap>()?.try_borrow()?;
+            let mut st = (&*a.m.read(), Vec::new());
+            prefetched(&s.ms, &mut st, |st, x| st.0.prefetch(x, slot), |st, x| {
+                if !st.0.has_bit(x, slot) {
+                    st.1.push(x);
+                }
+            });
+            lacking = st.1;
+            &lacking
+        } else {
+            &s.ms
+        };
+        if ms.is_empty() {
+            return Ok(());
+        }
+        rn.try_borrow_mut()?.removed_ms(py, ms)?;
+        self.bumps.set(self.bumps.get() + 1);
+        Ok(())
+    }
+
+    /// The batch's end: `Foresight.settle` (per-group orders: each grown slot's peak), and the
+    /// version its changes bumped.
+    fn settle(&self, foresight: &Bound<'py, PyAny>) -> PyResult<()> {
+        let py = self.slots.py();
+        if !self.slots.is_empty() && !self.grown.is_empty() {
+            if self.grown.iter().all(|r| r.cast::<Recency>().is_ok()) {
+                for r in self.grown.iter() {
+                    r.cast::<Recency>()?.try_borrow_mut()?.settle_one(py, false)?;
+                }
+                self.grown.del_slice(0, self.grown.len())?;
+            } else {
+                foresight.call_method0(intern!(py, "settle"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Foresight.version bumped once per change, as the Python fold does (written when the events
+    /// are, also when one fails).
+    fn flush_version(&self, foresight: &Bound<'py, PyAny>) -> PyResult<()> {
+        let py = self.slots.py();
+        if self.bumps.get() != 0 {
+            let name = intern!(py, "version");
+            let v: i64 = foresight.getattr(name)?.extract()?;
+            foresight.setattr(name, v + self.bumps.replace(0))?;
+        }
+        Ok(())
+    }
 }
 
 // bounds within which the fold's arithmetic cannot overflow (a batch or replica beyond them: declined)
@@ -158,6 +276,7 @@ pub struct Folder {
     tier_ids: Py<PyDict>,  // tier name -> id
     last_tier: Py<PyAny>,  // the id of an unknown tier name
     max_skew_ms: i64,  // kvidx.core.shard.MAX_EPOCH_SKEW_MS
+    full_kinds: Py<PyAny>,  // kvidx.core.walk.FULL_KINDS
     folded: AtomicU64,
     declined: AtomicU64,
 }
@@ -189,11 +308,16 @@ impl Folder {
                 return Ok(None);  // a replica or tier cleared
             }
             let layout = if store { &self.stored } else { &self.removed };
+            let keys;
             // SAFETY: `ev` is exactly of the layout's class; each field is null- and type-checked and
             // taken as an owned reference before it is used
             let (gid, tier, hashes, block_size) = unsafe {
-                if flag(layout.get(p, E_TAIL)) != Some(false) || flag(layout.get(p, E_ROUTER_KEYS)) != Some(false)
-                    || (store && flag(layout.get(p, E_COPY)) != Some(false)) {
+                let (Some(tail), Some(router)) = (flag(layout.get(p, E_TAIL)), flag(layout.get(p, E_ROUTER_KEYS)))
+                else {
+                    return Ok(None);
+                };
+                keys = if tail { Keys::Tails } else if router { Keys::Router } else { Keys::Blocks };
+                if store && flag(layout.get(p, E_COPY)) != Some(false) {
                     return Ok(None);
                 }
                 let (g, t, h) = (layout.get(p, E_GROUP), layout.get(p, E_TIER), layout.get(p, E_HASHES));
@@ -241,7 +365,8 @@ impl Folder {
             if store && target.is_none() {
                 return Ok(None);  // a new group or tier: made by the Python fold
             }
-            steps.push(Step { store, gid, tid, hashes, target, group, block_size });
+            let Ok(ms) = mixed_of(hashes.as_any()) else { return Ok(None) };  // the reference raises where it does
+            steps.push(Step { store, gid, tid, hashes, ms, keys, target, group, block_size });
         }
         Ok(Some(steps))
     }
@@ -325,13 +450,24 @@ impl Folder {
             }
             Ok(())
         };
+        let slot = plan.slot as usize;
         for s in &plan.steps {
             let Some((tiers, d, any)) = &s.target else { continue };
+            let keyed = |c: &mut Counts<'py>, n: i64| match s.keys {  // partial-block and router keys
+                Keys::Tails => c.tails += n,
+                Keys::Router => c.router_keys += n,
+                Keys::Blocks => {}
+            };
             let n: i64 = if s.store {
-                let new = d.try_borrow_mut()?.store(s.hashes.as_any(), plan.slot)?;
+                let new = d.try_borrow()?.store_ms(&s.ms, slot);
                 touch(s)?;
                 if !any.is(d) {
-                    any.cast::<MaskMap>()?.try_borrow_mut()?.store(s.hashes.as_any(), plan.slot)?;
+                    any.cast::<MaskMap>()?.try_borrow()?.store_ms(&s.ms, slot);
+                }
+                if s.keys != Keys::Blocks {
+                    keyed(c, new as i64);
+                    c.applied += s.hashes.len();
+                    continue;
                 }
                 if let (Some(h), Some(g)) = (hooks, &s.group) {
                     // the live blocks before this event: the replica's, as the Python fold counts them
@@ -341,8 +477,13 @@ impl Folder {
                         Some(v) => v.extract()?,
                         None => 0,
                     };
-                    h.shard.call_method1(intern!(py, "_stored_hooks"),
-                                         (h.st, &s.gid, g, &s.hashes, plan.blocks + c.blocks, before + in_group))?;
+                    match &h.native {
+                        Some(r) => r.stored(h, slot, s, before + in_group)?,
+                        None => {
+                            h.shard.call_method1(intern!(py, "_stored_hooks"),
+                                                 (h.st, &s.gid, g, &s.hashes, plan.blocks + c.blocks, before + in_group))?;
+                        }
+                    }
                 }
                 if s.block_size != 0 && (c.unit == 0 || s.block_size < c.unit) {
                     c.unit = s.block_size;
@@ -351,24 +492,35 @@ impl Folder {
             } else {
                 touch(s)?;
                 let gone = if tiers.len() == 1 {  // the map is its own union
-                    MaskMap::remove(d, s.hashes.as_any(), plan.slot, None, None)?
+                    d.try_borrow()?.remove_ms(&s.ms, slot, &[], None)
                 } else {  // retract from the union only where no other tier still holds the block
-                    let others = PyList::empty(py);
+                    let mut others = Vec::with_capacity(tiers.len());
                     for (t, m) in tiers.iter() {
                         if !t.eq(&s.tid)? {
-                            others.append(m)?;
+                            others.push(m.cast_into::<MaskMap>()?);
                         }
                     }
-                    let any = any.cast::<MaskMap>()?.clone();
-                    MaskMap::remove(d, s.hashes.as_any(), plan.slot, Some(others.as_any()), Some(any))?
-                };
-                c.removed += gone as i64;
+                    let others = others.iter().map(|m| m.try_borrow()).collect::<Result<Vec<_>, _>>()?;
+                    let any = any.cast::<MaskMap>()?.try_borrow()?;
+                    d.try_borrow()?.remove_ms(&s.ms, slot, &others, Some(&any))
+                } as i64;
+                if s.keys != Keys::Blocks {
+                    keyed(c, -gone);
+                    c.applied += s.hashes.len();
+                    continue;
+                }
+                c.removed += gone;
                 if let (Some(h), Some(g)) = (hooks, &s.group) {
                     if gone != 0 && h.foresight.getattr(intern!(py, "slots"))?.is_truthy()? {
-                        h.shard.call_method1(intern!(py, "_removed_hooks"), (h.st, &s.gid, g, &s.hashes))?;
+                        match &h.native {
+                            Some(r) => r.removed(h, slot, s, tiers.len() > 1, any)?,
+                            None => {
+                                h.shard.call_method1(intern!(py, "_removed_hooks"), (h.st, &s.gid, g, &s.hashes))?;
+                            }
+                        }
                     }
                 }
-                -(gone as i64)
+                -gone
             };
             if n != 0 {
                 c.blocks += n;
@@ -397,6 +549,17 @@ impl Folder {
             if c.unit != plan.unit {
                 self.replica.set_int(st, S_UNIT, c.unit)?;
             }
+            for (i, delta) in [(S_TAILS, c.tails), (S_ROUTER_KEYS, c.router_keys)] {
+                if delta != 0 {
+                    let cur = self.replica.int(st, i).unwrap_or(0);
+                    self.replica.set_int(st, i, cur + delta)?;
+                }
+            }
+        }
+        if c.tails != 0 {
+            let name = pyo3::intern!(py, "tail_keys");
+            let t: i64 = shard.getattr(name)?.extract()?;
+            shard.setattr(name, t + c.tails)?;
         }
         for (gid, delta) in &c.groups {
             let cur: i64 = match plan.group_blocks.get_item(gid)? {
@@ -471,8 +634,42 @@ impl Folder {
             || unsafe { ffi::PyDict_Size(copies) } != 0 {
             return Ok(None);
         }
-        let hooks = Hooks { shard, st: &st, foresight };
+        let native = self.routes(shard, &groups, &pending, &foresight, b)?;
+        let hooks = Hooks { shard, st: &st, foresight, native };
         self.fold_plain(shard, &groups, &journal, batch, &st, now, Some(&hooks))
+    }
+
+    /// The routes' side compiled, where it can be (else the hooks are called): the model's one group
+    /// of a full-attention kind, compiled pending credit, per-group (not pooled) foresight.
+    fn routes<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, pending: &Bound<'py, PyAny>,
+                   foresight: &Bound<'py, PyAny>, b: *mut ffi::PyObject) -> PyResult<Option<Routes<'py>>> {
+        let py = shard.py();
+        let Some(g) = groups.values().iter().next() else { return Ok(None) };
+        // SAFETY: `g` is checked to be exactly a GroupIndex before its field is read
+        let kind = unsafe {
+            if !self.group.is(g.as_ptr()) || self.group.get(g.as_ptr(), G_KIND).is_null() {
+                return Ok(None);
+            }
+            Bound::from_borrowed_ptr(py, self.group.get(g.as_ptr(), G_KIND))
+        };
+        if !self.full_kinds.bind(py).contains(kind)? || foresight.getattr(intern!(py, "pooled"))?.is_truthy()? {
+            return Ok(None);
+        }
+        let Ok(credits) = pending.getattr(intern!(py, "_blocks"))?.cast_into::<Credits>() else { return Ok(None) };
+        let (Ok(slots), Ok(grown)) = (foresight.getattr(intern!(py, "slots"))?.cast_into::<PyDict>(),
+                                      foresight.getattr(intern!(py, "grown"))?.cast_into::<PyList>())
+        else {
+            return Ok(None);
+        };
+        // SAFETY: `b` is exactly an EventBatch; the field is null-checked before use
+        let replica = unsafe { self.batch.get(b, B_REPLICA) };
+        if replica.is_null() {
+            return Ok(None);
+        }
+        let pools = shard.getattr(intern!(py, "pool_readers"))?;
+        let deepest_first = !pools.contains(unsafe { Bound::from_borrowed_ptr(py, replica) })?;
+        Ok(Some(Routes { credits, slots, grown, active: foresight.getattr(intern!(py, "active"))?.is_truthy()?,
+                         deepest_first, bumps: std::cell::Cell::new(0) }))
     }
 
     /// The fold of a plain batch into replica `st` (see try_apply): Some(True) folded, Some(False) a
@@ -510,15 +707,24 @@ impl Folder {
             }
         };
         // from here on the batch is folded
-        let mut counts = Counts { blocks: 0, removed: 0, unit: plan.unit, applied: 0, groups: Vec::new() };
+        let mut counts = Counts { blocks: 0, removed: 0, tails: 0, router_keys: 0, unit: plan.unit, applied: 0,
+                                  groups: Vec::new() };
         let done = Self::run_steps(journal, &plan, &mut counts, hooks);
         self.write_counts(shard, s, &plan, &counts)?;
+        if let Some(Hooks { native: Some(r), foresight, .. }) = hooks {
+            r.flush_version(foresight)?;
+        }
         done?;
         if let Some(h) = hooks {  // the batch's end: the eviction orders it grew settle (Foresight.settle)
             let py = shard.py();
-            if h.foresight.getattr(intern!(py, "slots"))?.is_truthy()?
-                && h.foresight.getattr(intern!(py, "grown"))?.is_truthy()? {
-                h.foresight.call_method0(intern!(py, "settle"))?;
+            match &h.native {
+                Some(r) => r.settle(&h.foresight)?,
+                None => {
+                    if h.foresight.getattr(intern!(py, "slots"))?.is_truthy()?
+                        && h.foresight.getattr(intern!(py, "grown"))?.is_truthy()? {
+                        h.foresight.call_method0(intern!(py, "settle"))?;
+                    }
+                }
             }
         }
         // SAFETY: `st` is exactly a ReplicaState; the values written are the batch's, owned by the plan
@@ -549,12 +755,12 @@ fn wall_epoch_ms() -> i64 {
 #[pymethods]
 impl Folder {
     /// Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, GroupIndex, TIER_IDS, last tier id,
-    /// MAX_EPOCH_SKEW_MS)
+    /// MAX_EPOCH_SKEW_MS, FULL_KINDS)
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(batch: &Bound<'_, PyType>, replica: &Bound<'_, PyType>, stored: &Bound<'_, PyType>,
            removed: &Bound<'_, PyType>, group: &Bound<'_, PyType>, tier_ids: Py<PyDict>, last_tier: Py<PyAny>,
-           max_skew_ms: i64) -> PyResult<Self> {
+           max_skew_ms: i64, full_kinds: Py<PyAny>) -> PyResult<Self> {
         Ok(Folder {
             batch: Layout::of(batch, &B_NAMES)?,
             replica: Layout::of(replica, &S_NAMES)?,
@@ -564,6 +770,7 @@ impl Folder {
             tier_ids,
             last_tier,
             max_skew_ms,
+            full_kinds,
             folded: AtomicU64::new(0),
             declined: AtomicU64::new(0),
         })

@@ -21,6 +21,7 @@ mod front;
 mod layout;
 mod masks;
 mod order;
+mod recency;
 mod table;
 mod tokens;
 
@@ -126,6 +127,58 @@ fn key_of(ob: &Bound<'_, PyAny>) -> Option<u64> {
         None
     }
 }
+
+/// Every hash of a list, tuple or other iterable of ints, mixed (an error at the first that is not a u64).
+pub(crate) fn mixed_of(ob: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    let hs = Hashes::of(ob)?;
+    let mut out = Vec::with_capacity(hs.len());
+    let mut i = 0;
+    while let Some(m) = hs.get(i) {
+        out.push(m?);
+        i += 1;
+    }
+    Ok(out)
+}
+
+/// Runs `f(state, h)` on each of `ms` in order, calling `pf(state, h)` on each AHEAD before (its
+/// buckets start loading: the cache misses of a window overlap).
+#[inline(always)]
+pub(crate) fn prefetched<S>(ms: &[u64], st: &mut S, pf: impl Fn(&S, u64), mut f: impl FnMut(&mut S, u64)) {
+    for &h in ms.iter().take(AHEAD) {
+        pf(st, h);
+    }
+    for (i, &h) in ms.iter().enumerate() {
+        if let Some(&a) = ms.get(i + AHEAD) {
+            pf(st, a);
+        }
+        f(st, h);
+    }
+}
+
+/// A fast hasher for maps keyed by mixed hashes (already spread: one multiply is enough).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct Fx(u64);
+
+impl std::hash::Hasher for Fx {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(*b as u64);
+        }
+    }
+    #[inline(always)]
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+    #[inline(always)]
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(x as u64);
+    }
+}
+
+pub(crate) type FxMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<Fx>>;
 
 /// The hashes of a batched call: a list or tuple read in place (item by item, as they are used),
 /// or any other iterable of ints converted up front.
@@ -473,6 +526,59 @@ impl Clone for MaskMap {
 }
 
 impl MaskMap {
+    /// Sets bit `s` on every mixed hash of `ms`; how many did not have it (the compiled fold's store,
+    /// on hashes it converted once).
+    pub(crate) fn store_ms(&self, ms: &[u64], s: usize) -> usize {
+        let mut st = (&mut *self.m.write(), 0usize);
+        prefetched(ms, &mut st, |st, h| st.0.prefetch(h, s), |st, h| st.1 += st.0.set_bit(h, s) as usize);
+        st.1
+    }
+
+    /// Clears bit `s` on every mixed hash of `ms` that has it; how many had it. Those that no map of
+    /// `others` holds at `s` are cleared in `union` too (`remove` with hashes converted once; `union`
+    /// is not this map).
+    pub(crate) fn remove_ms(&self, ms: &[u64], s: usize, others: &[PyRef<'_, MaskMap>], union: Option<&MaskMap>)
+                            -> usize {
+        let mut dropped = Vec::new();
+        let keep = union.is_some();
+        let gone = {
+            let mut st = (&mut *self.m.write(), 0usize, &mut dropped);
+            prefetched(ms, &mut st, |st, h| st.0.prefetch(h, s), |st, h| {
+                if st.0.clear_bit(h, s) {
+                    st.1 += 1;
+                    if keep {
+                        st.2.push(h);
+                    }
+                }
+            });
+            st.1
+        };
+        if let Some(u) = union {
+            if !others.is_empty() {
+                let gs: Vec<_> = others.iter().map(|o| o.m.read()).collect();
+                let mut k = 0;
+                for i in 0..dropped.len() {
+                    if let Some(&a) = dropped.get(i + AHEAD) {
+                        gs.iter().for_each(|o| o.prefetch(a, s));
+                    } else if i == 0 {
+                        dropped.iter().take(AHEAD).for_each(|&a| gs.iter().for_each(|o| o.prefetch(a, s)));
+                    }
+                    let h = dropped[i];
+                    if !gs.iter().any(|o| o.has_bit(h, s)) {
+                        dropped[k] = h;
+                        k += 1;
+                    }
+                }
+                dropped.truncate(k);
+            }
+            let mut m = u.m.write();
+            prefetched(&dropped, &mut *m, |m, h| m.prefetch(h, s), |m, h| {
+                m.clear_bit(h, s);
+            });
+        }
+        gone
+    }
+
     /// Appends stored key `k` (value `v`) in `export`'s layout of `words` words a mask; an error
     /// naming the words needed if its mask needs more.
     #[inline]
@@ -593,6 +699,28 @@ impl MaskMap {
 
     fn __contains__(&self, h: &Bound<'_, PyAny>) -> bool {
         key_of(h).is_some_and(|k| self.m.read().contains(k))
+    }
+
+    /// Equal to a mask map or a mapping with the same hashes and masks (as a dict is).
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let py = other.py();
+        if let Ok(o) = other.cast::<MaskMap>() {
+            let o = o.try_borrow()?;
+            if Arc::ptr_eq(&self.m, &o.m) {
+                return Ok(true);
+            }
+        }
+        if !other.hasattr("items")? || other.len()? != self.m.read().len() {
+            return Ok(false);
+        }
+        for (h, mask) in self.items(py)?.iter().map(|t| t.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>())
+            .collect::<PyResult<Vec<_>>>()? {
+            match other.get_item(&h) {
+                Ok(v) if v.eq(&mask)? => {}
+                _ => return Ok(false),
+            }
+        }
+        Ok(true)
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -1083,8 +1211,7 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::split_token_ids, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::token_reader, m)?)?;
-    m.add_function(wrap_pyfunction!(credits::credits_add, m)?)?;
-    m.add_function(wrap_pyfunction!(credits::credits_confirm, m)?)?;
-    m.add_function(wrap_pyfunction!(credits::credits_release, m)?)?;
+    m.add_class::<credits::Credits>()?;
+    m.add_class::<recency::Recency>()?;
     Ok(())
 }

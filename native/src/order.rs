@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::table::{mix, unmix, Table};
-use crate::{u64_of, Hashes};
+use crate::{mixed_of, prefetched, u64_of};
 
 const NIL: u32 = u32::MAX;
 
@@ -90,28 +90,74 @@ impl Order {
         true
     }
 
-    fn each(hashes: &Bound<'_, PyAny>, reverse: bool, mut f: impl FnMut(u64)) -> PyResult<()> {
-        let hs = Hashes::of(hashes)?;
-        let mut ms = Vec::with_capacity(hs.len());
-        let mut i = 0;
-        while let Some(m) = hs.get(i) {
-            ms.push(m?);
-            i += 1;
+    /// Appends the mixed hashes `ms` not present (in reverse with `reverse`); present ones move to
+    /// the tail with `move_`. How many were added.
+    pub(crate) fn append_ms(&mut self, ms: &[u64], reverse: bool, move_: bool) -> usize {
+        let mut added = 0;
+        self.each_prefetched(ms, reverse, |o, m| added += o.put(m, move_, false) as usize);
+        added
+    }
+
+    /// Moves the present mixed hashes to the tail (in reverse with `reverse`).
+    pub(crate) fn touch_ms(&mut self, ms: &[u64], reverse: bool) {
+        self.each_prefetched(ms, reverse, |o, m| {
+            o.put(m, true, true);
+        });
+    }
+
+    /// Removes the present mixed hashes; how many were.
+    pub(crate) fn discard_ms(&mut self, ms: &[u64]) -> usize {
+        let mut gone = 0;
+        self.each_prefetched(ms, false, |o, m| {
+            if let Some(i) = o.index.remove(m) {
+                o.unlink(i as u32);
+                o.free.push(i as u32);
+                o.len -= 1;
+                gone += 1;
+            }
+        });
+        if self.len == 0 && gone != 0 {  // give the memory back with the last block
+            self.nodes = Vec::new();
+            self.free = Vec::new();
         }
+        gone
+    }
+
+    /// `f` on each of `ms` (reversed with `reverse`), the index's buckets loaded ahead.
+    fn each_prefetched(&mut self, ms: &[u64], reverse: bool, f: impl FnMut(&mut Self, u64)) {
         if reverse {
-            ms.reverse();
+            let rev: Vec<u64> = ms.iter().rev().copied().collect();
+            prefetched(&rev, self, |o, m| o.index.prefetch(m), f);
+        } else {
+            prefetched(ms, self, |o, m| o.index.prefetch(m), f);
         }
-        for m in ms {
-            f(m);
+    }
+
+    pub(crate) fn has(&self, m: u64) -> bool {
+        self.index.get(m).is_some()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The mixed hashes, oldest first, for as long as `f` wants more.
+    pub(crate) fn each_oldest(&self, mut f: impl FnMut(u64) -> bool) {
+        let mut i = self.head;
+        while i != NIL {
+            let n = self.nodes[i as usize];
+            if !f(n.m) {
+                return;
+            }
+            i = n.next;
         }
-        Ok(())
     }
 }
 
 #[pymethods]
 impl Order {
     #[new]
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Order { head: NIL, tail: NIL, ..Default::default() }
     }
 
@@ -119,35 +165,19 @@ impl Order {
     /// present ones move to the tail too (in the same run). How many were added.
     #[pyo3(signature = (hashes, reverse=false, move_existing=false))]
     fn append(&mut self, hashes: &Bound<'_, PyAny>, reverse: bool, move_existing: bool) -> PyResult<usize> {
-        let mut added = 0;
-        Self::each(hashes, reverse, |m| added += self.put(m, move_existing, false) as usize)?;
-        Ok(added)
+        Ok(self.append_ms(&mixed_of(hashes)?, reverse, move_existing))
     }
 
     /// Moves the present hashes to the tail (in reverse with `reverse`); absent ones are ignored.
     #[pyo3(signature = (hashes, reverse=false))]
     fn touch(&mut self, hashes: &Bound<'_, PyAny>, reverse: bool) -> PyResult<()> {
-        Self::each(hashes, reverse, |m| {
-            self.put(m, true, true);
-        })
+        self.touch_ms(&mixed_of(hashes)?, reverse);
+        Ok(())
     }
 
     /// Removes the present hashes; how many were.
     fn discard(&mut self, hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let mut gone = 0;
-        Self::each(hashes, false, |m| {
-            if let Some(i) = self.index.remove(m) {
-                self.unlink(i as u32);
-                self.free.push(i as u32);
-                self.len -= 1;
-                gone += 1;
-            }
-        })?;
-        if self.len == 0 {  // give the memory back with the last block
-            self.nodes = Vec::new();
-            self.free = Vec::new();
-        }
-        Ok(gone)
+        Ok(self.discard_ms(&mixed_of(hashes)?))
     }
 
     /// The `k` oldest hashes, oldest first.

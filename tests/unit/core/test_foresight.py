@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvidx.core import walk
-from kvidx.core.foresight import Foresight, Order, PyOrder
+from kvidx.core.foresight import Foresight, Order, PyOrder, PyRecency, Recency
 from kvidx.core.shard import ModelShard
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch
 
@@ -82,10 +82,10 @@ def test_a_route_touches_what_it_reuses():
     assert answer(s, Q[:3], 1.0).evicting_tokens == 48
 
 
-@pytest.mark.parametrize("order", [PyOrder, Order])
-def test_order_and_trust(order):
+@pytest.mark.parametrize("recency", [PyRecency, Recency])
+def test_order_and_trust(recency):
     f = Foresight()
-    f.order_type = order
+    f.recency_type = recency
     f.stored(0, 0, [1, 2, 3], deepest_first=True, held_before=0)
     f.stored(0, 0, [4, 5], deepest_first=False, held_before=3)
     f.settle()  # an engine batch ends: 5 held
@@ -205,3 +205,46 @@ def test_the_compiled_order_agrees_with_the_reference():
                 assert a.head(k) == b.head(k)
             assert len(a) == len(b) and all((h in a) == (h in b) for h in hs)
         assert a.head(999) == b.head(999)
+
+
+def _recency_state(r) -> tuple:
+    return (r.order.head(len(r.order)), dict(r.unconfirmed), dict(r.copies), dict(r.markers), r.peak, r.full,
+            r.evicting, r.untrusted, r.extra, r.transient, r.held(), r.overflow())
+
+
+@pytest.mark.skipif(Recency is PyRecency, reason="kvidx_native is not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_recency_agrees_with_the_reference(seed):
+    """Every method of kvidx_native.Recency against PyRecency's, on random runs (routes, stores,
+    evictions, copies, expiries, batch ends, doomed heads), state compared after every step."""
+    rng = random.Random(seed)
+    for _ in range(10):
+        untrusted = rng.choice([0, 0, 3])
+        a, b = PyRecency(untrusted), Recency(untrusted)
+        for step in range(300):
+            hs = rng.sample(range(1, 40), rng.randrange(0, 8)) + [rng.getrandbits(64)] * rng.randrange(0, 2)
+            op = rng.randrange(9)
+            flag = rng.random() < 0.5
+            for r in (a, b):
+                if op == 0:
+                    r.stored(hs, flag)
+                elif op == 1:
+                    r.removed(hs)
+                elif op == 2:
+                    r.copied(hs, flag)
+                elif op == 3:
+                    r.uncopied(hs)
+                elif op == 5:
+                    r.expire(hs, float(step % 9))
+                elif op == 6:
+                    r.settle(flag)
+                elif op == 7:
+                    r.release(hs)
+            if op == 4:  # a route: touched blocks, then incoming ones
+                cut = rng.randrange(0, len(hs) + 1)
+                args = (hs[:cut], hs[cut:], float(step % 7), flag, step % 3)
+                assert a.routed(*args) == b.routed(*args)
+            if op == 8:
+                room = a.overflow()
+                assert a.doomed(room) == b.doomed(room)
+            assert _recency_state(a) == _recency_state(b), f"step {step} op {op}"
