@@ -23,6 +23,8 @@ Series:
 - kvidx_batches_applied_total               batches the store folded
 - kvidx_fold_compiled_batches_total         of those (and of redeliveries), the ones the compiled fold
                                             took (kvidx.core.shard.NATIVE_FOLD); the rest: the Python fold
+- kvidx_fold_reference_batches_total{reason}  those it handed to the Python fold: new_replica,
+                                            new_group_or_tier, future_epoch, other
 - kvidx_ready                               1 once the store was rebuilt
 - kvidx_core_info{maskmap}                  1, labelled with the index core that runs: native (the
                                             compiled mask map) or python (the reference fallback)
@@ -87,7 +89,7 @@ from index_service.store import ShardStore
 from kvidx import index
 from kvidx.core.hints import PrefetchGate
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
-from kvidx.core.shard import NATIVE_FOLD
+from kvidx.fold_metrics import compiled_fold_families
 
 MAX_REPLICA_SERIES = 2048  # replicas with per-replica series (five each): beyond, the stalest are left out
 FORMS = ("json", "binary", "rank", "routes", "lmcache")  # lmcache: LMCache's POST /lookup
@@ -184,15 +186,7 @@ class _StoreCollector:
         yield nbytes
         yield CounterMetricFamily("kvidx_batches_applied", "Event batches folded by the store",
                                   value=applied)
-        if NATIVE_FOLD is not None:
-            yield CounterMetricFamily("kvidx_fold_compiled_batches", "Event batches (redeliveries "
-                                      "included) the compiled fold took; the rest: the Python fold",
-                                      value=NATIVE_FOLD.folded)
-            yield CounterMetricFamily("kvidx_fold_reference_batches", "Event batches of compiled shards "
-                                      "the compiled fold handed to the Python fold (new replicas, pending "
-                                      "credit, foresight, host queues, partial blocks, copies, clears, new "
-                                      "groups or tiers)",
-                                      value=NATIVE_FOLD.declined)
+        yield from compiled_fold_families("kvidx")
         yield GaugeMetricFamily("kvidx_ready", "1 once the store was rebuilt", value=int(store.ready))
         core = GaugeMetricFamily("kvidx_core_info", "The index core that runs (maskmap: native | python)",
                                  labels=["maskmap"])

@@ -25,15 +25,16 @@ from pathlib import Path
 import faust
 from confluent_kafka import Producer
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
 from kvidx import index
 from kvidx.config import ShardSettings
 from kvidx.core.fold import Undecodable, fold_message
 from kvidx.core.groups import shard_key
 from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
-from kvidx.core.shard import NATIVE_FOLD, ModelShard
+from kvidx.core.shard import ModelShard
 from kvidx.core.snapshot import SnapshotFormatError
+from kvidx.fold_metrics import compiled_fold_families
 from kvidx.kafka.config import client_config, faust_credentials
 from kvidx.kafka.snapshots import read_snapshot_logs
 from schemas.events import DEAD_LETTER_TOPIC, EVENTS_TOPIC, SNAPSHOTS_TOPIC
@@ -89,19 +90,10 @@ REGISTRY.register(CONSUMER_LAG)
 
 
 class _CompiledFold:
-    """How many batches the compiled fold took and handed to the Python fold (kvidx.core.shard.NATIVE_FOLD),
-    read at scrape time."""
+    """How many batches the compiled fold took and handed to the Python fold, read at scrape time."""
 
     def collect(self):
-        if NATIVE_FOLD is not None:
-            yield CounterMetricFamily("kvidx_worker_fold_compiled_batches", "Event batches (redeliveries "
-                                      "included) the compiled fold took; the rest: the Python fold",
-                                      value=NATIVE_FOLD.folded)
-            yield CounterMetricFamily("kvidx_worker_fold_reference_batches", "Event batches of compiled "
-                                      "shards the compiled fold handed to the Python fold (new replicas, "
-                                      "pending credit, foresight, host queues, partial blocks, copies, "
-                                      "clears, new groups or tiers)",
-                                      value=NATIVE_FOLD.declined)
+        yield from compiled_fold_families("kvidx_worker")
 
 
 REGISTRY.register(_CompiledFold())

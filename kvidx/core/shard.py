@@ -108,8 +108,9 @@ class GroupIndex:
 
 # the compiled fold of a plain batch (native/src/fold.rs), on shards of compiled maps; `apply` below is
 # the reference, and folds whatever it declines
-NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, GroupIndex, TIER_IDS,
-                              _LAST_TIER, MAX_EPOCH_SKEW_MS, FULL_KINDS) if _native is not None else None)
+NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, ReplicaCleared,
+                              GroupIndex, TIER_IDS, _LAST_TIER, MAX_EPOCH_SKEW_MS, FULL_KINDS)
+               if _native is not None else None)
 
 
 class ModelShard:
@@ -367,21 +368,15 @@ class ModelShard:
 
     def _store(self, ev: BlocksStored, st: ReplicaState) -> None:
         gid, hashes = ev.group, ev.hashes
-        if ev.copy:  # held blocks stored again: only their room and place in the eviction order change
-            if self.foresight.slots:
-                self.foresight.copied(st.slot, gid, hashes, st.replica not in self.pool_readers)
-            self.blocks_applied += len(hashes)
+        if ev.copy:
+            self._copied(st, gid, hashes)
             return
         g = self.groups.get(gid) or self._group(gid, ev.group_kind, ev.sliding_window)
         tid = TIER_IDS.get(ev.tier, _LAST_TIER)
         d = g.tiers.get(tid) or g.tier_map(tid)
         new = d.store(hashes, st.slot)
-        if (self.host_orders and not ev.tail and not ev.router_keys
-                and (ho := self.host_orders.get(st.slot)) is not None):
-            if tid == _CPU:
-                ho.stored(ev.engine_hashes, hashes)
-            elif tid == _GPU:
-                ho.raised(ev.engine_hashes)
+        if self.host_orders and not ev.tail and not ev.router_keys:
+            self._host_queue(st, tid, ev)
         if self.journal is not None:
             self.journal.touch(gid, tid, hashes)
         if g.any is not d:
@@ -402,6 +397,27 @@ class ModelShard:
         if ev.block_size and (not st.unit or ev.block_size < st.unit):
             st.unit = ev.block_size
         self.blocks_applied += len(hashes)
+
+    def _copied(self, st: ReplicaState, gid: int, hashes: list[int]) -> None:
+        """Held blocks stored again (BlocksStored.copy): only their room and place in the eviction
+        order change. Called by both folds."""
+        if self.foresight.slots:
+            self.foresight.copied(st.slot, gid, hashes, st.replica not in self.pool_readers)
+        self.blocks_applied += len(hashes)
+
+    def _host_queue(self, st: ReplicaState, tid: int, ev: BlocksStored | BlocksRemoved) -> None:
+        """A store (after it) or removal (before it) of whole blocks, in the replica's host queue
+        where it is kept (HostLoads). Called by both folds."""
+        ho = self.host_orders.get(st.slot)
+        if ho is None:
+            return
+        if type(ev) is BlocksRemoved:
+            if tid == _CPU:
+                ho.removed(ev.engine_hashes)
+        elif tid == _CPU:
+            ho.stored(ev.engine_hashes, ev.hashes)
+        elif tid == _GPU:
+            ho.raised(ev.engine_hashes)
 
     def _stored_hooks(self, st: ReplicaState, gid: int, g: GroupIndex, hashes: list[int], held: int,
                       held_in_group: int) -> None:
@@ -435,9 +451,8 @@ class ModelShard:
             return
         if self.journal is not None:
             self.journal.touch(ev.group, tid, ev.hashes)
-        if (self.host_orders and tid == _CPU and not ev.tail and not ev.router_keys
-                and (ho := self.host_orders.get(st.slot)) is not None):
-            ho.removed(ev.engine_hashes)
+        if self.host_orders and not ev.tail and not ev.router_keys:
+            self._host_queue(st, tid, ev)
         if len(g.tiers) == 1:
             gone = d.remove(ev.hashes, st.slot)  # the map is its own union
         else:  # retract from the union only where no other tier still holds the block there

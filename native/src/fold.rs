@@ -18,8 +18,9 @@
 //! interpreter's own (measured: this fold through getattr/setattr was 1.3x slower than the Python
 //! one). It reads the structs' fields at their slot offsets (layout.rs).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
+use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::intern;
@@ -89,15 +90,18 @@ const S_REMOVED: usize = 19;
 const S_TAILS: usize = 20;
 const S_ROUTER_KEYS: usize = 21;
 
-// BlocksStored and BlocksRemoved share these first five; BlocksStored adds the last two
-const E_NAMES: [&str; 7] = ["tier", "group", "hashes", "tail", "router_keys", "copy", "block_size"];
+// BlocksStored and BlocksRemoved share these first six; BlocksStored adds the last two
+const E_NAMES: [&str; 8] = ["tier", "group", "hashes", "tail", "router_keys", "engine_hashes", "copy", "block_size"];
 const E_TIER: usize = 0;
 const E_GROUP: usize = 1;
 const E_HASHES: usize = 2;
 const E_TAIL: usize = 3;
 const E_ROUTER_KEYS: usize = 4;
-const E_COPY: usize = 5;
-const E_BLOCK_SIZE: usize = 6;
+const E_COPY: usize = 6;
+const E_BLOCK_SIZE: usize = 7;
+
+const C_NAMES: [&str; 1] = ["tier"];  // ReplicaCleared
+const C_TIER: usize = 0;
 
 const G_NAMES: [&str; 3] = ["tiers", "any", "kind"];
 const G_TIERS: usize = 0;
@@ -113,11 +117,33 @@ enum Keys {
     Router,
 }
 
+/// What an event does.
+#[derive(Clone, Copy, PartialEq)]
+enum Op {
+    Store,
+    Remove,
+    Copy,  // held blocks stored again (BlocksStored.copy): the shard's `_copied`
+    Clear,  // ReplicaCleared: the shard's `_clear` or `_clear_tier` (its tier in `tid`)
+}
+
+/// Why the compiled fold handed a batch to the Python fold (counted per reason: `Folder.declines`).
+#[derive(Clone, Copy)]
+#[repr(u8)]
+enum Why {
+    NewReplica,
+    NewGroupOrTier,
+    FutureEpoch,
+    Other,  // a field of another type than the schema's (e.g. a reference map): never from a decoded batch
+}
+
+const WHY: [&str; 4] = ["new_replica", "new_group_or_tier", "future_epoch", "other"];
+
 /// One event of the batch, read by the check pass and used by the apply pass.
 struct Step<'py> {
-    store: bool,
+    op: Op,
+    event: Bound<'py, PyAny>,
     gid: Bound<'py, PyAny>,
-    tid: Bound<'py, PyAny>,
+    tid: Bound<'py, PyAny>,  // a clear's: its tier name ("" for the whole replica)
     hashes: Bound<'py, PyList>,
     ms: Vec<u64>,  // the hashes, mixed (converted once for every map and the routes' side)
     keys: Keys,
@@ -127,25 +153,29 @@ struct Step<'py> {
     block_size: i64,
 }
 
-/// Everything a plain batch reads and writes, read and checked before anything changes. The objects
+/// Everything a batch reads and writes, read and checked before anything changes. The objects
 /// written into the replica are owned here: Python code that may run during the fold (a finalizer
-/// run by an allocation) cannot free them under it.
+/// run by an allocation, a rare event's Python method) cannot free them under it.
 struct Plan<'py> {
     steps: Vec<Step<'py>>,
     fields: [Bound<'py, PyAny>; 7],  // epoch, seq, part, replica_group, recompute_tokens, engine_ts, relay_ts
     block_size: Option<Bound<'py, PyAny>>,  // the engine's block size, when the batch names one
+    host_tier: Option<Bound<'py, PyAny>>,  // the batch's host tier, when it differs from the replica's
+    lookahead: Option<i64>,  // the batch's lookahead, when it differs from the replica's
+    external_after_local: Option<i64>,  // the batch's, when above the replica's (a sticky trait)
     slot: i64,
-    blocks: i64,
-    removed: i64,
-    unit: i64,
     seq_gaps: Option<i64>,  // the replica's new count, when the batch skipped some
     batches: i64,  // the replica's new count
-    group_blocks: Bound<'py, PyDict>,
 }
 
-/// Counts of the events folded so far: written to the replica once, also when an event fails (the
-/// Python fold has counted the events before it by then).
+/// The replica's counts when the batch (or the clear in it) began, and the changes of the events
+/// folded since: written to the replica at the batch's end, before a clear (which the shard's Python
+/// does), and also when an event fails (the Python fold has counted the events before it by then).
 struct Counts<'py> {
+    base_blocks: i64,
+    base_removed: i64,
+    base_unit: i64,
+    group_blocks: Bound<'py, PyDict>,
     blocks: i64,
     removed: i64,
     tails: i64,
@@ -155,9 +185,9 @@ struct Counts<'py> {
     groups: Vec<(Bound<'py, PyAny>, i64)>,  // group -> change of live entries, in first-change order
 }
 
-/// The routes' side of a shard that keeps pending credit or eviction foresight: the fold calls the
-/// shard's Python hooks (`ModelShard._stored_hooks`, `_removed_hooks`, `Foresight.settle`) where the
-/// Python fold does, so both keep the same state.
+/// The routes' side of a shard that keeps pending credit or eviction foresight: compiled where it can
+/// be (`native`), else the shard's Python hooks (`ModelShard._stored_hooks`, `_removed_hooks`,
+/// `Foresight.settle`) called where the Python fold calls them, so both keep the same state.
 struct Hooks<'py> {
     shard: &'py Bound<'py, PyAny>,
     st: &'py Bound<'py, PyAny>,
@@ -272,13 +302,15 @@ pub struct Folder {
     replica: Layout,  // kvidx.core.shard.ReplicaState
     stored: Layout,  // schemas.events.BlocksStored
     removed: Layout,  // schemas.events.BlocksRemoved
+    cleared: Layout,  // schemas.events.ReplicaCleared
     group: Layout,  // kvidx.core.shard.GroupIndex
     tier_ids: Py<PyDict>,  // tier name -> id
     last_tier: Py<PyAny>,  // the id of an unknown tier name
     max_skew_ms: i64,  // kvidx.core.shard.MAX_EPOCH_SKEW_MS
     full_kinds: Py<PyAny>,  // kvidx.core.walk.FULL_KINDS
     folded: AtomicU64,
-    declined: AtomicU64,
+    declines: [AtomicU64; WHY.len()],
+    why: AtomicU8,  // the reason of the decline in hand (set where it is decided)
 }
 
 #[inline(always)]
@@ -293,9 +325,17 @@ fn exact_float(p: *mut ffi::PyObject) -> bool {
     !p.is_null() && unsafe { ffi::PyFloat_CheckExact(p) } != 0
 }
 
+
 impl Folder {
+    /// Declines the batch for `why` (counted by `apply`).
+    fn no<T>(&self, why: Why) -> PyResult<Option<T>> {
+        self.why.store(why as u8, Ordering::Relaxed);
+        Ok(None)
+    }
+
     /// The check pass over the events: their steps, or None (decline). Only exact lists, ints and
-    /// strs are taken, so no Python code runs while they are read and used.
+    /// strs are taken, so no Python code runs while they are read (a rare event's is called by the
+    /// apply pass, as the Python fold calls it).
     fn steps<'py>(&self, groups: &Bound<'py, PyDict>, events: &Bound<'py, PyList>)
                   -> PyResult<Option<Vec<Step<'py>>>> {
         let py = groups.py();
@@ -303,97 +343,122 @@ impl Folder {
         let mut steps = Vec::with_capacity(events.len());
         for ev in events.iter() {
             let p = ev.as_ptr();
+            if self.cleared.is(p) {
+                // SAFETY: `ev` is exactly a ReplicaCleared; its field is null- and type-checked before use
+                let tier = unsafe {
+                    let t = self.cleared.get(p, C_TIER);
+                    if t.is_null() || ffi::PyUnicode_CheckExact(t) == 0 {
+                        return self.no(Why::Other);
+                    }
+                    Bound::from_borrowed_ptr(py, t)
+                };
+                steps.push(Step { op: Op::Clear, event: ev.clone(), gid: py.None().into_bound(py), tid: tier,
+                                  hashes: PyList::empty(py), ms: Vec::new(), keys: Keys::Blocks, target: None,
+                                  group: None, block_size: 0 });
+                continue;
+            }
             let store = self.stored.is(p);
             if !store && !self.removed.is(p) {
-                return Ok(None);  // a replica or tier cleared
+                return self.no(Why::Other);
             }
             let layout = if store { &self.stored } else { &self.removed };
-            let keys;
             // SAFETY: `ev` is exactly of the layout's class; each field is null- and type-checked and
             // taken as an owned reference before it is used
-            let (gid, tier, hashes, block_size) = unsafe {
+            let (gid, tier, hashes, block_size, keys, copy) = unsafe {
                 let (Some(tail), Some(router)) = (flag(layout.get(p, E_TAIL)), flag(layout.get(p, E_ROUTER_KEYS)))
                 else {
-                    return Ok(None);
+                    return self.no(Why::Other);
                 };
-                keys = if tail { Keys::Tails } else if router { Keys::Router } else { Keys::Blocks };
-                if store && flag(layout.get(p, E_COPY)) != Some(false) {
-                    return Ok(None);
-                }
+                let keys = if tail { Keys::Tails } else if router { Keys::Router } else { Keys::Blocks };
+                let copy = if store {
+                    match flag(layout.get(p, E_COPY)) {
+                        Some(c) => c,
+                        None => return self.no(Why::Other),
+                    }
+                } else {
+                    false
+                };
                 let (g, t, h) = (layout.get(p, E_GROUP), layout.get(p, E_TIER), layout.get(p, E_HASHES));
                 if !exact_int(g) || t.is_null() || ffi::PyUnicode_CheckExact(t) == 0 || h.is_null()
                     || ffi::PyList_CheckExact(h) == 0 {
-                    return Ok(None);
+                    return self.no(Why::Other);
                 }
                 let bs = if store {
                     match layout.int(p, E_BLOCK_SIZE) {
                         Some(v) if (0..BIG).contains(&v) => v,
-                        _ => return Ok(None),
+                        _ => return self.no(Why::Other),
                     }
                 } else {
                     0
                 };
                 (Bound::from_borrowed_ptr(py, g), Bound::from_borrowed_ptr(py, t),
-                 Bound::from_borrowed_ptr(py, h).cast_into::<PyList>()?, bs)
+                 Bound::from_borrowed_ptr(py, h).cast_into::<PyList>()?, bs, keys, copy)
             };
             let tid = match tier_ids.get_item(&tier)? {
                 Some(t) => t,
                 None => self.last_tier.bind(py).clone(),
             };
+            if copy {  // no map changes: the shard's `_copied` (a group it never had is fine)
+                steps.push(Step { op: Op::Copy, event: ev.clone(), gid, tid, hashes, ms: Vec::new(), keys,
+                                  target: None, group: None, block_size });
+                continue;
+            }
             let mut target = None;
             let group = groups.get_item(&gid)?;
             if let Some(g) = &group {
                 if !self.group.is(g.as_ptr()) {
-                    return Ok(None);
+                    return self.no(Why::Other);
                 }
                 // SAFETY: `g` is exactly a GroupIndex; its fields are null-checked and owned before use
                 let (tiers, any) = unsafe {
                     let (t, a) = (self.group.get(g.as_ptr(), G_TIERS), self.group.get(g.as_ptr(), G_ANY));
                     if t.is_null() || a.is_null() || ffi::PyDict_CheckExact(t) == 0 {
-                        return Ok(None);
+                        return self.no(Why::Other);
                     }
                     (Bound::from_borrowed_ptr(py, t).cast_into::<PyDict>()?, Bound::from_borrowed_ptr(py, a))
                 };
                 if let Some(m) = tiers.get_item(&tid)? {
-                    let Ok(m) = m.cast_into::<MaskMap>() else { return Ok(None) };  // the reference map
+                    let Ok(m) = m.cast_into::<MaskMap>() else { return self.no(Why::Other) };  // a reference map
                     if any.cast::<MaskMap>().is_err() {
-                        return Ok(None);
+                        return self.no(Why::Other);
                     }
                     target = Some((tiers, m, any));
                 }
             }
             if store && target.is_none() {
-                return Ok(None);  // a new group or tier: made by the Python fold
+                return self.no(Why::NewGroupOrTier);  // made by the Python fold
             }
-            let Ok(ms) = mixed_of(hashes.as_any()) else { return Ok(None) };  // the reference raises where it does
-            steps.push(Step { store, gid, tid, hashes, ms, keys, target, group, block_size });
+            let Ok(ms) = mixed_of(hashes.as_any()) else { return self.no(Why::Other) };  // raised there
+            steps.push(Step { op: if store { Op::Store } else { Op::Remove }, event: ev.clone(), gid, tid, hashes, ms,
+                              keys, target, group, block_size });
         }
         Ok(Some(steps))
     }
 
-    /// The check pass: the plan of a plain batch that is not a redelivery, or None (decline).
+    /// The check pass: the plan of a batch that is not a redelivery, or None (decline).
     /// `epoch`, `seq`: the batch's; `s_epoch`, `s_seq`: the replica's.
     unsafe fn plan<'py>(&self, groups: &Bound<'py, PyDict>, b: *mut ffi::PyObject, s: *mut ffi::PyObject,
                         now: &Bound<'py, PyAny>, (epoch, seq, s_epoch, s_seq): (i64, i64, i64, i64))
                         -> PyResult<Option<Plan<'py>>> {
         let py = groups.py();
         let (b_, r_) = (&self.batch, &self.replica);
-        let same = |bi: usize, si: usize| match (b_.int(b, bi), r_.int(s, si)) {
-            (Some(x), Some(y)) => x == y,
-            _ => false,
+        let pair = |bi: usize, si: usize| match (b_.int(b, bi), r_.int(s, si)) {
+            (Some(x), Some(y)) => Some((x, y)),
+            _ => None,
         };
-        if !same(B_HOST_TIER, S_HOST_TIER) || !same(B_LOOKAHEAD, S_LOOKAHEAD) || !exact_float(now.as_ptr()) {
-            return Ok(None);
-        }
-        // a trait the replica has not shown yet is set by the Python fold (it is sticky: never unset)
-        match (b_.int(b, B_EXTERNAL_AFTER_LOCAL), r_.int(s, S_EXTERNAL_AFTER_LOCAL)) {
-            (Some(x), Some(y)) if x <= y => {}
-            _ => return Ok(None),
+        let (Some((host_tier, s_host_tier)), Some((lookahead, s_lookahead)), Some((eal, s_eal))) =
+            (pair(B_HOST_TIER, S_HOST_TIER), pair(B_LOOKAHEAD, S_LOOKAHEAD),
+             pair(B_EXTERNAL_AFTER_LOCAL, S_EXTERNAL_AFTER_LOCAL))
+        else {
+            return self.no(Why::Other);
+        };
+        if !exact_float(now.as_ptr()) {
+            return self.no(Why::Other);
         }
         let ints = [B_EPOCH, B_SEQ, B_PART, B_GROUP, B_RECOMPUTE];
         let floats = [B_ENGINE_TS, B_RELAY_TS];
         if !ints.iter().all(|&i| exact_int(b_.get(b, i))) || !floats.iter().all(|&i| exact_float(b_.get(b, i))) {
-            return Ok(None);
+            return self.no(Why::Other);
         }
         let fields = [B_EPOCH, B_SEQ, B_PART, B_GROUP, B_RECOMPUTE, B_ENGINE_TS, B_RELAY_TS]
             .map(|i| Bound::from_borrowed_ptr(py, b_.get(b, i)));
@@ -401,24 +466,18 @@ impl Folder {
         let block_size = match b_.int(b, B_BLOCK_SIZE) {
             Some(0) => None,
             Some(v) if v > 0 => Some(Bound::from_borrowed_ptr(py, bs)),
-            _ => return Ok(None),
+            _ => return self.no(Why::Other),
         };
-        let (Some(slot), Some(blocks), Some(removed), Some(unit), Some(gaps), Some(batches)) =
-            (r_.int(s, S_SLOT), r_.int(s, S_BLOCKS), r_.int(s, S_REMOVED), r_.int(s, S_UNIT), r_.int(s, S_SEQ_GAPS),
-             r_.int(s, S_BATCHES))
+        let (Some(slot), Some(gaps), Some(batches)) = (r_.int(s, S_SLOT), r_.int(s, S_SEQ_GAPS), r_.int(s, S_BATCHES))
         else {
-            return Ok(None);
+            return self.no(Why::Other);
         };
-        if [blocks, removed, gaps, batches].iter().any(|v| !(-BIG..BIG).contains(v)) {
-            return Ok(None);
-        }
-        let gb = r_.get(s, S_GROUP_BLOCKS);
-        if gb.is_null() || ffi::PyDict_CheckExact(gb) == 0 {
-            return Ok(None);
+        if [gaps, batches].iter().any(|v| !(-BIG..BIG).contains(v)) || self.counts(py, s)?.is_none() {
+            return self.no(Why::Other);
         }
         let events = b_.get(b, B_EVENTS);
         if events.is_null() || ffi::PyList_CheckExact(events) == 0 {
-            return Ok(None);
+            return self.no(Why::Other);
         }
         let events = Bound::from_borrowed_ptr(py, events).cast_into::<PyList>()?;
         let Some(steps) = self.steps(groups, &events)? else {
@@ -426,16 +485,39 @@ impl Folder {
         };
         let seq_gaps = (epoch == s_epoch && seq > s_seq + 1).then(|| gaps + seq - s_seq - 1);
         if seq_gaps.is_some_and(|g| g >= BIG) {
+            return self.no(Why::Other);
+        }
+        let host_tier = (host_tier != s_host_tier).then(|| Bound::from_borrowed_ptr(py, b_.get(b, B_HOST_TIER)));
+        Ok(Some(Plan { steps, fields, block_size, host_tier, lookahead: (lookahead != s_lookahead).then_some(lookahead),
+                       external_after_local: (eal > s_eal).then_some(eal), slot, seq_gaps,
+                       batches: batches + 1 }))
+    }
+
+    /// The replica's counts as they are now, none changed yet; None if one is out of bounds or of
+    /// another type.
+    /// SAFETY: `s` must be exactly a ReplicaState and the GIL held.
+    unsafe fn counts<'py>(&self, py: Python<'py>, s: *mut ffi::PyObject) -> PyResult<Option<Counts<'py>>> {
+        let r_ = &self.replica;
+        let (Some(blocks), Some(removed), Some(unit), Some(tails), Some(router)) =
+            (r_.int(s, S_BLOCKS), r_.int(s, S_REMOVED), r_.int(s, S_UNIT), r_.int(s, S_TAILS), r_.int(s, S_ROUTER_KEYS))
+        else {
+            return Ok(None);
+        };
+        let gb = r_.get(s, S_GROUP_BLOCKS);
+        if [blocks, removed, tails, router].iter().any(|v| !(-BIG..BIG).contains(v)) || gb.is_null()
+            || ffi::PyDict_CheckExact(gb) == 0 {
             return Ok(None);
         }
         let group_blocks = Bound::from_borrowed_ptr(py, gb).cast_into::<PyDict>()?;
-        Ok(Some(Plan { steps, fields, block_size, slot, blocks, removed, unit, seq_gaps, batches: batches + 1,
-                       group_blocks }))
+        Ok(Some(Counts { base_blocks: blocks, base_removed: removed, base_unit: unit, group_blocks, blocks: 0,
+                         removed: 0, tails: 0, router_keys: 0, unit, applied: 0, groups: Vec::new() }))
     }
 
     /// The apply pass, event by event in the Python fold's order (a removal's journal entry before
     /// it, a store's after it); stops at an event that fails, as the Python fold does.
-    fn run_steps<'py>(journal: &Bound<'py, PyAny>, plan: &Plan<'py>, c: &mut Counts<'py>,
+    #[allow(clippy::too_many_arguments)]
+    fn run_steps<'py>(&self, shard: &Bound<'py, PyAny>, st: &Bound<'py, PyAny>, journal: &Bound<'py, PyAny>,
+                      host_orders: &Bound<'py, PyAny>, plan: &Plan<'py>, c: &mut Counts<'py>,
                       hooks: Option<&Hooks<'py>>) -> PyResult<()> {
         let py = journal.py();
         let touched = if journal.is_none() { None } else { Some(journal.getattr(pyo3::intern!(py, "touched"))?) };
@@ -450,16 +532,43 @@ impl Folder {
             }
             Ok(())
         };
+        // the replica's host queue (TensorRT-LLM), where kept: the shard's `_host_queue`
+        let host_queue = |s: &Step<'py>| -> PyResult<()> {
+            if s.keys == Keys::Blocks && host_orders.is_truthy()? {
+                shard.call_method1(intern!(py, "_host_queue"), (st, &s.tid, &s.event))?;
+            }
+            Ok(())
+        };
         let slot = plan.slot as usize;
         for s in &plan.steps {
+            match s.op {
+                Op::Copy => {
+                    shard.call_method1(intern!(py, "_copied"), (st, &s.gid, &s.hashes))?;
+                    continue;
+                }
+                Op::Clear => {  // the counts so far go to the replica, the shard's Python clears it
+                    self.write_counts(shard, st.as_ptr(), c)?;
+                    if s.tid.is_truthy()? {
+                        shard.call_method1(intern!(py, "_clear_tier"), (st, &s.tid))?;
+                    } else {
+                        shard.call_method1(intern!(py, "_clear"), (st,))?;
+                    }
+                    // SAFETY: `st` is exactly a ReplicaState (checked by fold_plain)
+                    *c = unsafe { self.counts(py, st.as_ptr())? }
+                        .ok_or_else(|| PyValueError::new_err("a replica's counts out of range after a clear"))?;
+                    continue;
+                }
+                Op::Store | Op::Remove => {}
+            }
             let Some((tiers, d, any)) = &s.target else { continue };
             let keyed = |c: &mut Counts<'py>, n: i64| match s.keys {  // partial-block and router keys
                 Keys::Tails => c.tails += n,
                 Keys::Router => c.router_keys += n,
                 Keys::Blocks => {}
             };
-            let n: i64 = if s.store {
+            let n: i64 = if s.op == Op::Store {
                 let new = d.try_borrow()?.store_ms(&s.ms, slot);
+                host_queue(s)?;
                 touch(s)?;
                 if !any.is(d) {
                     any.cast::<MaskMap>()?.try_borrow()?.store_ms(&s.ms, slot);
@@ -473,15 +582,15 @@ impl Folder {
                     // the live blocks before this event: the replica's, as the Python fold counts them
                     let in_group = c.groups.iter().find(|x| x.0.is(&s.gid) || x.0.eq(&s.gid).unwrap_or(false))
                         .map_or(0, |x| x.1);
-                    let before: i64 = match plan.group_blocks.get_item(&s.gid)? {
+                    let before: i64 = match c.group_blocks.get_item(&s.gid)? {
                         Some(v) => v.extract()?,
                         None => 0,
                     };
                     match &h.native {
                         Some(r) => r.stored(h, slot, s, before + in_group)?,
                         None => {
-                            h.shard.call_method1(intern!(py, "_stored_hooks"),
-                                                 (h.st, &s.gid, g, &s.hashes, plan.blocks + c.blocks, before + in_group))?;
+                            h.shard.call_method1(intern!(py, "_stored_hooks"), (h.st, &s.gid, g, &s.hashes,
+                                                 c.base_blocks + c.blocks, before + in_group))?;
                         }
                     }
                 }
@@ -491,6 +600,7 @@ impl Folder {
                 new as i64
             } else {
                 touch(s)?;
+                host_queue(s)?;
                 let gone = if tiers.len() == 1 {  // the map is its own union
                     d.try_borrow()?.remove_ms(&s.ms, slot, &[], None)
                 } else {  // retract from the union only where no other tier still holds the block
@@ -534,19 +644,18 @@ impl Folder {
         Ok(())
     }
 
-    /// The counts of the events folded, into the replica and the shard.
-    fn write_counts(&self, shard: &Bound<'_, PyAny>, st: *mut ffi::PyObject, plan: &Plan<'_>, c: &Counts<'_>)
-                    -> PyResult<()> {
+    /// The counts of the events folded since `c` was read, into the replica and the shard.
+    fn write_counts(&self, shard: &Bound<'_, PyAny>, st: *mut ffi::PyObject, c: &Counts<'_>) -> PyResult<()> {
         let py = shard.py();
         // SAFETY: `st` is exactly a ReplicaState; only ints are written
         unsafe {
             if c.blocks != 0 {
-                self.replica.set_int(st, S_BLOCKS, plan.blocks + c.blocks)?;
+                self.replica.set_int(st, S_BLOCKS, c.base_blocks + c.blocks)?;
             }
             if c.removed != 0 {
-                self.replica.set_int(st, S_REMOVED, plan.removed + c.removed)?;
+                self.replica.set_int(st, S_REMOVED, c.base_removed + c.removed)?;
             }
-            if c.unit != plan.unit {
+            if c.unit != c.base_unit {
                 self.replica.set_int(st, S_UNIT, c.unit)?;
             }
             for (i, delta) in [(S_TAILS, c.tails), (S_ROUTER_KEYS, c.router_keys)] {
@@ -562,11 +671,11 @@ impl Folder {
             shard.setattr(name, t + c.tails)?;
         }
         for (gid, delta) in &c.groups {
-            let cur: i64 = match plan.group_blocks.get_item(gid)? {
+            let cur: i64 = match c.group_blocks.get_item(gid)? {
                 Some(v) => v.extract()?,
                 None => 0,
             };
-            plan.group_blocks.set_item(gid, cur + delta)?;
+            c.group_blocks.set_item(gid, cur + delta)?;
         }
         if c.applied != 0 {
             let name = pyo3::intern!(py, "blocks_applied");
@@ -577,66 +686,59 @@ impl Folder {
     }
 
     /// The fold of one batch without the reference: Some(done) if it folded it (or counted a
-    /// redelivery), None if not plain (nothing changed). Plain on the shard's side too: the batch's
-    /// epoch within the clock's skew, its replica known and its epoch within it too, no host queue for
-    /// the replica; with pending credit or foresight kept, one group and no copies' evictions (the
-    /// routes' hooks then run per event).
+    /// redelivery), None if declined (nothing changed; the reason in `why`): a new replica, a store
+    /// into a group or tier the shard does not have yet, an epoch beyond the clock's skew, or a field
+    /// of another type than the schema's.
     fn try_apply<'py>(&self, shard: &Bound<'py, PyAny>, batch: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>)
                       -> PyResult<Option<bool>> {
         let py = shard.py();
         let b = batch.as_ptr();
         if !self.batch.is(b) {
-            return Ok(None);
+            return self.no(Why::Other);
         }
         let latest = wall_epoch_ms().saturating_add(self.max_skew_ms);
         // SAFETY: `batch` is exactly an EventBatch; the fields are null-checked before use
         let (epoch, replica, dp_rank) = unsafe {
             (self.batch.int(b, B_EPOCH), self.batch.get(b, B_REPLICA), self.batch.get(b, B_DP_RANK))
         };
-        if epoch.is_none_or(|e| e > latest) || replica.is_null() || dp_rank.is_null() {
-            return Ok(None);  // refused (counted and logged) by the reference
+        if replica.is_null() || dp_rank.is_null() {
+            return self.no(Why::Other);
         }
-        let Ok(replicas) = shard.getattr(intern!(py, "replicas"))?.cast_into::<PyDict>() else { return Ok(None) };
+        if epoch.is_none_or(|e| e > latest) {
+            return self.no(Why::FutureEpoch);  // refused (counted and logged) by the reference
+        }
+        let Ok(replicas) = shard.getattr(intern!(py, "replicas"))?.cast_into::<PyDict>() else {
+            return self.no(Why::Other);
+        };
         // SAFETY: two live fields of the batch, borrowed for the key's making
         let key = unsafe {
             PyTuple::new(py, [Bound::from_borrowed_ptr(py, replica), Bound::from_borrowed_ptr(py, dp_rank)])?
         };
-        let Some(st) = replicas.get_item(key)? else { return Ok(None) };  // a new replica: the reference's
+        let Some(st) = replicas.get_item(key)? else { return self.no(Why::NewReplica) };
         let s = st.as_ptr();
-        // SAFETY: `st` is checked to be exactly a ReplicaState before its field is read
-        if !self.replica.is(s) || unsafe { self.replica.int(s, S_EPOCH) }.is_none_or(|e| e > latest) {
-            return Ok(None);
+        if !self.replica.is(s) {
+            return self.no(Why::Other);
         }
+        // SAFETY: `st` is exactly a ReplicaState
+        if unsafe { self.replica.int(s, S_EPOCH) }.is_none_or(|e| e > latest) {
+            return self.no(Why::FutureEpoch);  // another clock's epoch: the reference resets it
+        }
+        let Ok(groups) = shard.getattr(intern!(py, "groups"))?.cast_into::<PyDict>() else {
+            return self.no(Why::Other);
+        };
         let pending = shard.getattr(intern!(py, "pending"))?;
         let foresight = shard.getattr(intern!(py, "foresight"))?;
         let routes = pending.getattr(intern!(py, "masks"))?.is_truthy()?
             || pending.getattr(intern!(py, "window_masks"))?.is_truthy()?
             || foresight.getattr(intern!(py, "active"))?.is_truthy()?
             || foresight.getattr(intern!(py, "slots"))?.is_truthy()?;
-        let host_orders = shard.getattr(intern!(py, "host_orders"))?;
-        if host_orders.is_truthy()? {
-            // SAFETY: `st` is exactly a ReplicaState; its slot field is null-checked before use
-            let slot = unsafe { self.replica.get(s, S_SLOT) };
-            if slot.is_null() || host_orders.contains(unsafe { Bound::from_borrowed_ptr(py, slot) })? {
-                return Ok(None);
-            }
-        }
-        let Ok(groups) = shard.getattr(intern!(py, "groups"))?.cast_into::<PyDict>() else { return Ok(None) };
-        let journal = shard.getattr(intern!(py, "journal"))?;
-        if !routes {
-            return self.fold_plain(shard, &groups, &journal, batch, &st, now, None);
-        }
-        // routes kept: one group (a hybrid model's pooled order is the reference's) and no copies'
-        // evictions to uncount (copies are declined as events too)
-        // SAFETY: `batch` is exactly an EventBatch; the field is null-checked before use
-        let copies = unsafe { self.batch.get(b, B_COPIES_REMOVED) };
-        if groups.len() != 1 || copies.is_null() || unsafe { ffi::PyDict_CheckExact(copies) } == 0
-            || unsafe { ffi::PyDict_Size(copies) } != 0 {
-            return Ok(None);
-        }
-        let native = self.routes(shard, &groups, &pending, &foresight, b)?;
-        let hooks = Hooks { shard, st: &st, foresight, native };
-        self.fold_plain(shard, &groups, &journal, batch, &st, now, Some(&hooks))
+        let hooks = if routes {
+            let native = self.routes(shard, &groups, &pending, &foresight, b)?;
+            Some(Hooks { shard, st: &st, foresight, native })
+        } else {
+            None
+        };
+        self.fold_plain(shard, &groups, batch, &st, now, hooks.as_ref())
     }
 
     /// The routes' side compiled, where it can be (else the hooks are called): the model's one group
@@ -644,6 +746,9 @@ impl Folder {
     fn routes<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, pending: &Bound<'py, PyAny>,
                    foresight: &Bound<'py, PyAny>, b: *mut ffi::PyObject) -> PyResult<Option<Routes<'py>>> {
         let py = shard.py();
+        if groups.len() != 1 {
+            return Ok(None);
+        }
         let Some(g) = groups.values().iter().next() else { return Ok(None) };
         // SAFETY: `g` is checked to be exactly a GroupIndex before its field is read
         let kind = unsafe {
@@ -667,24 +772,22 @@ impl Folder {
             return Ok(None);
         }
         let pools = shard.getattr(intern!(py, "pool_readers"))?;
+        // SAFETY: a live field of the batch
         let deepest_first = !pools.contains(unsafe { Bound::from_borrowed_ptr(py, replica) })?;
         Ok(Some(Routes { credits, slots, grown, active: foresight.getattr(intern!(py, "active"))?.is_truthy()?,
                          deepest_first, bumps: std::cell::Cell::new(0) }))
     }
 
-    /// The fold of a plain batch into replica `st` (see try_apply): Some(True) folded, Some(False) a
-    /// redelivery (st.duplicates counted), None: not plain, nothing changed. An event that fails
+    /// The fold of a batch into replica `st` (see try_apply): Some(True) folded, Some(False) a
+    /// redelivery (st.duplicates counted), None: declined, nothing changed. An event that fails
     /// raises after the counts of those before it are written, as the Python fold leaves them.
-    #[allow(clippy::too_many_arguments)]
-    fn fold_plain<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, journal: &Bound<'py, PyAny>,
-                       batch: &Bound<'py, PyAny>, st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>,
-                       hooks: Option<&Hooks<'py>>) -> PyResult<Option<bool>> {
+    fn fold_plain<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, batch: &Bound<'py, PyAny>,
+                       st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>, hooks: Option<&Hooks<'py>>)
+                       -> PyResult<Option<bool>> {
+        let py = shard.py();
         let (b, s) = (batch.as_ptr(), st.as_ptr());
-        if !self.batch.is(b) || !self.replica.is(s) {
-            return Ok(None);
-        }
         let (b_, r_) = (&self.batch, &self.replica);
-        // SAFETY: `batch` and `st` are exactly of their layouts' classes; the GIL is held
+        // SAFETY: `batch` and `st` are exactly of their layouts' classes (try_apply); the GIL is held
         let plan = unsafe {
             let order = |l: &Layout, o, i: [usize; 3]| match (l.int(o, i[0]), l.int(o, i[1]), l.int(o, i[2])) {
                 (Some(x), Some(y), Some(z)) if [x, y, z].iter().all(|v| (-BIG..BIG).contains(v)) => Some((x, y, z)),
@@ -693,11 +796,11 @@ impl Folder {
             let (Some((epoch, seq, part)), Some((s_epoch, s_seq, s_part))) =
                 (order(b_, b, [B_EPOCH, B_SEQ, B_PART]), order(r_, s, [S_EPOCH, S_SEQ, S_PART]))
             else {
-                return Ok(None);
+                return self.no(Why::Other);
             };
             // (epoch, seq, part) <= the replica's: a redelivery
             if epoch <= s_epoch && (epoch < s_epoch || seq < s_seq || (seq == s_seq && part <= s_part)) {
-                let Some(d) = r_.int(s, S_DUPLICATES).filter(|d| *d < BIG) else { return Ok(None) };
+                let Some(d) = r_.int(s, S_DUPLICATES).filter(|d| *d < BIG) else { return self.no(Why::Other) };
                 r_.set_int(s, S_DUPLICATES, d + 1)?;
                 return Ok(Some(false));
             }
@@ -707,21 +810,37 @@ impl Folder {
             }
         };
         // from here on the batch is folded
-        let mut counts = Counts { blocks: 0, removed: 0, tails: 0, router_keys: 0, unit: plan.unit, applied: 0,
-                                  groups: Vec::new() };
-        let done = Self::run_steps(journal, &plan, &mut counts, hooks);
-        self.write_counts(shard, s, &plan, &counts)?;
+        let host_orders = shard.getattr(intern!(py, "host_orders"))?;
+        if let Some(blocks) = &plan.host_tier {  // the replica's host queue starts or stops (TensorRT-LLM)
+            shard.call_method1(intern!(py, "_host_tier"), (st, blocks))?;
+        }
+        // SAFETY: `st` is exactly a ReplicaState (the counts were checked by plan)
+        let mut counts = unsafe { self.counts(py, s)? }.ok_or_else(|| PyValueError::new_err("a replica's counts"))?;
+        let journal = shard.getattr(intern!(py, "journal"))?;
+        let done = self.run_steps(shard, st, &journal, &host_orders, &plan, &mut counts, hooks);
+        self.write_counts(shard, s, &counts)?;
         if let Some(Hooks { native: Some(r), foresight, .. }) = hooks {
             r.flush_version(foresight)?;
         }
         done?;
-        if let Some(h) = hooks {  // the batch's end: the eviction orders it grew settle (Foresight.settle)
-            let py = shard.py();
+        if let Some(h) = hooks {  // the batch's end: copies' evictions uncounted, the orders it grew settle
+            let slots = h.foresight.getattr(intern!(py, "slots"))?;
+            // SAFETY: `batch` is exactly an EventBatch; the field is null-checked before use
+            let copies = unsafe { b_.get(b, B_COPIES_REMOVED) };
+            if !copies.is_null() && slots.is_truthy()? {
+                // SAFETY: a live field of the batch
+                let copies = unsafe { Bound::from_borrowed_ptr(py, copies) };
+                if copies.is_truthy()? {
+                    for item in copies.call_method0(intern!(py, "items"))?.try_iter()? {
+                        let (gid, hashes): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
+                        h.foresight.call_method1(intern!(py, "uncopied"), (plan.slot, gid, hashes))?;
+                    }
+                }
+            }
             match &h.native {
                 Some(r) => r.settle(&h.foresight)?,
                 None => {
-                    if h.foresight.getattr(intern!(py, "slots"))?.is_truthy()?
-                        && h.foresight.getattr(intern!(py, "grown"))?.is_truthy()? {
+                    if slots.is_truthy()? && h.foresight.getattr(intern!(py, "grown"))?.is_truthy()? {
                         h.foresight.call_method0(intern!(py, "settle"))?;
                     }
                 }
@@ -737,11 +856,18 @@ impl Folder {
                 .into_iter().zip(&plan.fields) {
                 r_.set_borrowed(s, i, field.as_ptr());
             }
+            if let Some(x) = plan.external_after_local {
+                r_.set_int(s, S_EXTERNAL_AFTER_LOCAL, x)?;
+            }
             if let Some(bs) = &plan.block_size {
                 r_.set_borrowed(s, S_BLOCK_SIZE, bs.as_ptr());
             }
             r_.set_borrowed(s, S_APPLIED_TS, now.as_ptr());
             r_.set_int(s, S_BATCHES, plan.batches)?;
+            if let Some(x) = plan.lookahead {  // the model's lookahead follows its replicas'
+                r_.set_int(s, S_LOOKAHEAD, x)?;
+                shard.call_method0(intern!(py, "_lookahead_changed"))?;
+            }
         }
         Ok(Some(true))
     }
@@ -754,36 +880,39 @@ fn wall_epoch_ms() -> i64 {
 
 #[pymethods]
 impl Folder {
-    /// Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, GroupIndex, TIER_IDS, last tier id,
-    /// MAX_EPOCH_SKEW_MS, FULL_KINDS)
+    /// Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, ReplicaCleared, GroupIndex, TIER_IDS,
+    /// last tier id, MAX_EPOCH_SKEW_MS, FULL_KINDS)
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(batch: &Bound<'_, PyType>, replica: &Bound<'_, PyType>, stored: &Bound<'_, PyType>,
-           removed: &Bound<'_, PyType>, group: &Bound<'_, PyType>, tier_ids: Py<PyDict>, last_tier: Py<PyAny>,
-           max_skew_ms: i64, full_kinds: Py<PyAny>) -> PyResult<Self> {
+           removed: &Bound<'_, PyType>, cleared: &Bound<'_, PyType>, group: &Bound<'_, PyType>,
+           tier_ids: Py<PyDict>, last_tier: Py<PyAny>, max_skew_ms: i64, full_kinds: Py<PyAny>) -> PyResult<Self> {
         Ok(Folder {
             batch: Layout::of(batch, &B_NAMES)?,
             replica: Layout::of(replica, &S_NAMES)?,
             stored: Layout::of(stored, &E_NAMES)?,
-            removed: Layout::of(removed, &E_NAMES[..5])?,
+            removed: Layout::of(removed, &E_NAMES[..6])?,
+            cleared: Layout::of(cleared, &C_NAMES)?,
             group: Layout::of(group, &G_NAMES)?,
             tier_ids,
             last_tier,
             max_skew_ms,
             full_kinds,
             folded: AtomicU64::new(0),
-            declined: AtomicU64::new(0),
+            declines: Default::default(),
+            why: AtomicU8::new(Why::Other as u8),
         })
     }
 
     /// apply(shard, batch, now) -> bool: `ModelShard.apply` compiled. A plain batch (see try_apply)
     /// is folded here; any other is handed to the shard's `fold_reference`, the Python fold.
     fn apply(&self, shard: &Bound<'_, PyAny>, batch: &Bound<'_, PyAny>, now: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.why.store(Why::Other as u8, Ordering::Relaxed);
         if let Some(done) = self.try_apply(shard, batch, now)? {
             self.folded.fetch_add(1, Ordering::Relaxed);
             return Ok(done);
         }
-        self.declined.fetch_add(1, Ordering::Relaxed);
+        self.declines[self.why.load(Ordering::Relaxed) as usize].fetch_add(1, Ordering::Relaxed);
         shard.call_method1(intern!(shard.py(), "fold_reference"), (batch, now))?.extract()
     }
 
@@ -801,7 +930,19 @@ impl Folder {
 
     #[getter]
     fn declined(&self) -> u64 {
-        self.declined.load(Ordering::Relaxed)
+        self.declines.iter().map(|d| d.load(Ordering::Relaxed)).sum()
+    }
+
+    /// The batches declined, by reason: new_replica (its first batch makes it), new_group_or_tier (a
+    /// store into one the shard does not have yet), future_epoch (refused, or another clock's epoch
+    /// reset), other (a field of another type than the schema's).
+    #[getter]
+    fn declines<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, n) in WHY.iter().zip(&self.declines) {
+            d.set_item(*name, n.load(Ordering::Relaxed))?;
+        }
+        Ok(d)
     }
 }
 

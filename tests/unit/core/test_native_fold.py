@@ -1,9 +1,10 @@
 """The compiled fold of plain batches (native/src/fold.rs, `kvidx.core.shard.NATIVE_FOLD`) against the
 Python fold it stands in for (`ModelShard.apply`, the reference): random streams mixing plain batches
-with everything the compiled fold declines (copies, partial-block tails, router keys, clears, host
-tiers, lookahead, new groups and tiers), redeliveries, gaps and a change journal, with routes (pending
-credit, eviction foresight) and lookups interleaved, folded both ways, must leave the same state after
-every batch: every replica's fields, the counts, every map, the journal, the pending credit and every
+with every rarer event (copies, partial-block tails, router keys, clears of a replica and of a tier,
+host tiers, lookahead) and what the compiled fold declines (new replicas, new groups and tiers),
+redeliveries, gaps and a change journal, with routes (pending credit, eviction foresight, hybrid
+models' pooled order) and lookups interleaved, folded both ways, must leave the same state after every
+batch: every replica's fields, the counts, every map, the journal, the pending credit and every
 eviction order."""
 
 import random
@@ -129,7 +130,7 @@ def test_compiled_fold_leaves_the_state_the_python_fold_leaves(seed):
         native, *others = (_state(s) for s in shards)
         for other in others:
             assert native == other, f"batch {i}: {b}"
-    assert NATIVE_FOLD.folded - folded0 > 300  # most batches took the compiled fold
+    assert NATIVE_FOLD.folded - folded0 > 450  # most batches took the compiled fold
 
 
 def _batch(seq: int, hashes: list[int]) -> EventBatch:
@@ -169,8 +170,7 @@ def test_with_routes_and_lookups_interleaved_the_compiled_fold_leaves_the_python
         native, *others = (_state(s) for s in shards)
         for other in others:
             assert native == other, f"batch {i}: {b}"
-    if not hybrid:
-        assert NATIVE_FOLD.folded - folded0 > 250  # most batches took the compiled fold
+    assert NATIVE_FOLD.folded - folded0 > 350  # most batches took the compiled fold, hybrid ones too
 
 
 def test_with_pending_credit_the_compiled_fold_confirms_as_the_python_fold():
@@ -243,7 +243,7 @@ def test_eviction_foresight_is_kept_by_the_compiled_fold_too():
     assert shards[0].foresight.slots[(0, 0)].order.head(3) == [3]  # the order starts with the route's side
 
 
-def test_a_hybrid_model_under_foresight_keeps_the_python_fold():
+def test_a_hybrid_model_under_foresight_is_folded_compiled_with_the_pooled_hooks():
     shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
     two = EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, 0, 1.0, 1.0, 16, [
         BlocksStored("GPU", 0, [1], None, 0),
@@ -251,8 +251,41 @@ def test_a_hybrid_model_under_foresight_keeps_the_python_fold():
     for s in shards:
         s.apply(two, 1.0)
         s.foresight.active = True
-    declined0 = NATIVE_FOLD.declined
+    declined0, folded0 = NATIVE_FOLD.declined, NATIVE_FOLD.folded
     for s in shards:
         s.apply(_batch(1, [3]), 2.0)
-    assert NATIVE_FOLD.declined == declined0 + 1  # pooled foresight: the reference's
+    assert (NATIVE_FOLD.declined, NATIVE_FOLD.folded) == (declined0, folded0 + 1)  # hooks, not the reference
     assert _state(shards[0]) == _state(shards[1]) and shards[0].foresight.pooled
+
+
+def test_declines_are_counted_by_reason_and_rare_events_are_folded_compiled():
+    """A new replica's first batch and a store into a new tier go to the Python fold (counted by
+    reason); copies, clears, partial-block and router keys, a host tier's start and a lookahead change
+    are folded by the compiled fold, leaving the Python fold's state."""
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16)]
+    before = dict(NATIVE_FOLD.declines)
+    traits = {"host_tier_blocks": 8, "lookahead_tokens": 1}
+    batches = [
+        _batch(0, [1, 2, 3]),  # a new replica
+        EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, 1, 1.0, 1.0, 16, [BlocksStored("CPU", 0, [4], None, 0)]),
+        EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, 2, 1.0, 1.0, 16, [
+            BlocksStored("GPU", 0, [1, 2], None, 0, copy=True),
+            BlocksStored("GPU", 0, [9], None, 0, tail=True),
+            BlocksStored("CPU", 0, [8], None, 0, router_keys=True),
+            BlocksRemoved("GPU", 0, [3]),
+            ReplicaCleared("reset", tier="CPU"),
+            BlocksStored("GPU", 0, [5], None, 0, engine_hashes=[55])], **traits),
+        EventBatch(SCHEMA_VERSION, "m", "a", 0, 1, 3, 1.0, 1.0, 16, [
+            BlocksStored("CPU", 0, [6], None, 0, engine_hashes=[66]), BlocksRemoved("GPU", 0, [9], tail=True),
+            ReplicaCleared("restart"), BlocksStored("GPU", 0, [7], None, 0)], **traits),
+    ]
+    for i, b in enumerate(batches):
+        folded0 = NATIVE_FOLD.folded
+        assert [s.apply(b, 2.0 + i) for s in shards] == [True, True]
+        assert NATIVE_FOLD.folded - folded0 == (i >= 2), f"batch {i}"
+        assert _state(shards[0]) == _state(shards[1]), f"batch {i}"
+    after = NATIVE_FOLD.declines
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert grew == {"new_replica": 1, "new_group_or_tier": 1}
+    assert shards[0].replicas[("a", 0)].blocks == 1 and shards[0].lookahead == 1
+    assert 0 in shards[0].host_orders

@@ -401,7 +401,7 @@ def test_metrics(world):
     folded = re.search(r"^kvidx_fold_compiled_batches_total (\S+)$", text, re.M)
     assert (folded is not None and float(folded[1]) >= 2) == (IMPLEMENTATION == "native")
     # and handed the first batch of each replica to the Python fold (which makes the replica)
-    reference = re.search(r"^kvidx_fold_reference_batches_total (\S+)$", text, re.M)
+    reference = re.search(r'^kvidx_fold_reference_batches_total\{reason="new_replica"\} (\S+)$', text, re.M)
     assert (reference is not None and float(reference[1]) >= 1) == (IMPLEMENTATION == "native")
     assert f'kvidx_lookup_prompt_tokens_total{{model="{MODEL}"}}' in text
     assert 'model="nope"' not in text  # client-chosen names never become label values
