@@ -439,7 +439,7 @@ impl Folder {
     /// `epoch`, `seq`: the batch's; `s_epoch`, `s_seq`: the replica's.
     unsafe fn plan<'py>(&self, groups: &Bound<'py, PyDict>, b: *mut ffi::PyObject, s: *mut ffi::PyObject,
                         now: &Bound<'py, PyAny>, (epoch, seq, s_epoch, s_seq): (i64, i64, i64, i64))
-                        -> PyResult<Option<Plan<'py>>> {
+                        -> PyResult<Option<(Plan<'py>, Counts<'py>)>> {
         let py = groups.py();
         let (b_, r_) = (&self.batch, &self.replica);
         let pair = |bi: usize, si: usize| match (b_.int(b, bi), r_.int(s, si)) {
@@ -472,9 +472,10 @@ impl Folder {
         else {
             return self.no(Why::Other);
         };
-        if [gaps, batches].iter().any(|v| !(-BIG..BIG).contains(v)) || self.counts(py, s)?.is_none() {
+        if [gaps, batches].iter().any(|v| !(-BIG..BIG).contains(v)) {
             return self.no(Why::Other);
         }
+        let Some(counts) = self.counts(py, s)? else { return self.no(Why::Other) };
         let events = b_.get(b, B_EVENTS);
         if events.is_null() || ffi::PyList_CheckExact(events) == 0 {
             return self.no(Why::Other);
@@ -488,9 +489,10 @@ impl Folder {
             return self.no(Why::Other);
         }
         let host_tier = (host_tier != s_host_tier).then(|| Bound::from_borrowed_ptr(py, b_.get(b, B_HOST_TIER)));
-        Ok(Some(Plan { steps, fields, block_size, host_tier, lookahead: (lookahead != s_lookahead).then_some(lookahead),
-                       external_after_local: (eal > s_eal).then_some(eal), slot, seq_gaps,
-                       batches: batches + 1 }))
+        let lookahead = (lookahead != s_lookahead).then_some(lookahead);
+        let plan = Plan { steps, fields, block_size, host_tier, lookahead, external_after_local: (eal > s_eal).then_some(eal),
+                          slot, seq_gaps, batches: batches + 1 };
+        Ok(Some((plan, counts)))
     }
 
     /// The replica's counts as they are now, none changed yet; None if one is out of bounds or of
@@ -728,10 +730,17 @@ impl Folder {
         };
         let pending = shard.getattr(intern!(py, "pending"))?;
         let foresight = shard.getattr(intern!(py, "foresight"))?;
-        let routes = pending.getattr(intern!(py, "masks"))?.is_truthy()?
-            || pending.getattr(intern!(py, "window_masks"))?.is_truthy()?
-            || foresight.getattr(intern!(py, "active"))?.is_truthy()?
-            || foresight.getattr(intern!(py, "slots"))?.is_truthy()?;
+        // a mask map's emptiness read in place (its __len__ through Python costs a call per batch)
+        let held = |m: Bound<'py, PyAny>| -> PyResult<bool> {
+            match m.cast::<MaskMap>() {
+                Ok(mm) => Ok(!mm.try_borrow()?.m.read().is_empty()),
+                Err(_) => m.is_truthy(),
+            }
+        };
+        let routes = foresight.getattr(intern!(py, "active"))?.is_truthy()?
+            || foresight.getattr(intern!(py, "slots"))?.is_truthy()?
+            || held(pending.getattr(intern!(py, "masks"))?)?
+            || held(pending.getattr(intern!(py, "window_masks"))?)?;
         let hooks = if routes {
             let native = self.routes(shard, &groups, &pending, &foresight, b)?;
             Some(Hooks { shard, st: &st, foresight, native })
@@ -788,7 +797,7 @@ impl Folder {
         let (b, s) = (batch.as_ptr(), st.as_ptr());
         let (b_, r_) = (&self.batch, &self.replica);
         // SAFETY: `batch` and `st` are exactly of their layouts' classes (try_apply); the GIL is held
-        let plan = unsafe {
+        let (plan, mut counts) = unsafe {
             let order = |l: &Layout, o, i: [usize; 3]| match (l.int(o, i[0]), l.int(o, i[1]), l.int(o, i[2])) {
                 (Some(x), Some(y), Some(z)) if [x, y, z].iter().all(|v| (-BIG..BIG).contains(v)) => Some((x, y, z)),
                 _ => None,
@@ -814,8 +823,6 @@ impl Folder {
         if let Some(blocks) = &plan.host_tier {  // the replica's host queue starts or stops (TensorRT-LLM)
             shard.call_method1(intern!(py, "_host_tier"), (st, blocks))?;
         }
-        // SAFETY: `st` is exactly a ReplicaState (the counts were checked by plan)
-        let mut counts = unsafe { self.counts(py, s)? }.ok_or_else(|| PyValueError::new_err("a replica's counts"))?;
         let journal = shard.getattr(intern!(py, "journal"))?;
         let done = self.run_steps(shard, st, &journal, &host_orders, &plan, &mut counts, hooks);
         self.write_counts(shard, s, &counts)?;
