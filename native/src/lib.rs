@@ -129,14 +129,21 @@ fn key_of(ob: &Bound<'_, PyAny>) -> Option<u64> {
 }
 
 /// Every hash of a list, tuple or other iterable of ints, mixed (an error at the first that is not a u64).
+/// The int objects are loaded ahead of their conversion (Hashes::run): a batch decoded long before
+/// its fold, or pre-built, has them cold.
 pub(crate) fn mixed_of(ob: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     let hs = Hashes::of(ob)?;
-    let mut out = Vec::with_capacity(hs.len());
-    let mut i = 0;
-    while let Some(m) = hs.get(i) {
-        out.push(m?);
-        i += 1;
+    if let Hashes::Vec(v, err) = hs {
+        return match err.into_inner() {
+            Some(e) => Err(e),
+            None => Ok(v),
+        };
     }
+    let mut out = Vec::with_capacity(hs.len());
+    hs.run(0, &mut out, |_, _| {}, |out, _, h| {
+        out.push(h);
+        Ok(true)
+    })?;
     Ok(out)
 }
 
