@@ -106,8 +106,8 @@ class GroupIndex:
         return d
 
 
-# the compiled fold of a plain batch (native/src/fold.rs), on shards of compiled maps; `apply` below is
-# the reference, and folds whatever it declines
+# the compiled fold (native/src/fold.rs), on shards of compiled maps; `apply` below is the reference,
+# and folds whatever it declines
 NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, ReplicaCleared,
                               GroupIndex, TIER_IDS, _LAST_TIER, MAX_EPOCH_SKEW_MS, FULL_KINDS)
                if _native is not None else None)
@@ -156,7 +156,7 @@ class ModelShard:
         self.tail_keys = 0  # live partial-block keys of all replicas: lookups key the partial block
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
         if NATIVE_FOLD is not None and self.new_map is _native.MaskMap:
-            # the compiled fold stands in for `apply` (which see): no Python frame for a plain batch
+            # the compiled fold stands in for `apply` (which see): no Python frame for a batch
             self.apply = NATIVE_FOLD.bind(self).apply
 
     # ---- topology ---------------------------------------------------------------------------
@@ -301,10 +301,10 @@ class ModelShard:
 
     def apply(self, batch: EventBatch, now: float) -> bool:
         """Fold one batch; False if it was already applied (a redelivery). On a shard of compiled maps
-        the compiled fold (NATIVE_FOLD.apply, bound in __init__) stands in for this method: it folds a
-        plain batch (whole-block stores and removals into known groups and tiers, by a known replica,
-        no host queue; with pending credit or foresight kept, one group, the routes' hooks called per
-        event) itself and hands any other to `fold_reference`."""
+        the compiled fold (NATIVE_FOLD.apply, bound in __init__) stands in for this method: it folds every
+        batch of a known replica into groups and tiers the shard has (the rare events through their
+        Python methods, `_copied`, `_clear`, `_host_queue`...; routes compiled or through the hooks)
+        and hands any other to `fold_reference` (kvidx_fold_reference_batches_total{reason})."""
         return self.fold_reference(batch, now)
 
     def fold_reference(self, batch: EventBatch, now: float) -> bool:

@@ -1,16 +1,21 @@
-//! The shard's fold of a plain batch, compiled (`Folder`): kvidx/core/shard.py `ModelShard.apply`
-//! calls it first and runs its own Python (the reference) only when it declines.
+//! The shard's fold of a batch, compiled (`Folder`): kvidx/core/shard.py `ModelShard.apply` is this
+//! fold, which hands a batch to the shard's Python fold (`fold_reference`, the reference) only when it
+//! declines it.
 //!
-//! Plain: stores and removals of whole blocks (no copy, partial-block tail or router keys) into
-//! groups and tiers the shard already has, by a batch that changes neither the replica's host tier
-//! nor its lookahead; on the shard's side, no host queue for the replica. A shard that keeps pending
-//! credit or eviction foresight (a service following routes) is folded here too when it has one
-//! group: each store and removal calls the shard's Python hooks where the Python fold does
-//! (`ModelShard._stored_hooks`, `_removed_hooks`, then `Foresight.settle`), so both keep the same
-//! routes' state; a hybrid model's pooled foresight stays with the Python fold. Everything else is
-//! declined before anything changes, and the Python fold does it. The state a batch leaves is the
-//! same either way: tests/unit/core/test_native_fold.py folds random streams both ways, routes and
-//! lookups interleaved, and compares every field, every map, the pending credit and every order.
+//! Folded here: stores and removals of whole blocks, partial-block keys and router keys, in groups and
+//! tiers the shard already has. The rarer events keep one piece of Python each, called where the Python
+//! fold calls it: copies (`ModelShard._copied`), a replica's or a tier's clear (`_clear`,
+//! `_clear_tier`: the counts so far are written first and read again after), a host queue
+//! (`_host_queue`, `_host_tier`), a lookahead change (`_lookahead_changed`). A shard that keeps pending
+//! credit or eviction foresight (a service following routes) keeps them compiled for a model with one
+//! full-attention group (`Routes`: `Credits.confirm_ms`, `Recency.stored_ms` / `removed_ms` /
+//! `settle_one`), and otherwise calls the shard's hooks (`_stored_hooks`, `_removed_hooks`,
+//! `Foresight.settle`: a hybrid model's pooled order). Declined, before anything changes: a new
+//! replica's first batch, a store into a group or tier the shard does not have yet, an epoch beyond the
+//! clock's skew, a field of another type than the schema's (counted by reason: `declines`). The state a
+//! batch leaves is the same either way: tests/unit/core/test_native_fold.py folds random streams both
+//! ways, routes and lookups interleaved, and compares every field, every map, the journal, the pending
+//! credit and every order.
 //!
 //! Why it reads fields by offset: per batch (one engine event of ~20 blocks, the common case) the
 //! Python fold spent as long on its bookkeeping (the duplicate check, the counts, the replica's
@@ -555,7 +560,7 @@ impl Folder {
                     } else {
                         shard.call_method1(intern!(py, "_clear"), (st,))?;
                     }
-                    // SAFETY: `st` is exactly a ReplicaState (checked by fold_plain)
+                    // SAFETY: `st` is exactly a ReplicaState (checked by fold_batch)
                     *c = unsafe { self.counts(py, st.as_ptr())? }
                         .ok_or_else(|| PyValueError::new_err("a replica's counts out of range after a clear"))?;
                     continue;
@@ -747,7 +752,7 @@ impl Folder {
         } else {
             None
         };
-        self.fold_plain(shard, &groups, batch, &st, now, hooks.as_ref())
+        self.fold_batch(shard, &groups, batch, &st, now, hooks.as_ref())
     }
 
     /// The routes' side compiled, where it can be (else the hooks are called): the model's one group
@@ -790,7 +795,7 @@ impl Folder {
     /// The fold of a batch into replica `st` (see try_apply): Some(True) folded, Some(False) a
     /// redelivery (st.duplicates counted), None: declined, nothing changed. An event that fails
     /// raises after the counts of those before it are written, as the Python fold leaves them.
-    fn fold_plain<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, batch: &Bound<'py, PyAny>,
+    fn fold_batch<'py>(&self, shard: &Bound<'py, PyAny>, groups: &Bound<'py, PyDict>, batch: &Bound<'py, PyAny>,
                        st: &Bound<'py, PyAny>, now: &Bound<'py, PyAny>, hooks: Option<&Hooks<'py>>)
                        -> PyResult<Option<bool>> {
         let py = shard.py();
@@ -911,8 +916,8 @@ impl Folder {
         })
     }
 
-    /// apply(shard, batch, now) -> bool: `ModelShard.apply` compiled. A plain batch (see try_apply)
-    /// is folded here; any other is handed to the shard's `fold_reference`, the Python fold.
+    /// apply(shard, batch, now) -> bool: `ModelShard.apply` compiled. A batch it does not decline (see
+    /// try_apply) is folded here; any other is handed to the shard's `fold_reference`, the Python fold.
     fn apply(&self, shard: &Bound<'_, PyAny>, batch: &Bound<'_, PyAny>, now: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.why.store(Why::Other as u8, Ordering::Relaxed);
         if let Some(done) = self.try_apply(shard, batch, now)? {
