@@ -132,19 +132,25 @@ fn key_of(ob: &Bound<'_, PyAny>) -> Option<u64> {
 /// The int objects are loaded ahead of their conversion (Hashes::run): a batch decoded long before
 /// its fold, or pre-built, has them cold.
 pub(crate) fn mixed_of(ob: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    match mixed_prefix(ob)? {
+        (v, None) => Ok(v),
+        (_, Some(e)) => Err(e),
+    }
+}
+
+/// The hashes up to the first that is not a u64 (all of them if none), mixed, and that one's error:
+/// a batched call does its work on those before it and then raises, as a plain loop would.
+pub(crate) fn mixed_prefix(ob: &Bound<'_, PyAny>) -> PyResult<(Vec<u64>, Option<PyErr>)> {
     let hs = Hashes::of(ob)?;
     if let Hashes::Vec(v, err) = hs {
-        return match err.into_inner() {
-            Some(e) => Err(e),
-            None => Ok(v),
-        };
+        return Ok((v, err.into_inner()));
     }
     let mut out = Vec::with_capacity(hs.len());
-    hs.run(0, &mut out, |_, _| {}, |out, _, h| {
+    let err = hs.run(0, &mut out, |_, _| {}, |out, _, h| {
         out.push(h);
         Ok(true)
-    })?;
-    Ok(out)
+    }).err();
+    Ok((out, err))
 }
 
 /// Runs `f(state, h)` on each of `ms` in order, calling `pf(state, h)` on each AHEAD before (its
@@ -800,14 +806,9 @@ impl MaskMap {
     /// Sets bit `slot` on every hash; how many did not have it.
     fn store(&mut self, hashes: &Bound<'_, PyAny>, slot: i64) -> PyResult<usize> {
         let s = slot_of(slot)?;
-        let hs = Hashes::of(hashes)?;
-        let mut guard = self.m.write();
-        let mut st = (&mut *guard, 0usize);
-        hs.run(0, &mut st, |st, h| st.0.prefetch(h, s), |st, _, h| {
-            st.1 += st.0.set_bit(h, s) as usize;
-            Ok(true)
-        })?;
-        Ok(st.1)
+        let (ms, err) = mixed_prefix(hashes)?;
+        let new = self.store_ms(&ms, s);
+        err.map_or(Ok(new), Err)
     }
 
     /// Clears bit `slot` on every hash that has it here (an entry goes when its mask becomes 0);
@@ -822,47 +823,11 @@ impl MaskMap {
             (Some(_), Some(o)) => o.extract()?,
             _ => Vec::new(),
         };
-        let hs = Hashes::of(hashes)?;
-        let mut dropped = Vec::new();
-        let gone = {
-            let me = slf.try_borrow_mut()?;
-            let mut guard = me.m.write();
-            let keep = union.is_some();
-            let mut st = (&mut *guard, 0usize, &mut dropped);
-            hs.run(0, &mut st, |st, h| st.0.prefetch(h, s), |st, _, h| {
-                if st.0.clear_bit(h, s) {
-                    st.1 += 1;
-                    if keep {
-                        st.2.push(h);
-                    }
-                }
-                Ok(true)
-            })?;
-            st.1
-        };
-        if let Some(u) = union {
-            if !others.is_empty() {
-                let os = others.iter().map(|o| o.try_borrow()).collect::<Result<Vec<_>, _>>()?;
-                let gs: Vec<_> = os.iter().map(|o| o.m.read()).collect();
-                let held = |h: u64| gs.iter().any(|o| o.has_bit(h, s));
-                if dropped.len() <= 4 * AHEAD {
-                    for &h in &dropped {
-                        for o in &gs {
-                            o.prefetch(h, s);
-                        }
-                    }
-                }
-                dropped.retain(|&h| !held(h));
-            }
-            let um = u.try_borrow_mut()?;
-            let mut guard = um.m.write();
-            let hs = Hashes::Vec(dropped, Default::default());
-            hs.run(0, &mut *guard, |m, h| m.prefetch(h, s), |m, _, h| {
-                m.clear_bit(h, s);
-                Ok(true)
-            })?;
-        }
-        Ok(gone)
+        let others = others.iter().map(|o| o.try_borrow()).collect::<Result<Vec<_>, _>>()?;
+        let union = union.as_ref().map(|u| u.try_borrow()).transpose()?;
+        let (ms, err) = mixed_prefix(hashes)?;
+        let gone = slf.try_borrow()?.remove_ms(&ms, s, &others, union.as_deref());
+        err.map_or(Ok(gone), Err)
     }
 
     /// Clears bit `slot` everywhere; how many entries had it.
