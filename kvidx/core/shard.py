@@ -117,7 +117,6 @@ class ModelShard:
     # the mask map class: the compiled one where built; property tests pin the pure-Python reference
     new_map: type = MaskMap
     replica_fields = _native.ReplicaFields(ReplicaState) if _native is not None else None
-    journal: ChangeJournal | None = None  # kept only where deltas are written (the worker)
 
     def __init__(self, model: str, block_size: int, unreported_eviction_kinds: Iterable[str] = ()):
         self.model = model
@@ -154,6 +153,7 @@ class ModelShard:
         self.host_orders: dict[int, HostLoads] = {}
         self.lookahead = 0  # see _lookahead_changed
         self.tail_keys = 0  # live partial-block keys of all replicas: lookups key the partial block
+        self.journal: ChangeJournal | None = None  # kept only where deltas are written (the worker)
         self._lookup_cache: tuple[GroupIndex | None] | None = None  # the default lookup group, once known
         if NATIVE_FOLD is not None and self.new_map is _native.MaskMap:
             # the compiled fold stands in for `apply` (which see): no Python frame for a batch
