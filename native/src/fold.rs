@@ -674,10 +674,18 @@ impl Folder {
                 Keys::Blocks => {}
             };
             let n: i64 = if s.op == Op::Store {
-                let new = d.try_borrow()?.store_ms(&s.ms, slot);
+                // the tier's map and the group's union in one pass, unless a host queue (which may
+                // evict between the two, as the Python fold orders them) is kept
+                let queued = s.keys == Keys::Blocks && host_orders.is_truthy()?;
+                let new = if any.is(d) || queued {
+                    d.try_borrow()?.store_ms(&s.ms, slot)
+                } else {
+                    let union = any.cast::<MaskMap>()?.try_borrow()?;
+                    d.try_borrow()?.store_ms_with(&union, &s.ms, slot)
+                };
                 host_queue(s)?;
                 touch(s)?;
-                if !any.is(d) {
+                if !any.is(d) && queued {
                     any.cast::<MaskMap>()?.try_borrow()?.store_ms(&s.ms, slot);
                 }
                 if s.keys != Keys::Blocks {

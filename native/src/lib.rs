@@ -547,11 +547,52 @@ impl MaskMap {
         st.1
     }
 
+    /// `remove_ms` with a union, where this map, `union` and `others` are distinct maps: one pass,
+    /// every map's buckets loading AHEAD hashes before (the three passes' misses overlap).
+    fn remove_ms_with(&self, ms: &[u64], s: usize, others: &[PyRef<'_, MaskMap>], union: &MaskMap) -> usize {
+        let gs: Vec<_> = others.iter().map(|o| o.m.read()).collect();
+        let mut st = (&mut *self.m.write(), &mut *union.m.write(), 0usize);
+        prefetched(ms, &mut st, |st, h| {
+            st.0.prefetch(h, s);
+            st.1.prefetch(h, s);
+            gs.iter().for_each(|o| o.prefetch(h, s));
+        }, |st, h| {
+            if st.0.clear_bit(h, s) {
+                st.2 += 1;
+                if !gs.iter().any(|o| o.has_bit(h, s)) {
+                    st.1.clear_bit(h, s);
+                }
+            }
+        });
+        st.2
+    }
+
+    /// `store_ms` into this map and into `union` (another map) in one pass: both maps' buckets load
+    /// together, so the union's misses overlap the tier's instead of following them. How many
+    /// were new in this map.
+    pub(crate) fn store_ms_with(&self, union: &MaskMap, ms: &[u64], s: usize) -> usize {
+        let mut st = (&mut *self.m.write(), &mut *union.m.write(), 0usize);
+        prefetched(ms, &mut st, |st, h| {
+            st.0.prefetch(h, s);
+            st.1.prefetch(h, s);
+        }, |st, h| {
+            st.2 += st.0.set_bit(h, s) as usize;
+            st.1.set_bit(h, s);
+        });
+        st.2
+    }
+
     /// Clears bit `s` on every mixed hash of `ms` that has it; how many had it. Those that no map of
     /// `others` holds at `s` are cleared in `union` too (`remove` with hashes converted once; `union`
     /// is not this map).
     pub(crate) fn remove_ms(&self, ms: &[u64], s: usize, others: &[PyRef<'_, MaskMap>], union: Option<&MaskMap>)
                             -> usize {
+        if let Some(u) = union {
+            let distinct = |a: &MaskMap, b: &MaskMap| !std::ptr::eq(a, b);
+            if distinct(self, u) && others.iter().all(|o| distinct(o, self) && distinct(o, u)) {
+                return self.remove_ms_with(ms, s, others, u);
+            }
+        }
         let mut dropped = Vec::new();
         let keep = union.is_some();
         let gone = {
