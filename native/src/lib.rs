@@ -547,26 +547,6 @@ impl MaskMap {
         st.1
     }
 
-    /// `remove_ms` with a union, where this map, `union` and `others` are distinct maps: one pass,
-    /// every map's buckets loading AHEAD hashes before (the three passes' misses overlap).
-    fn remove_ms_with(&self, ms: &[u64], s: usize, others: &[PyRef<'_, MaskMap>], union: &MaskMap) -> usize {
-        let gs: Vec<_> = others.iter().map(|o| o.m.read()).collect();
-        let mut st = (&mut *self.m.write(), &mut *union.m.write(), 0usize);
-        prefetched(ms, &mut st, |st, h| {
-            st.0.prefetch(h, s);
-            st.1.prefetch(h, s);
-            gs.iter().for_each(|o| o.prefetch(h, s));
-        }, |st, h| {
-            if st.0.clear_bit(h, s) {
-                st.2 += 1;
-                if !gs.iter().any(|o| o.has_bit(h, s)) {
-                    st.1.clear_bit(h, s);
-                }
-            }
-        });
-        st.2
-    }
-
     /// `store_ms` into this map and into `union` (another map) in one pass: both maps' buckets load
     /// together, so the union's misses overlap the tier's instead of following them. How many
     /// were new in this map.
@@ -583,54 +563,43 @@ impl MaskMap {
     }
 
     /// Clears bit `s` on every mixed hash of `ms` that has it; how many had it. Those that no map of
-    /// `others` holds at `s` are cleared in `union` too (`remove` with hashes converted once; `union`
-    /// is not this map).
+    /// `others` holds at `s` are cleared in `union` too (`remove` with hashes converted once). One
+    /// pass: every map's bucket of a hash loads AHEAD hashes before its turn, so the misses of the
+    /// tier, the other tiers and the union overlap instead of following one another.
     pub(crate) fn remove_ms(&self, ms: &[u64], s: usize, others: &[PyRef<'_, MaskMap>], union: Option<&MaskMap>)
                             -> usize {
-        if let Some(u) = union {
-            let distinct = |a: &MaskMap, b: &MaskMap| !std::ptr::eq(a, b);
-            if distinct(self, u) && others.iter().all(|o| distinct(o, self) && distinct(o, u)) {
-                return self.remove_ms_with(ms, s, others, u);
+        let same = |a: &MaskMap, b: &MaskMap| std::ptr::eq(a, b);
+        // the union as this map: cleared already; the union among the others: it holds every bit it
+        // had, so nothing is retracted from it
+        let union = union.filter(|u| !same(u, self) && !others.iter().any(|o| same(o, u)));
+        let mut distinct: Vec<&MaskMap> = Vec::with_capacity(others.len());
+        for o in others.iter().filter(|_| union.is_some()) {
+            // this map is not another tier (its bit is going), nor is a map twice
+            if !same(o, self) && !distinct.iter().any(|d| same(d, o)) {
+                distinct.push(o);
             }
         }
-        let mut dropped = Vec::new();
-        let keep = union.is_some();
-        let gone = {
-            let mut st = (&mut *self.m.write(), 0usize, &mut dropped);
-            prefetched(ms, &mut st, |st, h| st.0.prefetch(h, s), |st, h| {
-                if st.0.clear_bit(h, s) {
-                    st.1 += 1;
-                    if keep {
-                        st.2.push(h);
-                    }
-                }
-            });
-            st.1
-        };
-        if let Some(u) = union {
-            if !others.is_empty() {
-                let gs: Vec<_> = others.iter().map(|o| o.m.read()).collect();
-                let mut k = 0;
-                for i in 0..dropped.len() {
-                    if let Some(&a) = dropped.get(i + AHEAD) {
-                        gs.iter().for_each(|o| o.prefetch(a, s));
-                    } else if i == 0 {
-                        dropped.iter().take(AHEAD).for_each(|&a| gs.iter().for_each(|o| o.prefetch(a, s)));
-                    }
-                    let h = dropped[i];
+        let gs: Vec<_> = distinct.iter().map(|o| o.m.read()).collect();
+        let mut me = self.m.write();
+        let mut un = union.map(|u| u.m.write());
+        let mut st = (&mut *me, un.as_deref_mut(), 0usize);
+        prefetched(ms, &mut st, |st, h| {
+            st.0.prefetch(h, s);
+            if let Some(u) = &st.1 {
+                u.prefetch(h, s);
+                gs.iter().for_each(|o| o.prefetch(h, s));
+            }
+        }, |st, h| {
+            if st.0.clear_bit(h, s) {
+                st.2 += 1;
+                if let Some(u) = st.1.as_deref_mut() {
                     if !gs.iter().any(|o| o.has_bit(h, s)) {
-                        dropped[k] = h;
-                        k += 1;
+                        u.clear_bit(h, s);
                     }
                 }
-                dropped.truncate(k);
             }
-            let mut m = u.m.write();
-            prefetched(&dropped, &mut *m, |m, h| m.prefetch(h, s), |m, h| {
-                m.clear_bit(h, s);
-            });
-        }
-        gone
+        });
+        st.2
     }
 
     /// Appends stored key `k` (value `v`) in `export`'s layout of `words` words a mask; an error
