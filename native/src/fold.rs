@@ -23,7 +23,7 @@
 //! interpreter's own (measured: this fold through getattr/setattr was 1.3x slower than the Python
 //! one). It reads the structs' fields at their slot offsets (layout.rs).
 
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
@@ -88,24 +88,22 @@ fn warm(p: *mut ffi::PyObject) {
     }
 }
 
-/// Item 0 of `list` if it is exactly a non-empty list (its header already loaded), else null.
+/// The items array of `list` if it is exactly a non-empty list (its header loaded), else null.
 /// SAFETY: `list` is null or a live object; the GIL is held.
 #[inline(always)]
-unsafe fn first_item(list: *mut ffi::PyObject) -> *mut ffi::PyObject {
+unsafe fn items_of(list: *mut ffi::PyObject) -> *mut *mut ffi::PyObject {
     if list.is_null() || ffi::PyList_CheckExact(list) == 0 || ffi::PyList_GET_SIZE(list) == 0 {
         return std::ptr::null_mut();
     }
-    ffi::PyList_GET_ITEM(list, 0)
+    (*(list as *mut ffi::PyListObject)).ob_item
 }
 
-/// The items array of `list` if it is exactly a non-empty list, else null (for `warm`).
-/// SAFETY: as `first_item`.
+/// Item 0 of `list` if it is exactly a non-empty list, else null (see `items_of`).
+/// SAFETY: as `items_of`.
 #[inline(always)]
-unsafe fn items_of(list: *mut ffi::PyObject) -> *mut ffi::PyObject {
-    if list.is_null() || ffi::PyList_CheckExact(list) == 0 || ffi::PyList_GET_SIZE(list) == 0 {
-        return std::ptr::null_mut();
-    }
-    (*(list as *mut ffi::PyListObject)).ob_item as *mut ffi::PyObject
+unsafe fn first_item(list: *mut ffi::PyObject) -> *mut ffi::PyObject {
+    let items = items_of(list);
+    if items.is_null() { items as *mut ffi::PyObject } else { *items }
 }
 
 /// A field that is True (a bool; anything else counts as not plain: the caller declines).
@@ -384,8 +382,6 @@ pub struct Folder {
     tier_ids: Py<PyDict>,  // tier name -> id
     last_tier: Py<PyAny>,  // the id of an unknown tier name
     max_skew_ms: i64,  // kvidx.core.shard.MAX_EPOCH_SKEW_MS
-    clock_ms: AtomicI64,  // the wall clock as last read (within_skew)
-    clock_checks: AtomicU64,
     full_kinds: Py<PyAny>,  // kvidx.core.walk.FULL_KINDS
     folded: AtomicU64,
     declines: [AtomicU64; WHY.len()],
@@ -406,20 +402,6 @@ fn exact_float(p: *mut ffi::PyObject) -> bool {
 
 
 impl Folder {
-    /// `epoch` is at most the clock's skew ahead of the wall clock (kvidx.core.shard.MAX_EPOCH_SKEW_MS).
-    /// The clock read last time stands in for it (it moves on, so what is within that bound is within
-    /// the current one): read again past that bound and every 1,024 checks (a step back of the wall
-    /// clock is seen there), not once a batch (a system call in a VM: ~4 % of a small batch's fold).
-    fn within_skew(&self, epoch: i64) -> bool {
-        let checks = self.clock_checks.fetch_add(1, Ordering::Relaxed);
-        if checks & 1023 != 0 && epoch <= self.clock_ms.load(Ordering::Relaxed).saturating_add(self.max_skew_ms) {
-            return true;
-        }
-        let now = wall_epoch_ms();
-        self.clock_ms.store(now, Ordering::Relaxed);
-        epoch <= now.saturating_add(self.max_skew_ms)
-    }
-
     /// Declines the batch for `why` (counted by `apply`).
     fn no<T>(&self, why: Why) -> PyResult<Option<T>> {
         self.why.store(why as u8, Ordering::Relaxed);
@@ -585,7 +567,7 @@ impl Folder {
             return self.no(Why::Other);
         }
         let events = Bound::from_borrowed_ptr(py, events).cast_into::<PyList>()?;
-        warm(items_of(hashes));
+        warm(items_of(hashes) as *mut ffi::PyObject);
         let Some(steps) = self.steps(groups, &events)? else {
             return Ok(None);
         };
@@ -674,10 +656,9 @@ impl Folder {
                 Keys::Blocks => {}
             };
             let n: i64 = if s.op == Op::Store {
-                // the tier's map and the group's union in one pass, unless a host queue (which may
-                // evict between the two, as the Python fold orders them) is kept
-                let queued = s.keys == Keys::Blocks && host_orders.is_truthy()?;
-                let new = if any.is(d) || queued {
+                // the tier's map and the group's union in one pass (the Python fold stores the union
+                // after the host queue and the journal: neither reads a map)
+                let new = if any.is(d) {
                     d.try_borrow()?.store_ms(&s.ms, slot)
                 } else {
                     let union = any.cast::<MaskMap>()?.try_borrow()?;
@@ -685,9 +666,6 @@ impl Folder {
                 };
                 host_queue(s)?;
                 touch(s)?;
-                if !any.is(d) && queued {
-                    any.cast::<MaskMap>()?.try_borrow()?.store_ms(&s.ms, slot);
-                }
                 if s.keys != Keys::Blocks {
                     keyed(c, new as i64);
                     c.applied += s.hashes.len();
@@ -814,14 +792,17 @@ impl Folder {
         // A batch that waited in a queue is cold: the loads along its chain of objects (events list,
         // its items, the event, its hashes list, their items) start a step ahead of their use, each
         // overlapping the work between (measured at 2,048 replicas: ~5 % of the ingest pass)
-        // SAFETY: `batch` is exactly an EventBatch; fields are only read (and null-checked) here
+        // SAFETY: `batch` is exactly an EventBatch; fields are only read (and null-checked) here, the
+        // events list held (owned) while it is
         let events = unsafe {
             let events = self.batch.get(b, B_EVENTS);
             warm(events);
             warm(self.batch.get(b, B_SEQ));
             warm(self.batch.get(b, B_REPLICA));
-            events
+            (!events.is_null()).then(|| Bound::from_borrowed_ptr(py, events))
         };
+        let events = events.as_ref().map_or(std::ptr::null_mut(), |e| e.as_ptr());
+        let latest = wall_epoch_ms().saturating_add(self.max_skew_ms);
         // SAFETY: `batch` is exactly an EventBatch; the fields are null-checked before use
         let (epoch, replica, dp_rank) = unsafe {
             (self.batch.int(b, B_EPOCH), self.batch.get(b, B_REPLICA), self.batch.get(b, B_DP_RANK))
@@ -829,7 +810,7 @@ impl Folder {
         if replica.is_null() || dp_rank.is_null() {
             return self.no(Why::Other);
         }
-        if epoch.is_none_or(|e| !self.within_skew(e)) {
+        if epoch.is_none_or(|e| e > latest) {
             return self.no(Why::FutureEpoch);  // refused (counted and logged) by the reference
         }
         let Ok(replicas) = attr(shard, intern!(py, "replicas"))?.cast_into::<PyDict>() else {
@@ -846,13 +827,13 @@ impl Folder {
         }
         // SAFETY: `st` is exactly a ReplicaState, `events` a live field of the batch (null-checked)
         unsafe {
-            warm(items_of(events));
+            warm(items_of(events) as *mut ffi::PyObject);
             for i in [S_SEQ, S_BLOCKS, S_BATCHES, S_GROUP_BLOCKS] {
                 warm(self.replica.get(s, i));
             }
         }
         // SAFETY: `st` is exactly a ReplicaState
-        if unsafe { self.replica.int(s, S_EPOCH) }.is_none_or(|e| !self.within_skew(e)) {
+        if unsafe { self.replica.int(s, S_EPOCH) }.is_none_or(|e| e > latest) {
             return self.no(Why::FutureEpoch);  // another clock's epoch: the reference resets it
         }
         let Ok(groups) = attr(shard, intern!(py, "groups"))?.cast_into::<PyDict>() else {
@@ -1039,8 +1020,6 @@ impl Folder {
             tier_ids,
             last_tier,
             max_skew_ms,
-            clock_ms: AtomicI64::new(0),
-            clock_checks: AtomicU64::new(0),
             full_kinds,
             folded: AtomicU64::new(0),
             declines: Default::default(),

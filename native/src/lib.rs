@@ -551,6 +551,9 @@ impl MaskMap {
     /// together, so the union's misses overlap the tier's instead of following them. How many
     /// were new in this map.
     pub(crate) fn store_ms_with(&self, union: &MaskMap, ms: &[u64], s: usize) -> usize {
+        if Arc::ptr_eq(&self.m, &union.m) {
+            return self.store_ms(ms, s);
+        }
         let mut st = (&mut *self.m.write(), &mut *union.m.write(), 0usize);
         prefetched(ms, &mut st, |st, h| {
             st.0.prefetch(h, s);
@@ -568,15 +571,16 @@ impl MaskMap {
     /// tier, the other tiers and the union overlap instead of following one another.
     pub(crate) fn remove_ms(&self, ms: &[u64], s: usize, others: &[PyRef<'_, MaskMap>], union: Option<&MaskMap>)
                             -> usize {
-        let same = |a: &MaskMap, b: &MaskMap| std::ptr::eq(a, b);
+        let same = |a: &MaskMap, b: &MaskMap| Arc::ptr_eq(&a.m, &b.m);  // one lock
         // the union as this map: cleared already; the union among the others: it holds every bit it
         // had, so nothing is retracted from it
         let union = union.filter(|u| !same(u, self) && !others.iter().any(|o| same(o, u)));
         let mut distinct: Vec<&MaskMap> = Vec::with_capacity(others.len());
-        for o in others.iter().filter(|_| union.is_some()) {
-            // this map is not another tier (its bit is going), nor is a map twice
-            if !same(o, self) && !distinct.iter().any(|d| same(d, o)) {
-                distinct.push(o);
+        if union.is_some() {
+            for o in others {  // this map is not another tier (its bit is going), nor is a map twice
+                if !same(o, self) && !distinct.iter().any(|d| same(d, o)) {
+                    distinct.push(o);
+                }
             }
         }
         let gs: Vec<_> = distinct.iter().map(|o| o.m.read()).collect();

@@ -289,3 +289,22 @@ def test_declines_are_counted_by_reason_and_rare_events_are_folded_compiled():
     assert grew == {"new_replica": 1, "new_group_or_tier": 1}
     assert shards[0].replicas[("a", 0)].blocks == 1 and shards[0].lookahead == 1
     assert 0 in shards[0].host_orders
+
+
+# the fields the compiled fold reads and writes in the objects' own dicts (fold.rs `attr`, `set_attr`):
+# a class attribute or descriptor of the same name would be shadowed there, and the two folds part
+_DICT_FIELDS = {
+    "shard": ("replicas", "groups", "pending", "foresight", "host_orders", "journal", "pool_readers",
+              "blocks_applied", "tail_keys"),
+    "foresight": ("active", "slots", "grown", "pooled", "version"),
+    "pending": ("masks", "window_masks", "_blocks"),
+}
+
+
+def test_the_fields_the_compiled_fold_reads_in_place_are_plain_instance_attributes():
+    shard = ModelShard("m", 16)
+    for owner, names in _DICT_FIELDS.items():
+        obj = shard if owner == "shard" else getattr(shard, owner)
+        for name in names:
+            assert name in vars(obj), (owner, name)
+            assert not hasattr(type(obj), name), (owner, name)
