@@ -36,53 +36,50 @@ use crate::layout::Layout;
 use crate::recency::Recency;
 use crate::{mixed_of, prefetched, MaskMap};
 
-/// `obj.name` read from the instance's own dict (where the fold's Python objects keep every field it
-/// reads; none is a class descriptor), else by getattr: a dict probe with an interned name instead of
-/// the type's attribute lookup, a dozen times a batch.
-fn attr<'py>(obj: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
-    let py = obj.py();
-    // SAFETY: the GIL is held; the dict is a new reference (owned by `d`), the item borrowed from it
-    // and taken as an owned reference before `d` is dropped
+/// The instance's own dict (None where it has none): where the fold's Python objects keep every
+/// field it reads (none is a class descriptor: test_native_fold checks), probed with interned names
+/// instead of getattr's type lookup, a dozen times a batch.
+fn instance_dict<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
+    // SAFETY: the GIL is held; a new reference (or null, its error cleared)
     unsafe {
         let d = ffi::PyObject_GenericGetDict(obj.as_ptr(), std::ptr::null_mut());
         if d.is_null() {
             ffi::PyErr_Clear();
-            return obj.getattr(name);
+            return None;
         }
-        let d = Bound::from_owned_ptr(py, d);
-        let v = ffi::PyDict_GetItemWithError(d.as_ptr(), name.as_ptr());
-        if !v.is_null() {
-            return Ok(Bound::from_borrowed_ptr(py, v));
+        Some(Bound::from_owned_ptr(obj.py(), d))
+    }
+}
+
+/// `obj.name`, from its instance dict (see `instance_dict`), else by getattr.
+fn attr<'py>(obj: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(d) = instance_dict(obj) {
+        // SAFETY: the GIL is held; the item is borrowed from `d` and taken as an owned reference
+        // while `d` is alive
+        unsafe {
+            let v = ffi::PyDict_GetItemWithError(d.as_ptr(), name.as_ptr());
+            if !v.is_null() {
+                return Ok(Bound::from_borrowed_ptr(obj.py(), v));
+            }
         }
-        if let Some(e) = PyErr::take(py) {
+        if let Some(e) = PyErr::take(obj.py()) {
             return Err(e);
         }
     }
     obj.getattr(name)
 }
 
-/// `obj.name = value`, into the instance's own dict where it has one (see `attr`).
+/// `obj.name = value`, into its instance dict where it has one (see `instance_dict`).
 fn set_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>, value: i64) -> PyResult<()> {
-    let py = obj.py();
-    let v = value.into_pyobject(py)?;
-    // SAFETY: the GIL is held; the dict is a new reference, owned by `d`
-    unsafe {
-        let d = ffi::PyObject_GenericGetDict(obj.as_ptr(), std::ptr::null_mut());
-        if d.is_null() {
-            ffi::PyErr_Clear();
-            return obj.setattr(name, v);
-        }
-        let d = Bound::from_owned_ptr(py, d);
-        if ffi::PyDict_SetItem(d.as_ptr(), name.as_ptr(), v.as_ptr()) != 0 {
-            return Err(PyErr::fetch(py));
-        }
+    match instance_dict(obj) {
+        Some(d) => d.cast::<PyDict>()?.set_item(name, value),
+        None => obj.setattr(name, value),
     }
-    Ok(())
 }
 
-/// Starts loading the object at `p` (a field just read; may be null).
+/// Starts loading what `p` points at (a field just read; may be null).
 #[inline(always)]
-fn warm(p: *mut ffi::PyObject) {
+fn warm<T>(p: *const T) {
     if !p.is_null() {
         crate::table::prefetch(p);
     }
@@ -517,7 +514,8 @@ impl Folder {
                         -> PyResult<Option<(Plan<'py>, Counts<'py>)>> {
         let py = groups.py();
         let (b_, r_) = (&self.batch, &self.replica);
-        let ev = first_item(b_.get(b, B_EVENTS));  // the first event's hashes list, loading (see try_apply)
+        let events = b_.get(b, B_EVENTS);
+        let ev = first_item(events);  // the first event's hashes list, loading (see try_apply)
         let hashes = if ev.is_null() {
             std::ptr::null_mut()
         } else if self.stored.is(ev) {
@@ -562,12 +560,11 @@ impl Folder {
             return self.no(Why::Other);
         }
         let Some(counts) = self.counts(py, s)? else { return self.no(Why::Other) };
-        let events = b_.get(b, B_EVENTS);
         if events.is_null() || ffi::PyList_CheckExact(events) == 0 {
             return self.no(Why::Other);
         }
         let events = Bound::from_borrowed_ptr(py, events).cast_into::<PyList>()?;
-        warm(items_of(hashes) as *mut ffi::PyObject);
+        warm(items_of(hashes));
         let Some(steps) = self.steps(groups, &events)? else {
             return Ok(None);
         };
@@ -827,7 +824,7 @@ impl Folder {
         }
         // SAFETY: `st` is exactly a ReplicaState, `events` a live field of the batch (null-checked)
         unsafe {
-            warm(items_of(events) as *mut ffi::PyObject);
+            warm(items_of(events));
             for i in [S_SEQ, S_BLOCKS, S_BATCHES, S_GROUP_BLOCKS] {
                 warm(self.replica.get(s, i));
             }
