@@ -6,6 +6,7 @@ resume point; state: a checkpoint exactly there). Pure: no I/O; callers pass `no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +48,19 @@ def prefix_blocks(shard: ModelShard, hashes: list[int], group: int | None = None
     if pool_mask or pend or cut:
         return walk_masks(_overlay_get(shard, g.any.get, pool_mask, pend, cut), hashes)
     return g.any.walk(hashes)  # one call: the map walks the prompt itself
+
+
+def prefix_walker(shard: ModelShard) -> Callable[[list[int]], dict[int, int]]:
+    """`prefix_blocks(shard, hashes)` bound once for a loop of many prompts. The common shard (its
+    default group known, no shared pools) walks its union map straight away: per prompt, two field
+    reads in place of prefix_blocks' frame and checks (~130 ns of a ~950 ns lookup at 64 replicas,
+    bench/peers); any other goes through prefix_blocks, which also learns the default group."""
+    def walk_prompt(hashes: list[int]) -> dict[int, int]:
+        cached = shard._lookup_cache
+        if cached is not None and cached[0] is not None and hashes and not shard.pool_readers:
+            return cached[0].any.walk(hashes)
+        return prefix_blocks(shard, hashes)
+    return walk_prompt
 
 
 def onboard_cut(shard: ModelShard, hashes: list[int], hits: dict[int, int]) -> dict[int, int]:

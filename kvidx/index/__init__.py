@@ -10,7 +10,6 @@ merged over instances) is kvidx/index/lookups.py, exported here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import partial
 
 from kvidx.core import walk
 from kvidx.core.masks import or_masks, run_end, slots_of
@@ -105,7 +104,7 @@ def prefix_hits(shard: ModelShard, hashes: list[int], tier: str | None = None) -
 def prefix_walk(shard: ModelShard) -> Callable[[list[int]], dict[int, int]]:
     """The shard's prefix walk, bound once for a loop of many prompts: hashes -> slot -> the leading
     blocks it holds in any tier or in a pool it reads (the hit a lookup starts from)."""
-    return partial(walk.prefix_blocks, shard)
+    return walk.prefix_walker(shard)
 
 
 def held_in(shard: ModelShard, tiers: Sequence[str], hashes: list[int]) -> list[int]:

@@ -105,3 +105,29 @@ def test_move_between_tiers_never_loses_a_block():
     assert a.tiers == [Tier("GPU", 32), Tier("CPU", 32)]
     s.apply(batch("a", 2, [BlocksRemoved("CPU", 0, H[3:4])]), 0.0)  # the last tier drops it
     assert answer(s, "a").cached_tokens == 48
+
+
+def test_the_bound_prefix_walk_answers_as_prefix_blocks_as_the_shard_changes():
+    """index.prefix_walk's walker skips prefix_blocks' checks on the common shard: it must still see a
+    shard with no group yet, an empty prompt, a pool attached later, a new full-attention group."""
+    from kvidx import index
+    s = ModelShard("m", 16)
+    walk_prompt = index.prefix_walk(s)
+    prompts = [H, H[:3], [], [H[0], 7, *H[1:]], [5]]
+
+    def same():
+        for p in prompts:
+            assert dict(walk_prompt(p)) == dict(walk.prefix_blocks(s, p)), p
+
+    same()  # no group: nothing cached
+    s.apply(batch("a", 0, [stored(H[:4])]), 0.0)
+    s.apply(batch("b", 0, [stored(H[:2])]), 0.0)
+    same()
+    s.apply(batch("pool-1", 0, [stored(H)]), 0.0)
+    s.set_pools({"pool-1": ["a", "b"]})  # a's and b's hits reach through the pool now
+    same()
+    assert dict(walk_prompt(H))[s.replicas[("a", 0)].slot] == len(H)
+    s.set_pools({})
+    swa = BlocksStored("GPU", 1, H[:1], None, 0, group_kind="sliding_window", sliding_window=32)
+    s.apply(batch("a", 1, [swa, stored(H[:6])]), 0.0)
+    same()
