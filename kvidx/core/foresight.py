@@ -231,6 +231,10 @@ _LOW = (1 << _SHIFT) - 1
 
 
 class Foresight:
+    # fixed: the compiled fold reads the first five at their slots' offsets (native/src/fold.rs `F_NAMES`)
+    __slots__ = ("active", "slots", "grown", "pooled", "version", "_runs", "recency_type", "_expiries",
+                 "_doomed", "discounted_lookups")
+
     def __init__(self) -> None:
         self.active = False  # set by the model's first route (ModelShard.add_pending)
         self.pooled = False  # one order and capacity per slot for all groups (hybrid models; pool())

@@ -67,6 +67,9 @@ Credits: type = getattr(_native, "Credits", None) or PyCredits
 
 
 class PendingCredits:
+    # fixed: the compiled fold reads the first three at their slots' offsets (native/src/fold.rs `P_NAMES`)
+    __slots__ = ("masks", "window_masks", "_blocks", "_window", "_queue", "inflight")
+
     def __init__(self, credits: type | None = None) -> None:
         self._blocks = (credits or Credits)()
         self._window = (credits or Credits)()

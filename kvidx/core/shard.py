@@ -106,14 +106,16 @@ class GroupIndex:
         return d
 
 
-# the compiled fold (native/src/fold.rs), on shards of compiled maps; `apply` below is the reference,
-# and folds whatever it declines
-NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, ReplicaCleared,
-                              GroupIndex, TIER_IDS, _LAST_TIER, MAX_EPOCH_SKEW_MS, FULL_KINDS)
-               if _native is not None else None)
 
 
 class ModelShard:
+    # fixed: the compiled fold reads the first ten at their slots' offsets (native/src/fold.rs `SH_NAMES`);
+    # the instance dict holds the compiled `apply` bound in __init__
+    __slots__ = ("replicas", "groups", "pending", "foresight", "host_orders", "journal", "pool_readers",
+                 "blocks_applied", "tail_keys", "by_slot", "model", "block_size", "unreported_eviction_kinds",
+                 "unreported_eviction_tiers", "future_epochs", "snapshot_id", "events_offset",
+                 "events_partition", "replica_group", "_pool_cache", "lookahead", "_lookup_cache", "__dict__",
+                 "__weakref__")
     # the mask map class: the compiled one where built; property tests pin the pure-Python reference
     new_map: type = MaskMap
     replica_fields = _native.ReplicaFields(ReplicaState) if _native is not None else None
@@ -596,3 +598,11 @@ class ModelShard:
         self._lookahead_changed()
         self.tail_keys = sum(st.tails for st in self.by_slot if st is not None)
         self._rebuild_unions()
+
+
+# the compiled fold (native/src/fold.rs), on shards of compiled maps; `ModelShard.apply` is the
+# reference, and folds whatever it declines
+NATIVE_FOLD = (_native.Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, ReplicaCleared,
+                              GroupIndex, ModelShard, Foresight, PendingCredits, TIER_IDS, _LAST_TIER,
+                              MAX_EPOCH_SKEW_MS, FULL_KINDS)
+               if _native is not None else None)

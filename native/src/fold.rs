@@ -21,7 +21,9 @@
 //! Python fold spent as long on its bookkeeping (the duplicate check, the counts, the replica's
 //! fields) as the maps on their hashes, and the C API's attribute lookup is slower than the
 //! interpreter's own (measured: this fold through getattr/setattr was 1.3x slower than the Python
-//! one). It reads the structs' fields at their slot offsets (layout.rs).
+//! one). It reads the structs' fields at their slot offsets (layout.rs), and the shard's, its
+//! foresight's and its pending credit's the same way (`__slots__` classes: a dozen reads a batch, which
+//! as instance-dict probes were a third of a one-block batch's fixed cost: 900 -> 590 ns).
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
@@ -29,53 +31,12 @@ use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::intern;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType, PyWeakrefMethods, PyWeakrefReference};
+use pyo3::types::{PyDict, PyList, PyTuple, PyType, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::credits::Credits;
 use crate::layout::Layout;
 use crate::recency::Recency;
 use crate::{mixed_of, prefetched, MaskMap};
-
-/// The instance's own dict (None where it has none): where the fold's Python objects keep every
-/// field it reads (none is a class descriptor: test_native_fold checks), probed with interned names
-/// instead of getattr's type lookup, a dozen times a batch.
-fn instance_dict<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
-    // SAFETY: the GIL is held; a new reference (or null, its error cleared)
-    unsafe {
-        let d = ffi::PyObject_GenericGetDict(obj.as_ptr(), std::ptr::null_mut());
-        if d.is_null() {
-            ffi::PyErr_Clear();
-            return None;
-        }
-        Some(Bound::from_owned_ptr(obj.py(), d))
-    }
-}
-
-/// `obj.name`, from its instance dict (see `instance_dict`), else by getattr.
-fn attr<'py>(obj: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
-    if let Some(d) = instance_dict(obj) {
-        // SAFETY: the GIL is held; the item is borrowed from `d` and taken as an owned reference
-        // while `d` is alive
-        unsafe {
-            let v = ffi::PyDict_GetItemWithError(d.as_ptr(), name.as_ptr());
-            if !v.is_null() {
-                return Ok(Bound::from_borrowed_ptr(obj.py(), v));
-            }
-        }
-        if let Some(e) = PyErr::take(obj.py()) {
-            return Err(e);
-        }
-    }
-    obj.getattr(name)
-}
-
-/// `obj.name = value`, into its instance dict where it has one (see `instance_dict`).
-fn set_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>, value: i64) -> PyResult<()> {
-    match instance_dict(obj) {
-        Some(d) => d.cast::<PyDict>()?.set_item(name, value),
-        None => obj.setattr(name, value),
-    }
-}
 
 /// Starts loading what `p` points at (a field just read; may be null).
 #[inline(always)]
@@ -171,6 +132,32 @@ const E_TAIL: usize = 3;
 const E_ROUTER_KEYS: usize = 4;
 const E_COPY: usize = 6;
 const E_BLOCK_SIZE: usize = 7;
+
+// kvidx.core.shard.ModelShard, kvidx.core.foresight.Foresight, kvidx.core.pending.PendingCredits: `__slots__`
+// classes, their fields read at the slots' offsets (a dozen a batch: no dict probe, no getattr)
+const SH_NAMES: [&str; 9] = ["replicas", "groups", "pending", "foresight", "host_orders", "journal", "pool_readers",
+                             "blocks_applied", "tail_keys"];
+const SH_REPLICAS: usize = 0;
+const SH_GROUPS: usize = 1;
+const SH_PENDING: usize = 2;
+const SH_FORESIGHT: usize = 3;
+const SH_HOST_ORDERS: usize = 4;
+const SH_JOURNAL: usize = 5;
+const SH_POOL_READERS: usize = 6;
+const SH_BLOCKS_APPLIED: usize = 7;
+const SH_TAIL_KEYS: usize = 8;
+
+const F_NAMES: [&str; 5] = ["active", "slots", "grown", "pooled", "version"];
+const F_ACTIVE: usize = 0;
+const F_SLOTS: usize = 1;
+const F_GROWN: usize = 2;
+const F_POOLED: usize = 3;
+const F_VERSION: usize = 4;
+
+const P_NAMES: [&str; 3] = ["masks", "window_masks", "_blocks"];
+const P_MASKS: usize = 0;
+const P_WINDOW_MASKS: usize = 1;
+const P_BLOCKS: usize = 2;
 
 const C_NAMES: [&str; 1] = ["tier"];  // ReplicaCleared
 const C_TIER: usize = 0;
@@ -354,12 +341,10 @@ impl<'py> Routes<'py> {
 
     /// Foresight.version bumped once per change, as the Python fold does (written when the events
     /// are, also when one fails).
-    fn flush_version(&self, foresight: &Bound<'py, PyAny>) -> PyResult<()> {
-        let py = self.slots.py();
+    fn flush_version(&self, fields: &Layout, foresight: &Bound<'py, PyAny>) -> PyResult<()> {
         if self.bumps.get() != 0 {
-            let name = intern!(py, "version");
-            let v: i64 = attr(foresight, name)?.extract()?;
-            set_attr(foresight, name, v + self.bumps.replace(0))?;
+            let v: i64 = fields.field(foresight, F_VERSION)?.extract()?;
+            fields.set_field_int(foresight, F_VERSION, v + self.bumps.replace(0))?;
         }
         Ok(())
     }
@@ -376,6 +361,9 @@ pub struct Folder {
     removed: Layout,  // schemas.events.BlocksRemoved
     cleared: Layout,  // schemas.events.ReplicaCleared
     group: Layout,  // kvidx.core.shard.GroupIndex
+    shard: Layout,  // kvidx.core.shard.ModelShard
+    foresight: Layout,  // kvidx.core.foresight.Foresight
+    pending: Layout,  // kvidx.core.pending.PendingCredits
     tier_ids: Py<PyDict>,  // tier name -> id
     last_tier: Py<PyAny>,  // the id of an unknown tier name
     max_skew_ms: i64,  // kvidx.core.shard.MAX_EPOCH_SKEW_MS
@@ -711,7 +699,7 @@ impl Folder {
                 }
                 c.removed += gone;
                 if let (Some(h), Some(g)) = (hooks, &s.group) {
-                    if gone != 0 && attr(&h.foresight, intern!(py, "slots"))?.is_truthy()? {
+                    if gone != 0 && self.foresight.field(&h.foresight, F_SLOTS)?.is_truthy()? {
                         match &h.native {
                             Some(r) => r.removed(h, slot, s, tiers.len() > 1, any)?,
                             None => {
@@ -736,7 +724,6 @@ impl Folder {
 
     /// The counts of the events folded since `c` was read, into the replica and the shard.
     fn write_counts(&self, shard: &Bound<'_, PyAny>, st: *mut ffi::PyObject, c: &Counts<'_>) -> PyResult<()> {
-        let py = shard.py();
         // SAFETY: `st` is exactly a ReplicaState; only ints are written
         unsafe {
             if c.blocks != 0 {
@@ -756,9 +743,8 @@ impl Folder {
             }
         }
         if c.tails != 0 {
-            let name = pyo3::intern!(py, "tail_keys");
-            let t: i64 = attr(shard, name)?.extract()?;
-            set_attr(shard, name, t + c.tails)?;
+            let t: i64 = self.shard.field(shard, SH_TAIL_KEYS)?.extract()?;
+            self.shard.set_field_int(shard, SH_TAIL_KEYS, t + c.tails)?;
         }
         for (gid, delta) in &c.groups {
             let cur: i64 = match c.group_blocks.get_item(gid)? {
@@ -768,9 +754,8 @@ impl Folder {
             c.group_blocks.set_item(gid, cur + delta)?;
         }
         if c.applied != 0 {
-            let name = pyo3::intern!(py, "blocks_applied");
-            let a: i64 = attr(shard, name)?.extract()?;
-            set_attr(shard, name, a + c.applied as i64)?;
+            let a: i64 = self.shard.field(shard, SH_BLOCKS_APPLIED)?.extract()?;
+            self.shard.set_field_int(shard, SH_BLOCKS_APPLIED, a + c.applied as i64)?;
         }
         Ok(())
     }
@@ -810,7 +795,7 @@ impl Folder {
         if epoch.is_none_or(|e| e > latest) {
             return self.no(Why::FutureEpoch);  // refused (counted and logged) by the reference
         }
-        let Ok(replicas) = attr(shard, intern!(py, "replicas"))?.cast_into::<PyDict>() else {
+        let Ok(replicas) = self.shard.field(shard, SH_REPLICAS)?.cast_into::<PyDict>() else {
             return self.no(Why::Other);
         };
         // SAFETY: two live fields of the batch, borrowed for the key's making
@@ -833,11 +818,11 @@ impl Folder {
         if unsafe { self.replica.int(s, S_EPOCH) }.is_none_or(|e| e > latest) {
             return self.no(Why::FutureEpoch);  // another clock's epoch: the reference resets it
         }
-        let Ok(groups) = attr(shard, intern!(py, "groups"))?.cast_into::<PyDict>() else {
+        let Ok(groups) = self.shard.field(shard, SH_GROUPS)?.cast_into::<PyDict>() else {
             return self.no(Why::Other);
         };
-        let pending = attr(shard, intern!(py, "pending"))?;
-        let foresight = attr(shard, intern!(py, "foresight"))?;
+        let pending = self.shard.field(shard, SH_PENDING)?;
+        let foresight = self.shard.field(shard, SH_FORESIGHT)?;
         // a mask map's emptiness read in place (its __len__ through Python costs a call per batch)
         let held = |m: Bound<'py, PyAny>| -> PyResult<bool> {
             match m.cast::<MaskMap>() {
@@ -845,10 +830,10 @@ impl Folder {
                 Err(_) => m.is_truthy(),
             }
         };
-        let routes = attr(&foresight, intern!(py, "active"))?.is_truthy()?
-            || attr(&foresight, intern!(py, "slots"))?.is_truthy()?
-            || held(attr(&pending, intern!(py, "masks"))?)?
-            || held(attr(&pending, intern!(py, "window_masks"))?)?;
+        let routes = self.foresight.field(&foresight, F_ACTIVE)?.is_truthy()?
+            || self.foresight.field(&foresight, F_SLOTS)?.is_truthy()?
+            || held(self.pending.field(&pending, P_MASKS)?)?
+            || held(self.pending.field(&pending, P_WINDOW_MASKS)?)?;
         // SAFETY: a live field of the batch (null-checked); the event's layout is checked before the read
         unsafe {
             let ev = first_item(events);
@@ -879,12 +864,12 @@ impl Folder {
             }
             Bound::from_borrowed_ptr(py, self.group.get(g.as_ptr(), G_KIND))
         };
-        if !self.full_kinds.bind(py).contains(kind)? || attr(foresight, intern!(py, "pooled"))?.is_truthy()? {
+        if !self.full_kinds.bind(py).contains(kind)? || self.foresight.field(foresight, F_POOLED)?.is_truthy()? {
             return Ok(None);
         }
-        let Ok(credits) = attr(pending, intern!(py, "_blocks"))?.cast_into::<Credits>() else { return Ok(None) };
-        let (Ok(slots), Ok(grown)) = (attr(foresight, intern!(py, "slots"))?.cast_into::<PyDict>(),
-                                      attr(foresight, intern!(py, "grown"))?.cast_into::<PyList>())
+        let Ok(credits) = self.pending.field(pending, P_BLOCKS)?.cast_into::<Credits>() else { return Ok(None) };
+        let (Ok(slots), Ok(grown)) = (self.foresight.field(foresight, F_SLOTS)?.cast_into::<PyDict>(),
+                                      self.foresight.field(foresight, F_GROWN)?.cast_into::<PyList>())
         else {
             return Ok(None);
         };
@@ -893,10 +878,10 @@ impl Folder {
         if replica.is_null() {
             return Ok(None);
         }
-        let pools = attr(shard, intern!(py, "pool_readers"))?;
+        let pools = self.shard.field(shard, SH_POOL_READERS)?;
         // SAFETY: a live field of the batch
         let deepest_first = !pools.contains(unsafe { Bound::from_borrowed_ptr(py, replica) })?;
-        Ok(Some(Routes { credits, slots, grown, active: attr(foresight, intern!(py, "active"))?.is_truthy()?,
+        Ok(Some(Routes { credits, slots, grown, active: self.foresight.field(foresight, F_ACTIVE)?.is_truthy()?,
                          deepest_first, bumps: std::cell::Cell::new(0) }))
     }
 
@@ -932,19 +917,19 @@ impl Folder {
             }
         };
         // from here on the batch is folded
-        let host_orders = attr(shard, intern!(py, "host_orders"))?;
+        let host_orders = self.shard.field(shard, SH_HOST_ORDERS)?;
         if let Some(blocks) = &plan.host_tier {  // the replica's host queue starts or stops (TensorRT-LLM)
             shard.call_method1(intern!(py, "_host_tier"), (st, blocks))?;
         }
-        let journal = attr(shard, intern!(py, "journal"))?;
+        let journal = self.shard.field(shard, SH_JOURNAL)?;
         let done = self.run_steps(shard, st, &journal, &host_orders, &plan, &mut counts, hooks);
         self.write_counts(shard, s, &counts)?;
         if let Some(Hooks { native: Some(r), foresight, .. }) = hooks {
-            r.flush_version(foresight)?;
+            r.flush_version(&self.foresight, foresight)?;
         }
         done?;
         if let Some(h) = hooks {  // the batch's end: copies' evictions uncounted, the orders it grew settle
-            let slots = attr(&h.foresight, intern!(py, "slots"))?;
+            let slots = self.foresight.field(&h.foresight, F_SLOTS)?;
             // SAFETY: `batch` is exactly an EventBatch; the field is null-checked before use
             let copies = unsafe { b_.get(b, B_COPIES_REMOVED) };
             if !copies.is_null() && slots.is_truthy()? {
@@ -960,7 +945,7 @@ impl Folder {
             match &h.native {
                 Some(r) => r.settle(&h.foresight)?,
                 None => {
-                    if slots.is_truthy()? && attr(&h.foresight, intern!(py, "grown"))?.is_truthy()? {
+                    if slots.is_truthy()? && self.foresight.field(&h.foresight, F_GROWN)?.is_truthy()? {
                         h.foresight.call_method0(intern!(py, "settle"))?;
                     }
                 }
@@ -1000,12 +985,13 @@ fn wall_epoch_ms() -> i64 {
 
 #[pymethods]
 impl Folder {
-    /// Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, ReplicaCleared, GroupIndex, TIER_IDS,
-    /// last tier id, MAX_EPOCH_SKEW_MS, FULL_KINDS)
+    /// Folder(EventBatch, ReplicaState, BlocksStored, BlocksRemoved, ReplicaCleared, GroupIndex,
+    /// ModelShard, Foresight, PendingCredits, TIER_IDS, last tier id, MAX_EPOCH_SKEW_MS, FULL_KINDS)
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(batch: &Bound<'_, PyType>, replica: &Bound<'_, PyType>, stored: &Bound<'_, PyType>,
            removed: &Bound<'_, PyType>, cleared: &Bound<'_, PyType>, group: &Bound<'_, PyType>,
+           shard: &Bound<'_, PyType>, foresight: &Bound<'_, PyType>, pending: &Bound<'_, PyType>,
            tier_ids: Py<PyDict>, last_tier: Py<PyAny>, max_skew_ms: i64, full_kinds: Py<PyAny>) -> PyResult<Self> {
         Ok(Folder {
             batch: Layout::of(batch, &B_NAMES)?,
@@ -1014,6 +1000,9 @@ impl Folder {
             removed: Layout::of(removed, &E_NAMES[..6])?,
             cleared: Layout::of(cleared, &C_NAMES)?,
             group: Layout::of(group, &G_NAMES)?,
+            shard: Layout::of(shard, &SH_NAMES)?,
+            foresight: Layout::of(foresight, &F_NAMES)?,
+            pending: Layout::of(pending, &P_NAMES)?,
             tier_ids,
             last_tier,
             max_skew_ms,

@@ -12,7 +12,9 @@ import random
 import msgspec
 import pytest
 
+from kvidx.core.foresight import Foresight
 from kvidx.core.maskmap import IMPLEMENTATION, PyMaskMap
+from kvidx.core.pending import PendingCredits
 from kvidx.core.shard import NATIVE_FOLD, ModelShard, ReplicaState
 from kvidx.core.snapshot import encode_delta
 from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
@@ -291,20 +293,25 @@ def test_declines_are_counted_by_reason_and_rare_events_are_folded_compiled():
     assert 0 in shards[0].host_orders
 
 
-# the fields the compiled fold reads and writes in the objects' own dicts (fold.rs `attr`, `set_attr`):
-# a class attribute or descriptor of the same name would be shadowed there, and the two folds part
-_DICT_FIELDS = {
-    "shard": ("replicas", "groups", "pending", "foresight", "host_orders", "journal", "pool_readers",
-              "blocks_applied", "tail_keys"),
-    "foresight": ("active", "slots", "grown", "pooled", "version"),
-    "pending": ("masks", "window_masks", "_blocks"),
+# the fields the compiled fold reads and writes at their slots' offsets (fold.rs `SH_NAMES`, `F_NAMES`,
+# `P_NAMES`): a subclass's class attribute or property of the same name would be what Python reads
+# while the fold reads the slot, and the two folds would part
+_SLOT_FIELDS = {
+    ModelShard: ("replicas", "groups", "pending", "foresight", "host_orders", "journal", "pool_readers",
+                 "blocks_applied", "tail_keys"),
+    Foresight: ("active", "slots", "grown", "pooled", "version"),
+    PendingCredits: ("masks", "window_masks", "_blocks"),
 }
 
 
-def test_the_fields_the_compiled_fold_reads_in_place_are_plain_instance_attributes():
-    shard = ModelShard("m", 16)
-    for owner, names in _DICT_FIELDS.items():
-        obj = shard if owner == "shard" else getattr(shard, owner)
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def test_the_fields_the_compiled_fold_reads_at_their_offsets_are_slots_no_subclass_shadows():
+    for cls, names in _SLOT_FIELDS.items():
         for name in names:
-            assert name in vars(obj), (owner, name)
-            assert not hasattr(type(obj), name), (owner, name)
+            assert type(vars(cls).get(name)).__name__ == "member_descriptor", (cls, name)
+            for sub in _subclasses(cls):
+                assert name not in vars(sub), (sub, name)
+    assert ModelShard in {PythonFoldShard.__base__, ReferenceShard.__base__}  # this module's are checked
