@@ -135,8 +135,8 @@ const E_BLOCK_SIZE: usize = 7;
 
 // kvidx.core.shard.ModelShard, kvidx.core.foresight.Foresight, kvidx.core.pending.PendingCredits: `__slots__`
 // classes, their fields read at the slots' offsets (a dozen a batch: no dict probe, no getattr)
-const SH_NAMES: [&str; 9] = ["replicas", "groups", "pending", "foresight", "host_orders", "journal", "pool_readers",
-                             "blocks_applied", "tail_keys"];
+const SH_NAMES: [&str; 9] = ["replicas", "groups", "pending", "foresight", "host_orders", "journal",
+                             "pool_readers", "blocks_applied", "tail_keys"];
 const SH_REPLICAS: usize = 0;
 const SH_GROUPS: usize = 1;
 const SH_PENDING: usize = 2;
@@ -341,10 +341,10 @@ impl<'py> Routes<'py> {
 
     /// Foresight.version bumped once per change, as the Python fold does (written when the events
     /// are, also when one fails).
-    fn flush_version(&self, fields: &Layout, foresight: &Bound<'py, PyAny>) -> PyResult<()> {
+    fn flush_version(&self, layout: &Layout, foresight: &Bound<'py, PyAny>) -> PyResult<()> {
         if self.bumps.get() != 0 {
-            let v: i64 = fields.field(foresight, F_VERSION)?.extract()?;
-            fields.set_field_int(foresight, F_VERSION, v + self.bumps.replace(0))?;
+            let v: i64 = layout.field(foresight, F_VERSION)?.extract()?;
+            layout.set_field_int(foresight, F_VERSION, v + self.bumps.replace(0))?;
         }
         Ok(())
     }

@@ -56,7 +56,8 @@ impl Layout {
     #[inline(always)]
     fn has_slots(&self, ob: &Bound<'_, PyAny>) -> bool {
         // SAFETY: `ob` is a live object, the type a live type object
-        self.is(ob.as_ptr()) || unsafe { ffi::PyType_IsSubtype(ffi::Py_TYPE(ob.as_ptr()), self.ty.as_ptr().cast()) != 0 }
+        self.is(ob.as_ptr())
+            || unsafe { ffi::PyType_IsSubtype(ffi::Py_TYPE(ob.as_ptr()), self.ty.as_ptr().cast()) != 0 }
     }
 
     /// `ob.<name i>`: read at its slot where `ob` has this class's slots, else by getattr.
@@ -82,7 +83,8 @@ impl Layout {
         ob.setattr(self.names[i].bind(ob.py()), v)
     }
 
-    /// Field `i` of `ob` (borrowed; null if unset). `ob` must be of exactly this class (`is`).
+    /// Field `i` of `ob` (borrowed; null if unset). `ob` must be of this class (`is`), or, for a
+    /// `__slots__` class, of a subclass (`has_slots`).
     #[inline(always)]
     pub(crate) unsafe fn get(&self, ob: *mut ffi::PyObject, i: usize) -> *mut ffi::PyObject {
         *((ob as *mut u8).offset(self.offsets[i]) as *mut *mut ffi::PyObject)

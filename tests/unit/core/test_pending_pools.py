@@ -109,7 +109,9 @@ def test_move_between_tiers_never_loses_a_block():
 
 def test_the_bound_prefix_walk_answers_as_prefix_blocks_as_the_shard_changes():
     """index.prefix_walk's walker skips prefix_blocks' checks on the common shard: it must still see a
-    shard with no group yet, an empty prompt, a pool attached later, a new full-attention group."""
+    shard with no group yet, an empty prompt, a pool attached later, a sliding-window group added, and
+    (a walker bound while a sliding-window group was the only one) a full-attention group that comes
+    later and becomes the default."""
     from kvidx import index
     s = ModelShard("m", 16)
     walk_prompt = index.prefix_walk(s)
@@ -131,3 +133,12 @@ def test_the_bound_prefix_walk_answers_as_prefix_blocks_as_the_shard_changes():
     swa = BlocksStored("GPU", 1, H[:1], None, 0, group_kind="sliding_window", sliding_window=32)
     s.apply(batch("a", 1, [swa, stored(H[:6])]), 0.0)
     same()
+    s = ModelShard("m", 16)
+    s.apply(batch("a", 0, [BlocksStored("GPU", 1, H[:3], None, 0, group_kind="sliding_window",
+                                        sliding_window=32)]), 0.0)
+    walk_prompt = index.prefix_walk(s)
+    same()
+    assert dict(walk_prompt(H)) == {0: 3}  # the only group
+    s.apply(batch("a", 1, [stored(H[:2])]), 0.0)  # a full-attention group: the default from now on
+    same()
+    assert dict(walk_prompt(H)) == {0: 2}
