@@ -642,13 +642,10 @@ impl Folder {
             };
             let n: i64 = if s.op == Op::Store {
                 // the tier's map and the group's union in one pass (the Python fold stores the union
-                // after the host queue and the journal: neither reads a map)
-                let new = if any.is(d) {
-                    d.try_borrow()?.store_ms(&s.ms, slot)
-                } else {
-                    let union = any.cast::<MaskMap>()?.try_borrow()?;
-                    d.try_borrow()?.store_ms_with(&union, &s.ms, slot)
-                };
+                // after the host queue and the journal: neither reads a map); a group of one tier
+                // shares its map with the union, which store_ms_with sees
+                let union = any.cast::<MaskMap>()?.try_borrow()?;
+                let new = d.try_borrow()?.store_ms_with(&union, &s.ms, slot);
                 host_queue(s)?;
                 touch(s)?;
                 if s.keys != Keys::Blocks {
