@@ -14,6 +14,7 @@ Evolution rule (see README "Schema versions"):
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import msgspec
@@ -51,6 +52,11 @@ TIER_IDS = {t: i for i, t in enumerate(TIERS)}
 # decode (the batch goes to the dead letters), never folded; msgpack holds no int above 2**64 - 1
 # (msgspec cannot bound an int beyond int64 itself)
 BlockHash = Annotated[int, msgspec.Meta(ge=0)]
+# An event's hashes: on the wire an array of BlockHash. Events made in Python hold a list;
+# decode_batch reads the array undecoded (msgspec.Raw) and unpacks it, checked as list[BlockHash]
+# would be, into a kvidx_native.HashArray (packed u64s the fold reads in place: no Python int per
+# hash, most of a batch's decode) where the compiled core is built, else a list.
+BlockHashes = msgspec.Raw
 
 
 class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
@@ -61,7 +67,7 @@ class BlocksStored(msgspec.Struct, tag="stored", array_like=True):
     (EventBatch.part > 0) the hashes are live blocks in depth order, not one chain (parent None)."""
     tier: str
     group: int
-    hashes: list[BlockHash]
+    hashes: BlockHashes  # list[BlockHash] (see BlockHashes)
     parent: int | None
     depth: int
     engine_hashes: list[int] = []  # engine block hashes (u64; 32-byte digests folded to their last 8)
@@ -90,7 +96,7 @@ class BlocksRemoved(msgspec.Struct, tag="removed", array_like=True):
     """Blocks whose last copy in this tier and group was evicted."""
     tier: str
     group: int
-    hashes: list[BlockHash]
+    hashes: BlockHashes  # list[BlockHash] (see BlockHashes)
     engine_hashes: list[int] = []
     tail: bool = False  # partial-block keys (BlocksStored.tail)
     router_keys: bool = False  # router keys (BlocksStored.router_keys)
@@ -146,8 +152,52 @@ class EventBatch(msgspec.Struct, array_like=True):
     external_after_local: int = 0
 
 
-_encoder = msgspec.msgpack.Encoder()
+def enc_hook(obj: object) -> list[int]:
+    """msgspec's enc_hook for a decoded batch's hashes (a HashArray: written as the list it equals);
+    encode_batch has it, any other encoder of decoded events needs it."""
+    if type(obj).__name__ == "HashArray":
+        return obj.tolist()  # type: ignore[attr-defined]
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 _decoder = msgspec.msgpack.Decoder(EventBatch)
+_hash_list = msgspec.msgpack.Decoder(list[BlockHash])
+_HASHED = (BlocksStored, BlocksRemoved)
+
+
+def _unpack_python(events: list, kinds: tuple, raw: type, first: int = 0) -> None:
+    """kvidx_native.unpack_hashes without the compiled core: the hashes as lists."""
+    for i, ev in enumerate(events):
+        if type(ev) in kinds and type(ev.hashes) is raw:
+            try:
+                ev.hashes = _hash_list.decode(ev.hashes)
+            except msgspec.ValidationError as e:
+                at, why = f"$.events[{first + i}].hashes", str(e)
+                why = why.replace("`$", f"`{at}", 1) if " - at `$" in why else f"{why} - at `{at}`"
+                raise msgspec.ValidationError(why) from None
+
+
+def _unpacker():
+    # the compiled core where kvidx.core.maskmap uses it (built, and KVIDX_NATIVE not 0; that module
+    # raises where KVIDX_REQUIRE_NATIVE asks for it): schemas import nothing of kvidx
+    if os.environ.get("KVIDX_NATIVE") == "0":
+        return _unpack_python
+    try:
+        from kvidx_native import unpack_hashes as native
+    except ImportError:
+        return _unpack_python
+    return native
+
+
+_unpack = _unpacker()
+
+
+def unpack_hashes(events: list, first: int = 0) -> None:
+    """The undecoded hashes (msgspec.Raw) of `events`, decoded in place (BlockHashes); `first`: the
+    position of events[0] in its batch, for the error. Raises msgspec.ValidationError as decoding
+    them as list[BlockHash] would, at the first that is not (those before it unpacked)."""
+    _unpack(events, _HASHED, msgspec.Raw, first)
 
 
 def encode_batch(batch: EventBatch) -> bytes:
@@ -159,4 +209,5 @@ def decode_batch(data: bytes) -> EventBatch:
     batch = _decoder.decode(data)
     if batch.v != SCHEMA_VERSION:
         raise ValueError(f"unsupported schema version {batch.v} (this reader knows {SCHEMA_VERSION})")
+    _unpack(batch.events, _HASHED, msgspec.Raw)
     return batch

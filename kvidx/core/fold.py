@@ -22,6 +22,7 @@ from schemas.events import (
     EventBatch,
     ReplicaCleared,
     decode_batch,
+    unpack_hashes,
 )
 from schemas.events import Event as _Event
 
@@ -103,7 +104,9 @@ def decode_event(raw: bytes, set_aside: list[FoldSetAside] | None = None) -> Eve
     events: list = []
     for i, r in enumerate(twin.events):
         try:
-            events.append(_event_decoder.decode(r))
+            ev = _event_decoder.decode(r)
+            unpack_hashes([ev], i)
+            events.append(ev)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
             instead, sa = _in_place_of(bytes(r), i, str(e)[:300])
             events += instead

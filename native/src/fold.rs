@@ -36,7 +36,7 @@ use pyo3::types::{PyDict, PyList, PyTuple, PyType, PyWeakrefMethods, PyWeakrefRe
 use crate::credits::Credits;
 use crate::layout::Layout;
 use crate::recency::Recency;
-use crate::{mixed_of, prefetched, MaskMap};
+use crate::{mixed_of, prefetched, HashArray, MaskMap};
 
 /// Starts loading what `p` points at (a field just read; may be null).
 #[inline(always)]
@@ -203,7 +203,7 @@ struct Step<'py> {
     event: Bound<'py, PyAny>,
     gid: Bound<'py, PyAny>,
     tid: Bound<'py, PyAny>,  // a clear's: its tier name ("" for the whole replica)
-    hashes: Bound<'py, PyList>,
+    hashes: Bound<'py, PyAny>,  // a list or a HashArray
     ms: Vec<u64>,  // the hashes, mixed (converted once for every map and the routes' side)
     keys: Keys,
     // None: a removal from a group or tier the shard never had (a no-op, not counted)
@@ -413,7 +413,7 @@ impl Folder {
                     Bound::from_borrowed_ptr(py, t)
                 };
                 steps.push(Step { op: Op::Clear, event: ev.clone(), gid: py.None().into_bound(py), tid: tier,
-                                  hashes: PyList::empty(py), ms: Vec::new(), keys: Keys::Blocks, target: None,
+                                  hashes: PyList::empty(py).into_any(), ms: Vec::new(), keys: Keys::Blocks, target: None,
                                   group: None, block_size: 0 });
                 continue;
             }
@@ -439,8 +439,10 @@ impl Folder {
                     false
                 };
                 let (g, t, h) = (layout.get(p, E_GROUP), layout.get(p, E_TIER), layout.get(p, E_HASHES));
+                // a list (an event made in Python) or a HashArray (one decoded: schemas/events.py)
                 if !exact_int(g) || t.is_null() || ffi::PyUnicode_CheckExact(t) == 0 || h.is_null()
-                    || ffi::PyList_CheckExact(h) == 0 {
+                    || (ffi::PyList_CheckExact(h) == 0
+                        && !Bound::from_borrowed_ptr(py, h).is_exact_instance_of::<HashArray>()) {
                     return self.no(Why::Other);
                 }
                 let bs = if store {
@@ -452,7 +454,7 @@ impl Folder {
                     0
                 };
                 (Bound::from_borrowed_ptr(py, g), Bound::from_borrowed_ptr(py, t),
-                 Bound::from_borrowed_ptr(py, h).cast_into::<PyList>()?, bs, keys, copy)
+                 Bound::from_borrowed_ptr(py, h), bs, keys, copy)
             };
             let tid = match tier_ids.get_item(&tier)? {
                 Some(t) => t,
@@ -488,7 +490,7 @@ impl Folder {
             if store && target.is_none() {
                 return self.no(Why::NewGroupOrTier);  // made by the Python fold
             }
-            let Ok(ms) = mixed_of(hashes.as_any()) else { return self.no(Why::Other) };  // raised there
+            let Ok(ms) = mixed_of(&hashes) else { return self.no(Why::Other) };  // raised there
             steps.push(Step { op: if store { Op::Store } else { Op::Remove }, event: ev.clone(), gid, tid, hashes, ms,
                               keys, target, group, block_size });
         }
@@ -650,7 +652,7 @@ impl Folder {
                 touch(s)?;
                 if s.keys != Keys::Blocks {
                     keyed(c, new as i64);
-                    c.applied += s.hashes.len();
+                    c.applied += s.ms.len();
                     continue;
                 }
                 if let (Some(h), Some(g)) = (hooks, &s.group) {
@@ -691,7 +693,7 @@ impl Folder {
                 } as i64;
                 if s.keys != Keys::Blocks {
                     keyed(c, -gone);
-                    c.applied += s.hashes.len();
+                    c.applied += s.ms.len();
                     continue;
                 }
                 c.removed += gone;
@@ -714,7 +716,7 @@ impl Folder {
                     None => c.groups.push((s.gid.clone(), n)),
                 }
             }
-            c.applied += s.hashes.len();
+            c.applied += s.ms.len();
         }
         Ok(())
     }

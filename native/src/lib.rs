@@ -24,6 +24,7 @@ mod order;
 mod recency;
 mod table;
 mod tokens;
+mod wire;
 
 use num_bigint::BigUint;
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
@@ -1197,6 +1198,7 @@ fn kvidx_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<front::LookupFront>()?;
     m.add_function(wrap_pyfunction!(chain, m)?)?;
     m.add_function(wrap_pyfunction!(chain_array, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::unpack_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(answer::lookup_json, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::split_token_ids, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::token_reader, m)?)?;

@@ -5,7 +5,9 @@ shard.prefix_blocks") do. Passes: ingest (events only), mixed (trace order; ever
 tracemalloc (index bytes, untimed), hashing (tokens -> canonical hashes). Prints one JSON object.
 
 One EventBatch per Stored/Removed record (one BlocksStored or BlocksRemoved event each), pre-built
-before timing: the wire decode (msgspec) is excluded, as the peers get pre-built Rust/Go structs.
+before timing in the form the service folds them, its decoder's (schemas.events.decode_batch: each
+event's hashes packed, no Python int per hash); the wire decode itself is excluded, as the peers get
+pre-built Rust/Go structs.
 
 kvidx is imported from this repository's root (bench/peers/kvidxbench/../../..), or from $KVIDX_ROOT
 (run.sh --rev exports a commit there). Usage: bench_kvidx.py EVENTS_FILE (env HASH_EVERY, PROFILE,
@@ -27,7 +29,14 @@ sys.path.insert(0, KVIDX)
 from kvidx import index  # noqa: E402
 from kvidx.core.hashing import prompt_hashes  # noqa: E402
 from kvidx.core.shard import ModelShard  # noqa: E402
-from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch  # noqa: E402
+from schemas.events import (  # noqa: E402
+    SCHEMA_VERSION,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 try:  # the compiled mask map, where the core has one: say which implementation ran
     from kvidx.core.maskmap import IMPLEMENTATION as MASKMAP_IMPLEMENTATION
@@ -77,7 +86,7 @@ def load(path):
 
 
 def build_batches(recs, bt):
-    """rec index -> EventBatch for Stored/Removed records (per-replica seq numbers)."""
+    """rec index -> EventBatch for Stored/Removed records (per-replica seq numbers), as decoded."""
     seqs = {}
     out = [None] * len(recs)
     ts = 1.7e9
@@ -92,8 +101,9 @@ def build_batches(recs, bt):
             ev = BlocksStored(tier="GPU", group=0, hashes=r[3], parent=r[2], depth=0)
         else:
             ev = BlocksRemoved(tier="GPU", group=0, hashes=r[2])
-        out[i] = EventBatch(v=SCHEMA_VERSION, model="bench-model", replica=f"worker-{w:03d}", dp_rank=0,
-                            epoch=1, seq=s, engine_ts=ts, relay_ts=ts, block_size=bt, events=[ev])
+        out[i] = decode_batch(encode_batch(EventBatch(
+            v=SCHEMA_VERSION, model="bench-model", replica=f"worker-{w:03d}", dp_rank=0, epoch=1, seq=s,
+            engine_ts=ts, relay_ts=ts, block_size=bt, events=[ev])))
     return out
 
 

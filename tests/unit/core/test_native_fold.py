@@ -18,7 +18,15 @@ from kvidx.core.maskmap import IMPLEMENTATION, PyMaskMap
 from kvidx.core.pending import PendingCredits
 from kvidx.core.shard import NATIVE_FOLD, ModelShard, ReplicaState
 from kvidx.core.snapshot import encode_delta
-from schemas.events import SCHEMA_VERSION, BlocksRemoved, BlocksStored, EventBatch, ReplicaCleared
+from schemas.events import (
+    SCHEMA_VERSION,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    ReplicaCleared,
+    decode_batch,
+    encode_batch,
+)
 
 pytestmark = pytest.mark.skipif(IMPLEMENTATION != "native", reason="kvidx_native is not built here")
 
@@ -135,18 +143,24 @@ def test_compiled_fold_leaves_the_state_the_python_fold_leaves(seed):
     r = random.Random(seed)
     n_replicas = r.choice([2, 5, 64, 70])
     chains = [[r.getrandbits(64) for _ in range(r.randint(1, 24))] for _ in range(10)]
-    shards = [ModelShard("m", 16), PythonFoldShard("m", 16), ReferenceShard("m", 16)]
+    # the last folds each batch as the service gets it, decoded (its hashes packed: a HashArray)
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16), ReferenceShard("m", 16), ModelShard("m", 16)]
     if seed % 2:
         for s in shards:
             s.track_changes()
     folded0 = NATIVE_FOLD.folded
     for i, b in enumerate(_stream(r, n_replicas, chains, 600)):
         now = 3.0 + i
-        assert len({s.apply(b, now) for s in shards}) == 1
+        assert len({s.apply(x, now) for s, x in zip(shards, _forms(b), strict=True)}) == 1
         native, *others = (_state(s) for s in shards)
         for other in others:
             assert native == other, f"batch {i}: {b}"
     assert NATIVE_FOLD.folded - folded0 > 450  # most batches took the compiled fold
+
+
+def _forms(b: EventBatch) -> list[EventBatch]:
+    """The batch for each shard but the last, decoded for the last."""
+    return [b, b, b, decode_batch(encode_batch(b))]
 
 
 def _batch(seq: int, hashes: list[int]) -> EventBatch:
@@ -165,7 +179,8 @@ def test_with_routes_and_lookups_interleaved_the_compiled_fold_leaves_the_python
     hybrid = bool(seed % 2)
     n_replicas = r.choice([2, 5, 64, 70])
     chains = [[r.getrandbits(64) for _ in range(r.randint(1, 24))] for _ in range(10)]
-    shards = [ModelShard("m", 16), PythonFoldShard("m", 16), ReferenceShard("m", 16), SubclassShard("m", 16)]
+    shards = [ModelShard("m", 16), PythonFoldShard("m", 16), ReferenceShard("m", 16), SubclassShard("m", 16),
+              ModelShard("m", 16)]  # the last fed decoded batches
     if seed % 4 == 0:
         for s in shards:
             s.track_changes()
@@ -178,7 +193,7 @@ def test_with_routes_and_lookups_interleaved_the_compiled_fold_leaves_the_python
             expires, credited = now + r.uniform(0.1, 4.0), r.randrange(0, 16 * k)
             for s in shards:
                 s.add_pending(rep, 0, c[:k], 16 * k + 3, credited, expires)
-        assert len({s.apply(b, now) for s in shards}) == 1
+        assert len({s.apply(x, now) for s, x in zip(shards, [b, *_forms(b)], strict=True)}) == 1
         if r.random() < 0.2:  # a lookup: expires credit and foresight as of now
             c = r.choice(chains)
             answers = [msgspec.to_builtins(walk.lookup(s, c, 16 * len(c) + 1, now)) for s in shards]
