@@ -34,20 +34,21 @@ pub fn parse(b: &[u8]) -> Result<Vec<u64>, (Option<usize>, String)> {
     let be = |from: usize, n: usize| -> Option<u64> {
         b.get(from..from + n).map(|s| s.iter().fold(0u64, |a, &x| a << 8 | x as u64))
     };
-    let t = *b.first().ok_or((None, "Input data was truncated".to_string()))?;
+    let truncated = |at: Option<usize>| (at, "Input data was truncated".to_string());
+    let t = *b.first().ok_or_else(|| truncated(None))?;
     let (n, mut p) = match t {
         0x90..=0x9f => ((t & 0x0f) as usize, 1),
-        0xdc => (be(1, 2).ok_or((None, "Input data was truncated".to_string()))? as usize, 3),
-        0xdd => (be(1, 4).ok_or((None, "Input data was truncated".to_string()))? as usize, 5),
+        0xdc => (be(1, 2).ok_or_else(|| truncated(None))? as usize, 3),
+        0xdd => (be(1, 4).ok_or_else(|| truncated(None))? as usize, 5),
         _ => return Err((None, format!("Expected `array`, got `{}`", kind(t)))),
     };
     // every item takes a byte at least: a forged length cannot allocate more than the input holds
     if n > b.len().saturating_sub(p) {
-        return Err((None, "Input data was truncated".to_string()));
+        return Err(truncated(None));
     }
     let mut v = Vec::with_capacity(n);
     for j in 0..n {
-        let t = *b.get(p).ok_or((Some(j), "Input data was truncated".to_string()))?;
+        let t = *b.get(p).ok_or_else(|| truncated(Some(j)))?;
         let (x, w) = match t {
             0x00..=0x7f => (Some(t as u64), 0),
             0xcc..=0xcf => (be(p + 1, 1 << (t - 0xcc)), 1 << (t - 0xcc)),
@@ -62,7 +63,7 @@ pub fn parse(b: &[u8]) -> Result<Vec<u64>, (Option<usize>, String)> {
             0xe0..=0xff => return Err((Some(j), "Expected `int` >= 0".into())),
             _ => return Err((Some(j), format!("Expected `int`, got `{}`", kind(t)))),
         };
-        v.push(x.ok_or((Some(j), "Input data was truncated".to_string()))?);
+        v.push(x.ok_or_else(|| truncated(Some(j)))?);
         p += 1 + w;
     }
     if p != b.len() {
