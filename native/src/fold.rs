@@ -778,7 +778,9 @@ impl Folder {
         let events = unsafe {
             let events = self.batch.get(b, B_EVENTS);
             warm(events);
-            warm(self.batch.get(b, B_SEQ));
+            for i in [B_SEQ, B_ENGINE_TS, B_RELAY_TS] {  // ints and floats the plan checks and keeps
+                warm(self.batch.get(b, i));
+            }
             warm(self.batch.get(b, B_REPLICA));
             (!events.is_null()).then(|| Bound::from_borrowed_ptr(py, events))
         };
@@ -809,7 +811,9 @@ impl Folder {
         // SAFETY: `st` is exactly a ReplicaState, `events` a live field of the batch (null-checked)
         unsafe {
             warm(items_of(events));
-            for i in [S_SEQ, S_BLOCKS, S_BATCHES, S_GROUP_BLOCKS] {
+            // the changing fields' objects: the fold reads some, and replacing each drops its old
+            // value (a write to that object: a cold float or int a fleet's batches apart)
+            for i in [S_SEQ, S_BLOCKS, S_BATCHES, S_GROUP_BLOCKS, S_ENGINE_TS, S_RELAY_TS, S_APPLIED_TS] {
                 warm(self.replica.get(s, i));
             }
         }
