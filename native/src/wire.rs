@@ -1,8 +1,8 @@
 //! An event's hashes off the wire without a Python int per hash. `decode_batch` (schemas/events.py)
 //! leaves each event's `hashes` undecoded (msgspec.Raw: the bytes of its msgpack array) and
 //! `unpack_hashes` reads those bytes into a HashArray (packed u64s) that the compiled fold and the
-//! mask maps read in place. A decoded list of ~20 hashes costs ~20 int objects to make, and the fold
-//! a cache line each to read back (most of a batch's decode; 8-10 % of the 2,048-replica ingest).
+//! mask maps read in place. A decoded list of ~20 hashes costs ~20 int objects to make (a 23-hash
+//! batch decoded in ~1.15 us with them, ~0.85 without), and the fold a cache line each to read back.
 //!
 //! Only what msgspec would have accepted for `list[BlockHash]` is taken (an array of ints >= 0 in
 //! any msgpack int form); anything else raises msgspec.ValidationError naming where, as the decoder
