@@ -172,7 +172,7 @@ def _unpack_python(events: list, kinds: tuple, raw: type, first: int = 0) -> Non
         if type(ev) in kinds and type(ev.hashes) is raw:
             try:
                 ev.hashes = _hash_list.decode(ev.hashes)
-            except msgspec.ValidationError as e:
+            except (msgspec.ValidationError, msgspec.DecodeError) as e:  # (a Raw made by hand)
                 at, why = f"$.events[{first + i}].hashes", str(e)
                 why = why.replace("`$", f"`{at}", 1) if " - at `$" in why else f"{why} - at `{at}`"
                 raise msgspec.ValidationError(why) from None
@@ -206,7 +206,10 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 def decode_batch(data: bytes) -> EventBatch:
     """Decode and check the version; raises msgspec.ValidationError / DecodeError / ValueError."""
-    batch = _decoder.decode(data)
+    try:
+        batch = _decoder.decode(data)
+    except RecursionError:  # msgspec steps over an undecoded value (BlockHashes) recursively
+        raise msgspec.DecodeError("nested too deeply") from None
     if batch.v != SCHEMA_VERSION:
         raise ValueError(f"unsupported schema version {batch.v} (this reader knows {SCHEMA_VERSION})")
     _unpack(batch.events, _HASHED, msgspec.Raw)

@@ -107,3 +107,10 @@ def test_decoded_batches_fold_compiled_and_encode_again():
     folded = NATIVE_FOLD.folded
     assert s.apply(b, 2.0) and NATIVE_FOLD.folded == folded + 1  # taken by the compiled fold, not declined
     assert sorted(s.groups[0].any.items()) == [(1, 1), (2, 1), (9, 1)]
+
+
+def test_hashes_nested_past_the_recursion_limit_are_a_decode_error():
+    """msgspec steps over the undecoded hashes recursively: a deep nest is refused as undecodable, as
+    every reader expects (DecodeError), never a RecursionError."""
+    with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+        decode_batch(_wire(b"\x91" * 5000 + b"\xc0"))
