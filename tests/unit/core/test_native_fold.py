@@ -343,3 +343,53 @@ def test_the_fields_the_compiled_fold_reads_at_their_offsets_are_slots_no_subcla
         for name in names:
             for sub in _subclasses(cls):  # (a mixin's property too: what Python finds first)
                 assert inspect.getattr_static(sub, name) is vars(cls)[name], (sub, name)
+
+
+# replica keys the compiled fold's replica cache (native/src/fold.rs ReplicaCache) holds by their UTF-8
+# and a 64-bit rank, and keys it leaves to the dict: a lone surrogate, a rank past 64 bits, a bool, a
+# name past the cache's 28 bytes
+_ODD_KEYS = [("r0", 0), ("r0", 1), ("ü-1", 0), ("\udcff", 0), ("r1", 2**70), ("r1", True), ("r1", -1),
+             ("x" * 28, 0), ("x" * 29, 0)]
+
+
+def _odd_stream(r: random.Random, keys: list[tuple], chains: list[list[int]], n: int,
+                seqs: dict) -> list[EventBatch]:
+    out = []
+    for _ in range(n):
+        rep, rank = r.choice(keys)
+        seqs[rep, rank] = seq = seqs.get((rep, rank), -1) + 1
+        out.append(EventBatch(SCHEMA_VERSION, "m", rep, rank, 1, seq, 1.0, 1.0, 16,
+                              [_event(r, chains, False, hybrid=False)]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_replica_cache_follows_a_merge_and_keys_the_dict_alone_decides(seed):
+    """A batch finds its replica's state through the bound fold's cache: after a merge (absorb) replaced
+    states of replicas both shards had, and for keys the cache leaves to the dict, the compiled fold
+    still folds into the state the dict holds, as the Python fold does."""
+    r = random.Random(seed)
+    chains = [[r.getrandbits(64) for _ in range(r.randint(1, 12))] for _ in range(8)]
+    native, python = ModelShard("m", 16), PythonFoldShard("m", 16)
+    seqs: dict = {}
+
+    def fold(batches):
+        for i, b in enumerate(batches):
+            assert native.apply(b, 5.0) == python.apply(b, 5.0)
+            assert _state(native) == _state(python), f"batch {i}: {b}"
+
+    fold(_odd_stream(r, _ODD_KEYS, chains, 150, seqs))
+    # another group's shard with newer states of some of the same replicas: absorb replaces them
+    others = [ModelShard("m", 16), ModelShard("m", 16)]
+    for b in _odd_stream(r, _ODD_KEYS[::2], chains, 60, dict(seqs)):
+        for o in others:
+            o.apply(b, 5.0)
+    before = dict(native.replicas)
+    native.absorb(others[0])
+    python.absorb(others[1])
+    assert any(native.replicas[k] is not st for k, st in before.items())  # some states were replaced
+    for k in seqs:  # the merged-in states' seqs are the newer ones
+        seqs[k] = max(seqs[k], native.replicas[k].seq)
+    folded = NATIVE_FOLD.folded
+    fold(_odd_stream(r, _ODD_KEYS, chains, 150, seqs))
+    assert NATIVE_FOLD.folded - folded > 100  # the compiled fold took them
