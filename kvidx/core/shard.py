@@ -107,7 +107,7 @@ class GroupIndex:
 
 
 class ModelShard:
-    # fixed: the compiled fold reads the first nine at their slots' offsets (native/src/fold.rs `SH_NAMES`);
+    # fixed: the compiled fold reads the first ten at their slots' offsets (native/src/fold.rs `SH_NAMES`);
     # the instance dict holds the compiled `apply` bound in __init__
     __slots__ = ("replicas", "groups", "pending", "foresight", "host_orders", "journal", "pool_readers",
                  "blocks_applied", "tail_keys", "by_slot", "model", "block_size", "unreported_eviction_kinds",

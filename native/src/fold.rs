@@ -1055,7 +1055,6 @@ impl Folder {
     }
 }
 
-/// A shard's compiled `apply` (Folder.bind).
 impl Folder {
     /// `apply`, with the bound shard's replica cache (ShardFold's) where there is one.
     fn apply_with(&self, shard: &Bound<'_, PyAny>, batch: &Bound<'_, PyAny>, now: &Bound<'_, PyAny>,
@@ -1119,7 +1118,9 @@ impl CacheKey {
     /// else (looked up in the dict alone, with the dict's own equality).
     /// SAFETY: both are live objects.
     unsafe fn of(py: Python<'_>, replica: *mut ffi::PyObject, dp_rank: *mut ffi::PyObject) -> Option<Self> {
-        if ffi::PyUnicode_CheckExact(replica) == 0 || ffi::PyLong_CheckExact(dp_rank) == 0 {
+        if ffi::PyUnicode_CheckExact(replica) == 0 || ffi::PyLong_CheckExact(dp_rank) == 0
+            || ffi::PyUnicode_GetLength(replica) > NAME as ffi::Py_ssize_t  // (more bytes than characters)
+        {
             return None;
         }
         let mut n: ffi::Py_ssize_t = 0;
@@ -1160,7 +1161,8 @@ struct Cached {
 /// 64-byte entry a replica, open addressing; made on the dict's hits only (at most one per replica
 /// the shard has had). An entry is used only while `by_slot[slot]` is still its state: the shard keeps
 /// `by_slot` and `replicas` in step (a state joins or leaves both: ModelShard.replica, absorb, a
-/// snapshot's restore), so that is what the dict holds for the key.
+/// snapshot's restore), so that is what the dict holds for the key. A stale entry (its state merged
+/// over by `absorb`) keeps that state alive until its key comes again and replaces it.
 #[derive(Default)]
 pub struct ReplicaCache(Mutex<(Vec<Cached>, usize)>);  // (entries: 0 or a power of two, used)
 
@@ -1212,7 +1214,9 @@ impl ReplicaCache {
         if t.0[i].key.h == 0 {
             t.1 += 1;
         }
-        t.0[i] = Cached { key: k, slot, state: Some(st.clone().unbind()) };
+        let old = std::mem::replace(&mut t.0[i], Cached { key: k, slot, state: Some(st.clone().unbind()) });
+        drop(t);
+        drop(old);  // (a stale state freed after the lock: freeing runs no code of ours under it)
     }
 }
 

@@ -228,7 +228,7 @@ def main():
         h = prompt_hashes(packed, bt, array=True)  # the lookup service's form (index_service/query.py)
         hl.append(clock() - t)
         hb += len(h)
-        mism += h != r[1]
+        mism += h != r[1]  # (r[1] is the service form already checked against the file: a repeat check)
     hl_us = np.asarray(hl, dtype=float) / 1e3
 
     # ---- index bytes, untimed: tracemalloc over a rebuild of the final state ----

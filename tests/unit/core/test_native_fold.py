@@ -327,7 +327,7 @@ def test_declines_are_counted_by_reason_and_rare_events_are_folded_compiled():
 # while the fold reads the slot, and the two folds would part
 _SLOT_FIELDS = {
     ModelShard: ("replicas", "groups", "pending", "foresight", "host_orders", "journal", "pool_readers",
-                 "blocks_applied", "tail_keys"),
+                 "blocks_applied", "tail_keys", "by_slot"),
     Foresight: ("active", "slots", "grown", "pooled", "version"),
     PendingCredits: ("masks", "window_masks", "_blocks"),
 }
