@@ -1226,6 +1226,7 @@ impl Cached {
     }
 }
 
+/// A shard's compiled `apply` (Folder.bind), with the shard's replica cache.
 #[pyclass(name = "ShardFold", module = "kvidx_native", frozen)]
 pub struct ShardFold {
     folder: Py<Folder>,
