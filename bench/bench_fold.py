@@ -141,17 +141,17 @@ def _fold_timed(shard: ModelShard, stream: list[tuple[EventBatch, list[int] | No
 
 def bench_production_fold(args, figs: c.Figures) -> dict:
     """ModelShard.apply on the plain stream and on the production stream (production_stream), compiled
-    and Python, in one run: block events/s, best of --repeat, apply alone in both. Each shard is the
-    steady state a running instance holds: made by folding the warm-up stream of its kind (the
-    production ones with their routes, host tier and partial-block keys, so the tier's union and each
-    replica's eviction order exist and are full before the timed part, not made during it)."""
+    and Python, in one run: block events/s, best of --repeat, apply alone in both, on decoded batches.
+    Each shard is the steady state a running instance holds: made by folding the warm-up stream of its
+    kind (the production ones with their routes, host tier and partial-block keys, so the tier's union
+    and each replica's eviction order exist and are full before the timed part, not made during it)."""
     warm, timed = c.batches_from_stream(args.replicas, args.capacity, 16, args.per_batch, args.events)
     n_timed = sum(map(c.block_events, timed))
-    plain_warm = [(b, None) for b in warm]
-    prod_warm = production_stream(warm, seed=8)
+    plain_warm = _decoded([(b, None) for b in warm])
+    prod_warm = _decoded(production_stream(warm, seed=8))
     del warm
-    plain = [(b, None) for b in timed]
-    prod = production_stream(timed)
+    plain = _decoded([(b, None) for b in timed])
+    prod = _decoded(production_stream(timed))
     unrouted = [(b, None) for b, _ in prod]  # the production stream's events without its routes
     n_prod = sum(c.block_events(b) for b, _ in prod)
     rates: dict[str, list[float]] = {"plain_compiled": [], "production_compiled": [], "production_python": [],
@@ -181,6 +181,12 @@ def bench_production_fold(args, figs: c.Figures) -> dict:
         c.log(f"  compiled fold declined {NATIVE_FOLD.declined:,} of "
               f"{NATIVE_FOLD.declined + NATIVE_FOLD.folded:,} batches in this process")
     return best
+
+
+def _decoded(stream: list[tuple[EventBatch, list[int] | None]]) -> list[tuple[EventBatch, list[int] | None]]:
+    """The batches as a service instance folds them: through the wire and its decoder (each event's
+    hashes packed), as in the worker fold above; the routes' hashes stay the router's lists."""
+    return [(decode_batch(encode_batch(b)), route) for b, route in stream]
 
 
 def _warm_shard(warm: list[tuple[EventBatch, list[int] | None]], routes: bool,
