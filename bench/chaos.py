@@ -340,6 +340,8 @@ class Campaign:
         repl = ensure_topics(self.bootstrap, self.names)
         say(f"topics {self.prefix}*: {repl.factor if repl else '?'} replicas")
         common = ["--bootstrap", self.bootstrap, "--topic-prefix", self.prefix]
+        # no --metrics-port for relays and workers: the harness never reads them, and a port picked free
+        # here can be taken before the process binds it (a relay once exited at start on EADDRINUSE)
         for model in MODELS:
             for ei in range(ENGINES_PER_MODEL):
                 replica = f"{model}-e{ei}"
@@ -348,14 +350,13 @@ class Campaign:
                 self.engines[replica], self.model_of[replica] = e, model
                 self.procs[f"relay-{replica}"] = Proc(f"relay-{replica}", [
                     "relay", *common, "--model", model, "--replica", replica, "--endpoint", e.endpoint,
-                    "--replay-endpoint", e.replay_endpoint, "--metrics-port", str(free_port())],
+                    "--replay-endpoint", e.replay_endpoint],
                     self.tmp / f"relay-{replica}.log")
         self._mount_disks()
         for i in range(2):
             self.procs[f"worker-{i}"] = Proc(f"worker-{i}", [
                 "worker", *common, "--data-dir", str(self.tmp / f"worker-{i}"), "--snapshot-interval", "1",
-                "--web-port", "0", "--no-supervise", "--session-timeout", "6",
-                "--metrics-port", str(free_port())], self.tmp / f"worker-{i}.log")
+                "--web-port", "0", "--no-supervise", "--session-timeout", "6"], self.tmp / f"worker-{i}.log")
         self.urls: dict[str, str] = {}
         for i in range(2):
             port = free_port()

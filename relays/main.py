@@ -84,6 +84,7 @@ def relay(args) -> int:
     from kvidx.config import load_config
     from kvidx.kafka.reach import require_broker, resolve_bootstrap, wait_for_broker
     from kvidx.kafka.topics import ensure_topics
+    from kvidx.runtime import port_in_use
     from relays.sinks import KafkaSink
     from schemas.events import topic_names
 
@@ -104,6 +105,8 @@ def relay(args) -> int:
         except ValueError as e:
             sys.exit(f"error: {e}")
     bootstrap = resolve_bootstrap(args.bootstrap)
+    if args.metrics_port and port_in_use(args.metrics_host, args.metrics_port):  # before the broker's wait
+        sys.exit(f"error: --metrics-port {args.metrics_port} is in use (another relay?): pass another port")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if args.play:
@@ -122,7 +125,10 @@ def relay(args) -> int:
                  config.replica_group(args.model, who), groups)
     if args.metrics_port:
         from prometheus_client import start_http_server
-        start_http_server(args.metrics_port, addr=args.metrics_host)
+        try:
+            start_http_server(args.metrics_port, addr=args.metrics_host)
+        except OSError as e:  # taken since the check above
+            sys.exit(f"error: --metrics-port {args.metrics_port}: {e.strerror}: pass another port")
     if adapter.live == "http":
         return _relay_http(adapter, args, sink, stop)
     if args.play:

@@ -178,3 +178,20 @@ def test_an_unchecked_release_shows_on_the_relays_metrics():
     _unchecked_engine_version(args, logging.getLogger("test"))
     assert REGISTRY.get_sample_value("kvidx_relay_engine_version_unchecked",
                                      {"engine": "vllm", "version": "0.34.0", "read_as": "0.34"}) is None
+
+
+@pytest.mark.parametrize("args", [
+    ["relay", "--model", "m", "--endpoint", "tcp://127.0.0.1:5557"],
+    ["worker", "--web-port", "0", "--no-supervise"],
+], ids=lambda a: a[0])
+def test_a_metrics_port_in_use_is_one_line_before_the_broker_wait(args):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t = time.monotonic()
+        out = run([*args, "--metrics-port", str(port), "--bootstrap", DEAD])
+    assert f"{port} is in use" in out and out.startswith("error:") and len(out.strip().splitlines()) == 1, out
+    assert time.monotonic() - t < LIMIT_S, out
