@@ -111,13 +111,18 @@ def build_batches(recs, bt):
     return out
 
 
+def request_tokens(ids, bt) -> bytes:
+    """A query's synthesized prompt: each block's hash_id repeated bt times, as packed uint32 tokens."""
+    return np.repeat(ids.astype("<u4"), bt).tobytes()
+
+
 def service_queries(recs, bt):
     """Query records with their hashes as the lookup service computes them from the request's tokens
     (hash_id repeated bt times as uint32, as the hashing pass): (records, mismatches against the file)."""
     out, mism = [], 0
     for r in recs:
         if r[0] == 0:
-            h = prompt_hashes(np.repeat(r[2].astype("<u4"), bt).tobytes(), bt, array=True)
+            h = prompt_hashes(request_tokens(r[2], bt), bt, array=True)
             mism += h != r[1]
             r = (0, h, r[2])
         out.append(r)
@@ -223,7 +228,7 @@ def main():
         qi += 1
         if (qi - 1) % hash_every:
             continue
-        packed = np.repeat(r[2].astype("<u4"), bt).tobytes()
+        packed = request_tokens(r[2], bt)
         t = clock()
         h = prompt_hashes(packed, bt, array=True)  # the lookup service's form (index_service/query.py)
         hl.append(clock() - t)
