@@ -1090,10 +1090,10 @@ impl Folder {
         }
         let k = PyTuple::new(py, [Bound::from_borrowed_ptr(py, replica), Bound::from_borrowed_ptr(py, dp_rank)])?;
         let found = replicas.get_item(k)?;
-        if let (Some(st), Some(c), Some(l), Some(k)) = (&found, cache, &by_slot, key) {
+        if let (Some(st), Some(c), Some(k)) = (&found, cache, key) {
             if self.replica.is(st.as_ptr()) {
                 if let Some(slot) = self.replica.int(st.as_ptr(), S_SLOT) {
-                    c.put(l, k, slot, st);
+                    c.put(k, slot, st);
                 }
             }
         }
@@ -1196,11 +1196,8 @@ impl ReplicaCache {
         }
     }
 
-    fn put(&self, by_slot: &Bound<'_, PyList>, k: CacheKey, slot: i64, st: &Bound<'_, PyAny>) {
-        let live = usize::try_from(slot).ok().and_then(|s| by_slot.get_item(s).ok()).is_some_and(|o| o.is(st));
-        if !live {
-            return;  // a shard out of step is looked up in its dict alone
-        }
+    /// (An entry whose state is not at its slot is never used: `get` checks every hit.)
+    fn put(&self, k: CacheKey, slot: i64, st: &Bound<'_, PyAny>) {
         let mut t = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if 2 * (t.1 + 1) > t.0.len() {  // at most half full
             let n = (2 * t.0.len()).max(16);
