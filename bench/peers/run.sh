@@ -10,6 +10,7 @@ PB=${PB:-$HERE/.build}
 PY=${PY:-$ROOT/.venv/bin/python}
 NICE=${NICE:-10}
 ROUNDS=3
+TURNS=3
 WORKLOADS=A
 QUICK=0
 EXTRA=0
@@ -32,6 +33,10 @@ checks that their answers agree and prints the tables (results/<workload>/summar
 
 Options:
   --rounds N        interleaved rounds (default 3)
+  --turns N         in each round, kvidx's and Dynamo's ingest passes alternate N times each, all
+                    loaded at once, each pass alone on the host (turns.py; default 3; each reports
+                    the median of its passes); 0: each indexer's whole run after the other's, one
+                    ingest pass each (the form before 2026-12-07). llm-d runs after them, as before.
   --quick           smoke check: a small workload (16 workers x 2048 blocks, trace x1, with
                     evictions), 1 round
   --workloads "A B C"
@@ -69,6 +74,7 @@ EOF
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) ROUNDS=$2; shift ;;
+    --turns) TURNS=$2; shift ;;
     --quick) QUICK=1 ;;
     --workloads) WORKLOADS=$2; shift ;;
     --workers) FLEET=$2; shift ;;
@@ -175,14 +181,29 @@ for W in $WORKLOADS; do
       if ! nice -n "$NICE" "$@" > "$R/round${r}_$key.json" 2> "$R/round${r}_$key.err"; then
         tail -5 "$R/round${r}_$key.err" >&2; echo "$key failed (round $r)" >&2; STATUS=1
       fi
-      echo "    $key: $("$PY" -c "import json,sys; d=json.loads(open(sys.argv[1]).read().splitlines()[-1]); \
-print(f\"ingest {d['ingest_blocks_per_s']:,.0f}/s, lookup p50 {d['lookup_p50_us']:.1f} us, \
-p99 {d['lookup_p99_us']:.1f} us\")" "$R/round${r}_$key.json" 2>/dev/null || echo '?')"
+      echo "    $key: $(figures "$R/round${r}_$key.json")"
     }
-    run kvidx "$PY" "$HERE/kvidxbench/bench_kvidx.py" "$EV"
-    run dyn_radix "$DYN" "$EV" radix
-    run dyn_crtc1 "$DYN" "$EV" crtc 1
-    if [ "$EXTRA" = 1 ]; then run dyn_crtc2 "$DYN" "$EV" crtc 2; fi
+    figures() {  # one indexer's result file -> its headline figures
+      "$PY" -c "import json,sys; d=json.loads(open(sys.argv[1]).read().splitlines()[-1]); \
+print(f\"ingest {d['ingest_blocks_per_s']:,.0f}/s, lookup p50 {d['lookup_p50_us']:.1f} us, \
+p99 {d['lookup_p99_us']:.1f} us\")" "$1" 2>/dev/null || echo '?'
+    }
+    if [ "$TURNS" -gt 0 ]; then  # the ingest passes alternate; then each indexer's other passes
+      EXTRA_RUN=()
+      if [ "$EXTRA" = 1 ]; then EXTRA_RUN=(--run dyn_crtc2 "$(printf '%q ' "$DYN" "$EV" crtc 2)"); fi
+      "$PY" "$HERE/turns.py" --dir "$R" --round "$r" --reps "$TURNS" --nice "$NICE" \
+        --run kvidx "$(printf '%q ' "$PY" "$HERE/kvidxbench/bench_kvidx.py" "$EV")" \
+        --run dyn_radix "$(printf '%q ' "$DYN" "$EV" radix)" \
+        --run dyn_crtc1 "$(printf '%q ' "$DYN" "$EV" crtc 1)" "${EXTRA_RUN[@]}" || STATUS=1
+      for key in kvidx dyn_radix dyn_crtc1 $([ "$EXTRA" = 1 ] && echo dyn_crtc2); do
+        echo "    $key: $(figures "$R/round${r}_$key.json")"
+      done
+    else
+      run kvidx "$PY" "$HERE/kvidxbench/bench_kvidx.py" "$EV"
+      run dyn_radix "$DYN" "$EV" radix
+      run dyn_crtc1 "$DYN" "$EV" crtc 1
+      if [ "$EXTRA" = 1 ]; then run dyn_crtc2 "$DYN" "$EV" crtc 2; fi
+    fi
     if [ "$LLMD" = 1 ]; then run llmd "$LLMD_BIN" "$EV"; fi
   done
   if [ "$EXTRA" = 1 ] && [ "$LLMD" = 1 ]; then  # llm-d's default podCacheSize (lossy), once

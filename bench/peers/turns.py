@@ -1,0 +1,106 @@
+"""One round of the peer harness with the indexers' ingest passes taken in turns (run.sh --turns).
+
+The host is shared and its speed moves by up to 2x within a minute (bench/RESULTS.md), while one
+indexer's whole run takes one to two minutes at 2,048 workers: run one after the other, two
+indexers' ingest passes could land in different phases, and the round's ratio was the phases'. Here
+every indexer loads its input at once (all resident), then their ingest passes alternate, each alone
+on the host, REPS times each in the order A B C, C B A, A B C ... (so a drift favours nobody), each
+on a fresh index; each reports the median of its passes. Then each, alone, runs its other passes.
+
+The protocol (bench_kvidx.py and dynbench's take_turns): with INGEST_TURNS=1 an indexer writes
+"turn: ready" on stderr once loaded, then reads stdin: "ingest" -> one timed pass, answered
+"turn: ingest SECONDS" after its index is freed; "go" -> on to its other passes. Its stdout (one JSON
+object) goes to DIR/roundR_KEY.json, the rest of its stderr to DIR/roundR_KEY.err.
+
+Usage: turns.py --dir DIR --round R --reps N [--nice N] --run KEY 'COMMAND' [--run KEY 'COMMAND' ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shlex
+import subprocess
+import sys
+import threading
+
+
+class Indexer:
+    """One indexer's process, its turn answers read from its stderr by a thread."""
+
+    def __init__(self, key: str, command: str, out_dir: str, rnd: int, nice: int) -> None:
+        self.key = key
+        self.answers: queue.Queue[str | None] = queue.Queue()
+        self.err = open(os.path.join(out_dir, f"round{rnd}_{key}.err"), "w")
+        self.proc = subprocess.Popen(
+            ["nice", "-n", str(nice), *shlex.split(command)], stdin=subprocess.PIPE,
+            stdout=open(os.path.join(out_dir, f"round{rnd}_{key}.json"), "w"), stderr=subprocess.PIPE,
+            text=True, env={**os.environ, "INGEST_TURNS": "1"})
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            if line.startswith("turn: "):
+                self.answers.put(line[6:].strip())
+            else:
+                self.err.write(line)
+                self.err.flush()
+        self.answers.put(None)  # the process closed its stderr: it ended
+
+    def answer(self, want: str) -> str:
+        got = self.answers.get()
+        if got is None or not got.startswith(want):
+            raise RuntimeError(f"{self.key}: expected '{want}', got {got!r} (see its .err file)")
+        return got
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", required=True, help="results folder (roundR_KEY.json / .err)")
+    p.add_argument("--round", type=int, required=True)
+    p.add_argument("--reps", type=int, default=3, help="ingest passes per indexer (default 3)")
+    p.add_argument("--nice", type=int, default=10)
+    p.add_argument("--run", nargs=2, action="append", metavar=("KEY", "COMMAND"), required=True)
+    a = p.parse_args(argv)
+    indexers = [Indexer(k, c, a.dir, a.round, a.nice) for k, c in a.run]
+    status = 0
+    live = []
+    for ix in indexers:
+        try:
+            ix.answer("ready")
+            live.append(ix)
+        except RuntimeError as e:
+            print(f"turns.py: {e}", file=sys.stderr)
+            status = 1
+    seconds: dict[str, list[float]] = {ix.key: [] for ix in live}
+    for rep in range(a.reps):
+        for ix in list(live if rep % 2 == 0 else live[::-1]):
+            try:
+                ix.send("ingest")
+                seconds[ix.key].append(float(ix.answer("ingest").split()[1]))
+            except (RuntimeError, OSError) as e:  # it failed: the others go on
+                print(f"turns.py: {e}", file=sys.stderr)
+                live.remove(ix)
+                status = 1
+    for ix in indexers:  # the other passes, one indexer at a time
+        try:
+            if ix in live:
+                ix.send("go")
+            ix.proc.stdin.close()
+        except OSError:
+            pass  # it ended already: its exit status says how
+        if ix.proc.wait() != 0:
+            print(f"turns.py: {ix.key} exited with {ix.proc.returncode} (round {a.round})", file=sys.stderr)
+            status = 1
+    for k, s in seconds.items():
+        print(f"    {k}: ingest passes in turns {', '.join(f'{x:.3f}' for x in s)} s")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
