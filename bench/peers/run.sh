@@ -33,10 +33,10 @@ checks that their answers agree and prints the tables (results/<workload>/summar
 
 Options:
   --rounds N        interleaved rounds (default 3)
-  --turns N         in each round, kvidx's and Dynamo's ingest passes alternate N times each, all
-                    loaded at once, each pass alone on the host (turns.py; default 3; each reports
-                    the median of its passes); 0: each indexer's whole run after the other's, one
-                    ingest pass each (the form before 2026-12-07). llm-d runs after them, as before.
+  --turns N         in each round, once kvidx and Dynamo have run their passes one after the other,
+                    their ingest passes alternate N times each, each alone on the host (turns.py;
+                    default 3): the ingest figure is the median of those; 0: one ingest pass each,
+                    in sequence (the form before 2026-12-07). llm-d runs after them, as before.
   --quick           smoke check: a small workload (16 workers x 2048 blocks, trace x1, with
                     evictions), 1 round
   --workloads "A B C"
@@ -188,7 +188,7 @@ for W in $WORKLOADS; do
 print(f\"ingest {d['ingest_blocks_per_s']:,.0f}/s, lookup p50 {d['lookup_p50_us']:.1f} us, \
 p99 {d['lookup_p99_us']:.1f} us\")" "$1" 2>/dev/null || echo '?'
     }
-    if [ "$TURNS" -gt 0 ]; then  # the ingest passes alternate; then each indexer's other passes
+    if [ "$TURNS" -gt 0 ]; then  # each indexer's passes in sequence; then the ingest passes alternate
       EXTRA_RUN=()
       if [ "$EXTRA" = 1 ]; then EXTRA_RUN=(--run dyn_crtc2 "$(printf '%q ' "$DYN" "$EV" crtc 2)"); fi
       "$PY" "$HERE/turns.py" --dir "$R" --round "$r" --reps "$TURNS" --nice "$NICE" \

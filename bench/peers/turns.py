@@ -3,14 +3,15 @@
 The host is shared and its speed moves by up to 2x within a minute (bench/RESULTS.md), while one
 indexer's whole run takes one to two minutes at 2,048 workers: run one after the other, two
 indexers' ingest passes could land in different phases, and the round's ratio was the phases'. Here
-every indexer loads its input at once (all resident), then their ingest passes alternate, each alone
-on the host, REPS times each in the order A B C, C B A, A B C ... (so a drift favours nobody), each
-on a fresh index; each reports the median of its passes. Then each, alone, runs its other passes.
+the indexers start one after the other as before, each running every pass alone (its figures other
+than ingest are those); each then stays loaded, its index freed, until all are; then their ingest
+passes alternate, each alone on the host and on a fresh index, REPS times each in the order A B C,
+C B A, A B C ... (so a drift favours nobody), and each reports the median of its passes.
 
-The protocol (bench_kvidx.py and dynbench's take_turns): with INGEST_TURNS=1 an indexer writes
-"turn: ready" on stderr once loaded, then reads stdin: "ingest" -> one timed pass, answered
-"turn: ingest SECONDS" after its index is freed; "go" -> on to its other passes. Its stdout (one JSON
-object) goes to DIR/roundR_KEY.json, the rest of its stderr to DIR/roundR_KEY.err.
+The protocol (bench_kvidx.py's and dynbench's take_turns): with INGEST_TURNS=1 an indexer writes
+"turn: ready" on stderr once its other passes are done, then reads stdin: "ingest" -> one timed pass,
+answered "turn: ingest SECONDS" after its index is freed; "go" -> it writes its JSON object and ends.
+Its stdout goes to DIR/roundR_KEY.json, the rest of its stderr to DIR/roundR_KEY.err.
 
 Usage: turns.py --dir DIR --round R --reps N [--nice N] --run KEY 'COMMAND' [--run KEY 'COMMAND' ...]
 """
@@ -67,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=10)
     p.add_argument("--run", nargs=2, action="append", metavar=("KEY", "COMMAND"), required=True)
     a = p.parse_args(argv)
-    indexers = [Indexer(k, c, a.dir, a.round, a.nice) for k, c in a.run]
     status = 0
-    live = []
-    for ix in indexers:
+    indexers, live = [], []
+    for k, c in a.run:  # one at a time: each runs its other passes alone
+        ix = Indexer(k, c, a.dir, a.round, a.nice)
+        indexers.append(ix)
         try:
             ix.answer("ready")
             live.append(ix)
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"turns.py: {e}", file=sys.stderr)
                 live.remove(ix)
                 status = 1
-    for ix in indexers:  # the other passes, one indexer at a time
+    for ix in indexers:  # each writes its results and ends
         try:
             if ix in live:
                 ix.send("go")

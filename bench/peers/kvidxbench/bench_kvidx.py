@@ -143,9 +143,10 @@ def ingest_once(batches, bt) -> float:
 
 
 def take_turns(ingest) -> list[float]:
-    """The turns protocol of bench/peers/turns.py: "turn: ready" on stderr, then for each line on
-    stdin, "ingest": one timed pass, answered "turn: ingest SECONDS" once its memory is freed (so
-    the next indexer's pass runs alone), or "go": on to the other passes. The passes' seconds."""
+    """The turns protocol of bench/peers/turns.py, once every other pass is done: "turn: ready" on
+    stderr, then for each line on stdin, "ingest": one timed pass, answered "turn: ingest SECONDS"
+    once its memory is freed (so the next indexer's pass runs alone), or "go": the end. The passes'
+    seconds."""
     out = []
     print("turn: ready", file=sys.stderr, flush=True)
     for line in sys.stdin:
@@ -186,9 +187,6 @@ def main():
     # the ingest pass was full collections walking the harness's 385k batches, not the index
     gc.freeze()
     rss0 = rss()
-
-    # ---- ingest in turns (run.sh --turns: bench/peers/turns.py alternates the indexers' passes) ----
-    turns = take_turns(lambda: ingest_once(ev_batches, bt)) if os.environ.get("INGEST_TURNS") == "1" else []
 
     # ---- ingest pass (apply alone, as bench_fold "apply alone") ----
     shard = ModelShard("bench-model", bt)
@@ -277,16 +275,23 @@ def main():
     gc.collect()
     heap_index = tracemalloc.get_traced_memory()[0] - m0
     tracemalloc.stop()
+    maps = {}
     if MASKMAP_IMPLEMENTATION == "native":  # the compiled maps' heap is not Python's: they count it
         maps = {id(d): d for g in shard.groups.values() for d in [g.any, *g.tiers.values()]}
         # (only maps that are native: a core whose shard still uses dicts has none)
         heap_index += sum(d.memory_bytes() for d in maps.values() if hasattr(d, "memory_bytes"))
 
+    # ---- ingest in turns, after every other pass (run.sh --turns: bench/peers/turns.py alternates
+    # the indexers' ingest passes once all of them are done with the rest) ----
+    del shard, maps
+    gc.collect()
+    turns = take_turns(lambda: ingest_once(ev_batches, bt)) if os.environ.get("INGEST_TURNS") == "1" else []
+
     out = {
         "indexer": "kvidx ModelShard (CPython, 1 thread)", "python": sys.version.split()[0],
         "kvidx_root": KVIDX, "maskmap_implementation": MASKMAP_IMPLEMENTATION,
         "load_s": round(load_s, 3), "event_msgs": len(ev_batches), "block_events": block_events,
-        # with turns, the figure is their median (the single pass below is kept for reference)
+        # with turns, the figure is their median (the single pass above is kept for reference)
         "ingest_turns_s": turns, "ingest_single_s": ingest_s,
         "ingest_s": float(np.median(turns)) if turns else ingest_s,
         "ingest_blocks_per_s": block_events / (float(np.median(turns)) if turns else ingest_s),
