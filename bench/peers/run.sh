@@ -3,6 +3,7 @@
 # stream generated from the Mooncake trace; answers checked equal; interleaved rounds; same-round ratios.
 # Run `bench/peers/run.sh --help` for the options. Everything it builds or writes goes to $PB.
 set -euo pipefail
+unset INGEST_TURNS  # (turns.py sets it for the indexers it drives; left set, a plain run would wait on stdin)
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -34,9 +35,10 @@ checks that their answers agree and prints the tables (results/<workload>/summar
 Options:
   --rounds N        interleaved rounds (default 3)
   --turns N         in each round, once kvidx and Dynamo have run their passes one after the other,
-                    their ingest passes alternate N times each, each alone on the host (turns.py;
-                    default 3): the ingest figure is the median of those; 0: one ingest pass each,
-                    in sequence (the form before 2026-12-07). llm-d runs after them, as before.
+                    one untimed ingest pass each, then their ingest passes alternate N times each,
+                    each alone on the host (turns.py; default 3): the ingest figure is the median of
+                    those; 0: one ingest pass each, in sequence (the form before 2026-12-07). llm-d
+                    runs after them, one pass, as before.
   --quick           smoke check: a small workload (16 workers x 2048 blocks, trace x1, with
                     evictions), 1 round
   --workloads "A B C"
@@ -74,7 +76,8 @@ EOF
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) ROUNDS=$2; shift ;;
-    --turns) TURNS=$2; shift ;;
+    --turns) [[ "$2" =~ ^[0-9]+$ ]] || { echo "--turns: a number of passes (0: none), not '$2'" >&2; exit 2; }
+             TURNS=$2; shift ;;
     --quick) QUICK=1 ;;
     --workloads) WORKLOADS=$2; shift ;;
     --workers) FLEET=$2; shift ;;
@@ -209,13 +212,13 @@ p99 {d['lookup_p99_us']:.1f} us\")" "$1" 2>/dev/null || echo '?'
   if [ "$EXTRA" = 1 ] && [ "$LLMD" = 1 ]; then  # llm-d's default podCacheSize (lossy), once
     r=1; nice -n "$NICE" "$LLMD_BIN" "$EV" 10 > "$R/round1_llmd_pc10.json" 2> "$R/round1_llmd_pc10.err" || true
   fi
-  RUN_KVIDX=$KVIDX_DESC RUN_CMD=$CMDLINE RUN_W=$WL RUN_ARGS=$ARGS RUN_ROUNDS=$ROUNDS RUN_LOAD0=$LOAD0 \
+  RUN_KVIDX=$KVIDX_DESC RUN_CMD=$CMDLINE RUN_W=$WL RUN_ARGS=$ARGS RUN_ROUNDS=$ROUNDS RUN_TURNS=$TURNS RUN_LOAD0=$LOAD0 \
   RUN_NOTE=$LLMD_NOTE "$PY" -c '
 import json, os, sys, time
 e = os.environ
 json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kvidx": e["RUN_KVIDX"],
            "command": e["RUN_CMD"], "workload": e["RUN_W"], "gen_args": e["RUN_ARGS"],
-           "rounds": int(e["RUN_ROUNDS"]), "load_before": e["RUN_LOAD0"],
+           "rounds": int(e["RUN_ROUNDS"]), "ingest_turns": int(e["RUN_TURNS"]), "load_before": e["RUN_LOAD0"],
            "load_after": " ".join(open("/proc/loadavg").read().split()[:3]), "note": e["RUN_NOTE"]},
           open(sys.argv[1], "w"))' "$R/run.json"
   "$PY" "$HERE/summarize.py" "$R" > "$R/summary.md" || STATUS=1

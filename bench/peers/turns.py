@@ -4,13 +4,16 @@ The host is shared and its speed moves by up to 2x within a minute (bench/RESULT
 indexer's whole run takes one to two minutes at 2,048 workers: run one after the other, two
 indexers' ingest passes could land in different phases, and the round's ratio was the phases'. Here
 the indexers start one after the other as before, each running every pass alone (its figures other
-than ingest are those); each then stays loaded, its index freed, until all are; then their ingest
-passes alternate, each alone on the host and on a fresh index, REPS times each in the order A B C,
-C B A, A B C ... (so a drift favours nobody), and each reports the median of its passes.
+than ingest are those); each then stays loaded, its index freed, until all are; then each runs one
+untimed pass (A B C: the first pass after the others is the slowest, for every indexer), then their
+ingest passes alternate, each alone on the host and on a fresh index, REPS times each in the order
+A B C, C B A, A B C ... (the passes compared are seconds apart, the order turned each time), and each
+reports the median of its passes (for an even REPS, the lower middle one).
 
 The protocol (bench_kvidx.py's and dynbench's take_turns): with INGEST_TURNS=1 an indexer writes
 "turn: ready" on stderr once its other passes are done, then reads stdin: "ingest" -> one timed pass,
-answered "turn: ingest SECONDS" after its index is freed; "go" -> it writes its JSON object and ends.
+answered "turn: ingest SECONDS" after its index is freed; "warmup" -> the same, answered "turn:
+warmup SECONDS" and not counted; "go" -> it writes its JSON object and ends.
 Its stdout goes to DIR/roundR_KEY.json, the rest of its stderr to DIR/roundR_KEY.err.
 
 Usage: turns.py --dir DIR --round R --reps N [--nice N] --run KEY 'COMMAND' [--run KEY 'COMMAND' ...]
@@ -33,21 +36,25 @@ class Indexer:
     def __init__(self, key: str, command: str, out_dir: str, rnd: int, nice: int) -> None:
         self.key = key
         self.answers: queue.Queue[str | None] = queue.Queue()
-        self.err = open(os.path.join(out_dir, f"round{rnd}_{key}.err"), "w")
+        self.out = open(os.path.join(out_dir, f"round{rnd}_{key}.json"), "w")
+        self.err_path = os.path.join(out_dir, f"round{rnd}_{key}.err")
+        self.err = open(self.err_path, "w")
         self.proc = subprocess.Popen(
-            ["nice", "-n", str(nice), *shlex.split(command)], stdin=subprocess.PIPE,
-            stdout=open(os.path.join(out_dir, f"round{rnd}_{key}.json"), "w"), stderr=subprocess.PIPE,
-            text=True, env={**os.environ, "INGEST_TURNS": "1"})
-        threading.Thread(target=self._read, daemon=True).start()
+            ["nice", "-n", str(nice), *shlex.split(command)], stdin=subprocess.PIPE, stdout=self.out,
+            stderr=subprocess.PIPE, text=True, errors="replace", env={**os.environ, "INGEST_TURNS": "1"})
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stderr:
-            if line.startswith("turn: "):
-                self.answers.put(line[6:].strip())
-            else:
-                self.err.write(line)
-                self.err.flush()
-        self.answers.put(None)  # the process closed its stderr: it ended
+        try:
+            for line in self.proc.stderr:
+                if line.startswith("turn: "):
+                    self.answers.put(line[6:].strip())
+                else:
+                    self.err.write(line)
+                    self.err.flush()
+        finally:
+            self.answers.put(None)  # its stderr closed (it ended), or this thread failed: no answer
 
     def answer(self, want: str) -> str:
         got = self.answers.get()
@@ -58,6 +65,23 @@ class Indexer:
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
+
+    def finish(self) -> int:
+        """Its exit status, once its output is all written (stdin closed: it ends)."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass  # it ended already: its exit status says how
+        status = self.proc.wait()
+        self.reader.join()
+        self.out.close()
+        self.err.close()
+        return status
+
+
+def _turn(ix: Indexer, what: str) -> float:
+    ix.send(what)
+    return float(ix.answer(what).split()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,27 +104,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"turns.py: {e}", file=sys.stderr)
             status = 1
     seconds: dict[str, list[float]] = {ix.key: [] for ix in live}
-    for rep in range(a.reps):
-        for ix in list(live if rep % 2 == 0 else live[::-1]):
+    warm: dict[str, float] = {}
+    for rep in range(-1, a.reps):  # rep -1: one untimed pass each
+        for ix in list(live[::-1] if rep >= 0 and rep % 2 else live):
             try:
-                ix.send("ingest")
-                seconds[ix.key].append(float(ix.answer("ingest").split()[1]))
+                if rep < 0:
+                    warm[ix.key] = _turn(ix, "warmup")
+                else:
+                    seconds[ix.key].append(_turn(ix, "ingest"))
             except (RuntimeError, OSError) as e:  # it failed: the others go on
                 print(f"turns.py: {e}", file=sys.stderr)
                 live.remove(ix)
                 status = 1
     for ix in indexers:  # each writes its results and ends
-        try:
-            if ix in live:
+        if ix in live:
+            try:
                 ix.send("go")
-            ix.proc.stdin.close()
-        except OSError:
-            pass  # it ended already: its exit status says how
-        if ix.proc.wait() != 0:
-            print(f"turns.py: {ix.key} exited with {ix.proc.returncode} (round {a.round})", file=sys.stderr)
+            except OSError:
+                pass
+        if ix.finish() != 0:
+            print(f"turns.py: {ix.key} exited with {ix.proc.returncode} (round {a.round}); its stderr ends:",
+                  file=sys.stderr)
+            with open(ix.err_path) as f:
+                print("".join(f.readlines()[-5:]), end="", file=sys.stderr)
             status = 1
     for k, s in seconds.items():
-        print(f"    {k}: ingest passes in turns {', '.join(f'{x:.3f}' for x in s)} s")
+        print(f"    {k}: ingest passes in turns {', '.join(f'{x:.3f}' for x in s)} s"
+              + (f" (after a warm-up pass of {warm[k]:.3f} s)" if k in warm else ""))
     return status
 
 

@@ -145,16 +145,24 @@ def ingest_once(batches, bt) -> float:
 def take_turns(ingest) -> list[float]:
     """The turns protocol of bench/peers/turns.py, once every other pass is done: "turn: ready" on
     stderr, then for each line on stdin, "ingest": one timed pass, answered "turn: ingest SECONDS"
-    once its memory is freed (so the next indexer's pass runs alone), or "go": the end. The passes'
-    seconds."""
+    once its memory is freed (so the next indexer's pass runs alone); "warmup": the same, answered
+    "turn: warmup SECONDS", not counted; "go": the end. The "ingest" passes' seconds."""
     out = []
     print("turn: ready", file=sys.stderr, flush=True)
     for line in sys.stdin:
-        if line.strip() == "go":
+        cmd = line.strip()
+        if cmd == "go":
             break
-        out.append(ingest())
-        print(f"turn: ingest {out[-1]:.6f}", file=sys.stderr, flush=True)
+        seconds = ingest()
+        if cmd == "ingest":
+            out.append(seconds)
+        print(f"turn: {cmd} {seconds:.6f}", file=sys.stderr, flush=True)
     return out
+
+
+def middle(xs: list[float]) -> float:
+    """The median of `xs`, the lower middle one for an even count (as dynbench's)."""
+    return sorted(xs)[(len(xs) - 1) // 2]
 
 
 def pct(a, q):
@@ -293,8 +301,8 @@ def main():
         "load_s": round(load_s, 3), "event_msgs": len(ev_batches), "block_events": block_events,
         # with turns, the figure is their median (the single pass above is kept for reference)
         "ingest_turns_s": turns, "ingest_single_s": ingest_s,
-        "ingest_s": float(np.median(turns)) if turns else ingest_s,
-        "ingest_blocks_per_s": block_events / (float(np.median(turns)) if turns else ingest_s),
+        "ingest_s": middle(turns) if turns else ingest_s,
+        "ingest_blocks_per_s": block_events / (middle(turns) if turns else ingest_s),
         "mixed_event_s": ev_ns / 1e9, "mixed_ingest_blocks_per_s": block_events / (ev_ns / 1e9),
         "mixed_wall_s": mixed_wall, "queries": len(lat), "query_blocks": q_blocks,
         "lookup_p50_us": pct(lat_us, 50), "lookup_p99_us": pct(lat_us, 99),
