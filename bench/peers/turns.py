@@ -7,8 +7,9 @@ the indexers start one after the other as before, each running every pass alone 
 than ingest are those); each then stays loaded, its index freed, until all are; then each runs one
 untimed pass (A B C: the first pass after the others is the slowest, for every indexer), then their
 ingest passes alternate, each alone on the host and on a fresh index, REPS times each in the order
-A B C, C B A, A B C ... (the passes compared are seconds apart, the order turned each time), and each
-reports the median of its passes (for an even REPS, the lower middle one).
+A B C, C B A, A B C ... (the passes compared are seconds apart, the order turned each time; under a
+steady drift of the host's speed the medians of 3 still sit one pass apart, the first indexer's the
+latest), and each reports the median of its passes (for an even REPS, the lower middle one).
 
 The protocol (bench_kvidx.py's and dynbench's take_turns): with INGEST_TURNS=1 an indexer writes
 "turn: ready" on stderr once its other passes are done, then reads stdin: "ingest" -> one timed pass,
