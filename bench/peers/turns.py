@@ -106,17 +106,20 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
     seconds: dict[str, list[float]] = {ix.key: [] for ix in live}
     warm: dict[str, float] = {}
-    for rep in range(-1, a.reps):  # rep -1: one untimed pass each
-        for ix in list(live[::-1] if rep >= 0 and rep % 2 else live):
+    # one untimed pass each, then the timed ones in the order turned each time
+    for what, reverse in [("warmup", False)] + [("ingest", rep % 2 == 1) for rep in range(a.reps)]:
+        for ix in list(live[::-1] if reverse else live):
             try:
-                if rep < 0:
-                    warm[ix.key] = _turn(ix, "warmup")
-                else:
-                    seconds[ix.key].append(_turn(ix, "ingest"))
+                t = _turn(ix, what)
             except (RuntimeError, OSError) as e:  # it failed: the others go on
                 print(f"turns.py: {e}", file=sys.stderr)
                 live.remove(ix)
                 status = 1
+                continue
+            if what == "warmup":
+                warm[ix.key] = t
+            else:
+                seconds[ix.key].append(t)
     for ix in indexers:  # each writes its results and ends
         if ix in live:
             try:

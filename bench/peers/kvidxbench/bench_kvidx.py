@@ -129,15 +129,18 @@ def service_queries(recs, bt):
     return out, mism
 
 
-def ingest_once(batches, bt) -> float:
-    """Seconds folding every batch into a fresh shard; the shard is freed before it returns."""
-    shard = ModelShard("bench-model", bt)
+def fold_seconds(shard, batches) -> float:
+    """Seconds folding every batch into `shard` (apply alone, as bench_fold "apply alone")."""
     apply = shard.apply
     t = time.perf_counter()
     for b in batches:
         apply(b, 1.0)
-    spent = time.perf_counter() - t
-    del shard, apply
+    return time.perf_counter() - t
+
+
+def ingest_once(batches, bt) -> float:
+    """Seconds folding every batch into a fresh shard; the shard is freed before it returns."""
+    spent = fold_seconds(ModelShard("bench-model", bt), batches)
     gc.collect()
     return spent
 
@@ -198,23 +201,19 @@ def main():
 
     # ---- ingest pass (apply alone, as bench_fold "apply alone") ----
     shard = ModelShard("bench-model", bt)
-    apply = shard.apply
     prof = None
     if profile == "ingest":
         import cProfile
         prof = cProfile.Profile()
         prof.enable()
-    t = time.perf_counter()
-    for b in ev_batches:
-        apply(b, 1.0)
-    ingest_s = time.perf_counter() - t
+    ingest_s = fold_seconds(shard, ev_batches)
     if prof:
         prof.disable()
         prof.dump_stats(os.environ["PROFILE_OUT"])
     gc.collect()
     rss1 = rss()
     entries = sum(st.blocks for st in shard.replicas.values())  # live (block, tier, group, replica)
-    del shard, apply
+    del shard
     gc.collect()
 
     # ---- mixed pass: trace order, every query timed (index.prefix_walk = the AND-walk) ----
