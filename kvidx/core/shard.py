@@ -30,7 +30,6 @@ import numpy as np
 from kvidx.core import walk
 from kvidx.core.foresight import Foresight, HostLoads, PyRecency
 from kvidx.core.maskmap import MaskMap, native_module
-from kvidx.core.masks import slot_bit
 from kvidx.core.pending import PendingCredits, PyCredits
 from kvidx.core.snapshot import ChangeJournal, shift_masks
 from kvidx.core.walk import FULL_KINDS, STATE_KINDS, WINDOW_KINDS, window_blocks
@@ -234,8 +233,7 @@ class ModelShard:
         fa = self._lookup_group(None)
         pend = hashes
         if fa is not None:  # blocks the replica already holds are the index's, not pending: an
-            bit = slot_bit(st.slot)  # eviction of one must show at once
-            pend = [h for h, m in zip(hashes, fa.any.masks(hashes), strict=True) if not m & bit]
+            pend = fa.any.lacking(hashes, st.slot)  # eviction of one must show at once
         self.pending.add(st.slot, pend, expires, max(0, n_tokens - credited),
                          self._last_window(st, hashes, n_tokens))
         self.foresight.active = True
@@ -252,9 +250,7 @@ class ModelShard:
         k = max(1, ebs // self.block_size)
         need = max(window_blocks(g.window, ebs, k) for g in wins)
         end = max(0, min(len(hashes), (n_tokens - 1) // ebs * k))
-        run = hashes[max(0, end - need):end]
-        bit = slot_bit(st.slot)
-        return [h for h, m in zip(run, wins[0].any.masks(run), strict=True) if not m & bit]
+        return wins[0].any.lacking(hashes[max(0, end - need):end], st.slot)
 
     def _foresee_route(self, st: ReplicaState, hashes: list[int], n_tokens: int, credited: int,
                        expires: float) -> None:
