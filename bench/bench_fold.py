@@ -105,20 +105,22 @@ def bench_worker_fold(args, figs: c.Figures) -> None:
              "blocks/s")
 
 
-def production_stream(timed: list[EventBatch], seed: int = 7) -> list[tuple[EventBatch, list[int] | None]]:
+def production_stream(timed: list[EventBatch], seed: int = 7,
+                      host_tier: bool = True) -> list[tuple[EventBatch, list[int] | None]]:
     """The timed batches as a service instance that follows routes folds them (issue #40 item 1): each
     batch that stores blocks comes after its prompt's route (pending credit and eviction foresight on:
     every request through a router); a tenth of the batches also offload the blocks they evict to the
     host tier (CPU stores: the group has two tiers, removals check the union); one in fifty carries a
     partial-block key (vLLM's partial blocks under --prefix-match-unit: the Python fold's). (batch, the
-    route's hashes or None)."""
+    route's hashes or None). Without `host_tier`, the same stream but the CPU stores (the same draws:
+    the same batches carry partial-block keys)."""
     r = random.Random(seed)
     out = []
     for b in timed:
         stored = [h for e in b.events if isinstance(e, BlocksStoredEv) for h in e.hashes]
         removed = [h for e in b.events if isinstance(e, BlocksRemovedEv) for h in e.hashes]
         events = list(b.events)
-        if removed and r.random() < 0.1:
+        if removed and r.random() < 0.1 and host_tier:
             events.append(BlocksStoredEv("CPU", 0, removed, None, 0))
         if stored and r.random() < 0.02:
             events.append(BlocksStoredEv("GPU", 0, [stored[-1] ^ 0x5A5A], None, 0, tail=True))
@@ -149,20 +151,27 @@ def bench_production_fold(args, figs: c.Figures) -> dict:
     n_timed = sum(map(c.block_events, timed))
     plain_warm = _decoded([(b, None) for b in warm])
     prod_warm = _decoded(production_stream(warm, seed=8))
+    warm_batches = warm
     del warm
     plain = _decoded([(b, None) for b in timed])
     prod = _decoded(production_stream(timed))
     unrouted = [(b, None) for b, _ in prod]  # the production stream's events without its routes
+    # and with its routes but no host tier: what the host tier's union costs, apart from the routes
+    no_host_warm = _decoded(production_stream(warm_batches, seed=8, host_tier=False))
+    no_host = _decoded(production_stream(timed, host_tier=False))
+    del warm_batches
     n_prod = sum(c.block_events(b) for b, _ in prod)
+    n_no_host = sum(c.block_events(b) for b, _ in no_host)
     rates: dict[str, list[float]] = {"plain_compiled": [], "production_compiled": [], "production_python": [],
-                                     "production_unrouted_compiled": []}
+                                     "production_unrouted_compiled": [], "production_no_host_compiled": []}
     for _ in range(args.repeat):
         for name, stream, python_fold, n in (("plain_compiled", plain, False, n_timed),
                                               ("production_compiled", prod, False, n_prod),
                                               ("production_python", prod, True, n_prod),
-                                              ("production_unrouted_compiled", unrouted, False, n_prod)):
-            shard = _warm_shard(plain_warm if stream is plain else prod_warm, routes=stream is prod,
-                                python_fold=python_fold)
+                                              ("production_unrouted_compiled", unrouted, False, n_prod),
+                                              ("production_no_host_compiled", no_host, False, n_no_host)):
+            warmed = plain_warm if stream is plain else no_host_warm if stream is no_host else prod_warm
+            shard = _warm_shard(warmed, routes=stream is prod or stream is no_host, python_fold=python_fold)
             c.collect()
             rates[name].append(n / _fold_timed(shard, stream))
     best = {k: max(v) for k, v in rates.items()}
@@ -177,6 +186,11 @@ def bench_production_fold(args, figs: c.Figures) -> dict:
              best["production_unrouted_compiled"] / best["plain_compiled"], "x", "",
              f"the routes' side costs "
              f"{best['production_unrouted_compiled'] / best['production_compiled']:.2f}x on top")
+    # and the routes with no host tier: the tier's union (a second map a block) is what it leaves out
+    figs.add("fold ModelShard.apply, production routes and keys without a host tier / plain compiled",
+             best["production_no_host_compiled"] / best["plain_compiled"], "x", "",
+             f"the host tier costs "
+             f"{best['production_no_host_compiled'] / best['production_compiled']:.2f}x on top")
     if NATIVE_FOLD is not None:
         c.log(f"  compiled fold declined {NATIVE_FOLD.declined:,} of "
               f"{NATIVE_FOLD.declined + NATIVE_FOLD.folded:,} batches in this process")
