@@ -79,22 +79,33 @@ def render(results: list[tuple[str, dict | None, str, float, int]], quick: bool,
     return "\n".join(out)
 
 
-# sections of RESULTS.md that benchmarks run on their own write (bench/peers, bench_durability.py,
-# bench_partial.py, bench_hints.py, bench_groups.py, bench_sglang_grpc.py, simulate's foresight,
-# host-queue and hybrid figures): a rewrite of the report keeps them
-STANDALONE = ("Peers side by side", "Durability", "Partial blocks", "Hints in the simulator",
-              "Replica groups", "Eviction foresight", "SGLang's external-indexer",
-              "TensorRT-LLM's host queue", "Hybrid models")
+# the sections this script writes (and the notes file's, which it appends): a rewrite of the report
+# replaces these and keeps every other section as it was, in its place (what bench/peers,
+# bench_durability.py, bench_hints.py ... and the notes of each session's measurements added)
+GENERATED = ("Machine", "Figures", "Scaling (1x to 4x the load)", "Logs")
 
 
-def standalone_sections(old: str) -> str:
+def section_titles(text: str) -> set[str]:
+    return {line[3:].strip() for line in text.splitlines() if line.startswith("## ")}
+
+
+def kept_sections(old: str, generated: set[str]) -> str:
+    """The sections of the old report whose titles are not in `generated`, in their order."""
     keep, on = [], False
     for line in old.splitlines():
         if line.startswith("## "):
-            on = line[3:].startswith(STANDALONE)
+            on = line[3:].strip() not in generated
         if on:
             keep.append(line)
     return "\n".join(keep).rstrip()
+
+
+def assemble(report: str, notes: str, old: str) -> str:
+    """The new report with the notes file, then every section of the old report that neither writes,
+    before the logs."""
+    head, sep, logs = report.partition("\n## Logs\n")
+    kept = kept_sections(old, set(GENERATED) | section_titles(notes))
+    return "\n\n".join(x for x in (head.rstrip("\n"), notes.rstrip(), kept) if x) + "\n" + sep + logs
 
 
 def busy_note(info: dict) -> list[str]:
@@ -149,14 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append((name, data, log, dt, rc))
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report = render(results, args.quick, info, started, args.scale)
-    if args.notes and Path(args.notes).exists():  # before the logs
-        head, sep, logs = report.partition("\n## Logs\n")
-        report = head + "\n" + Path(args.notes).read_text().rstrip() + "\n" + sep + logs
-    kept = standalone_sections(Path(args.out).read_text()) if Path(args.out).exists() else ""
-    if kept:
-        head, sep, logs = report.partition("\n## Logs\n")
-        report = head + "\n" + kept + "\n" + sep + logs
-    Path(args.out).write_text(report + "\n")
+    notes = Path(args.notes).read_text() if args.notes and Path(args.notes).exists() else ""
+    old = Path(args.out).read_text() if Path(args.out).exists() else ""
+    Path(args.out).write_text(assemble(report, notes, old) + "\n")
     c.log(f"wrote {args.out}")
     print()
     for name, data, *_ in results:
