@@ -322,14 +322,14 @@ def _evicting(shard: ModelShard, hashes: list[int], n_tokens: int, resume: dict)
 
 
 def lookup_json(shard: ModelShard, hashes: list[int], n_tokens: int, now: float, per_token: float,
-                load_cost: dict[str, float], rank: bool = False, top_k: int | None = None
-                ) -> tuple[bytes, int, int, int] | None:
-    """`lookup`, priced (kvidx.core.price.Pricer's rates), ranked by price if `rank`, cut to
-    `top_k`, as the JSON of a LookupAnswer with (its bytes, the first replica's resumable tokens,
-    how many replicas, its tokens below GPU memory: kvidx.index.lookups.below_gpu), written by the
-    compiled core with no object per replica: for the common shard (one full-attention group in one
-    tier, no pools, nothing whose evictions go unreported). None where that does not apply or nothing
-    was compiled: the caller encodes the typed answer."""
+                load_cost: dict[str, float], rank: bool = False, top_k: int | None = None,
+                priced: bool = True) -> tuple[bytes, int, int, int] | None:
+    """`lookup`, priced (kvidx.core.price.Pricer's rates; not with `priced` False), ranked by price
+    if `rank`, cut to `top_k`, as the JSON of a LookupAnswer with (its bytes, the first replica's
+    resumable tokens, how many replicas, its tokens below GPU memory: kvidx.index.lookups.below_gpu),
+    written by the compiled core with no object per replica: for the common shard (one
+    full-attention group in one tier, no pools, nothing whose evictions go unreported). None where
+    that does not apply or nothing was compiled: the caller encodes the typed answer."""
     if native_lookup_json is None or len(shard.groups) != 1 or shard.pool_readers:
         return None
     ((gid, g),) = shard.groups.items()
@@ -347,7 +347,8 @@ def lookup_json(shard: ModelShard, hashes: list[int], n_tokens: int, now: float,
     body, best, count, cached = native_lookup_json(
         shard.model, n_tokens, shard.block_size, shard.by_slot, hits, with_pending,
         shard.pending.inflight or None, gid, g.kind, tier, now, pending_bs, per_token,
-        load_cost.get(tier, 0.0), rank, top_k, tail_hits(shard, hashes, hits) or None, shard.replica_fields)
+        load_cost.get(tier, 0.0), rank, top_k, tail_hits(shard, hashes, hits) or None, shard.replica_fields,
+        priced)
     return body, best, count, 0 if tier == "GPU" else cached  # one tier: all of it or none on GPU
 
 

@@ -190,7 +190,8 @@ impl Floats {
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
 #[pyo3(signature = (model, n_tokens, block_size, states, hits, with_pending, inflight, group, kind, tier,
-                    now, pending_block_size, per_token, load_cost, rank, top_k, tails=None, fields=None))]
+                    now, pending_block_size, per_token, load_cost, rank, top_k, tails=None, fields=None,
+                    priced=true))]
 pub fn lookup_json<'py>(
     py: Python<'py>,
     model: &str,
@@ -211,6 +212,7 @@ pub fn lookup_json<'py>(
     top_k: Option<usize>,
     tails: Option<&Bound<'py, PyDict>>,
     fields: Option<&Bound<'py, ReplicaFields>>,
+    priced: bool,  // false: no `price` (the in-process lookup's unpriced answers, kvidx.index.lookup)
 ) -> PyResult<(Bound<'py, PyBytes>, i64, usize, i64)> {
     let bs = block_size;
     let rd = Reader { fields: fields.map(|f| f.get()) };
@@ -357,7 +359,12 @@ pub fn lookup_json<'py>(
         out.extend_from_slice(b",\"seq_gaps\":");
         push_int(&mut out, r.seq_gaps);
         // the clock the ages start on (schemas.answers.Freshness.age_clock)
-        out.extend_from_slice(b",\"age_clock\":\"engine\"},\"price\":{\"prefill_tokens\":");
+        out.extend_from_slice(b",\"age_clock\":\"engine\"}");
+        if !priced {
+            out.push(b'}');
+            continue;
+        }
+        out.extend_from_slice(b",\"price\":{\"prefill_tokens\":");
         push_int(&mut out, r.prefill);
         out.extend_from_slice(b",\"prefill_s\":");
         floats.push(&mut out, r.prefill_s);
