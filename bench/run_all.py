@@ -80,8 +80,9 @@ def render(results: list[tuple[str, dict | None, str, float, int]], quick: bool,
 
 
 # the sections this script writes (and the notes file's, which it appends): a rewrite of the report
-# replaces these and keeps every other section as it was, in its place (what bench/peers,
-# bench_durability.py, bench_hints.py ... and the notes of each session's measurements added)
+# replaces these and keeps every other section as it was, in its order, after them (what
+# bench/peers, bench_durability.py, bench_hints.py ... and each session's measurements added). A
+# notes section renamed in the notes file is kept under its old title too: delete it by hand
 GENERATED = ("Machine", "Figures", "Scaling (1x to 4x the load)", "Logs")
 
 

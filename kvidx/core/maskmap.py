@@ -368,6 +368,8 @@ IMPLEMENTATION = "native" if _mod is not None else "python"
 # a lookup answer written as JSON by the compiled core (kvidx.core.walk.lookup_json); None:
 # the typed answer, encoded by msgspec, everywhere
 lookup_json = getattr(_mod, "lookup_json", None)
+# whether it writes unpriced answers too (kvidx.index.lookup's; a build before 2026-12-08 does not)
+UNPRICED_JSON = "priced" in (getattr(lookup_json, "__text_signature__", None) or "")
 # JSON token ids straight to packed uint32, cut out of a request body (index_service.wire.read_split);
 # None: decoded by msgspec
 split_token_ids = getattr(_mod, "split_token_ids", None)

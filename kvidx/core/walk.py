@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvidx.core.hashing import PromptHashes
+from kvidx.core.maskmap import UNPRICED_JSON, walk_masks
 from kvidx.core.maskmap import lookup_json as native_lookup_json
-from kvidx.core.maskmap import walk_masks
 from kvidx.core.masks import or_masks, run_end, slots_of
 from schemas.answers import Freshness, Group, ReplicaAnswer, Tier
 from schemas.events import TIER_IDS, TIERS
@@ -328,15 +328,20 @@ def lookup_json(shard: ModelShard, hashes: list[int], n_tokens: int, now: float,
     if `rank`, cut to `top_k`, as the JSON of a LookupAnswer with (its bytes, the first replica's
     resumable tokens, how many replicas, its tokens below GPU memory: kvidx.index.lookups.below_gpu),
     written by the compiled core with no object per replica: for the common shard (one
-    full-attention group in one tier, no pools, nothing whose evictions go unreported). None where
-    that does not apply or nothing was compiled: the caller encodes the typed answer."""
-    if native_lookup_json is None or len(shard.groups) != 1 or shard.pool_readers:
+    full-attention group in one tier, no window, no pools, nothing whose evictions go unreported, no
+    host queue below the GPU). None where that does not apply, where a value does not fit the
+    writer (an int past 64 bits, a name that is not UTF-8) or nothing was compiled: the caller makes
+    the typed answer."""
+    if (native_lookup_json is None or len(shard.groups) != 1 or shard.pool_readers
+            or (not priced and not UNPRICED_JSON)):
         return None
     ((gid, g),) = shard.groups.items()
-    if g.kind not in FULL_KINDS or g.kind in shard.unreported_eviction_kinds or len(g.tiers) != 1:
+    if (g.kind not in FULL_KINDS or g.kind in shard.unreported_eviction_kinds or len(g.tiers) != 1
+            or g.window):
         return None
     (tier,) = (TIERS[t] for t in g.tiers)
-    if tier in shard.unreported_eviction_tiers or _doomed(shard, now):
+    if (tier in shard.unreported_eviction_tiers or _doomed(shard, now)
+            or (shard.host_orders and tier != "GPU")):  # host loads may cut the hit (onboard_cut)
         return None
     if len(shard.pending):
         shard.pending.expire(now)
@@ -344,11 +349,14 @@ def lookup_json(shard: ModelShard, hashes: list[int], n_tokens: int, now: float,
     with_pending = prefix_blocks(shard, hashes, pending=True) if shard._pending_applies() else None
     pending_bs = (max((r.block_size for r in shard.by_slot if r is not None), default=0)
                   or shard.block_size) if with_pending else 0  # engine_block_size's fallback
-    body, best, count, cached = native_lookup_json(
-        shard.model, n_tokens, shard.block_size, shard.by_slot, hits, with_pending,
-        shard.pending.inflight or None, gid, g.kind, tier, now, pending_bs, per_token,
-        load_cost.get(tier, 0.0), rank, top_k, tail_hits(shard, hashes, hits) or None, shard.replica_fields,
-        priced)
+    try:
+        body, best, count, cached = native_lookup_json(
+            shard.model, n_tokens, shard.block_size, shard.by_slot, hits, with_pending,
+            shard.pending.inflight or None, gid, g.kind, tier, now, pending_bs, per_token,
+            load_cost.get(tier, 0.0), rank, top_k, tail_hits(shard, hashes, hits) or None,
+            shard.replica_fields, **({} if priced else {"priced": False}))
+    except (OverflowError, UnicodeEncodeError):  # e.g. a batch's seq past 2**63 (the schema's ints are
+        return None  # unbounded): the typed answer
     return body, best, count, 0 if tier == "GPU" else cached  # one tier: all of it or none on GPU
 
 
