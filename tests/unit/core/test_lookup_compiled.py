@@ -160,3 +160,13 @@ def test_values_past_the_writers_ints_are_answered_by_the_walk():
     _declined(shard)
     shard = _one_replica([BlocksStored("GPU", 0, list(HS), None, 0)])
     assert index.lookup(shard, HS, len(HS) * BS, NOW, -1) == walk.lookup(shard, HS, len(HS) * BS, NOW, -1)
+
+
+@pytest.mark.skipif(not NATIVE, reason="kvidx_native is not built here")
+def test_a_native_build_without_unpriced_answers_still_answers(monkeypatch):
+    # a build older than `priced` (kvidx.core.maskmap.UNPRICED_JSON False): the walk answers the
+    # in-process lookups, and the service's priced answers are still compiled
+    shard = _one_replica([BlocksStored("GPU", 0, list(HS), None, 0)])
+    monkeypatch.setattr(walk, "UNPRICED_JSON", False)
+    _declined(shard)
+    assert walk.lookup_json(shard, HS, len(HS) * BS, NOW, 1e-4, {}) is not None
