@@ -19,7 +19,7 @@ from kvidx.core import walk
 from kvidx.core.hints import prefetch_hint
 from kvidx.core.price import Pricer
 from kvidx.core.shard import ModelShard
-from schemas.answers import LookupAnswer, PrefetchHint, ReplicaAnswer
+from schemas.answers import LOOKUP_ANSWER_DECODER, LookupAnswer, PrefetchHint, ReplicaAnswer
 
 _encode = msgspec.json.Encoder().encode
 
@@ -46,11 +46,9 @@ def lookup(shard: ModelShard, hashes: list[int], n_tokens: int, now: float, top_
     replicas and 512 blocks (bench/bench_lookup.py (b))."""
     fast = walk.lookup_json(shard, hashes, n_tokens, now, 0.0, {}, top_k=top_k, priced=False)
     if fast is not None:
-        return _unpriced_answer.decode(fast[0]).replicas
+        return LOOKUP_ANSWER_DECODER.decode(fast[0]).replicas
     return walk.lookup(shard, hashes, n_tokens, now, top_k)
 
-
-_unpriced_answer = msgspec.json.Decoder(LookupAnswer)
 
 
 def credited(shard: ModelShard, hashes: list[int], n_tokens: int, replica: str | None = None,
