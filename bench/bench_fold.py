@@ -151,27 +151,26 @@ def bench_production_fold(args, figs: c.Figures) -> dict:
     n_timed = sum(map(c.block_events, timed))
     plain_warm = _decoded([(b, None) for b in warm])
     prod_warm = _decoded(production_stream(warm, seed=8))
-    warm_batches = warm
+    # and with its routes but no host tier: what the host tier's union costs, apart from the routes
+    no_host_warm = _decoded(production_stream(warm, seed=8, host_tier=False))
     del warm
     plain = _decoded([(b, None) for b in timed])
     prod = _decoded(production_stream(timed))
     unrouted = [(b, None) for b, _ in prod]  # the production stream's events without its routes
-    # and with its routes but no host tier: what the host tier's union costs, apart from the routes
-    no_host_warm = _decoded(production_stream(warm_batches, seed=8, host_tier=False))
     no_host = _decoded(production_stream(timed, host_tier=False))
-    del warm_batches
     n_prod = sum(c.block_events(b) for b, _ in prod)
     n_no_host = sum(c.block_events(b) for b, _ in no_host)
     rates: dict[str, list[float]] = {"plain_compiled": [], "production_compiled": [], "production_python": [],
                                      "production_unrouted_compiled": [], "production_no_host_compiled": []}
     for _ in range(args.repeat):
-        for name, stream, python_fold, n in (("plain_compiled", plain, False, n_timed),
-                                              ("production_compiled", prod, False, n_prod),
-                                              ("production_python", prod, True, n_prod),
-                                              ("production_unrouted_compiled", unrouted, False, n_prod),
-                                              ("production_no_host_compiled", no_host, False, n_no_host)):
-            warmed = plain_warm if stream is plain else no_host_warm if stream is no_host else prod_warm
-            shard = _warm_shard(warmed, routes=stream is prod or stream is no_host, python_fold=python_fold)
+        # (name, timed stream, its warm-up, routes recorded, Python fold, block events)
+        for name, stream, warmed, routes, python_fold, n in (
+                ("plain_compiled", plain, plain_warm, False, False, n_timed),
+                ("production_compiled", prod, prod_warm, True, False, n_prod),
+                ("production_python", prod, prod_warm, True, True, n_prod),
+                ("production_unrouted_compiled", unrouted, prod_warm, False, False, n_prod),
+                ("production_no_host_compiled", no_host, no_host_warm, True, False, n_no_host)):
+            shard = _warm_shard(warmed, routes=routes, python_fold=python_fold)
             c.collect()
             rates[name].append(n / _fold_timed(shard, stream))
     best = {k: max(v) for k, v in rates.items()}

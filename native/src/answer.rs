@@ -282,7 +282,7 @@ pub fn lookup_json<'py>(
     if let (Some(k), false) = (top_k, rank) {
         rows.truncate(k);
     }
-    for r in rows.iter_mut() {
+    for r in rows.iter_mut().filter(|_| priced || rank) {  // unpriced and unranked: no price needed
         // the prefix price (kvidx/core/price.py Pricer), in its operation order
         r.load_s = if r.resumable > 0 && r.tier_tokens > 0 {
             r.tier_tokens.min(r.resumable) as f64 * load_cost
@@ -360,21 +360,20 @@ pub fn lookup_json<'py>(
         push_int(&mut out, r.seq_gaps);
         // the clock the ages start on (schemas.answers.Freshness.age_clock)
         out.extend_from_slice(b",\"age_clock\":\"engine\"}");
-        if !priced {
+        if priced {
+            out.extend_from_slice(b",\"price\":{\"prefill_tokens\":");
+            push_int(&mut out, r.prefill);
+            out.extend_from_slice(b",\"prefill_s\":");
+            floats.push(&mut out, r.prefill_s);
+            out.extend_from_slice(b",\"load_s\":");
+            floats.push(&mut out, r.load_s);
+            out.extend_from_slice(b",\"queue_s\":");
+            floats.push(&mut out, r.queue_s);
+            out.extend_from_slice(b",\"total_s\":");
+            floats.push(&mut out, r.total_s);
             out.push(b'}');
-            continue;
         }
-        out.extend_from_slice(b",\"price\":{\"prefill_tokens\":");
-        push_int(&mut out, r.prefill);
-        out.extend_from_slice(b",\"prefill_s\":");
-        floats.push(&mut out, r.prefill_s);
-        out.extend_from_slice(b",\"load_s\":");
-        floats.push(&mut out, r.load_s);
-        out.extend_from_slice(b",\"queue_s\":");
-        floats.push(&mut out, r.queue_s);
-        out.extend_from_slice(b",\"total_s\":");
-        floats.push(&mut out, r.total_s);
-        out.extend_from_slice(b"}}");
+        out.push(b'}');
     }
     out.extend_from_slice(b"]}");
     let best = rows.first().map(|r| r.resumable).unwrap_or(0);
